@@ -1,0 +1,232 @@
+//! The crate's error type.
+//!
+//! Every variant carries the values that made the operation fail, so that the `Display` text alone
+//! tells an operator what to fix. Allocation paths never return these to the caller of
+//! `GlobalAlloc`/`Allocator` (they return null / `AllocError`); they are counted in the stats instead.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in this crate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A topology was asked for with zero nodes.
+    ZeroNodes,
+    /// A distance matrix does not have `node_count²` entries.
+    DistanceMatrixSize {
+        /// Number of nodes the matrix was meant for.
+        node_count: usize,
+        /// Number of entries supplied.
+        entries: usize,
+    },
+    /// A node's distance to itself is not [`LOCAL_NUMA_DISTANCE`](crate::LOCAL_NUMA_DISTANCE).
+    LocalDistance {
+        /// The node whose diagonal entry is wrong.
+        node: usize,
+        /// The distance found.
+        distance: u8,
+    },
+    /// A node id that the topology (or tracker) does not contain.
+    UnknownNode {
+        /// The node asked for.
+        node: usize,
+        /// How many nodes the topology has.
+        node_count: usize,
+    },
+    /// A buffer of zero bytes was requested.
+    ZeroSize,
+    /// No node of the topology has memory, so no host node can be chosen.
+    NoMemoryNode,
+    /// A file (usually under sysfs) could not be read.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error's kind.
+        kind: std::io::ErrorKind,
+        /// The OS error number, when there is one.
+        errno: Option<i32>,
+    },
+    /// A file's content could not be parsed.
+    Parse {
+        /// The file (or `"<input>"` for strings that did not come from a file).
+        path: PathBuf,
+        /// What the parser expected, e.g. `"a list of node distances"`.
+        expected: &'static str,
+        /// The offending content (truncated to a readable length).
+        found: String,
+    },
+    /// A PCI bus id that is not of the form `DDDD:BB:DD.F`.
+    InvalidPciAddress {
+        /// The text given.
+        input: String,
+    },
+    /// The kernel refused a NUMA system call (EPERM from a container's seccomp profile, ENOSYS
+    /// on a kernel built without NUMA). Callers fall back to unplaced memory.
+    NumaUnavailable {
+        /// The system call, e.g. `"mbind"`.
+        call: &'static str,
+        /// The errno it returned.
+        errno: i32,
+    },
+    /// A system call failed for another reason.
+    Syscall {
+        /// The system call, e.g. `"mmap"`.
+        call: &'static str,
+        /// The errno it returned.
+        errno: i32,
+    },
+    /// An address range that is not page-aligned, empty, or overflows the address space.
+    InvalidRange {
+        /// Start of the range.
+        addr: usize,
+        /// Length of the range in bytes.
+        len: usize,
+    },
+    /// A `NUMA_GPU_ALLOC` entry or builder value was rejected.
+    Config {
+        /// The key, e.g. `"threshold"`.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What is accepted.
+        expected: &'static str,
+    },
+    /// The CUDA driver (libcuda) could not be loaded, or no device is visible.
+    CudaUnavailable {
+        /// Why, e.g. `"libcuda.so could not be loaded"`.
+        reason: &'static str,
+    },
+    /// A CUDA driver call failed.
+    Cuda {
+        /// The driver function, e.g. `"cuMemHostRegister_v2"`.
+        call: &'static str,
+        /// The `CUresult` number.
+        code: u32,
+        /// The `CUresult` name, e.g. `"CUDA_ERROR_OUT_OF_MEMORY"`.
+        name: &'static str,
+    },
+    /// A GPU selector matched no visible device.
+    GpuNotFound {
+        /// The selector as written, e.g. `"3"` or `"GPU-1234…"`.
+        selector: String,
+        /// How many devices are visible.
+        device_count: usize,
+    },
+}
+
+fn errno_text(errno: i32) -> String {
+    std::io::Error::from_raw_os_error(errno).to_string()
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::ZeroNodes => write!(f, "a NUMA topology needs at least one node"),
+            Error::DistanceMatrixSize {
+                node_count,
+                entries,
+            } => write!(
+                f,
+                "distance matrix for {node_count} nodes needs {} entries, got {entries}",
+                node_count.saturating_mul(*node_count)
+            ),
+            Error::LocalDistance { node, distance } => write!(
+                f,
+                "distance from node {node} to itself is {distance}, expected {}",
+                crate::LOCAL_NUMA_DISTANCE
+            ),
+            Error::UnknownNode { node, node_count } => write!(
+                f,
+                "node {node} is not one of the topology's {node_count} online nodes"
+            ),
+            Error::ZeroSize => write!(f, "a buffer of zero bytes was requested"),
+            Error::NoMemoryNode => write!(f, "no NUMA node has memory; cannot choose a host node"),
+            Error::Io { path, kind, errno } => match errno {
+                Some(e) => write!(f, "cannot read {}: {}", path.display(), errno_text(*e)),
+                None => write!(f, "cannot read {}: {kind}", path.display()),
+            },
+            Error::Parse {
+                path,
+                expected,
+                found,
+            } => write!(
+                f,
+                "{}: expected {expected}, found {found:?}",
+                path.display()
+            ),
+            Error::InvalidPciAddress { input } => write!(
+                f,
+                "invalid PCI address {input:?}: expected DOMAIN:BUS:DEVICE.FUNCTION in hex, \
+                 e.g. 0000:81:00.0"
+            ),
+            Error::NumaUnavailable { call, errno } => write!(
+                f,
+                "NUMA placement unavailable: {call} failed with {} (errno {errno}); \
+                 a container seccomp profile or a kernel without NUMA support",
+                errno_text(*errno)
+            ),
+            Error::Syscall { call, errno } => {
+                write!(f, "{call} failed: {} (errno {errno})", errno_text(*errno))
+            }
+            Error::InvalidRange { addr, len } => write!(
+                f,
+                "invalid address range {addr:#x}+{len:#x}: must be non-empty, page-aligned \
+                 and mapped"
+            ),
+            Error::Config {
+                key,
+                value,
+                expected,
+            } => write!(
+                f,
+                "numa-gpu-alloc: bad setting {key}={value:?}: expected {expected}"
+            ),
+            Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
+            Error::Cuda { call, code, name } => write!(f, "{call} failed: {name} ({code})"),
+            Error::GpuNotFound {
+                selector,
+                device_count,
+            } => write!(
+                f,
+                "no GPU matches {selector:?} ({device_count} visible CUDA devices)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_names_the_values() {
+        let e = Error::UnknownNode {
+            node: 7,
+            node_count: 2,
+        };
+        assert_eq!(
+            e.to_string(),
+            "node 7 is not one of the topology's 2 online nodes"
+        );
+        let e = Error::NumaUnavailable {
+            call: "mbind",
+            errno: libc::EPERM,
+        };
+        assert!(e.to_string().contains("mbind"));
+        assert!(e.to_string().contains("errno 1"));
+        let e = Error::DistanceMatrixSize {
+            node_count: 2,
+            entries: 3,
+        };
+        assert_eq!(
+            e.to_string(),
+            "distance matrix for 2 nodes needs 4 entries, got 3"
+        );
+    }
+}

@@ -1,0 +1,1 @@
+//! PCI devices and NVIDIA GPUs found in sysfs (in progress).

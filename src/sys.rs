@@ -1,0 +1,1 @@
+//! The only module that makes raw placement syscalls (in progress).

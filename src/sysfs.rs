@@ -1,0 +1,1 @@
+//! Parsers and readers for sysfs files (in progress).
