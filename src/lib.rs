@@ -10,10 +10,10 @@
 mod error;
 pub use error::{Error, Result};
 
-pub use topology::LOCAL_NUMA_DISTANCE;
+pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
 mod topology;
 pub mod sysfs;
-// [buffer] re-exports
+pub use buffer::{NumaAllocTracker, NumaBuffer};
 mod buffer;
 pub mod pci;
 
