@@ -19,3 +19,4 @@ pub mod pci;
 
 pub mod sys;
 mod cuda;
+pub use cuda::cuda_driver_present;
