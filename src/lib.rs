@@ -11,12 +11,28 @@ mod error;
 pub use error::{Error, Result};
 
 pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
-mod topology;
 pub mod sysfs;
+mod topology;
 pub use buffer::{NumaAllocTracker, NumaBuffer};
 mod buffer;
 pub mod pci;
 
-pub mod sys;
 mod cuda;
+pub mod sys;
 pub use cuda::cuda_driver_present;
+
+mod arena;
+mod block;
+mod config;
+mod guard;
+mod runtime;
+mod stats;
+pub use config::{Config, GpuSelector, PinMode, Target, ENV_VAR};
+pub use runtime::Placement;
+pub use stats::{CudaErrorCount, Fallbacks, NodeStats, Stats, TimeStats};
+pub use sys::MemPolicy;
+
+mod alloc;
+mod api2;
+mod global;
+pub use alloc::NumaGpuAlloc;

@@ -1,0 +1,368 @@
+//! [`NumaGpuAlloc`]: the allocator value, its const builder, and the routing shared by both front
+//! ends (`GlobalAlloc` in `global.rs`, allocator-api2 in `api2.rs`).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+use crate::arena::{class_size, Block};
+use crate::config::{Config, GpuSelector, PinMode, Target};
+use crate::guard::Inside;
+use crate::pci::PciAddress;
+use crate::runtime::{Placement, Runtime};
+use crate::stats::Stats;
+use crate::sys::MemPolicy;
+
+/// A NUMA- and GPU-aware allocator.
+///
+/// Requests smaller than the threshold (2 MiB by default) go straight to the system allocator.
+/// Larger ones get blocks placed on the host node nearest the configured GPU, populated up front,
+/// page-locked with CUDA when a driver is present, and cached for reuse when freed.
+///
+/// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
+/// a `static`, as long as memory it handed out is in use.
+///
+/// ```
+/// use numa_gpu_alloc::NumaGpuAlloc;
+///
+/// #[global_allocator]
+/// static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().threshold(4 << 20);
+///
+/// let big = vec![1u8; 8 << 20];
+/// assert_eq!(big[12345], 1);
+/// ```
+pub struct NumaGpuAlloc {
+    config: Config,
+    /// The effective threshold; the environment may change the builder's value at initialisation.
+    threshold: AtomicUsize,
+    runtime: OnceLock<Runtime>,
+}
+
+impl NumaGpuAlloc {
+    /// An allocator with the default [`Config`].
+    pub const fn new() -> Self {
+        Self::with_config(Config::DEFAULT)
+    }
+
+    /// An allocator with the given settings.
+    pub const fn with_config(config: Config) -> Self {
+        NumaGpuAlloc {
+            threshold: AtomicUsize::new(config.threshold),
+            config,
+            runtime: OnceLock::new(),
+        }
+    }
+
+    /// Requests of at least `bytes` take the large path (default 2 MiB). Values outside
+    /// 4 KiB..=64 GiB are clamped; [`Config::apply`] with `"threshold"` reports them instead.
+    pub const fn threshold(mut self, bytes: usize) -> Self {
+        let bytes = if bytes < crate::config::MIN_THRESHOLD {
+            crate::config::MIN_THRESHOLD
+        } else if bytes > crate::config::MAX_THRESHOLD {
+            crate::config::MAX_THRESHOLD
+        } else {
+            bytes
+        };
+        self.config.threshold = bytes;
+        self.threshold = AtomicUsize::new(bytes);
+        self
+    }
+
+    /// Places blocks on NUMA node `node` (no GPU, no pinning).
+    pub const fn node(mut self, node: usize) -> Self {
+        self.config.target = Target::Node(node);
+        self
+    }
+
+    /// Serves the GPU the selector names.
+    pub const fn gpu(mut self, selector: GpuSelector) -> Self {
+        self.config.target = Target::Gpu(selector);
+        self
+    }
+
+    /// Serves the GPU with this CUDA ordinal.
+    pub const fn gpu_ordinal(self, ordinal: u32) -> Self {
+        self.gpu(GpuSelector::Ordinal(ordinal))
+    }
+
+    /// Serves the GPU at this PCI address; placement works without the CUDA driver.
+    pub const fn gpu_pci(self, address: PciAddress) -> Self {
+        self.gpu(GpuSelector::Pci(address))
+    }
+
+    /// NUMA policy of large blocks (default [`MemPolicy::Preferred`]).
+    pub const fn policy(mut self, policy: MemPolicy) -> Self {
+        self.config.policy = policy;
+        self
+    }
+
+    /// Freed bytes kept cached before the oldest blocks are released (default 4 GiB).
+    pub const fn cache_limit(mut self, bytes: usize) -> Self {
+        self.config.cache_limit = bytes;
+        self
+    }
+
+    /// `MADV_HUGEPAGE` and 2 MiB alignment for blocks of at least 2 MiB (default on).
+    pub const fn huge_pages(mut self, on: bool) -> Self {
+        self.config.huge_pages = on;
+        self
+    }
+
+    /// Checks every page's node after populating and counts misplaced pages (default off).
+    pub const fn verify(mut self, on: bool) -> Self {
+        self.config.verify = on;
+        self
+    }
+
+    /// Page-locking mode (default [`PinMode::Fallback`]).
+    pub const fn pin(mut self, mode: PinMode) -> Self {
+        self.config.pin = mode;
+        self
+    }
+
+    /// Registers with `CU_MEMHOSTREGISTER_DEVICEMAP` (default off).
+    pub const fn pin_devicemap(mut self, on: bool) -> Self {
+        self.config.pin_devicemap = on;
+        self
+    }
+
+    /// Registers with `CU_MEMHOSTREGISTER_READ_ONLY` (default off).
+    pub const fn pin_read_only(mut self, on: bool) -> Self {
+        self.config.pin_read_only = on;
+        self
+    }
+
+    /// Threads that populate one big block; 0 (default) picks from the available cores.
+    pub const fn populate_threads(mut self, threads: usize) -> Self {
+        self.config.populate_threads = threads;
+        self
+    }
+
+    /// Root of sysfs (default `/sys`), for tests against fixture trees.
+    pub const fn sysfs_root(mut self, root: &'static str) -> Self {
+        self.config.sysfs_root = root;
+        self
+    }
+
+    /// The builder's settings (before the `NUMA_GPU_ALLOC` override).
+    pub const fn builder_config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The settings in force: after initialisation, the builder's with `NUMA_GPU_ALLOC` applied.
+    pub fn config(&self) -> Config {
+        self.runtime.get().map_or(self.config, |rt| rt.config)
+    }
+
+    /// Initialises the large path now (it otherwise happens on the first large request) and
+    /// tells where blocks go.
+    pub fn placement(&self) -> Placement {
+        let _inside = Inside::enter();
+        self.runtime().placement()
+    }
+
+    /// A snapshot of the counters. Before initialisation only `threshold` is filled in.
+    pub fn stats(&self) -> Stats {
+        let _inside = Inside::enter();
+        match self.runtime.get() {
+            Some(rt) => rt.stats(),
+            None => Stats {
+                threshold: self.threshold.load(Relaxed),
+                ..Stats::default()
+            },
+        }
+    }
+
+    /// Releases every cached block (unregistering and unmapping it). Live blocks are untouched.
+    pub fn trim(&self) {
+        let _inside = Inside::enter();
+        if let Some(rt) = self.runtime.get() {
+            let cached = rt.arena.lock().drain_cached();
+            for block in cached {
+                // SAFETY: drained blocks are no longer cached or handed out.
+                unsafe { rt.release_block(block) };
+            }
+        }
+    }
+
+    fn runtime(&self) -> &Runtime {
+        self.runtime.get_or_init(|| {
+            let rt = Runtime::new(self.config);
+            self.threshold.store(rt.config.threshold, Relaxed);
+            rt
+        })
+    }
+
+    /// Whether a request of `size` bytes takes the large path. The small path's only cost.
+    #[inline(always)]
+    pub(crate) fn is_large(&self, size: usize) -> bool {
+        size >= self.threshold.load(Relaxed)
+    }
+
+    /// Allocates `layout` (non-zero size). Null on failure.
+    pub(crate) fn allocate(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        if !self.is_large(layout.size()) {
+            return system_alloc(layout, zeroed);
+        }
+        let Some(_inside) = Inside::enter() else {
+            return system_alloc(layout, zeroed);
+        };
+        let rt = self.runtime();
+        // The environment may have raised the threshold during initialisation.
+        if !self.is_large(layout.size()) {
+            return system_alloc(layout, zeroed);
+        }
+        match self.allocate_large(rt, layout, zeroed) {
+            Some(ptr) => ptr.as_ptr(),
+            None => {
+                rt.counters.failed_allocations.incr();
+                ptr::null_mut()
+            }
+        }
+    }
+
+    fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
+        let capacity = class_size(layout.size(), rt.page_size)?;
+        let align = layout.align().max(rt.page_size);
+        rt.counters.large_allocations.incr();
+        let hit = {
+            let mut arena = rt.arena.lock();
+            let hit = arena.take_cached(capacity, align);
+            if let Some(block) = hit {
+                arena.insert_live(block);
+            }
+            hit
+        };
+        let block = match hit {
+            Some(block) => {
+                rt.counters.cache_hits.incr();
+                if zeroed {
+                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
+                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
+                }
+                block
+            }
+            None => {
+                rt.counters.cache_misses.incr();
+                // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
+                let block = rt.create_block(capacity, align).ok()?;
+                let mut arena = rt.arena.lock();
+                arena.note_created(&block);
+                arena.insert_live(block);
+                block
+            }
+        };
+        NonNull::new(block.addr as *mut u8)
+    }
+
+    /// Frees what [`Self::allocate`] returned for `layout`.
+    ///
+    /// # Safety
+    /// `ptr` was returned by this allocator for `layout` and is not used afterwards.
+    pub(crate) unsafe fn deallocate(&self, ptr: *mut u8, layout: Layout) {
+        if !self.is_large(layout.size()) {
+            // SAFETY: small requests were served by the system allocator with this layout.
+            return unsafe { System.dealloc(ptr, layout) };
+        }
+        let rt = self.runtime.get();
+        let inside = Inside::enter();
+        let mut evicted = Vec::new();
+        let freed = match (rt, &inside) {
+            (Some(rt), Some(_)) => {
+                let mut arena = rt.arena.lock();
+                let block = arena.remove_live(ptr as usize);
+                if let Some(block) = block {
+                    arena.cache(block, rt.config.cache_limit, &mut evicted);
+                }
+                block.is_some()
+            }
+            _ => false,
+        };
+        let Some(rt) = rt.filter(|_| freed) else {
+            // Not ours: served by the system allocator while inside the allocator or before
+            // initialisation changed the threshold.
+            if let Some(rt) = rt {
+                rt.counters.foreign_frees.incr();
+            }
+            // SAFETY: the system allocator served this pointer with this layout.
+            return unsafe { System.dealloc(ptr, layout) };
+        };
+        rt.counters.frees.incr();
+        for old in evicted {
+            // SAFETY: evicted blocks left the cache and are handed out to nobody.
+            unsafe { rt.release_block(old) };
+        }
+    }
+
+    /// Resizes an allocation, in place when the block's capacity allows, otherwise by moving.
+    /// Null on failure (the old allocation is then untouched).
+    ///
+    /// # Safety
+    /// `ptr` was returned by this allocator for `old` (non-zero size), `new` has a non-zero size.
+    pub(crate) unsafe fn reallocate(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
+        let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
+        if !old_large && !new_large && old.align() == new.align() {
+            // SAFETY: both sizes are small, so the system allocator owns `ptr` with layout `old`.
+            return unsafe { System.realloc(ptr, old, new.size()) };
+        }
+        if old_large && new_large && self.resize_in_place(ptr, new) {
+            return ptr;
+        }
+        let moved = self.allocate(new, false);
+        if !moved.is_null() {
+            // SAFETY: both are live, distinct allocations at least this long.
+            unsafe { ptr::copy_nonoverlapping(ptr, moved, old.size().min(new.size())) };
+            // SAFETY: forwarded from the caller.
+            unsafe { self.deallocate(ptr, old) };
+        }
+        moved
+    }
+
+    /// Keeps a live block when `new` fits its capacity without wasting more than half of it.
+    fn resize_in_place(&self, ptr: *mut u8, new: Layout) -> bool {
+        let (Some(rt), Some(_inside)) = (self.runtime.get(), Inside::enter()) else {
+            return false;
+        };
+        let block: Option<Block> = rt.arena.lock().live_block(ptr as usize);
+        let fits = block.is_some_and(|b| {
+            new.size() <= b.capacity && new.size() >= b.capacity / 2 && b.addr % new.align() == 0
+        });
+        if fits {
+            rt.counters.in_place_reallocs.incr();
+        }
+        fits
+    }
+}
+
+impl Default for NumaGpuAlloc {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for NumaGpuAlloc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NumaGpuAlloc")
+            .field("config", &self.config())
+            .field("initialized", &self.runtime.get().is_some())
+            .finish()
+    }
+}
+
+impl Drop for NumaGpuAlloc {
+    fn drop(&mut self) {
+        self.trim();
+    }
+}
+
+fn system_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
+    // SAFETY: callers pass layouts of non-zero size.
+    unsafe {
+        if zeroed {
+            System.alloc_zeroed(layout)
+        } else {
+            System.alloc(layout)
+        }
+    }
+}

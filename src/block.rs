@@ -1,0 +1,253 @@
+//! Making and releasing one block: mmap → mbind → populate → check → cuMemHostRegister, and
+//! back. Runs outside the arena lock, inside the re-entrancy guard.
+
+use std::ptr::NonNull;
+use std::time::Instant;
+
+use crate::arena::Block;
+use crate::config::PinMode;
+use crate::guard::Inside;
+use crate::runtime::Runtime;
+use crate::sys::{self, MbindFlags, MemPolicy};
+use crate::Error;
+
+/// Blocks of at least this size get 2 MiB alignment and `MADV_HUGEPAGE` (when enabled).
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+/// Blocks smaller than this are populated by one thread: thread start-up would cost more.
+const PARALLEL_POPULATE_MIN: usize = 64 << 20;
+
+impl Runtime {
+    /// Creates a placed, populated and (when configured) pinned block of `capacity` bytes whose
+    /// address is a multiple of `align`.
+    pub(crate) fn create_block(&self, capacity: usize, align: usize) -> Result<Block, Error> {
+        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
+        let map_align = if huge { align.max(HUGE_PAGE) } else { align };
+        let ptr =
+            sys::map_anonymous(capacity, map_align.max(self.page_size)).inspect_err(|_| {
+                self.counters.map_failures.incr();
+            })?;
+        if huge {
+            // SAFETY: ptr..ptr+capacity was just mapped by us. Without THP this is a no-op hint.
+            let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
+        }
+        // SAFETY: the mapping is ours and not yet shared with anyone.
+        match unsafe { self.place_and_pin(ptr, capacity) } {
+            Ok(pinned) => Ok(Block {
+                addr: ptr.as_ptr() as usize,
+                capacity,
+                pinned,
+            }),
+            Err(e) => {
+                // SAFETY: the mapping is ours; nothing registered it (pinning is the last step).
+                let _ = unsafe { sys::unmap(ptr, capacity) };
+                self.counters.released_blocks.incr();
+                Err(e)
+            }
+        }
+    }
+
+    /// Places, populates, checks and pins; returns whether the block is pinned.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a fresh private mapping of this crate, used by nobody else.
+    unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+        // SAFETY: forwarded from the caller.
+        let placed = unsafe { self.place(ptr, len) }?;
+        let start = Instant::now();
+        // SAFETY: forwarded from the caller.
+        let populated = unsafe { self.populate(ptr, len) };
+        self.counters.populate.record(start.elapsed());
+        populated.inspect_err(|_| self.counters.populate_failures.incr())?;
+        if placed {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.check_placement(ptr, len) }?;
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.pin(ptr, len) }
+    }
+
+    /// Sets the range's NUMA policy. `Ok(false)` when placement is unavailable (counted).
+    ///
+    /// `policy=bind` is first applied as `preferred`, so that a node too small for the block
+    /// shows up as misplaced pages (and a clean failure) instead of the OOM killer at populate
+    /// time; the strict policy is set once every page is known to be on the node.
+    ///
+    /// # Safety
+    /// As [`Self::place_and_pin`].
+    unsafe fn place(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+        if !self.numa_placement() {
+            self.counters.unplaced_blocks.incr();
+            return Ok(false);
+        }
+        let policy = match self.config.policy {
+            MemPolicy::Bind => MemPolicy::Preferred,
+            other => other,
+        };
+        // SAFETY: forwarded from the caller.
+        match unsafe { sys::bind(ptr, len, policy, &self.nodes, MbindFlags::default()) } {
+            Ok(()) => Ok(true),
+            Err(e @ Error::NumaUnavailable { .. }) => {
+                let _ = self.numa_unavailable.set(e);
+                self.counters.unplaced_blocks.incr();
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Counts pages off the policy's nodes (`verify=on` or `policy=bind`); under `bind` any
+    /// misplaced page fails the block, otherwise the strict policy is set.
+    ///
+    /// # Safety
+    /// As [`Self::place_and_pin`], and the range is populated.
+    unsafe fn check_placement(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+        let bind = self.config.policy == MemPolicy::Bind;
+        if !(bind || self.config.verify) {
+            return Ok(());
+        }
+        let (mut checked, mut misplaced) = (0u64, 0u64);
+        // SAFETY: forwarded from the caller.
+        let counted = unsafe {
+            sys::page_nodes(ptr, len, |_, node| {
+                checked += 1;
+                let on_policy_node = usize::try_from(node).is_ok_and(|n| self.nodes.contains(n));
+                misplaced += u64::from(!on_policy_node);
+            })
+        };
+        match counted {
+            Ok(()) => {
+                self.counters.pages_checked.add(checked);
+                self.counters.pages_misplaced.add(misplaced);
+            }
+            // A kernel that refuses move_pages (seccomp) cannot check; placement itself worked.
+            Err(Error::NumaUnavailable { .. }) if !bind => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        if bind {
+            if misplaced > 0 {
+                self.counters.bind_exhausted.incr();
+                return Err(Error::Syscall {
+                    call: "mbind(MPOL_BIND)",
+                    errno: libc::ENOMEM,
+                });
+            }
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                sys::bind(
+                    ptr,
+                    len,
+                    MemPolicy::Bind,
+                    &self.nodes,
+                    MbindFlags::default(),
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// Populates the range, with several threads for big blocks.
+    ///
+    /// # Safety
+    /// As [`Self::place_and_pin`].
+    unsafe fn populate(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+        let threads = if len >= PARALLEL_POPULATE_MIN {
+            self.populate_threads
+        } else {
+            1
+        };
+        if threads <= 1 {
+            // SAFETY: forwarded from the caller.
+            return unsafe { sys::populate(ptr, len) }.map(drop);
+        }
+        let chunk = len.div_ceil(threads).next_multiple_of(HUGE_PAGE);
+        let base = ptr.as_ptr() as usize;
+        let populate_chunk = move |offset: usize| {
+            let _inside = Inside::enter();
+            let chunk_len = chunk.min(len - offset);
+            // Cannot be null: base is a live mapping and offset < len.
+            let Some(start) = NonNull::new((base + offset) as *mut u8) else {
+                return Ok(());
+            };
+            // SAFETY: start..start+chunk_len lies inside the caller's mapping; chunks are disjoint.
+            unsafe { sys::populate(start, chunk_len) }.map(drop)
+        };
+        std::thread::scope(|scope| {
+            let mut first_error = Ok(());
+            let mut workers = Vec::with_capacity(threads);
+            for offset in (chunk..len).step_by(chunk) {
+                match std::thread::Builder::new()
+                    .spawn_scoped(scope, move || populate_chunk(offset))
+                {
+                    Ok(worker) => workers.push(worker),
+                    // No thread to be had: do the chunk here.
+                    Err(_) => first_error = first_error.and(populate_chunk(offset)),
+                }
+            }
+            first_error = first_error.and(populate_chunk(0));
+            for worker in workers {
+                let result = worker.join().unwrap_or(Err(Error::Syscall {
+                    call: "populate thread",
+                    errno: libc::EFAULT,
+                }));
+                first_error = first_error.and(result);
+            }
+            first_error
+        })
+    }
+
+    /// Registers the block with CUDA when pinning is on; returns whether it is pinned.
+    ///
+    /// # Safety
+    /// As [`Self::place_and_pin`], and the range is populated.
+    unsafe fn pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+        let Some(gpu) = &self.gpu else {
+            self.counters.unpinned_blocks.incr();
+            return Ok(false);
+        };
+        let start = Instant::now();
+        // SAFETY: forwarded from the caller; the range is not registered yet.
+        let registered = unsafe {
+            gpu.register(
+                ptr,
+                len,
+                self.config.pin_devicemap,
+                self.config.pin_read_only,
+            )
+        };
+        self.counters.pin.record(start.elapsed());
+        match registered {
+            Ok(()) => {
+                self.counters.registrations.incr();
+                Ok(true)
+            }
+            Err(e) => {
+                self.counters.record_pin_failure(&e);
+                if self.config.pin == PinMode::Strict {
+                    return Err(e);
+                }
+                self.counters.unpinned_blocks.incr();
+                Ok(false)
+            }
+        }
+    }
+
+    /// Unregisters (if pinned) and unmaps a block nobody uses any more.
+    ///
+    /// # Safety
+    /// `block` came from [`Self::create_block`], is no longer handed out or cached, and is released
+    /// once.
+    pub(crate) unsafe fn release_block(&self, block: Block) {
+        let Some(ptr) = NonNull::new(block.addr as *mut u8) else {
+            return;
+        };
+        if let (true, Some(gpu)) = (block.pinned, &self.gpu) {
+            // SAFETY: the block was registered by `pin` and is still mapped.
+            if unsafe { gpu.unregister(ptr) }.is_ok() {
+                self.counters.unregistrations.incr();
+            }
+        }
+        // SAFETY: the caller guarantees the block is ours and unused.
+        let _ = unsafe { sys::unmap(ptr, block.capacity) };
+        self.counters.released_blocks.incr();
+    }
+}

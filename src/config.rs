@@ -1,0 +1,386 @@
+//! Settings: the const builder's values and the `NUMA_GPU_ALLOC` environment override.
+
+use crate::pci::PciAddress;
+use crate::sys::{MemPolicy, MAX_NODES};
+use crate::Error;
+
+/// Default size at and above which requests take the placed, pinned path.
+pub const DEFAULT_THRESHOLD: usize = 2 << 20;
+/// Default limit of freed bytes each allocator keeps cached (placed and pinned) for reuse.
+pub const DEFAULT_CACHE_LIMIT: usize = 4 << 30;
+/// Smallest accepted threshold: one page.
+pub const MIN_THRESHOLD: usize = 4 << 10;
+/// Largest accepted threshold.
+pub const MAX_THRESHOLD: usize = 64 << 30;
+/// Name of the environment variable read once at initialisation.
+pub const ENV_VAR: &str = "NUMA_GPU_ALLOC";
+
+/// Which GPU the allocator serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuSelector {
+    /// The launcher's local rank (`LOCAL_RANK`, `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+    /// `MPI_LOCALRANKID`, first one set wins) modulo the visible device count, else device 0.
+    Auto,
+    /// CUDA device ordinal.
+    Ordinal(u32),
+    /// PCI address of the device; works without the CUDA driver (placement without pinning).
+    Pci(PciAddress),
+    /// CUDA device UUID (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+    Uuid([u8; 16]),
+}
+
+/// Where large blocks go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// `GpuSelector::Auto` when the CUDA driver is present, else the node of the thread that
+    /// makes the first large allocation.
+    Default,
+    /// The host node nearest this GPU.
+    Gpu(GpuSelector),
+    /// This NUMA node id, no GPU.
+    Node(usize),
+}
+
+/// What to do about page-locking (`cuMemHostRegister`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinMode {
+    /// Pin; when registration fails keep the block unpinned and count it.
+    Fallback,
+    /// Pin; when registration fails the allocation fails.
+    Strict,
+    /// Never pin.
+    Off,
+}
+
+/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Requests of at least this many bytes take the large path.
+    pub threshold: usize,
+    /// Where large blocks are placed.
+    pub target: Target,
+    /// NUMA policy of large blocks.
+    pub policy: MemPolicy,
+    /// Freed bytes kept cached per allocator before the oldest blocks are released.
+    pub cache_limit: usize,
+    /// `MADV_HUGEPAGE` and 2 MiB alignment for blocks of at least 2 MiB.
+    pub huge_pages: bool,
+    /// Check every page's node with `move_pages` after populating.
+    pub verify: bool,
+    /// Page-locking mode.
+    pub pin: PinMode,
+    /// Register with `CU_MEMHOSTREGISTER_DEVICEMAP`.
+    pub pin_devicemap: bool,
+    /// Register with `CU_MEMHOSTREGISTER_READ_ONLY`.
+    pub pin_read_only: bool,
+    /// Threads that populate one block; 0 picks by block size and available cores.
+    pub populate_threads: usize,
+    /// Root of sysfs (`/sys`); tests point it at fixture trees.
+    pub sysfs_root: &'static str,
+}
+
+impl Config {
+    /// The defaults: 2 MiB threshold, default target, `preferred` policy, 4 GiB cache, huge
+    /// pages on, no verification, pinning with fallback (PORTABLE only), automatic threads.
+    pub const DEFAULT: Config = Config {
+        threshold: DEFAULT_THRESHOLD,
+        target: Target::Default,
+        policy: MemPolicy::Preferred,
+        cache_limit: DEFAULT_CACHE_LIMIT,
+        huge_pages: true,
+        verify: false,
+        pin: PinMode::Fallback,
+        pin_devicemap: false,
+        pin_read_only: false,
+        populate_threads: 0,
+        sysfs_root: "/sys",
+    };
+
+    /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
+    /// rejected leave their setting unchanged and are returned; the rest apply.
+    pub fn apply_settings(&mut self, settings: &str) -> Vec<Error> {
+        let mut errors = Vec::new();
+        let mut seen: Vec<&str> = Vec::new();
+        for entry in settings.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let Some((key, value)) = entry.split_once('=') else {
+                errors.push(config_error(entry, "", "key=value"));
+                continue;
+            };
+            let (key, value) = (key.trim(), value.trim());
+            if seen.contains(&key) {
+                errors.push(config_error(
+                    key,
+                    value,
+                    "each key once (the last value given applies)",
+                ));
+            }
+            seen.push(key);
+            if let Err(e) = self.apply(key, value) {
+                errors.push(e);
+            }
+        }
+        if seen.contains(&"node") && seen.contains(&"gpu") {
+            errors.push(config_error(
+                "node",
+                "",
+                "either node= or gpu=, not both (the later one applies)",
+            ));
+        }
+        errors
+    }
+
+    /// Applies one setting; on error the configuration is unchanged.
+    pub fn apply(&mut self, key: &str, value: &str) -> Result<(), Error> {
+        match key {
+            "threshold" => self.threshold = parse_threshold(value)?,
+            "node" => self.target = Target::Node(parse_node(value)?),
+            "gpu" => self.target = Target::Gpu(parse_gpu(value)?),
+            "policy" => self.policy = parse_policy(value)?,
+            "cache" => {
+                self.cache_limit =
+                    parse_size(value).ok_or_else(|| config_error(key, value, SIZE_FORMAT))?
+            }
+            "huge" => self.huge_pages = parse_switch(key, value)?,
+            "verify" => self.verify = parse_switch(key, value)?,
+            "pin" => self.pin = parse_pin(value)?,
+            "devicemap" => self.pin_devicemap = parse_switch(key, value)?,
+            "readonly" => self.pin_read_only = parse_switch(key, value)?,
+            "threads" => self.populate_threads = parse_threads(value)?,
+            _ => {
+                return Err(config_error(
+                    key,
+                    value,
+                    "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
+                     readonly, threads",
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::DEFAULT
+    }
+}
+
+const SIZE_FORMAT: &str = "a size such as 4096, 512KiB, 4MiB or 8GiB";
+
+fn config_error(key: &str, value: &str, expected: &'static str) -> Error {
+    Error::Config {
+        key: key.to_owned(),
+        value: value.to_owned(),
+        expected,
+    }
+}
+
+/// Parses `4096`, `512KiB`, `4MiB`, `8GiB`, `1TiB` (also `K`/`KB`/`M`/`MB`/... as binary units,
+/// case-insensitive). `None` on garbage or overflow.
+pub fn parse_size(value: &str) -> Option<usize> {
+    let value = value.trim();
+    let split = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (digits, unit) = value.split_at(split);
+    let number: usize = digits.parse().ok()?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    number.checked_mul(1usize.checked_shl(shift)?)
+}
+
+/// Parses a `threshold=` value and checks its range.
+pub fn parse_threshold(value: &str) -> Result<usize, Error> {
+    match parse_size(value) {
+        Some(t) if (MIN_THRESHOLD..=MAX_THRESHOLD).contains(&t) => Ok(t),
+        _ => Err(config_error(
+            "threshold",
+            value,
+            "a size from 4KiB to 64GiB, such as 2MiB",
+        )),
+    }
+}
+
+fn parse_node(value: &str) -> Result<usize, Error> {
+    match value.parse::<usize>() {
+        Ok(n) if n < MAX_NODES => Ok(n),
+        _ => Err(config_error(
+            "node",
+            value,
+            "a NUMA node id from 0 to 1023 (an online node of this machine)",
+        )),
+    }
+}
+
+/// Parses a `gpu=` selector: `auto`, an ordinal (`0`), `pci:0000:81:00.0`, or a UUID
+/// (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+pub fn parse_gpu(value: &str) -> Result<GpuSelector, Error> {
+    const EXPECTED: &str = "auto, a device ordinal (0), pci:DOMAIN:BUS:DEV.FN (pci:0000:81:00.0) \
+                            or a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)";
+    let bad = || config_error("gpu", value, EXPECTED);
+    if value.eq_ignore_ascii_case("auto") {
+        Ok(GpuSelector::Auto)
+    } else if let Some(addr) = value.strip_prefix("pci:") {
+        addr.parse().map(GpuSelector::Pci).map_err(|_| bad())
+    } else if let Some(uuid) = strip_prefix_ignore_case(value, "GPU-") {
+        parse_uuid(uuid).map(GpuSelector::Uuid).ok_or_else(bad)
+    } else {
+        value.parse().map(GpuSelector::Ordinal).map_err(|_| bad())
+    }
+}
+
+fn strip_prefix_ignore_case<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    let head = text.get(..prefix.len())?;
+    head.eq_ignore_ascii_case(prefix)
+        .then(|| &text[prefix.len()..])
+}
+
+/// Parses the 32 hex digits of a UUID, with or without dashes in the usual places.
+fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+    let mut bytes = [0u8; 16];
+    let mut digits = text.chars().filter(|&c| c != '-');
+    for byte in &mut bytes {
+        let hi = digits.next()?.to_digit(16)?;
+        let lo = digits.next()?.to_digit(16)?;
+        *byte = u8::try_from(hi * 16 + lo).ok()?;
+    }
+    let dashes_ok = text.len() == 32 || text.len() == 36;
+    (digits.next().is_none() && dashes_ok).then_some(bytes)
+}
+
+fn parse_policy(value: &str) -> Result<MemPolicy, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "preferred" => Ok(MemPolicy::Preferred),
+        "bind" => Ok(MemPolicy::Bind),
+        "interleave" => Ok(MemPolicy::Interleave),
+        _ => Err(config_error(
+            "policy",
+            value,
+            "preferred, bind or interleave",
+        )),
+    }
+}
+
+fn parse_pin(value: &str) -> Result<PinMode, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "fallback" => Ok(PinMode::Fallback),
+        "strict" => Ok(PinMode::Strict),
+        "off" => Ok(PinMode::Off),
+        _ => Err(config_error("pin", value, "fallback, strict or off")),
+    }
+}
+
+fn parse_switch(key: &str, value: &str) -> Result<bool, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "on" | "true" | "1" | "yes" => Ok(true),
+        "off" | "false" | "0" | "no" => Ok(false),
+        _ => Err(config_error(key, value, "on or off")),
+    }
+}
+
+fn parse_threads(value: &str) -> Result<usize, Error> {
+    if value.eq_ignore_ascii_case("auto") {
+        return Ok(0);
+    }
+    match value.parse::<usize>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+        _ => Err(config_error(
+            "threads",
+            value,
+            "auto or a thread count from 1 to 1024",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_of(e: &Error) -> &str {
+        match e {
+            Error::Config { key, .. } => key,
+            other => panic!("not a config error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("4MiB"), Some(4 << 20));
+        assert_eq!(parse_size("8gib"), Some(8 << 30));
+        assert_eq!(parse_size("512K"), Some(512 << 10));
+        assert_eq!(parse_size("1TiB"), Some(1 << 40));
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("MiB"), None);
+        assert_eq!(parse_size("4 PiB"), None);
+        assert_eq!(parse_size("99999999999999999999"), None);
+        assert_eq!(parse_size("18446744073709551615GiB"), None);
+    }
+
+    #[test]
+    fn full_example_applies() {
+        let mut c = Config::DEFAULT;
+        let errors =
+            c.apply_settings("threshold=4MiB,node=1,policy=bind,cache=8GiB,huge=off,verify=on");
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(c.threshold, 4 << 20);
+        assert_eq!(c.target, Target::Node(1));
+        assert_eq!(c.policy, MemPolicy::Bind);
+        assert_eq!(c.cache_limit, 8 << 30);
+        assert!(!c.huge_pages);
+        assert!(c.verify);
+    }
+
+    #[test]
+    fn bad_entries_are_reported_and_the_rest_applies() {
+        let mut c = Config::DEFAULT;
+        let errors = c.apply_settings("threshold=0,cache=1GiB,bogus=1,node=99999,policy=strict");
+        let keys: Vec<&str> = errors.iter().map(key_of).collect();
+        assert_eq!(keys, ["threshold", "bogus", "node", "policy"]);
+        assert_eq!(c.threshold, DEFAULT_THRESHOLD);
+        assert_eq!(c.cache_limit, 1 << 30);
+        assert_eq!(c.target, Target::Default);
+        let text = errors[0].to_string();
+        assert!(text.contains("threshold") && text.contains("\"0\"") && text.contains("4KiB"));
+    }
+
+    #[test]
+    fn out_of_range_duplicates_and_conflicts() {
+        let mut c = Config::DEFAULT;
+        assert_eq!(c.apply_settings("threshold=1TiB").len(), 1);
+        let errors = c.apply_settings("huge=off,huge=on");
+        assert_eq!(errors.len(), 1);
+        assert!(c.huge_pages, "the last value applies");
+        let errors = c.apply_settings("node=1,gpu=pci:0000:81:00.0");
+        assert_eq!(errors.len(), 1);
+        assert!(matches!(c.target, Target::Gpu(GpuSelector::Pci(_))));
+        assert!(c.apply_settings("").is_empty());
+        assert!(c.apply_settings(",,, ,").is_empty());
+        assert_eq!(c.apply_settings("novalue").len(), 1);
+    }
+
+    #[test]
+    fn gpu_selectors() {
+        assert_eq!(parse_gpu("auto"), Ok(GpuSelector::Auto));
+        assert_eq!(parse_gpu("3"), Ok(GpuSelector::Ordinal(3)));
+        let uuid = parse_gpu("GPU-00112233-4455-6677-8899-aabbccddeeff").unwrap();
+        assert_eq!(
+            uuid,
+            GpuSelector::Uuid([
+                0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd,
+                0xee, 0xff
+            ])
+        );
+        assert!(parse_gpu("GPU-0011").is_err());
+        assert!(parse_gpu("pci:zz").is_err());
+        assert!(parse_gpu("-1").is_err());
+        assert!(parse_gpu("GPU-ééé").is_err());
+        assert!(parse_gpu("aéé").is_err());
+    }
+}

@@ -1,0 +1,423 @@
+//! Counters kept by an allocator and the [`Stats`] snapshot users read.
+//!
+//! Hot counters are relaxed atomics (one per event, no lock); per-node byte counts live in the
+//! arena and are updated under the arena lock the allocation already holds.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use crate::Error;
+
+/// A monotonically increasing event counter.
+#[derive(Default)]
+pub(crate) struct Counter(AtomicU64);
+
+impl Counter {
+    pub(crate) fn add(&self, n: u64) {
+        self.0.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn incr(&self) {
+        self.add(1);
+    }
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// Total and maximum of a duration, in nanoseconds.
+#[derive(Default)]
+pub(crate) struct Timer {
+    total_ns: Counter,
+    max_ns: AtomicU64,
+}
+
+impl Timer {
+    pub(crate) fn record(&self, elapsed: Duration) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.total_ns.add(ns);
+        self.max_ns.fetch_max(ns, Relaxed);
+    }
+    fn snapshot(&self) -> TimeStats {
+        TimeStats {
+            total: Duration::from_nanos(self.total_ns.get()),
+            max: Duration::from_nanos(self.max_ns.load(Relaxed)),
+        }
+    }
+}
+
+/// How many distinct CUDA error codes are counted separately; the rest share the last slot.
+const ERROR_CODE_SLOTS: usize = 8;
+const FREE_SLOT: u32 = u32::MAX;
+
+/// Registration failures counted by CUDA error code, lock-free.
+pub(crate) struct CodeCounts {
+    codes: [AtomicU32; ERROR_CODE_SLOTS],
+    names: [std::sync::OnceLock<&'static str>; ERROR_CODE_SLOTS],
+    counts: [AtomicU64; ERROR_CODE_SLOTS],
+}
+
+impl Default for CodeCounts {
+    fn default() -> Self {
+        CodeCounts {
+            codes: std::array::from_fn(|_| AtomicU32::new(FREE_SLOT)),
+            names: std::array::from_fn(|_| std::sync::OnceLock::new()),
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl CodeCounts {
+    pub(crate) fn record(&self, code: u32, name: &'static str) {
+        for slot in 0..ERROR_CODE_SLOTS {
+            let claimed = self.codes[slot]
+                .compare_exchange(FREE_SLOT, code, Relaxed, Relaxed)
+                .unwrap_or_else(|current| current);
+            if claimed == code || claimed == FREE_SLOT || slot == ERROR_CODE_SLOTS - 1 {
+                let _ = self.names[slot].set(name);
+                self.counts[slot].fetch_add(1, Relaxed);
+                return;
+            }
+        }
+    }
+    fn snapshot(&self) -> Vec<CudaErrorCount> {
+        (0..ERROR_CODE_SLOTS)
+            .filter_map(|slot| {
+                let count = self.counts[slot].load(Relaxed);
+                (count > 0).then(|| CudaErrorCount {
+                    code: self.codes[slot].load(Relaxed),
+                    name: self.names[slot].get().copied().unwrap_or("?"),
+                    count,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The allocator's atomic counters.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) large_allocations: Counter,
+    pub(crate) frees: Counter,
+    pub(crate) cache_hits: Counter,
+    pub(crate) cache_misses: Counter,
+    pub(crate) failed_allocations: Counter,
+    pub(crate) unplaced_blocks: Counter,
+    pub(crate) unpinned_blocks: Counter,
+    pub(crate) pin_failures: Counter,
+    pub(crate) pin_failure_codes: CodeCounts,
+    pub(crate) registrations: Counter,
+    pub(crate) unregistrations: Counter,
+    pub(crate) bind_exhausted: Counter,
+    pub(crate) map_failures: Counter,
+    pub(crate) populate_failures: Counter,
+    pub(crate) foreign_frees: Counter,
+    pub(crate) released_blocks: Counter,
+    pub(crate) in_place_reallocs: Counter,
+    pub(crate) pages_checked: Counter,
+    pub(crate) pages_misplaced: Counter,
+    pub(crate) populate: Timer,
+    pub(crate) pin: Timer,
+}
+
+impl Counters {
+    /// Counts a failed registration under its CUDA error code.
+    pub(crate) fn record_pin_failure(&self, error: &Error) {
+        self.pin_failures.incr();
+        if let Error::Cuda { code, name, .. } = error {
+            self.pin_failure_codes.record(*code, name);
+        }
+    }
+
+    pub(crate) fn fill(&self, stats: &mut Stats) {
+        stats.large_allocations = self.large_allocations.get();
+        stats.frees = self.frees.get();
+        stats.cache_hits = self.cache_hits.get();
+        stats.cache_misses = self.cache_misses.get();
+        stats.in_place_reallocs = self.in_place_reallocs.get();
+        stats.released_blocks = self.released_blocks.get();
+        stats.registrations = self.registrations.get();
+        stats.unregistrations = self.unregistrations.get();
+        stats.pages_checked = self.pages_checked.get();
+        stats.pages_misplaced = self.pages_misplaced.get();
+        stats.populate_time = self.populate.snapshot();
+        stats.pin_time = self.pin.snapshot();
+        stats.pin_failures_by_code = self.pin_failure_codes.snapshot();
+        stats.fallbacks = Fallbacks {
+            unplaced_blocks: self.unplaced_blocks.get(),
+            unpinned_blocks: self.unpinned_blocks.get(),
+            pin_failures: self.pin_failures.get(),
+            failed_allocations: self.failed_allocations.get(),
+            bind_exhausted: self.bind_exhausted.get(),
+            map_failures: self.map_failures.get(),
+            populate_failures: self.populate_failures.get(),
+            foreign_frees: self.foreign_frees.get(),
+        };
+    }
+}
+
+/// Total and longest time spent in one kind of step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TimeStats {
+    /// Sum over all blocks.
+    pub total: Duration,
+    /// The longest single block.
+    pub max: Duration,
+}
+
+/// Registration failures with one CUDA error code.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaErrorCount {
+    /// The `CUresult` number.
+    pub code: u32,
+    /// The `CUresult` name.
+    pub name: &'static str,
+    /// How many registrations failed with it.
+    pub count: u64,
+}
+
+/// Degraded modes and failures, each counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Fallbacks {
+    /// Blocks mapped without NUMA placement because the kernel refused it (see
+    /// [`Stats::numa_unavailable`]) or the target node could not be resolved.
+    pub unplaced_blocks: u64,
+    /// Blocks handed out without page-locking (pinning off, no GPU, or registration failed
+    /// under `pin=fallback`).
+    pub unpinned_blocks: u64,
+    /// `cuMemHostRegister` calls that failed.
+    pub pin_failures: u64,
+    /// Large requests that returned null / `AllocError`.
+    pub failed_allocations: u64,
+    /// Of those: `policy=bind` blocks that could not be placed entirely on the node.
+    pub bind_exhausted: u64,
+    /// Of those: `mmap` failures.
+    pub map_failures: u64,
+    /// Of those: populating failed (out of memory).
+    pub populate_failures: u64,
+    /// Large frees of pointers this allocator did not hand out (made while inside the
+    /// allocator, so served by the system allocator); passed on to the system allocator.
+    pub foreign_frees: u64,
+}
+
+/// Per-node byte and block counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// NUMA node id.
+    pub node: usize,
+    /// Bytes (block capacities) handed out and not yet freed.
+    pub live_bytes: usize,
+    /// Highest `live_bytes` seen.
+    pub peak_live_bytes: usize,
+    /// Bytes of freed blocks kept for reuse.
+    pub cached_bytes: usize,
+    /// Bytes page-locked with CUDA (live and cached).
+    pub pinned_bytes: usize,
+    /// Blocks handed out and not yet freed.
+    pub live_blocks: usize,
+    /// Blocks kept for reuse.
+    pub cached_blocks: usize,
+}
+
+/// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Whether the large path has been initialised (it is, lazily, on the first large request).
+    pub initialized: bool,
+    /// Size from which requests take the large path.
+    pub threshold: usize,
+    /// Node large blocks are placed on, when known.
+    pub host_node: Option<usize>,
+    /// The GPU's own node, when there is a GPU and it is known.
+    pub home_node: Option<usize>,
+    /// The GPU, e.g. `0 (0000:81:00.0) NVIDIA H200`, when one is used.
+    pub gpu: Option<String>,
+    /// Whether blocks are page-locked with CUDA.
+    pub pinning: bool,
+    /// Per node.
+    pub nodes: Vec<NodeStats>,
+    /// Large allocations served (hits + misses).
+    pub large_allocations: u64,
+    /// Large blocks freed by the user.
+    pub frees: u64,
+    /// Large allocations served from the cache.
+    pub cache_hits: u64,
+    /// Large allocations that created a new block.
+    pub cache_misses: u64,
+    /// Reallocations done in place, within the block's capacity.
+    pub in_place_reallocs: u64,
+    /// Blocks unmapped (cache limit, `trim()`, failed placement).
+    pub released_blocks: u64,
+    /// Successful `cuMemHostRegister` calls.
+    pub registrations: u64,
+    /// `cuMemHostUnregister` calls.
+    pub unregistrations: u64,
+    /// Pages checked with `move_pages` (`verify=on`, or `policy=bind`).
+    pub pages_checked: u64,
+    /// Checked pages found off the intended node(s).
+    pub pages_misplaced: u64,
+    /// Time spent populating blocks.
+    pub populate_time: TimeStats,
+    /// Time spent registering blocks with CUDA.
+    pub pin_time: TimeStats,
+    /// Degraded modes and failures.
+    pub fallbacks: Fallbacks,
+    /// Registration failures by CUDA error.
+    pub pin_failures_by_code: Vec<CudaErrorCount>,
+    /// Why NUMA placement is off, when the kernel refused it.
+    pub numa_unavailable: Option<Error>,
+    /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems (each was also printed once to
+    /// stderr).
+    pub config_errors: Vec<Error>,
+}
+
+impl Stats {
+    /// Live bytes over all nodes.
+    pub fn live_bytes(&self) -> usize {
+        self.nodes.iter().map(|n| n.live_bytes).sum()
+    }
+    /// Cached bytes over all nodes.
+    pub fn cached_bytes(&self) -> usize {
+        self.nodes.iter().map(|n| n.cached_bytes).sum()
+    }
+    /// Pinned bytes over all nodes.
+    pub fn pinned_bytes(&self) -> usize {
+        self.nodes.iter().map(|n| n.pinned_bytes).sum()
+    }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / f64::from(1u32 << 20)
+}
+
+fn opt(value: Option<usize>) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+impl fmt::Display for Stats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {:.1} MiB",
+            opt(self.host_node),
+            self.gpu.as_deref().unwrap_or("none"),
+            opt(self.home_node),
+            if self.pinning { "on" } else { "off" },
+            mib(self.threshold)
+        )?;
+        writeln!(
+            f,
+            "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6}",
+            "node", "live MiB", "peak MiB", "cached MiB", "pinned MiB", "live", "cached"
+        )?;
+        for n in &self.nodes {
+            writeln!(
+                f,
+                "{:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>6} {:>6}",
+                n.node,
+                mib(n.live_bytes),
+                mib(n.peak_live_bytes),
+                mib(n.cached_bytes),
+                mib(n.pinned_bytes),
+                n.live_blocks,
+                n.cached_blocks
+            )?;
+        }
+        writeln!(
+            f,
+            "large allocations {} (cache hits {}, misses {}), frees {}, in-place reallocs {}, \
+             released blocks {}",
+            self.large_allocations,
+            self.cache_hits,
+            self.cache_misses,
+            self.frees,
+            self.in_place_reallocs,
+            self.released_blocks
+        )?;
+        writeln!(
+            f,
+            "populate {:.3?} total, {:.3?} max; pin {:.3?} total, {:.3?} max; registrations {}, \
+             unregistrations {}",
+            self.populate_time.total,
+            self.populate_time.max,
+            self.pin_time.total,
+            self.pin_time.max,
+            self.registrations,
+            self.unregistrations
+        )?;
+        writeln!(
+            f,
+            "pages checked {}, misplaced {}",
+            self.pages_checked, self.pages_misplaced
+        )?;
+        let fb = &self.fallbacks;
+        writeln!(
+            f,
+            "fallbacks: unplaced {}, unpinned {}, pin failures {}, failed allocations {} \
+             (bind exhausted {}, mmap {}, populate {}), foreign frees {}",
+            fb.unplaced_blocks,
+            fb.unpinned_blocks,
+            fb.pin_failures,
+            fb.failed_allocations,
+            fb.bind_exhausted,
+            fb.map_failures,
+            fb.populate_failures,
+            fb.foreign_frees
+        )?;
+        for c in &self.pin_failures_by_code {
+            writeln!(f, "pin failure {} ({}): {}", c.name, c.code, c.count)?;
+        }
+        if let Some(e) = &self.numa_unavailable {
+            writeln!(f, "NUMA unavailable: {e}")?;
+        }
+        for e in &self.config_errors {
+            writeln!(f, "setup: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_codes_are_counted_per_code() {
+        let counts = CodeCounts::default();
+        counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
+        counts.record(712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
+        counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
+        let snap = counts.snapshot();
+        assert_eq!(snap.len(), 2);
+        assert_eq!((snap[0].code, snap[0].count), (2, 2));
+        assert_eq!((snap[1].code, snap[1].count), (712, 1));
+    }
+
+    #[test]
+    fn overflowing_codes_share_the_last_slot() {
+        let counts = CodeCounts::default();
+        for code in 0..20 {
+            counts.record(code, "X");
+        }
+        let total: u64 = counts.snapshot().iter().map(|c| c.count).sum();
+        assert_eq!(total, 20);
+    }
+
+    #[test]
+    fn display_renders_a_table() {
+        let stats = Stats {
+            threshold: 2 << 20,
+            host_node: Some(1),
+            nodes: vec![NodeStats {
+                node: 1,
+                live_bytes: 3 << 20,
+                ..NodeStats::default()
+            }],
+            ..Stats::default()
+        };
+        let text = stats.to_string();
+        assert!(text.contains("host node 1"), "{text}");
+        assert!(text.contains("   1          3.0"), "{text}");
+        assert_eq!(stats.live_bytes(), 3 << 20);
+    }
+}
