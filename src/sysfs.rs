@@ -284,12 +284,16 @@ pub fn parse_numa_node(s: &str) -> Result<Option<usize>> {
 
 /// Reads the node facts and the position-ordered distance matrix under `<root>/devices/system/node`.
 ///
-/// Without that directory (a kernel built without NUMA) the machine is one node 0 holding every
+/// If `root` exists but that directory does not (a kernel built without NUMA), the machine is one node 0 holding every
 /// online CPU (`<root>/devices/system/cpu/online`) and the memory of `<root>/../proc/meminfo`
 /// (that is `/proc/meminfo` for `/sys`; 0 bytes if it is missing).
 pub(crate) fn read_node_tree(root: &Path) -> Result<(Vec<NodeInfo>, Vec<u8>)> {
     let node_dir = root.join("devices/system/node");
     if !node_dir.is_dir() {
+        // A mistyped root must not pass for a non-NUMA machine.
+        if let Err(e) = std::fs::read_dir(root) {
+            return Err(io_error(root, &e));
+        }
         return read_non_numa(root);
     }
     let online = read_parsed(&node_dir.join("online"), parse_list)?;

@@ -209,13 +209,14 @@ impl NumaTopology {
     /// means every online node has memory/CPUs; an empty one means none has. Each `distance` row
     /// must list exactly one distance per online node, in id order.
     ///
-    /// Without `<root>/devices/system/node` (a kernel built without NUMA) the result is a single
-    /// node 0 with every CPU of `<root>/devices/system/cpu/online` and the `MemTotal` of
-    /// `<root>/../proc/meminfo` (`/proc/meminfo` for `/sys`; 0 bytes if that file is missing).
+    /// If `root` exists but `<root>/devices/system/node` does not (a kernel built without NUMA),
+    /// the result is a single node 0 with every CPU of `<root>/devices/system/cpu/online` and the
+    /// `MemTotal` of `<root>/../proc/meminfo` (`/proc/meminfo` for `/sys`; 0 bytes if that file
+    /// is missing).
     ///
     /// # Errors
     ///
-    /// * [`Error::Io`] if a required file cannot be read;
+    /// * [`Error::Io`] if `root` or a required file cannot be read;
     /// * [`Error::Parse`] if a file is malformed (empty, garbage, a row of the wrong length, a
     ///   distance above 255);
     /// * [`Error::ZeroNodes`] / [`Error::LocalDistance`] for an empty `online` list or a
