@@ -1,0 +1,40 @@
+//! `NumaGpuAlloc` as the global allocator: every large `Vec` lands on the GPU's host node (or,
+//! without a GPU, the node of the first thread that allocates large), pinned when CUDA is there.
+//!
+//! Run: `cargo run --release --example global_allocator`
+//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on cargo run --release --example global_allocator`
+
+use numa_gpu_alloc::NumaGpuAlloc;
+
+#[global_allocator]
+static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
+
+fn main() {
+    let placement = ALLOC.placement();
+    println!("placement: {placement:?}");
+
+    // A loader-style loop: batches of 64 MiB, refilled and dropped each step.
+    let mut checksum = 0u64;
+    for step in 0..16u8 {
+        let mut batch = vec![0u8; 64 << 20];
+        batch.iter_mut().step_by(4096).for_each(|b| *b = step);
+        checksum += batch
+            .iter()
+            .step_by(4096)
+            .map(|&b| u64::from(b))
+            .sum::<u64>();
+    }
+    // Growth through the threshold, and small allocations that never touch the arena.
+    let mut grown = Vec::new();
+    for i in 0..(8u32 << 20) {
+        grown.push(i);
+    }
+    let small: Vec<String> = (0..10_000).map(|i| i.to_string()).collect();
+    println!(
+        "checksum {checksum}, grown {} MiB, {} small strings",
+        grown.len() * 4 >> 20,
+        small.len()
+    );
+    drop(grown);
+    println!("{}", ALLOC.stats());
+}

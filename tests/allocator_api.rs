@@ -1,0 +1,162 @@
+//! `NumaGpuAlloc` through allocator-api2 (0.4 and hashbrown's 0.2), with local instances.
+
+use std::alloc::Layout;
+
+use allocator_api2::alloc::Allocator;
+use allocator_api2::boxed::Box;
+use allocator_api2::vec::Vec;
+use numa_gpu_alloc::{MemPolicy, NumaGpuAlloc};
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn vec_grows_and_shrinks_across_the_threshold() {
+    let alloc = NumaGpuAlloc::new().node(0);
+    let mut v: Vec<u64, _> = Vec::new_in(&alloc);
+    for i in 0..(1u64 << 20) {
+        v.push(i); // 8 MiB by the end: small → large on the way
+    }
+    assert!(v.iter().enumerate().all(|(i, &x)| x == i as u64));
+    v.truncate(1000);
+    v.shrink_to_fit(); // large → small: the data moves
+    assert!(v.iter().enumerate().all(|(i, &x)| x == i as u64));
+    drop(v);
+    let stats = alloc.stats();
+    assert!(stats.large_allocations > 0);
+    assert_eq!(stats.live_bytes(), 0);
+    assert_eq!(stats.host_node, Some(0));
+}
+
+#[test]
+fn boxes_zero_sizes_and_huge_alignment() {
+    let alloc = NumaGpuAlloc::new();
+    let small = Box::new_in(42u32, &alloc);
+    assert_eq!(*small, 42);
+    let zeroed = Box::<[u8], _>::new_zeroed_slice_in(16 * MIB, &alloc);
+    // SAFETY: zeroed bytes are valid u8s.
+    let zeroed = unsafe { zeroed.assume_init() };
+    assert!(zeroed.iter().all(|&b| b == 0));
+
+    let empty = Layout::from_size_align(0, 64).unwrap();
+    let p = alloc.allocate(empty).unwrap();
+    assert_eq!(p.len(), 0);
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(p.cast(), empty) };
+
+    for align in [4096, 2 * MIB, 1 << 30] {
+        let layout = Layout::from_size_align(4 * MIB, align).unwrap();
+        let p = alloc.allocate(layout).unwrap();
+        assert_eq!(p.cast::<u8>().as_ptr() as usize % align, 0, "align {align}");
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(p.cast(), layout) };
+    }
+}
+
+#[test]
+fn zeroed_reuse_of_a_dirty_cached_block_is_zero() {
+    let alloc = NumaGpuAlloc::new();
+    let layout = Layout::from_size_align(6 * MIB, 8).unwrap();
+    let p = alloc.allocate(layout).unwrap().cast::<u8>();
+    // SAFETY: the block is ours and 6 MiB long.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xaa, layout.size()) };
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(p, layout) };
+    let hits = alloc.stats().cache_hits;
+    let q = alloc.allocate_zeroed(layout).unwrap().cast::<u8>();
+    assert_eq!(q, p, "the cached block is reused");
+    assert_eq!(alloc.stats().cache_hits, hits + 1);
+    // SAFETY: the block is ours and 6 MiB long.
+    let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), layout.size()) };
+    assert!(bytes.iter().all(|&b| b == 0));
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(q, layout) };
+}
+
+#[test]
+fn grow_in_place_within_capacity_and_move_beyond() {
+    let alloc = NumaGpuAlloc::new();
+    let old = Layout::from_size_align(2 * MIB + 1, 8).unwrap(); // capacity 2.25 MiB
+    let p = alloc.allocate(old).unwrap().cast::<u8>();
+    // SAFETY: ours, at least old.size() long.
+    unsafe { p.as_ptr().write(7) };
+    let within = Layout::from_size_align(2 * MIB + 200_000, 8).unwrap();
+    // SAFETY: p is live with `old`; within.size() >= old.size().
+    let q = unsafe { alloc.grow(p, old, within) }.unwrap().cast::<u8>();
+    assert_eq!(q, p, "grown in place");
+    let beyond = Layout::from_size_align(9 * MIB, 8).unwrap();
+    // SAFETY: q is live with `within`.
+    let r = unsafe { alloc.grow(q, within, beyond) }
+        .unwrap()
+        .cast::<u8>();
+    // SAFETY: r is live and at least one byte long.
+    assert_eq!(unsafe { r.as_ptr().read() }, 7);
+    // SAFETY: r is live with `beyond`.
+    unsafe { alloc.deallocate(r, beyond) };
+    let stats = alloc.stats();
+    assert_eq!(stats.in_place_reallocs, 1);
+    assert_eq!(stats.live_bytes(), 0);
+}
+
+#[test]
+fn cache_limit_releases_oldest_and_trim_releases_all() {
+    let alloc = NumaGpuAlloc::new().cache_limit(8 * MIB);
+    let blocks: std::vec::Vec<Vec<u8, &NumaGpuAlloc>> = (0..3)
+        .map(|_| {
+            let mut v = Vec::with_capacity_in(4 * MIB, &alloc);
+            v.resize(4 * MIB, 1);
+            v
+        })
+        .collect();
+    drop(blocks);
+    let stats = alloc.stats();
+    assert_eq!(stats.cached_bytes(), 8 * MIB);
+    assert_eq!(stats.released_blocks, 1);
+    alloc.trim();
+    let stats = alloc.stats();
+    assert_eq!(stats.cached_bytes(), 0);
+    assert_eq!(stats.released_blocks, 3);
+}
+
+#[test]
+fn verify_and_bind_on_node_zero() {
+    for policy in [MemPolicy::Preferred, MemPolicy::Bind, MemPolicy::Interleave] {
+        let alloc = NumaGpuAlloc::new().node(0).verify(true).policy(policy);
+        let mut v: Vec<u8, _> = Vec::with_capacity_in(8 * MIB, &alloc);
+        v.resize(8 * MIB, 3);
+        let stats = alloc.stats();
+        assert!(stats.pages_checked >= (8 * MIB / 4096) as u64, "{policy:?}");
+        assert_eq!(stats.pages_misplaced, 0, "{policy:?}");
+        assert_eq!(stats.fallbacks.unplaced_blocks, 0, "{policy:?}");
+        assert!(alloc.placement().numa_placement);
+    }
+}
+
+#[test]
+fn hashbrown_map_in_our_allocator() {
+    let alloc = NumaGpuAlloc::new();
+    let mut map = hashbrown::HashMap::new_in(&alloc);
+    for i in 0..300_000u64 {
+        map.insert(i, i * 3);
+    }
+    assert!((0..300_000u64).all(|i| map[&i] == i * 3));
+    assert!(
+        alloc.stats().large_allocations > 0,
+        "the table outgrew the threshold"
+    );
+    drop(map);
+    assert_eq!(alloc.stats().live_bytes(), 0);
+}
+
+#[test]
+fn two_allocators_keep_their_blocks_apart() {
+    let a = NumaGpuAlloc::new().node(0);
+    let b = NumaGpuAlloc::new().node(0);
+    let va: Vec<u8, _> = Vec::with_capacity_in(4 * MIB, &a);
+    let vb: Vec<u8, _> = Vec::with_capacity_in(4 * MIB, &b);
+    assert_eq!(a.stats().live_bytes(), 4 * MIB);
+    assert_eq!(b.stats().live_bytes(), 4 * MIB);
+    drop(va);
+    assert_eq!(a.stats().cached_bytes(), 4 * MIB);
+    assert_eq!(b.stats().cached_bytes(), 0);
+    drop(vb);
+}
