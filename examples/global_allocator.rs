@@ -32,7 +32,7 @@ fn main() {
     let small: Vec<String> = (0..10_000).map(|i| i.to_string()).collect();
     println!(
         "checksum {checksum}, grown {} MiB, {} small strings",
-        grown.len() * 4 >> 20,
+        (grown.len() * 4) >> 20,
         small.len()
     );
     drop(grown);
