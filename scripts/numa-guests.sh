@@ -1,0 +1,356 @@
+#!/usr/bin/env bash
+# Multi-node NUMA tests: boots real Linux kernels under QEMU (TCG, no KVM needed) with the
+# topologies in guest/topologies/*.topo and runs examples/guest_check.rs inside each guest.
+#
+# Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
+#   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
+#   --no-install  never call apt-get; fail if something is missing
+#   --bless       write each guest's normalised output to guest/expected/ (review the diff!)
+# Environment:
+#   NUMA_GUESTS_TIMEOUT   seconds one guest may run (default 120)
+#   NUMA_GUESTS_KERNEL    vmlinuz to boot (default: installed or cached Debian cloud kernel)
+#   NUMA_GUESTS_CACHE     where the downloaded kernel is kept (default /var/cache/numa-guests
+#                         when writable, else guest/build/cache)
+#   NUMA_GUESTS_ACCEL     QEMU accelerator (default tcg)
+#
+# What it needs (installed with apt-get when missing, Debian 12 or later): qemu-system-x86,
+# busybox-static, cpio, numactl, and the vmlinuz of linux-image-cloud-amd64, which is fetched
+# with `apt-get download` and unpacked into the cache instead of being installed, so the host's
+# /boot and initramfs-tools are left alone. Logs and the initramfs go to guest/build/.
+#
+# Exit status: 0 when every guest printed the expected lines; 1 otherwise (a FAIL line, a diff
+# against guest/expected/, a crash, or a timeout); 2 for a setup error.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+GUEST="$ROOT/guest"
+BUILD="$GUEST/build"
+TIMEOUT=${NUMA_GUESTS_TIMEOUT:-120}
+ACCEL=${NUMA_GUESTS_ACCEL:-tcg}
+# The test device: virtio-rng needs no backend and no option ROM, and no driver in the guest
+# (sysfs lists every enumerated PCI function). Modern virtio behind a PCIe port: 1af4:1044.
+DEVICE_MODEL=virtio-rng-pci
+DEVICE_ID=1af4:1044
+
+INSTALL=1
+BLESS=0
+SELECT=()
+for arg in "$@"; do
+    case "$arg" in
+    --no-install) INSTALL=0 ;;
+    --bless) BLESS=1 ;;
+    -h | --help)
+        sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+        exit 0
+        ;;
+    -*)
+        echo "numa-guests: unknown option $arg (try --help)" >&2
+        exit 2
+        ;;
+    *) SELECT+=("$arg") ;;
+    esac
+done
+
+log() { printf 'numa-guests: %s\n' "$*" >&2; }
+die() {
+    log "error: $*"
+    exit 2
+}
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+START=$(now)
+mkdir -p "$BUILD"
+
+# --- 1. Host packages ------------------------------------------------------------------------
+
+as_root() {
+    if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        die "need root (or sudo) to run: $*"
+    fi
+}
+
+apt_install() { # apt_install [apt-get options] PACKAGE...
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+        --no-install-recommends --no-remove "$@"
+}
+
+# Adds bookworm-backports (Debian 12 only) so QEMU can come from there. Needed where a newer
+# qemu-utils from backports is already installed: bookworm's QEMU 7.2 conflicts with it.
+add_backports() {
+    local codename
+    codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+    [ "$codename" = bookworm ] || return 1
+    if ! apt-cache policy 2>/dev/null | grep -q "bookworm-backports"; then
+        log "adding bookworm-backports to /etc/apt/sources.list.d/debian-backports.sources"
+        as_root tee /etc/apt/sources.list.d/debian-backports.sources >/dev/null <<'EOF'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+        as_root apt-get update -q >&2
+    fi
+}
+
+ensure_packages() {
+    local missing=() pkg
+    for pkg in qemu-system-x86 busybox-static cpio numactl; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    [ "$INSTALL" = 1 ] || die "missing packages: ${missing[*]} (run without --no-install)"
+    command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get"
+    local t0
+    t0=$(now)
+    log "installing ${missing[*]}"
+    # A stale or empty package list makes install fail with "Unable to locate package".
+    if ! apt-cache show "${missing[@]}" >/dev/null 2>&1; then
+        as_root apt-get update -q >&2
+    fi
+    if ! apt_install "${missing[@]}" >&2; then
+        log "plain install failed (conflict?); retrying QEMU from bookworm-backports"
+        add_backports || die "apt-get install ${missing[*]} failed"
+        apt_install -t bookworm-backports "${missing[@]}" >&2 ||
+            die "apt-get install ${missing[*]} failed"
+    fi
+    log "installed in $(elapsed "$t0") s"
+}
+
+# Prints the path of the vmlinuz to boot, downloading linux-image-cloud-amd64 when needed.
+ensure_kernel() {
+    if [ -n "${NUMA_GUESTS_KERNEL:-}" ]; then
+        [ -r "$NUMA_GUESTS_KERNEL" ] || die "NUMA_GUESTS_KERNEL=$NUMA_GUESTS_KERNEL is not readable"
+        echo "$NUMA_GUESTS_KERNEL"
+        return
+    fi
+    local k cache
+    # An installed cloud kernel (apt-get install linux-image-cloud-amd64) is used as it is.
+    k=$(ls -1 /boot/vmlinuz-*-cloud-amd64 2>/dev/null | sort -V | tail -n 1 || true)
+    if [ -n "$k" ] && [ -r "$k" ]; then
+        echo "$k"
+        return
+    fi
+    cache=${NUMA_GUESTS_CACHE:-}
+    if [ -z "$cache" ]; then
+        cache=/var/cache/numa-guests
+        mkdir -p "$cache" 2>/dev/null && [ -w "$cache" ] || cache="$BUILD/cache"
+    fi
+    mkdir -p "$cache"
+    k=$(ls -1 "$cache"/boot/vmlinuz-*-cloud-amd64 2>/dev/null | sort -V | tail -n 1 || true)
+    if [ -n "$k" ]; then
+        echo "$k"
+        return
+    fi
+    [ "$INSTALL" = 1 ] || die "no cloud kernel in /boot or $cache (run without --no-install)"
+    local t0 pkg deb
+    t0=$(now)
+    # The metapackage depends on the versioned image package; download that one.
+    pkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null |
+        awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+    if [ -z "$pkg" ]; then
+        as_root apt-get update -q >&2
+        pkg=$(apt-cache depends linux-image-cloud-amd64 |
+            awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+    fi
+    [ -n "$pkg" ] || die "cannot resolve linux-image-cloud-amd64 to a kernel package"
+    log "downloading $pkg into $cache"
+    rm -rf "$cache/dl" && mkdir -p "$cache/dl"
+    (cd "$cache/dl" && apt-get download -q "$pkg" 2>&1 | grep -v '^W: Download is performed unsandboxed' >&2) ||
+        die "apt-get download $pkg failed"
+    deb=$(ls -1 "$cache"/dl/*.deb | head -n 1)
+    dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$cache" ./boot
+    rm -rf "$cache/dl"
+    k=$(ls -1 "$cache"/boot/vmlinuz-*-cloud-amd64 | sort -V | tail -n 1)
+    log "kernel $(basename "$k") ready in $(elapsed "$t0") s"
+    echo "$k"
+}
+
+ensure_packages
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found"
+VMLINUZ=$(ensure_kernel)
+BUSYBOX=/bin/busybox
+file_is_static() { ! ldd "$1" >/dev/null 2>&1; }
+[ -x "$BUSYBOX" ] && file_is_static "$BUSYBOX" || BUSYBOX=$(command -v busybox || true)
+[ -x "$BUSYBOX" ] || die "busybox not found (package busybox-static)"
+NUMACTL=$(command -v numactl) || die "numactl not found"
+
+# --- 2. Guest program and initramfs --------------------------------------------------------
+
+T0=$(now)
+log "building examples/guest_check (release)"
+(cd "$ROOT" && cargo build --release --quiet --example guest_check) || {
+    log "error: cargo build --release --example guest_check failed"
+    exit 2
+}
+GUEST_CHECK="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/guest_check"
+[ -x "$GUEST_CHECK" ] || die "built binary not found at $GUEST_CHECK"
+
+RD="$BUILD/rootfs"
+rm -rf "$RD"
+mkdir -p "$RD"/{bin,sbin,dev,proc,sys,tmp,lib64,lib/x86_64-linux-gnu}
+install -m 0755 "$GUEST/init" "$RD/init"
+install -m 0755 "$BUSYBOX" "$RD/bin/busybox"
+install -m 0755 "$NUMACTL" "$RD/bin/numactl"
+install -m 0755 "$GUEST_CHECK" "$RD/guest_check"
+# Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
+# directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
+for bin in "$NUMACTL" "$GUEST_CHECK"; do
+    ldd "$bin" | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
+done | sort -u | while read -r lib; do
+    mkdir -p "$RD$(dirname "$lib")"
+    cp -L "$lib" "$RD$lib"
+done
+# The kernel opens /dev/console for init before /init can mount devtmpfs.
+if [ "$(id -u)" = 0 ]; then mknod -m 600 "$RD/dev/console" c 5 1; fi
+INITRD="$BUILD/initramfs.img"
+(cd "$RD" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet -R 0:0) |
+    gzip -1 >"$INITRD"
+log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel $VMLINUZ"
+
+# --- 3. Boot each topology ------------------------------------------------------------------
+
+# Reads a .topo file and sets QEMU_ARGS, MEM_TOTAL_M, APPEND. Runs in the caller's shell.
+load_topology() {
+    local file=$1 name=$2 spec id cpus mem c pair nodes=()
+    DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST=""
+    # shellcheck source=/dev/null
+    . "$file"
+    if [ -z "$SMP" ] || [ -z "$NODES" ] || [ -z "$DEVICE_NODE" ]; then
+        die "$file: SMP, NODES and DEVICE_NODE are required"
+    fi
+    QEMU_ARGS=() MEM_TOTAL_M=0
+    for spec in $NODES; do
+        IFS=: read -r id cpus mem <<<"$spec"
+        nodes+=("$id")
+        local node_opt="node,nodeid=$id"
+        if [ -n "$cpus" ]; then
+            for c in ${cpus//+/ }; do node_opt+=",cpus=$c"; done
+        fi
+        case "$mem" in
+        0 | "") ;;
+        *M) MEM_TOTAL_M=$((MEM_TOTAL_M + ${mem%M})) ;;
+        *G) MEM_TOTAL_M=$((MEM_TOTAL_M + ${mem%G} * 1024)) ;;
+        *) die "$file: memory '$mem' must end in M or G" ;;
+        esac
+        if [ -n "$mem" ] && [ "$mem" != 0 ]; then
+            QEMU_ARGS+=(-object "memory-backend-ram,id=m$id,size=$mem")
+            node_opt+=",memdev=m$id"
+        fi
+        QEMU_ARGS+=(-numa "$node_opt")
+    done
+    for pair in $DIST; do
+        local a=${pair%%-*} rest=${pair#*-}
+        QEMU_ARGS+=(-numa "dist,src=$a,dst=${rest%%:*},val=${pair##*:}")
+    done
+    QEMU_ARGS+=(
+        -device "pxb-pcie,id=pxb1,bus_nr=0x80,numa_node=$DEVICE_NODE,bus=pcie.0"
+        -device "pcie-root-port,id=rp1,bus=pxb1,chassis=1"
+        -device "$DEVICE_MODEL,bus=rp1"
+    )
+    APPEND="console=ttyS0 quiet panic=-1 numa_balancing=disable GUEST_TOPOLOGY=$name"
+    APPEND+=" GUEST_DEVICE_ID=$DEVICE_ID GUEST_EXPECT_HOME=$EXPECT_HOME GUEST_EXPECT_HOST=$EXPECT_HOST"
+}
+
+# Turns a serial log into the lines compared with guest/expected/<name>.txt: the topology as
+# numactl saw it (sizes reduced to yes/no, free memory dropped), the device's node, every
+# PASS/FAIL line, the summary and the exit status. Kernel messages are dropped.
+normalise() {
+    tr -d '\r' <"$1" | awk '
+        /^--- numactl --hardware/ { sec = "numa"; next }
+        /^--- end numactl/ { sec = ""; next }
+        sec == "numa" && /^available:/ { print; next }
+        sec == "numa" && /^node [0-9]+ cpus:/ { sub(/ +$/, ""); print; next }
+        sec == "numa" && /^node [0-9]+ size:/ { print $1, $2, "memory:", ($4 > 0 ? "yes" : "no"); next }
+        sec == "numa" && /^node distances:/ { dist = 1; print; next }
+        sec == "numa" && dist && /^ *(node|[0-9]+:)/ { gsub(/ +/, " "); sub(/^ /, ""); sub(/ $/, ""); print; next }
+        sec == "numa" && /^numactl rc=/ { if ($0 != "numactl rc=0") print; next }
+        /^device: / { print; next }
+        /^(PASS|FAIL) / { print; next }
+        /^guest .*: [0-9]+ passed, [0-9]+ failed/ { print; next }
+        /^NUMA-GUEST-END / { print; next }
+    '
+}
+
+mapfile -t TOPOS < <(ls -1 "$GUEST"/topologies/*.topo | sort)
+[ ${#TOPOS[@]} -gt 0 ] || die "no topologies in guest/topologies"
+if [ ${#SELECT[@]} -gt 0 ]; then
+    chosen=()
+    for f in "${TOPOS[@]}"; do
+        n=$(basename "$f" .topo)
+        for s in "${SELECT[@]}"; do
+            if [ "$n" = "$s" ] || [[ "$n" == "$s"* ]]; then
+                chosen+=("$f")
+                break
+            fi
+        done
+    done
+    [ ${#chosen[@]} -gt 0 ] || die "no topology matches: ${SELECT[*]}"
+    TOPOS=("${chosen[@]}")
+fi
+
+FAILED=0
+SUMMARY=()
+for f in "${TOPOS[@]}"; do
+    name=$(basename "$f" .topo)
+    load_topology "$f" "$name"
+    logf="$BUILD/$name.log"
+    actual="$BUILD/$name.actual"
+    expected="$GUEST/expected/$name.txt"
+    log "booting $name: $DESCRIPTION (${SMP} vCPUs, ${MEM_TOTAL_M} MiB)"
+    t0=$(now)
+    rc=0
+    timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 \
+        -accel "$ACCEL" -machine q35 -cpu max -m "${MEM_TOTAL_M}M" -smp "$SMP" \
+        -nographic -no-reboot -nic none -vga none \
+        -kernel "$VMLINUZ" -initrd "$INITRD" -append "$APPEND" \
+        "${QEMU_ARGS[@]}" </dev/null >"$logf" 2>&1 || rc=$?
+    secs=$(elapsed "$t0")
+    normalise "$logf" >"$actual"
+    line=$(grep -E '^guest .*: [0-9]+ passed, [0-9]+ failed' "$actual" | tail -n 1 || true)
+    status=ok
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        status="TIMEOUT after ${TIMEOUT} s"
+    elif [ "$rc" != 0 ]; then
+        status="qemu exited with $rc"
+    elif ! grep -q '^NUMA-GUEST-END ' "$actual"; then
+        status="no end marker (guest crashed?)"
+    elif ! grep -q '^NUMA-GUEST-END .* rc=0$' "$actual"; then
+        status="guest_check failed"
+    fi
+    if [ "$BLESS" = 1 ] && [ "$status" != ok ]; then
+        log "not blessing $name: $status"
+    elif [ "$BLESS" = 1 ]; then
+        cp "$actual" "$expected"
+        log "wrote $expected"
+    fi
+    if [ ! -f "$expected" ]; then
+        status="no guest/expected/$name.txt (run with --bless, then review it)"
+    elif ! grep -q '^NUMA-GUEST-END ' "$actual"; then
+        : # crashed or hung: the log's tail (below) says more than a diff
+    elif ! diff -q "$expected" "$actual" >/dev/null; then
+        [ "$status" = ok ] && status="output differs from guest/expected/$name.txt"
+        echo "--- $name: expected (guest/expected/$name.txt) vs actual (${actual#"$ROOT"/})"
+        diff -u "$expected" "$actual" | tail -n +3 || true
+    fi
+    if [ "$status" != ok ]; then
+        FAILED=$((FAILED + 1))
+        echo "--- $name: $status (serial log: ${logf#"$ROOT"/})"
+        if ! grep -q '^NUMA-GUEST-END ' "$actual"; then
+            echo "--- last lines of ${logf#"$ROOT"/}:"
+            tr -d '\r' <"$logf" | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g; s/\x1bc//g' | tail -n 40
+        fi
+    fi
+    if [ "$status" = ok ]; then
+        SUMMARY+=("$(printf '%-26s %6s s  ok    %s' "$name" "$secs" "$line")")
+    else
+        SUMMARY+=("$(printf '%-26s %6s s  FAIL  %s' "$name" "$secs" "${line:+$line; }$status")")
+    fi
+done
+
+echo
+echo "numa-guests summary (kernel $(basename "$VMLINUZ"), accel $ACCEL):"
+printf '  %s\n' "${SUMMARY[@]}"
+echo "total $(elapsed "$START") s, ${#TOPOS[@]} guests, $FAILED failed"
+[ "$FAILED" = 0 ]
