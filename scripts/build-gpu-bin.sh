@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain:
+#   gpu-bin/tests/<kind>-<name>   release test executables (unit tests and tests/*.rs)
+#   gpu-bin/bench-dma             the criterion DMA benchmark (benches/dma.rs)
+#   gpu-bin/dma_bench             the DMA example
+#   gpu-bin/gpu-check.sh          the runner; gpu-bin/MANIFEST  what was built, from which commit
+#
+# usage: scripts/build-gpu-bin.sh [OUT_DIR]        (default: gpu-bin/ in the repository root)
+# Extra cargo arguments (e.g. --target x86_64-unknown-linux-gnu) may be given in $CARGO_ARGS.
+# Copy the folder to the GPU machine and run `gpu-bin/gpu-check.sh` there. The binaries load
+# libcuda at run time, so they need only glibc (no older than the build machine's) and the driver.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-$root/gpu-bin}
+cd "$root"
+read -r -a extra <<<"${CARGO_ARGS:-}"
+
+# Keep the output folder out of git without touching .gitignore.
+if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF '/gpu-bin/' "$exclude" 2>/dev/null || echo '/gpu-bin/' >>"$exclude"
+fi
+
+rm -rf "$out"
+mkdir -p "$out/tests"
+
+# Prints "KIND NAME EXECUTABLE" for every artifact with an executable in cargo's JSON messages.
+executables() {
+    sed -n 's/.*"reason":"compiler-artifact".*"target":{"kind":\["\([^"]*\)"\][^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2 \3/p'
+}
+
+echo "building release test binaries..." >&2
+n=0
+while read -r kind name exe; do
+    case $kind in
+        lib) dest="$out/tests/unit-$name" ;;
+        test) dest="$out/tests/test-$name" ;;
+        *) continue ;; # examples are built (not as tests) by `cargo test`: not test binaries
+    esac
+    cp "$exe" "$dest"
+    n=$((n + 1))
+done < <(cargo test --release --no-run --message-format=json "${extra[@]}" | executables)
+[ "$n" -gt 0 ] || { echo "no test executables found" >&2; exit 1; }
+
+echo "building the dma bench..." >&2
+while read -r kind name exe; do
+    [ "$kind" = bench ] && cp "$exe" "$out/bench-$name"
+done < <(cargo bench --no-run --bench dma --message-format=json "${extra[@]}" | executables)
+[ -x "$out/bench-dma" ] || { echo "the dma bench was not built" >&2; exit 1; }
+
+echo "building the dma_bench example..." >&2
+while read -r kind name exe; do
+    [ "$kind" = example ] && cp "$exe" "$out/$name"
+done < <(cargo build --release --example dma_bench --message-format=json "${extra[@]}" | executables)
+[ -x "$out/dma_bench" ] || { echo "the dma_bench example was not built" >&2; exit 1; }
+
+cp scripts/gpu-check.sh "$out/gpu-check.sh"
+chmod +x "$out/gpu-check.sh"
+{
+    echo "numa-gpu-alloc GPU test bundle"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty tree)')"
+    echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version)"
+    echo "glibc: $(ldd --version 2>/dev/null | head -n1)"
+    echo "files:"
+    (cd "$out" && find . -type f ! -name MANIFEST | sort | sed 's/^/  /')
+} >"$out/MANIFEST"
+du -sh "$out" >&2
+echo "done: $out (run ./gpu-check.sh inside it on the GPU machine)" >&2

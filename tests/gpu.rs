@@ -1,0 +1,168 @@
+//! GPU tests: blocks from `NumaGpuAlloc` are registered with CUDA, a pattern goes to the device
+//! and back, blocks are unregistered, and the stats agree.
+//!
+//! Without a CUDA driver each test prints `SKIPPED` with the reason and passes, unless
+//! `NUMA_GPU_ALLOC_REQUIRE_GPU=1` is set (as `scripts/gpu-check.sh` does on a machine where
+//! `nvidia-smi` sees a GPU): then a missing driver is a failure.
+
+use std::sync::Arc;
+
+use allocator_api2::vec::Vec as AVec;
+use cudarc::driver::{CudaContext, CudaStream};
+use numa_gpu_alloc::{GpuSelector, NumaGpuAlloc, PinMode};
+
+const MIB: usize = 1 << 20;
+
+/// The CUDA context and stream to copy with, or `None` (after printing why) when the test is
+/// skipped.
+fn gpu_or_skip(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
+    let require = std::env::var_os("NUMA_GPU_ALLOC_REQUIRE_GPU").is_some_and(|v| v != "0");
+    if !numa_gpu_alloc::cuda_driver_present() {
+        let why = "no CUDA driver (libcuda not found, or cuInit failed)";
+        assert!(
+            !require,
+            "{test}: NUMA_GPU_ALLOC_REQUIRE_GPU is set but {why}"
+        );
+        eprintln!("gpu test {test}: SKIPPED: {why}");
+        return None;
+    }
+    let placement = NumaGpuAlloc::new().gpu(GpuSelector::Auto).placement();
+    let ordinal = placement.gpu_ordinal.unwrap_or(0) as usize;
+    match CudaContext::new(ordinal) {
+        Ok(ctx) => {
+            let stream = ctx.default_stream();
+            Some((ctx, stream))
+        }
+        Err(e) => {
+            assert!(!require, "{test}: cannot create a CUDA context: {e:?}");
+            eprintln!("gpu test {test}: SKIPPED: cannot create a CUDA context: {e:?}");
+            None
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> impl Iterator<Item = u8> {
+    (0..len).map(move |i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
+}
+
+/// Copies `src` to the device and back into `dst`.
+fn round_trip(stream: &Arc<CudaStream>, src: &[u8], dst: &mut [u8]) {
+    let mut dev = stream
+        .alloc_zeros::<u8>(src.len())
+        .expect("device allocation");
+    stream
+        .memcpy_htod(src, &mut dev)
+        .expect("host to device copy");
+    stream.memcpy_dtoh(&dev, dst).expect("device to host copy");
+    stream.synchronize().expect("synchronize");
+}
+
+fn strict_alloc() -> NumaGpuAlloc {
+    NumaGpuAlloc::new()
+        .gpu(GpuSelector::Auto)
+        .pin(PinMode::Strict)
+}
+
+#[test]
+fn register_copy_and_unregister() {
+    let Some((_ctx, stream)) = gpu_or_skip("register_copy_and_unregister") else {
+        return;
+    };
+    let alloc = strict_alloc();
+    let placement = alloc.placement();
+    assert!(
+        placement.pinning,
+        "pinning is off: {placement:?}\n{}",
+        alloc.stats()
+    );
+    let len = 64 * MIB;
+    {
+        let mut src: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        src.extend(pattern(len, 7));
+        let mut dst: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        dst.resize(len, 0);
+        round_trip(&stream, &src, &mut dst);
+        assert!(src[..] == dst[..], "bytes differ after the round trip");
+
+        let stats = alloc.stats();
+        assert!(stats.pinning);
+        assert_eq!(stats.registrations, 2, "{stats}");
+        assert_eq!(stats.fallbacks.pin_failures, 0, "{stats}");
+        assert!(stats.pinned_bytes() >= 2 * len, "{stats}");
+        assert!(stats.live_bytes() >= 2 * len, "{stats}");
+        assert_eq!(stats.host_node, Some(placement.host_node));
+    }
+    alloc.trim();
+    let stats = alloc.stats();
+    assert_eq!(stats.unregistrations, stats.registrations, "{stats}");
+    assert_eq!(stats.pinned_bytes(), 0, "{stats}");
+    assert_eq!(stats.live_bytes(), 0, "{stats}");
+}
+
+#[test]
+fn cached_block_stays_pinned() {
+    let Some((_ctx, stream)) = gpu_or_skip("cached_block_stays_pinned") else {
+        return;
+    };
+    let alloc = strict_alloc();
+    let len = 32 * MIB;
+    let mut host: Vec<u8> = vec![0; len];
+    {
+        let v: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        drop(v);
+    }
+    let before = alloc.stats();
+    assert_eq!(before.registrations, 1, "{before}");
+    assert!(before.cached_bytes() >= len, "{before}");
+    {
+        let mut v: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        v.extend(pattern(len, 99));
+        round_trip(&stream, &v, &mut host);
+        assert!(v[..] == host[..], "bytes differ after the round trip");
+        let during = alloc.stats();
+        assert_eq!(during.cache_hits, before.cache_hits + 1, "{during}");
+        assert_eq!(
+            during.registrations, 1,
+            "reuse must not register again: {during}"
+        );
+        assert!(during.pinned_bytes() >= len, "{during}");
+    }
+    drop(alloc); // drop trims: every block is unregistered before it is unmapped
+}
+
+#[test]
+fn device_to_pinned_host_matches_pageable() {
+    let Some((_ctx, stream)) = gpu_or_skip("device_to_pinned_host_matches_pageable") else {
+        return;
+    };
+    let alloc = strict_alloc();
+    let len = 16 * MIB + 4096 + 123; // not a multiple of the huge page size
+    let src: Vec<u8> = pattern(len, 3).collect();
+    let mut dev = stream.alloc_zeros::<u8>(len).expect("device allocation");
+    stream
+        .memcpy_htod(&src, &mut dev)
+        .expect("host to device copy");
+    let mut pinned: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+    pinned.resize(len, 0);
+    stream
+        .memcpy_dtoh(&dev, &mut pinned[..])
+        .expect("device to host copy");
+    stream.synchronize().expect("synchronize");
+    assert!(pinned[..] == src[..], "bytes differ");
+    let stats = alloc.stats();
+    assert_eq!(stats.registrations, 1, "{stats}");
+    assert_eq!(stats.pin_failures_by_code, Vec::new(), "{stats}");
+}
+
+#[test]
+fn driver_probe_never_panics() {
+    // Holds with or without a GPU: the probe is decided once and is stable.
+    let first = numa_gpu_alloc::cuda_driver_present();
+    assert_eq!(first, numa_gpu_alloc::cuda_driver_present());
+    let placement = NumaGpuAlloc::new().placement();
+    if !first {
+        assert!(!placement.pinning, "{placement:?}");
+        assert_eq!(placement.gpu_ordinal, None);
+        eprintln!("gpu test driver_probe_never_panics: no CUDA driver; checked the fallback");
+    }
+}
