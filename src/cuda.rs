@@ -152,6 +152,9 @@ fn require_driver() -> Result<&'static DriverState> {
 /// }
 /// ```
 pub fn cuda_driver_present() -> bool {
+    // The first call loads libcuda, which allocates: under `#[global_allocator]` those requests
+    // must go straight to the system allocator, as they do inside the allocator itself.
+    let _inside = crate::guard::Inside::enter();
     driver_present()
 }
 
