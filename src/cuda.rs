@@ -11,7 +11,7 @@
 //! re-entrancy flag, so those allocations go to the system allocator.
 
 // Parts of this API are only used by some front ends and by tests.
-#![allow(dead_code)]
+
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::ptr::NonNull;
@@ -391,7 +391,6 @@ pub(crate) struct Gpu {
     ctx: sys::CUcontext,
     pci: PciAddress,
     name: String,
-    uuid: [u8; 16],
     host_numa_id: Option<usize>,
 }
 
@@ -471,7 +470,6 @@ impl Gpu {
         let dev = raw::device(ordinal)?;
         let pci = raw::pci_address(dev)?;
         let name = raw::name(dev)?;
-        let uuid = raw::uuid(state, dev).unwrap_or([0; 16]);
         let host_numa_id = raw::host_numa_id(dev);
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: driver present; `dev` is a valid device handle from cuDeviceGet; `ctx` is a
@@ -485,7 +483,6 @@ impl Gpu {
             ctx,
             pci,
             name,
-            uuid,
             host_numa_id,
         })
     }
@@ -503,17 +500,6 @@ impl Gpu {
     /// The device's marketing name, e.g. `NVIDIA H100 80GB HBM3`.
     pub(crate) fn name(&self) -> String {
         self.name.clone()
-    }
-
-    /// The device's UUID bytes (zero when the driver could not report it).
-    #[allow(dead_code)]
-    pub(crate) fn uuid(&self) -> [u8; 16] {
-        self.uuid
-    }
-
-    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` when the driver reports one ≥ 0.
-    pub(crate) fn host_numa_id(&self) -> Option<usize> {
-        self.host_numa_id
     }
 
     /// The GPU's home NUMA node: the driver's host NUMA id, else the `numa_node` of its PCI
