@@ -96,7 +96,9 @@ impl Runtime {
     }
 
     /// Counts pages off the policy's nodes (`verify=on` or `policy=bind`); under `bind` any
-    /// misplaced page fails the block, otherwise the strict policy is set.
+    /// misplaced page fails the block, otherwise the strict policy is set. When `move_pages` is
+    /// refused (seccomp), `bind` sets the strict policy with `MPOL_MF_STRICT`, so that the kernel
+    /// does the check (EIO for a misplaced page).
     ///
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
@@ -114,6 +116,8 @@ impl Runtime {
                 misplaced += u64::from(!on_policy_node);
             })
         };
+        // Whether the kernel must check instead (MPOL_MF_STRICT: EIO if a page is off the nodes).
+        let mut strict = false;
         match counted {
             Ok(()) => {
                 self.counters.pages_checked.add(checked);
@@ -121,26 +125,31 @@ impl Runtime {
             }
             // A kernel that refuses move_pages (seccomp) cannot check; placement itself worked.
             Err(Error::NumaUnavailable { .. }) if !bind => return Ok(()),
+            // Containers allowed mbind (CAP_SYS_NICE) still refuse move_pages: let mbind check.
+            Err(Error::NumaUnavailable { .. }) => strict = true,
             Err(e) => return Err(e),
         }
         if bind {
+            let exhausted = Error::Syscall {
+                call: "mbind(MPOL_BIND)",
+                errno: libc::ENOMEM,
+            };
             if misplaced > 0 {
                 self.counters.bind_exhausted.incr();
-                return Err(Error::Syscall {
-                    call: "mbind(MPOL_BIND)",
-                    errno: libc::ENOMEM,
-                });
+                return Err(exhausted);
             }
+            let flags = MbindFlags {
+                strict,
+                move_existing: false,
+            };
             // SAFETY: forwarded from the caller.
-            unsafe {
-                sys::bind(
-                    ptr,
-                    len,
-                    MemPolicy::Bind,
-                    &self.nodes,
-                    MbindFlags::default(),
-                )
-            }?;
+            match unsafe { sys::bind(ptr, len, MemPolicy::Bind, &self.nodes, flags) } {
+                Err(Error::Syscall { errno, .. }) if strict && errno == libc::EIO => {
+                    self.counters.bind_exhausted.incr();
+                    return Err(exhausted);
+                }
+                other => other?,
+            }
         }
         Ok(())
     }
@@ -200,6 +209,16 @@ impl Runtime {
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
     unsafe fn pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+        // Tests simulate a failed registration, GPU or not (never compiled without the feature).
+        #[cfg(feature = "fault-injection")]
+        if self.config.pin != crate::PinMode::Off {
+            if let Some(code) = sys::fault::injected(sys::fault::FaultPoint::Register) {
+                let code = code as u32;
+                let name = crate::cuda::known_error_name(code).unwrap_or("CUDA_ERROR_UNRECOGNIZED");
+                let call = "cuMemHostRegister_v2";
+                return self.registered(Err(Error::Cuda { call, code, name }));
+            }
+        }
         let Some(gpu) = &self.gpu else {
             self.counters.unpinned_blocks.incr();
             return Ok(false);
@@ -215,6 +234,11 @@ impl Runtime {
             )
         };
         self.counters.pin.record(start.elapsed());
+        self.registered(registered)
+    }
+
+    /// Counts a registration's outcome; under `pin=strict` a failure fails the block.
+    fn registered(&self, registered: Result<(), Error>) -> Result<bool, Error> {
         match registered {
             Ok(()) => {
                 self.counters.registrations.incr();

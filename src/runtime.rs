@@ -60,9 +60,6 @@ impl Runtime {
         if let Some(settings) = std::env::var_os(ENV_VAR) {
             setup_errors.extend(config.apply_settings(&settings.to_string_lossy()));
         }
-        for e in &setup_errors {
-            let _ = writeln!(std::io::stderr(), "{e}");
-        }
         let numa_unavailable = OnceLock::new();
         let root = Path::new(config.sysfs_root);
         let topology = NumaTopology::from_sysfs_root(root).unwrap_or_else(|e| {
@@ -70,6 +67,10 @@ impl Runtime {
             NumaTopology::single_node()
         });
         let target = resolve_target(&config, &topology, &mut setup_errors);
+        // Every setup problem once, each on one line (a key may hold a newline).
+        for e in &setup_errors {
+            let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
+        }
         let nodes = policy_nodes(&config, &topology, target.host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
@@ -242,4 +243,17 @@ fn policy_nodes(config: &Config, topology: &NumaTopology, host_node: usize) -> N
         let _ = mask.insert(host_node);
     }
     mask
+}
+
+/// `text` with control characters escaped (`\n`, `\t`, `\u{1b}`): it prints as one line.
+fn one_line(text: &str) -> String {
+    let mut line = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            line.extend(c.escape_default());
+        } else {
+            line.push(c);
+        }
+    }
+    line
 }

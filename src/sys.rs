@@ -630,11 +630,16 @@ pub mod fault {
         Populate,
         /// The `move_pages` of [`page_nodes`](super::page_nodes) (first batch).
         MovePages,
+        /// The CUDA registration (`cuMemHostRegister_v2`) of a new block. The injected value is
+        /// the `CUresult` code. It is checked where a block would be registered, even when no GPU
+        /// is present, so that `pin=fallback` and `pin=strict` can be tested without one (not
+        /// checked with `pin=off`, which never registers).
+        Register,
     }
 
     // Per point: errno in the high 32 bits, remaining count in the low 32, so that one
     // compare-exchange reads and consumes both consistently.
-    static FAULTS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+    static FAULTS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
 
     fn slot(point: FaultPoint) -> &'static AtomicU64 {
         &FAULTS[point as usize]
@@ -664,7 +669,7 @@ pub mod fault {
     }
 
     /// Consumes one pending fault at `point`, returning its errno.
-    pub(super) fn injected(point: FaultPoint) -> Option<i32> {
+    pub(crate) fn injected(point: FaultPoint) -> Option<i32> {
         let slot = slot(point);
         let mut cur = slot.load(Ordering::SeqCst);
         loop {

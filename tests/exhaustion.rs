@@ -1,0 +1,189 @@
+//! Running out of address space: a child process (this test binary, re-executed) lowers its
+//! `RLIMIT_AS` and allocates large blocks until the allocator says no. Large requests then get
+//! null / `AllocError` / a `try_reserve` error, never an abort, and every block handed out before
+//! still holds its pattern.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::process::Command;
+
+use allocator_api2::alloc::Allocator;
+use numa_gpu_alloc::NumaGpuAlloc;
+
+#[global_allocator]
+static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(64 << 20);
+
+const MIB: usize = 1 << 20;
+const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_EXHAUSTION_CHILD";
+const CHILD_OK: &str = "exhaustion child: all checks passed";
+/// Room left above the child's current address-space size.
+const HEADROOM: usize = 384 * MIB;
+
+fn vm_size() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmSize:")).unwrap();
+    let kib: usize = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+fn set_address_space_limit(bytes: usize) {
+    let limit = libc::rlimit {
+        rlim_cur: bytes as libc::rlim_t,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: `limit` is a valid rlimit for the duration of the call.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
+    assert_eq!(rc, 0, "setrlimit: {}", std::io::Error::last_os_error());
+}
+
+/// A pattern per block: one byte per page plus the last byte.
+fn fill(ptr: *mut u8, len: usize, seed: u8) {
+    for off in (0..len).step_by(4096) {
+        // SAFETY: off < len, inside the caller's block.
+        unsafe { ptr.add(off).write(seed.wrapping_add((off / 4096) as u8)) };
+    }
+    // SAFETY: len > 0, the last byte of the block.
+    unsafe { ptr.add(len - 1).write(seed ^ 0x5a) };
+}
+
+fn intact(ptr: *const u8, len: usize, seed: u8) -> bool {
+    // SAFETY: reads inside the caller's block, as `fill` wrote.
+    (0..len)
+        .step_by(4096)
+        .all(|off| unsafe { *ptr.add(off) } == seed.wrapping_add((off / 4096) as u8))
+        && unsafe { *ptr.add(len - 1) } == seed ^ 0x5a
+}
+
+fn child() {
+    // Bookkeeping is reserved before the limit, so only the allocations under test can fail.
+    let mut global: Vec<(*mut u8, Layout, u8)> = Vec::with_capacity(4096);
+    let mut local_blocks: Vec<(std::ptr::NonNull<u8>, Layout, u8)> = Vec::with_capacity(4096);
+    let local = NumaGpuAlloc::new().cache_limit(0);
+    let limit = vm_size() + HEADROOM;
+    set_address_space_limit(limit);
+
+    // 1. The global allocator until it returns null.
+    let mut seed = 0u8;
+    let mut global_failures = 0;
+    for i in 0..4096 {
+        let size = [16 * MIB, 6 * MIB + 4096, 40 * MIB][i % 3];
+        let layout = Layout::from_size_align(size, 64).unwrap();
+        // SAFETY: non-zero size.
+        let p = unsafe { ALLOC.alloc(layout) };
+        if p.is_null() {
+            global_failures += 1;
+            if global_failures >= 3 {
+                break;
+            }
+            continue;
+        }
+        seed = seed.wrapping_add(1);
+        fill(p, size, seed);
+        global.push((p, layout, seed));
+    }
+    assert!(global_failures >= 3, "the limit was never reached");
+    assert!(!global.is_empty(), "nothing fitted under the limit");
+
+    // 2. A huge request, zeroed, and growing a Vec with try_reserve: errors, not aborts.
+    let huge = Layout::from_size_align(1 << 40, 4096).unwrap();
+    // SAFETY: non-zero size.
+    assert!(unsafe { ALLOC.alloc_zeroed(huge) }.is_null());
+    let mut v: Vec<u8> = Vec::new();
+    assert!(v.try_reserve_exact(HEADROOM * 2).is_err());
+
+    // 3. The allocator-api2 front end of another instance: AllocError. Free some global blocks
+    // first so that it gets some room, then exhaust it too.
+    for (p, layout, seed) in global.drain(..global.len() / 2) {
+        assert!(intact(p, layout.size(), seed));
+        // SAFETY: allocated above with this layout.
+        unsafe { ALLOC.dealloc(p, layout) };
+    }
+    ALLOC.trim();
+    let mut local_failures = 0;
+    for i in 0..4096 {
+        let size = [8 * MIB, 24 * MIB, 72 * MIB][i % 3]; // 72 MiB: populated by threads
+        let layout = Layout::from_size_align(size, 4096).unwrap();
+        match local.allocate(layout) {
+            Ok(p) => {
+                seed = seed.wrapping_add(1);
+                fill(p.cast::<u8>().as_ptr(), size, seed);
+                local_blocks.push((p.cast(), layout, seed));
+            }
+            Err(_) => {
+                local_failures += 1;
+                if local_failures >= 3 {
+                    break;
+                }
+            }
+        }
+    }
+    assert!(local_failures >= 3);
+    assert!(!local_blocks.is_empty());
+
+    // 4. Everything handed out is intact; freeing it all makes room again.
+    for &(p, layout, seed) in &global {
+        assert!(intact(p, layout.size(), seed), "global block corrupted");
+    }
+    for &(p, layout, seed) in &local_blocks {
+        assert!(
+            intact(p.as_ptr(), layout.size(), seed),
+            "local block corrupted"
+        );
+    }
+    let (global_stats, local_stats) = (ALLOC.stats(), local.stats());
+    for (p, layout, _) in global.drain(..) {
+        // SAFETY: allocated above with this layout.
+        unsafe { ALLOC.dealloc(p, layout) };
+    }
+    for (p, layout, _) in local_blocks.drain(..) {
+        // SAFETY: allocated above with this layout.
+        unsafe { local.deallocate(p, layout) };
+    }
+    ALLOC.trim();
+    let again = vec![3u8; 32 * MIB];
+    assert!(again.iter().all(|&b| b == 3));
+    drop(again);
+
+    for (name, s) in [("global", &global_stats), ("local", &local_stats)] {
+        println!("{name}:\n{s}");
+        assert!(s.fallbacks.failed_allocations >= 3, "{s}");
+        assert_eq!(
+            s.fallbacks.failed_allocations,
+            s.fallbacks.map_failures + s.fallbacks.populate_failures,
+            "{s}"
+        );
+        assert_eq!(s.cache_hits + s.cache_misses, s.large_allocations, "{s}");
+    }
+    assert_eq!(ALLOC.stats().live_bytes(), 0);
+    assert_eq!(local.stats().live_bytes(), 0);
+    println!("{CHILD_OK}");
+}
+
+#[test]
+fn address_space_exhaustion_fails_cleanly() {
+    if std::env::var_os(CHILD_VAR).is_some() {
+        return child();
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "address_space_exhaustion_fails_cleanly",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "1")
+        .env_remove("NUMA_GPU_ALLOC")
+        .output()
+        .expect("re-executing the test binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "child failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
+}

@@ -1,0 +1,422 @@
+//! Every placement step made to fail with `sys::fault`: each allocation either succeeds in its
+//! documented degraded mode or fails cleanly (null / `AllocError`), nothing panics, the stats count
+//! it by cause, and the accounting stays exact.
+//!
+//! Run with `cargo test --features fault-injection --test faults`. Injection is process-wide, so
+//! every test holds `SERIAL` and clears the faults before and after.
+#![cfg(feature = "fault-injection")]
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::{Mutex, MutexGuard};
+
+use allocator_api2::alloc::Allocator;
+use numa_gpu_alloc::sys::fault::{self, FaultPoint};
+use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, PinMode, Stats};
+
+const MIB: usize = 1 << 20;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Holds the lock and clears every fault on entry and exit (also when a test fails).
+struct Serial(#[allow(dead_code)] MutexGuard<'static, ()>);
+
+impl Drop for Serial {
+    fn drop(&mut self) {
+        fault::clear();
+    }
+}
+
+fn serial() -> Serial {
+    let guard = SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    fault::clear();
+    Serial(guard)
+}
+
+fn layout(size: usize) -> Layout {
+    Layout::from_size_align(size, 8).unwrap()
+}
+
+/// An allocator on node 0 (every Linux machine has it), pinning with fallback.
+fn local() -> NumaGpuAlloc {
+    NumaGpuAlloc::new().node(0)
+}
+
+/// Allocates `size` bytes, writes a pattern into every page, checks it, frees. Panics on failure.
+fn round_trip(alloc: &NumaGpuAlloc, size: usize, seed: u8) {
+    let l = layout(size);
+    let p = alloc.allocate(l).expect("allocation succeeds").cast::<u8>();
+    // SAFETY: the block is ours and `size` bytes long.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), size) };
+    for (i, b) in bytes.iter_mut().enumerate().step_by(4096) {
+        *b = seed.wrapping_add((i / 4096) as u8);
+    }
+    bytes[size - 1] = seed ^ 0x5a;
+    for (i, b) in bytes.iter().enumerate().step_by(4096) {
+        assert_eq!(*b, seed.wrapping_add((i / 4096) as u8));
+    }
+    assert_eq!(bytes[size - 1], seed ^ 0x5a);
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(p, l) };
+}
+
+/// The invariants every test ends with: nothing live, hits + misses = large allocations.
+fn assert_balanced(stats: &Stats) {
+    assert_eq!(stats.live_bytes(), 0, "{stats}");
+    assert!(stats.nodes.iter().all(|n| n.live_blocks == 0), "{stats}");
+    assert_eq!(
+        stats.cache_hits + stats.cache_misses,
+        stats.large_allocations,
+        "{stats}"
+    );
+    let fb = &stats.fallbacks;
+    assert!(
+        fb.bind_exhausted + fb.map_failures + fb.populate_failures <= fb.failed_allocations,
+        "{stats}"
+    );
+}
+
+#[test]
+fn mmap_enomem_fails_cleanly_then_recovers() {
+    let _serial = serial();
+    let alloc = local();
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    assert!(alloc.allocate(layout(4 * MIB)).is_err());
+    assert_eq!(fault::remaining(FaultPoint::Mmap), 0);
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.failed_allocations, 1);
+    assert_eq!(s.fallbacks.map_failures, 1);
+    assert_eq!((s.large_allocations, s.cache_misses), (1, 1));
+    assert_eq!(s.released_blocks, 0, "nothing was mapped");
+
+    // The GlobalAlloc front end answers null.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    // SAFETY: non-zero size.
+    let p = unsafe { GlobalAlloc::alloc(&alloc, layout(4 * MIB)) };
+    assert!(p.is_null());
+    // SAFETY: as above.
+    let p = unsafe { GlobalAlloc::alloc_zeroed(&alloc, layout(4 * MIB)) };
+    assert!(!p.is_null(), "the fault was consumed: the next one works");
+    // SAFETY: allocated above with this layout.
+    unsafe { GlobalAlloc::dealloc(&alloc, p, layout(4 * MIB)) };
+
+    round_trip(&alloc, 4 * MIB, 1);
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.failed_allocations, 2);
+    assert_eq!(s.fallbacks.map_failures, 2);
+    assert_eq!(s.frees, 2);
+    assert_balanced(&s);
+}
+
+#[test]
+fn mmap_failure_during_realloc_keeps_the_old_block() {
+    let _serial = serial();
+    let alloc = local();
+    let old = layout(3 * MIB);
+    let p = alloc.allocate(old).unwrap().cast::<u8>();
+    // SAFETY: ours, 3 MiB long.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xc3, old.size()) };
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    let new = layout(40 * MIB);
+    // SAFETY: p is live with `old`; new.size() >= old.size().
+    assert!(unsafe { alloc.grow(p, old, new) }.is_err());
+    // SAFETY: still ours and intact.
+    let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), old.size()) };
+    assert!(bytes.iter().all(|&b| b == 0xc3));
+    // SAFETY: as above.
+    unsafe { alloc.deallocate(p, old) };
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.map_failures, 1);
+    assert_balanced(&s);
+}
+
+fn mbind_refused(errno: i32) {
+    let _serial = serial();
+    let alloc = local().verify(true);
+    fault::inject(FaultPoint::Mbind, errno, 1);
+    round_trip(&alloc, 4 * MIB, 2);
+    let s = alloc.stats();
+    assert_eq!(
+        s.numa_unavailable,
+        Some(Error::NumaUnavailable {
+            call: "mbind",
+            errno
+        })
+    );
+    assert_eq!(s.fallbacks.unplaced_blocks, 1);
+    assert_eq!(s.fallbacks.failed_allocations, 0);
+    assert_eq!(s.pages_checked, 0, "unplaced blocks are not checked");
+    assert!(!alloc.placement().numa_placement);
+    // Sticky: later blocks go unplaced without asking the kernel again (the fault is gone).
+    round_trip(&alloc, 8 * MIB, 3);
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.unplaced_blocks, 2);
+    assert_eq!(s.frees, 2);
+    assert_balanced(&s);
+    let text = s.to_string();
+    assert!(text.contains("NUMA unavailable: "), "{text}");
+    assert!(text.contains("mbind"), "{text}");
+}
+
+#[test]
+fn mbind_eperm_falls_back_to_unplaced_blocks() {
+    mbind_refused(libc::EPERM);
+}
+
+#[test]
+fn mbind_enosys_falls_back_to_unplaced_blocks() {
+    mbind_refused(libc::ENOSYS);
+}
+
+#[test]
+fn mbind_einval_fails_cleanly() {
+    let _serial = serial();
+    for policy in [MemPolicy::Preferred, MemPolicy::Bind, MemPolicy::Interleave] {
+        let alloc = local().policy(policy);
+        fault::inject(FaultPoint::Mbind, libc::EINVAL, 1);
+        assert!(alloc.allocate(layout(4 * MIB)).is_err(), "{policy:?}");
+        let s = alloc.stats();
+        assert_eq!(s.numa_unavailable, None, "EINVAL is not 'NUMA unavailable'");
+        assert_eq!(s.fallbacks.failed_allocations, 1);
+        assert_eq!(s.fallbacks.unplaced_blocks, 0);
+        assert_eq!(s.released_blocks, 1, "the mapping was given back");
+        assert!(alloc.placement().numa_placement);
+        round_trip(&alloc, 4 * MIB, 4);
+        assert_balanced(&alloc.stats());
+    }
+}
+
+#[test]
+fn populate_enomem_fails_cleanly() {
+    let _serial = serial();
+    let alloc = local();
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
+    assert!(alloc.allocate_zeroed(layout(4 * MIB)).is_err());
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.populate_failures, 1);
+    assert_eq!(s.fallbacks.failed_allocations, 1);
+    assert_eq!(s.released_blocks, 1);
+    round_trip(&alloc, 4 * MIB, 5);
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn populate_enomem_in_one_of_several_threads_fails_the_block() {
+    let _serial = serial();
+    // 64 MiB and more are populated by several threads; one failing chunk fails the block.
+    let alloc = local().populate_threads(4);
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
+    assert!(alloc.allocate(layout(64 * MIB)).is_err());
+    assert_eq!(fault::remaining(FaultPoint::Populate), 0);
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, u32::MAX);
+    assert!(alloc.allocate(layout(96 * MIB)).is_err());
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 0);
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.populate_failures, 2);
+    assert_eq!(s.fallbacks.failed_allocations, 2);
+    assert_eq!(s.released_blocks, 2);
+    round_trip(&alloc, 64 * MIB, 6);
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn move_pages_eperm_with_verify_skips_the_check() {
+    let _serial = serial();
+    let alloc = local().verify(true);
+    round_trip(&alloc, 4 * MIB, 7);
+    let checked = alloc.stats().pages_checked;
+    assert!(checked > 0, "verify=on checks pages when move_pages works");
+    alloc.trim();
+    fault::inject(FaultPoint::MovePages, libc::EPERM, u32::MAX);
+    round_trip(&alloc, 4 * MIB, 8);
+    let s = alloc.stats();
+    assert_eq!(s.pages_checked, checked, "nothing more could be checked");
+    assert_eq!(s.fallbacks.failed_allocations, 0);
+    assert_eq!(s.numa_unavailable, None, "placement itself still works");
+    assert!(alloc.placement().numa_placement);
+    assert_balanced(&s);
+}
+
+#[test]
+fn move_pages_eperm_with_policy_bind() {
+    let _serial = serial();
+    let alloc = local().policy(MemPolicy::Bind);
+    round_trip(&alloc, 4 * MIB, 9);
+    assert!(alloc.stats().pages_checked > 0);
+    alloc.trim();
+    fault::inject(FaultPoint::MovePages, libc::EPERM, u32::MAX);
+    // Docker with CAP_SYS_NICE: mbind works, move_pages is refused. The kernel checks instead
+    // (mbind MPOL_BIND with MPOL_MF_STRICT); every page is on node 0, so the block is served.
+    round_trip(&alloc, 4 * MIB, 10);
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.failed_allocations, 0, "{s}");
+    assert_eq!(s.fallbacks.bind_exhausted, 0, "{s}");
+    assert_eq!(s.numa_unavailable, None);
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn move_pages_einval_with_verify_fails_cleanly() {
+    let _serial = serial();
+    let alloc = local().verify(true);
+    fault::inject(FaultPoint::MovePages, libc::EINVAL, 1);
+    assert!(alloc.allocate(layout(4 * MIB)).is_err());
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.failed_allocations, 1);
+    assert_eq!(s.released_blocks, 1);
+    round_trip(&alloc, 4 * MIB, 10);
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn registration_failure_under_fallback_keeps_the_block_unpinned() {
+    let _serial = serial();
+    let alloc = local().pin(PinMode::Fallback);
+    fault::inject(FaultPoint::Register, 2, 1); // CUDA_ERROR_OUT_OF_MEMORY
+    round_trip(&alloc, 4 * MIB, 11);
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.pin_failures, 1);
+    assert_eq!(s.fallbacks.unpinned_blocks, 1);
+    assert_eq!(s.fallbacks.failed_allocations, 0);
+    assert_eq!(s.pin_failures_by_code.len(), 1);
+    assert_eq!(s.pin_failures_by_code[0].code, 2);
+    assert_eq!(s.pin_failures_by_code[0].name, "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(s.pin_failures_by_code[0].count, 1);
+    assert_eq!(s.pinned_bytes(), 0);
+    assert_eq!(s.registrations, 0);
+    let text = s.to_string();
+    assert!(
+        text.contains("pin failure CUDA_ERROR_OUT_OF_MEMORY (2): 1"),
+        "{text}"
+    );
+    assert_balanced(&s);
+}
+
+#[test]
+fn registration_failure_under_strict_fails_the_allocation() {
+    let _serial = serial();
+    let alloc = local().pin(PinMode::Strict);
+    fault::inject(FaultPoint::Register, 800, 1); // CUDA_ERROR_NOT_PERMITTED
+    assert!(alloc.allocate(layout(4 * MIB)).is_err());
+    fault::inject(FaultPoint::Register, 12345, 1); // a code nobody knows
+                                                   // SAFETY: non-zero size.
+    assert!(unsafe { GlobalAlloc::alloc(&alloc, layout(4 * MIB)) }.is_null());
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.pin_failures, 2);
+    assert_eq!(s.fallbacks.failed_allocations, 2);
+    assert_eq!(s.fallbacks.unpinned_blocks, 0);
+    assert_eq!(s.released_blocks, 2, "both mappings were given back");
+    let codes: Vec<(u32, &str)> = s
+        .pin_failures_by_code
+        .iter()
+        .map(|c| (c.code, c.name))
+        .collect();
+    assert_eq!(
+        codes,
+        [
+            (800, "CUDA_ERROR_NOT_PERMITTED"),
+            (12345, "CUDA_ERROR_UNRECOGNIZED")
+        ]
+    );
+    // No GPU here: without a fault a strict allocator hands out unpinned blocks.
+    round_trip(&alloc, 4 * MIB, 12);
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn registration_fault_is_ignored_with_pinning_off() {
+    let _serial = serial();
+    let alloc = local().pin(PinMode::Off);
+    fault::inject(FaultPoint::Register, 2, 1);
+    round_trip(&alloc, 4 * MIB, 13);
+    assert_eq!(
+        fault::remaining(FaultPoint::Register),
+        1,
+        "never registered"
+    );
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.pin_failures, 0);
+    assert_balanced(&s);
+}
+
+#[test]
+fn cached_blocks_skip_the_failing_steps() {
+    let _serial = serial();
+    let alloc = local();
+    round_trip(&alloc, 4 * MIB, 14);
+    // A cached block is reused without mmap, mbind, populate or registration.
+    for point in [
+        FaultPoint::Mmap,
+        FaultPoint::Mbind,
+        FaultPoint::Populate,
+        FaultPoint::MovePages,
+        FaultPoint::Register,
+    ] {
+        fault::inject(point, libc::ENOMEM, u32::MAX);
+    }
+    round_trip(&alloc, 4 * MIB, 15);
+    let s = alloc.stats();
+    assert_eq!((s.cache_hits, s.cache_misses), (1, 1));
+    assert_eq!(s.fallbacks.failed_allocations, 0);
+    // A size the cache cannot serve now fails, cleanly.
+    assert!(alloc.allocate(layout(32 * MIB)).is_err());
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn every_fault_in_turn_under_load_keeps_exact_accounting() {
+    let _serial = serial();
+    let alloc = local().verify(true).cache_limit(16 * MIB);
+    let faults = [
+        (FaultPoint::Mmap, libc::ENOMEM),
+        (FaultPoint::Mbind, libc::EINVAL),
+        (FaultPoint::Populate, libc::ENOMEM),
+        (FaultPoint::MovePages, libc::EINVAL),
+        (FaultPoint::MovePages, libc::EPERM),
+        (FaultPoint::Register, 2),
+        (FaultPoint::Mbind, libc::EPERM), // last: placement stays off afterwards
+    ];
+    let mut held = Vec::new();
+    let (mut ok, mut failed) = (0u64, 0u64);
+    for (round, &(point, errno)) in faults.iter().enumerate() {
+        fault::inject(point, errno, 1);
+        for i in 0..6 {
+            let size = (2 + (round + i) % 7) * MIB + i * 4096;
+            match alloc.allocate(layout(size)) {
+                Ok(p) => {
+                    ok += 1;
+                    held.push((p.cast::<u8>(), size));
+                }
+                Err(_) => failed += 1,
+            }
+        }
+        // Free every other block: the cache fills, evicts and serves later rounds.
+        let mut keep = Vec::new();
+        for (i, (p, size)) in held.drain(..).enumerate() {
+            if i % 2 == 0 {
+                // SAFETY: allocated above with this layout.
+                unsafe { alloc.deallocate(p, layout(size)) };
+            } else {
+                keep.push((p, size));
+            }
+        }
+        held = keep;
+    }
+    let s = alloc.stats();
+    assert_eq!(s.large_allocations, ok + failed, "{s}");
+    assert_eq!(s.fallbacks.failed_allocations, failed, "{s}");
+    let live: usize = s.nodes.iter().map(|n| n.live_blocks).sum();
+    assert_eq!(live, held.len(), "{s}");
+    for (p, size) in held.drain(..) {
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(p, layout(size)) };
+    }
+    let s = alloc.stats();
+    assert_eq!(s.frees, ok);
+    assert_balanced(&s);
+    alloc.trim();
+    let s = alloc.stats();
+    assert_eq!(s.cached_bytes(), 0);
+    assert!(s.numa_unavailable.is_some());
+}

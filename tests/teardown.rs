@@ -1,0 +1,160 @@
+//! Teardown: threads that exit holding live or cached blocks (freed by thread-local destructors,
+//! during thread teardown), allocators dropped with blocks outstanding, and processes that exit
+//! with blocks live, cached, or in the middle of being allocated. Nothing may crash.
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::process::Command;
+use std::sync::{Arc, Barrier};
+
+use allocator_api2::alloc::Allocator;
+use numa_gpu_alloc::NumaGpuAlloc;
+
+#[global_allocator]
+static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(64 << 20);
+
+const MIB: usize = 1 << 20;
+const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_TEARDOWN_CHILD";
+
+/// Frees its blocks when the thread's locals are destroyed, i.e. during thread exit.
+struct FreedAtExit(Vec<Vec<u8>>);
+
+impl Drop for FreedAtExit {
+    fn drop(&mut self) {
+        for (i, v) in self.0.iter().enumerate() {
+            assert!(v.iter().step_by(4096).all(|&b| b == i as u8));
+        }
+        // Allocating during teardown works too (goes wherever the size says).
+        let late = vec![0xeeu8; 3 * MIB];
+        assert_eq!(late[3 * MIB - 1], 0xee);
+    }
+}
+
+thread_local! {
+    static HELD: RefCell<Option<FreedAtExit>> = const { RefCell::new(None) };
+}
+
+#[test]
+fn threads_exit_holding_live_and_cached_blocks() {
+    let threads = 8;
+    let barrier = Arc::new(Barrier::new(threads));
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                // Blocks freed now go to the cache; the ones kept are freed at thread exit.
+                for round in 0..4 {
+                    let v = vec![round as u8; (2 + (t + round) % 5) * MIB];
+                    drop(v);
+                }
+                let kept: Vec<Vec<u8>> = (0..3).map(|i| vec![i as u8; (3 + t) * MIB]).collect();
+                HELD.with(|h| *h.borrow_mut() = Some(FreedAtExit(kept)));
+                barrier.wait(); // every thread exits at once: contended frees in teardown
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("a thread panicked in teardown");
+    }
+    let s = ALLOC.stats();
+    assert_eq!(s.fallbacks.failed_allocations, 0, "{s}");
+    assert_eq!(s.cache_hits + s.cache_misses, s.large_allocations, "{s}");
+    // Other tests of this binary run child processes only; this one owns the counters.
+    assert_eq!(s.live_bytes(), 0, "{s}");
+    assert_eq!(s.frees, s.large_allocations, "{s}");
+    ALLOC.trim();
+    assert_eq!(ALLOC.stats().cached_bytes(), 0);
+}
+
+#[test]
+fn dropping_an_allocator_with_blocks_outstanding() {
+    let layout = Layout::from_size_align(4 * MIB, 4096).unwrap();
+    let leaked;
+    {
+        let alloc = NumaGpuAlloc::new().node(0);
+        let cached = alloc.allocate(layout).unwrap();
+        leaked = alloc.allocate(layout).unwrap().cast::<u8>();
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(cached.cast(), layout) };
+        assert_eq!(alloc.stats().cached_bytes(), 4 * MIB);
+        // Dropped here: the cached block is released, the live one stays mapped.
+    }
+    // The live block outlives its allocator (a leak, by design, not a crash): still writable.
+    // SAFETY: the mapping was never unmapped.
+    unsafe { std::ptr::write_bytes(leaked.as_ptr(), 1, layout.size()) };
+}
+
+/// What the child does before it exits.
+fn child(mode: &str) {
+    // Live blocks of the global allocator, and cached ones.
+    let live: Vec<Vec<u8>> = (0..4).map(|i| vec![i as u8; 5 * MIB]).collect();
+    drop(vec![9u8; 7 * MIB]);
+    // A local allocator in a static, never dropped, with a live and a cached block.
+    static LOCAL: NumaGpuAlloc = NumaGpuAlloc::new().verify(true);
+    let layout = Layout::from_size_align(6 * MIB, 64).unwrap();
+    let kept = LOCAL.allocate(layout).unwrap();
+    let freed = LOCAL.allocate(layout).unwrap();
+    // SAFETY: allocated above with this layout.
+    unsafe { LOCAL.deallocate(freed.cast(), layout) };
+    // Threads that are allocating, freeing or holding blocks when the process goes away.
+    let barrier = Arc::new(Barrier::new(5));
+    for t in 0..4 {
+        let barrier = Arc::clone(&barrier);
+        std::thread::spawn(move || {
+            let mut held = vec![t as u8; 3 * MIB];
+            barrier.wait();
+            loop {
+                let v = vec![t as u8; (2 + t) * MIB + 4096];
+                held = v;
+                std::hint::black_box(&held);
+            }
+        });
+    }
+    barrier.wait();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    println!("child {mode}: exiting with blocks outstanding");
+    std::hint::black_box((&live, kept));
+    match mode {
+        "exit" => std::process::exit(0),
+        "exit-from-thread" => {
+            let exiter = std::thread::spawn(|| std::process::exit(0));
+            let _ = exiter.join();
+            unreachable!("process::exit returned");
+        }
+        // Return normally from the test: libtest ends the process with the threads running.
+        _ => {
+            std::mem::forget(live);
+        }
+    }
+}
+
+#[test]
+fn processes_exit_with_blocks_outstanding() {
+    if let Some(mode) = std::env::var_os(CHILD_VAR) {
+        return child(&mode.to_string_lossy());
+    }
+    for mode in ["exit", "exit-from-thread", "return"] {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "processes_exit_with_blocks_outstanding",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_VAR, mode)
+            .env_remove("NUMA_GPU_ALLOC")
+            .output()
+            .expect("re-executing the test binary");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "child {mode} failed: {}\n{stdout}\n{stderr}",
+            out.status
+        );
+        assert!(
+            stdout.contains(&format!("child {mode}: exiting")),
+            "{stdout}\n{stderr}"
+        );
+    }
+}
