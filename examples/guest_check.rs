@@ -380,7 +380,19 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         "none" | "" => Ok(None),
         _ => num(&v).map(Some),
     };
+    const FLAGS: &[&str] = &[
+        "--topology",
+        "--numactl",
+        "--device",
+        "--expect-home",
+        "--expect-host",
+        "--unknown-device",
+        "--sysfs",
+    ];
     while let Some(flag) = it.next() {
+        if !FLAGS.contains(&flag.as_str()) {
+            return Err(format!("unknown argument {flag:?}"));
+        }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--topology" => args.topology = value,
@@ -390,7 +402,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--expect-host" => args.expect_host = node(value)?,
             "--unknown-device" => args.unknown_device = Some(value).filter(|v| !v.is_empty()),
             "--sysfs" => args.sysfs = value.into(),
-            _ => return Err(format!("unknown argument {flag}")),
+            _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
     Ok(args)

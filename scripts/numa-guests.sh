@@ -16,7 +16,10 @@
 # What it needs (installed with apt-get when missing, Debian 12 or later): qemu-system-x86,
 # busybox-static, cpio, numactl, and the vmlinuz of linux-image-cloud-amd64, which is fetched
 # with `apt-get download` and unpacked into the cache instead of being installed, so the host's
-# /boot and initramfs-tools are left alone. Logs and the initramfs go to guest/build/.
+# /boot and initramfs-tools are left alone. Where bookworm's QEMU 7.2 would have apt remove
+# something (a qemu-utils from bookworm-backports is installed), bookworm-backports is added to
+# /etc/apt/sources.list.d/ and QEMU 10 is taken from there. Logs and the initramfs go to
+# guest/build/ (git-ignored): <topology>.log is the guest's serial console.
 #
 # Exit status: 0 when every guest printed the expected lines; 1 otherwise (a FAIL line, a diff
 # against guest/expected/, a crash, or a timeout); 2 for a setup error.
@@ -109,11 +112,15 @@ ensure_packages() {
     if ! apt-cache show "${missing[@]}" >/dev/null 2>&1; then
         as_root apt-get update -q >&2
     fi
-    if ! apt_install "${missing[@]}" >&2; then
-        log "plain install failed (conflict?); retrying QEMU from bookworm-backports"
-        add_backports || die "apt-get install ${missing[*]} failed"
+    # Dry run first: where the distribution's QEMU would remove something (a newer qemu-utils
+    # from backports), take QEMU from backports too instead.
+    if apt_install -s "${missing[@]}" >/dev/null 2>&1; then
+        apt_install "${missing[@]}" >&2 || die "apt-get install ${missing[*]} failed"
+    else
+        log "apt-get would have to remove packages; taking QEMU from bookworm-backports"
+        add_backports || die "apt-get install ${missing[*]} conflicts with installed packages"
         apt_install -t bookworm-backports "${missing[@]}" >&2 ||
-            die "apt-get install ${missing[*]} failed"
+            die "apt-get install -t bookworm-backports ${missing[*]} failed"
     fi
     log "installed in $(elapsed "$t0") s"
 }
@@ -170,10 +177,8 @@ ensure_kernel() {
 ensure_packages
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found"
 VMLINUZ=$(ensure_kernel)
-BUSYBOX=/bin/busybox
-file_is_static() { ! ldd "$1" >/dev/null 2>&1; }
-[ -x "$BUSYBOX" ] && file_is_static "$BUSYBOX" || BUSYBOX=$(command -v busybox || true)
-[ -x "$BUSYBOX" ] || die "busybox not found (package busybox-static)"
+BUSYBOX=/bin/busybox # from busybox-static; a dynamic busybox works too (its libraries are copied)
+[ -x "$BUSYBOX" ] || BUSYBOX=$(command -v busybox) || die "busybox not found (package busybox-static)"
 NUMACTL=$(command -v numactl) || die "numactl not found"
 
 # --- 2. Guest program and initramfs --------------------------------------------------------
@@ -184,7 +189,9 @@ log "building examples/guest_check (release)"
     log "error: cargo build --release --example guest_check failed"
     exit 2
 }
-GUEST_CHECK="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/guest_check"
+TARGET_DIR=${CARGO_TARGET_DIR:-target}
+[[ "$TARGET_DIR" == /* ]] || TARGET_DIR="$ROOT/$TARGET_DIR"
+GUEST_CHECK="$TARGET_DIR/release/examples/guest_check"
 [ -x "$GUEST_CHECK" ] || die "built binary not found at $GUEST_CHECK"
 
 RD="$BUILD/rootfs"
@@ -196,8 +203,8 @@ install -m 0755 "$NUMACTL" "$RD/bin/numactl"
 install -m 0755 "$GUEST_CHECK" "$RD/guest_check"
 # Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
 # directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
-for bin in "$NUMACTL" "$GUEST_CHECK"; do
-    ldd "$bin" | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
+for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK"; do
+    { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
 done | sort -u | while read -r lib; do
     mkdir -p "$RD$(dirname "$lib")"
     cp -L "$lib" "$RD$lib"
