@@ -91,7 +91,10 @@ impl Runtime {
                 self.counters.unplaced_blocks.incr();
                 Ok(false)
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                self.counters.placement_failures.incr();
+                Err(e)
+            }
         }
     }
 
@@ -124,10 +127,19 @@ impl Runtime {
                 self.counters.pages_misplaced.add(misplaced);
             }
             // A kernel that refuses move_pages (seccomp) cannot check; placement itself worked.
-            Err(Error::NumaUnavailable { .. }) if !bind => return Ok(()),
+            Err(Error::NumaUnavailable { .. }) if !bind => {
+                self.counters.unverified_blocks.incr();
+                return Ok(());
+            }
             // Containers allowed mbind (CAP_SYS_NICE) still refuse move_pages: let mbind check.
-            Err(Error::NumaUnavailable { .. }) => strict = true,
-            Err(e) => return Err(e),
+            Err(Error::NumaUnavailable { .. }) => {
+                self.counters.unverified_blocks.incr();
+                strict = true;
+            }
+            Err(e) => {
+                self.counters.placement_failures.incr();
+                return Err(e);
+            }
         }
         if bind {
             let exhausted = Error::Syscall {

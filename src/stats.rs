@@ -111,6 +111,8 @@ pub(crate) struct Counters {
     pub(crate) bind_exhausted: Counter,
     pub(crate) map_failures: Counter,
     pub(crate) populate_failures: Counter,
+    pub(crate) placement_failures: Counter,
+    pub(crate) unverified_blocks: Counter,
     pub(crate) foreign_frees: Counter,
     pub(crate) released_blocks: Counter,
     pub(crate) in_place_reallocs: Counter,
@@ -151,6 +153,8 @@ impl Counters {
             bind_exhausted: self.bind_exhausted.get(),
             map_failures: self.map_failures.get(),
             populate_failures: self.populate_failures.get(),
+            placement_failures: self.placement_failures.get(),
+            unverified_blocks: self.unverified_blocks.get(),
             foreign_frees: self.foreign_frees.get(),
         };
     }
@@ -195,6 +199,12 @@ pub struct Fallbacks {
     pub map_failures: u64,
     /// Of those: populating failed (out of memory).
     pub populate_failures: u64,
+    /// Of those: `mbind` or the page check failed for another reason than NUMA being unavailable
+    /// (e.g. EINVAL for a node the kernel does not have).
+    pub placement_failures: u64,
+    /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
+    /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
+    pub unverified_blocks: u64,
     /// Large frees of pointers this allocator did not hand out (made while inside the
     /// allocator, so served by the system allocator); passed on to the system allocator.
     pub foreign_frees: u64,
@@ -353,14 +363,16 @@ impl fmt::Display for Stats {
         let fb = &self.fallbacks;
         writeln!(
             f,
-            "fallbacks: unplaced {}, unpinned {}, pin failures {}, failed allocations {} \
-             (bind exhausted {}, mmap {}, populate {}), foreign frees {}",
+            "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, failed \
+             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}), foreign frees {}",
             fb.unplaced_blocks,
             fb.unpinned_blocks,
+            fb.unverified_blocks,
             fb.pin_failures,
             fb.failed_allocations,
             fb.bind_exhausted,
             fb.map_failures,
+            fb.placement_failures,
             fb.populate_failures,
             fb.foreign_frees
         )?;

@@ -179,6 +179,7 @@ fn mbind_einval_fails_cleanly() {
         let s = alloc.stats();
         assert_eq!(s.numa_unavailable, None, "EINVAL is not 'NUMA unavailable'");
         assert_eq!(s.fallbacks.failed_allocations, 1);
+        assert_eq!(s.fallbacks.placement_failures, 1, "counted by cause");
         assert_eq!(s.fallbacks.unplaced_blocks, 0);
         assert_eq!(s.released_blocks, 1, "the mapping was given back");
         assert!(alloc.placement().numa_placement);
@@ -232,6 +233,7 @@ fn move_pages_eperm_with_verify_skips_the_check() {
     round_trip(&alloc, 4 * MIB, 8);
     let s = alloc.stats();
     assert_eq!(s.pages_checked, checked, "nothing more could be checked");
+    assert_eq!(s.fallbacks.unverified_blocks, 1, "the skipped check is counted");
     assert_eq!(s.fallbacks.failed_allocations, 0);
     assert_eq!(s.numa_unavailable, None, "placement itself still works");
     assert!(alloc.placement().numa_placement);
@@ -252,6 +254,7 @@ fn move_pages_eperm_with_policy_bind() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 0, "{s}");
     assert_eq!(s.fallbacks.bind_exhausted, 0, "{s}");
+    assert_eq!(s.fallbacks.unverified_blocks, 1, "{s}");
     assert_eq!(s.numa_unavailable, None);
     assert_balanced(&alloc.stats());
 }
@@ -264,6 +267,7 @@ fn move_pages_einval_with_verify_fails_cleanly() {
     assert!(alloc.allocate(layout(4 * MIB)).is_err());
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 1);
+    assert_eq!(s.fallbacks.placement_failures, 1);
     assert_eq!(s.released_blocks, 1);
     round_trip(&alloc, 4 * MIB, 10);
     assert_balanced(&alloc.stats());
