@@ -10,9 +10,6 @@
 //! the checks below allocate too. Callers inside the allocator run this code under the allocator's
 //! re-entrancy flag, so those allocations go to the system allocator.
 
-// Parts of this API are only used by some front ends and by tests.
-
-
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::ptr::NonNull;
 use std::sync::OnceLock;

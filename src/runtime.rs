@@ -181,14 +181,7 @@ fn resolve_target(
         if let GpuSelector::Pci(addr) = selector {
             resolved.gpu_pci = Some(addr);
         }
-        let opened = if cuda::driver_present() {
-            Gpu::open(selector)
-        } else {
-            Err(Error::CudaUnavailable {
-                reason: "libcuda could not be loaded or initialised",
-            })
-        };
-        match opened {
+        match Gpu::open(selector) {
             Ok(gpu) => {
                 resolved.home_node = gpu.home_node(root).unwrap_or_else(|e| {
                     errors.push(e);
