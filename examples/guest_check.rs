@@ -8,7 +8,7 @@
 //! ```text
 //! guest_check --topology NAME --numactl FILE --device DDDD:BB:DD.F
 //!             --expect-home NODE --expect-host NODE [--unknown-device DDDD:BB:DD.F]
-//!             [--sysfs /sys]
+//!             [--alloc-report FILE] [--sysfs /sys]
 //! ```
 //!
 //! * `--numactl`: the saved `numactl --hardware` output, the reference for node ids, CPUs,
@@ -17,7 +17,16 @@
 //! * `--expect-home`: the node that device's `numa_node` must report;
 //! * `--expect-host`: the node the crate must choose for host buffers (nearest node with memory);
 //! * `--unknown-device`: a device whose `numa_node` is -1 (on a bus without a proximity
-//!   domain), for which the crate must report no node.
+//!   domain), for which the crate must report no node;
+//! * `--alloc-report`: what `examples/guest_alloc.rs` (the allocator as `#[global_allocator]`,
+//!   run by `guest/init` with `NUMA_GPU_ALLOC=gpu=pci:<device>`) printed, followed by the line
+//!   `exit rc=N`; its `PASS`/`FAIL` lines join this table.
+//!
+//! The allocator checks make their own `NumaGpuAlloc` values (`.node(N)`, `.policy(..)`) and use
+//! them through allocator-api2: one per node with memory, an interleaved block, two handles on
+//! two nodes, and `policy=bind` on a node too small for the request (a clean `AllocError`) next
+//! to `preferred` with `verify` (success, misplaced pages counted). `NUMA_GPU_ALLOC` would
+//! override their settings, so this program removes it from its own environment first.
 //!
 //! It also runs on an ordinary machine (any NUMA layout, even one node) with
 //! `--expect-home`/`--expect-host none`, which skips the PCI expectations.
@@ -25,18 +34,30 @@
 //! Checks come from the [`GROUPS`] table; adding a kind of check is adding a function there.
 //! Nothing here panics on what the guest reports: every surprise becomes a `FAIL` line.
 
+use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::ptr::NonNull;
 
+use allocator_api2::alloc::Allocator;
+use allocator_api2::vec::Vec as AVec;
 use numa_gpu_alloc::pci::{self, PciAddress};
 use numa_gpu_alloc::sys::{self, MbindFlags, MemPolicy, NodeMask};
-use numa_gpu_alloc::NumaTopology;
+use numa_gpu_alloc::{NumaGpuAlloc, NumaTopology, Stats};
 
+const MIB: usize = 1 << 20;
 /// Bytes mapped, bound and populated per node by the placement checks.
-const PLACEMENT_BYTES: usize = 16 << 20;
+const PLACEMENT_BYTES: usize = 16 * MIB;
+/// Bytes of the block each per-node allocator hands out.
+const NODE_BYTES: usize = 8 * MIB;
+/// Bytes of the interleaved block.
+const INTERLEAVE_BYTES: usize = 64 * MIB;
+/// How far the `policy=bind` request exceeds the node's free memory.
+const BIND_EXCESS: usize = 48 * MIB;
+/// Free memory the other nodes must keep beyond what spills onto them.
+const BIND_MARGIN: usize = 64 * MIB;
 
 /// The result of one check.
 enum Outcome {
@@ -86,6 +107,7 @@ struct Args {
     expect_home: Option<usize>,
     expect_host: Option<usize>,
     unknown_device: Option<String>,
+    alloc_report: Option<PathBuf>,
     sysfs: PathBuf,
 }
 
@@ -166,8 +188,7 @@ struct Ctx {
 /// A group of checks: returns one [`Check`] per line it wants printed.
 type Group = fn(&Ctx) -> Vec<Check>;
 
-/// The checks, in the order they run. Step 3 (the allocator as `#[global_allocator]`) adds its
-/// groups here.
+/// The checks, in the order they run.
 const GROUPS: &[Group] = &[
     inputs,
     topology_nodes,
@@ -175,6 +196,11 @@ const GROUPS: &[Group] = &[
     pci_home,
     host_node,
     placement,
+    global_allocator,
+    node_allocators,
+    interleave,
+    two_handles,
+    bind_exhausted,
 ];
 
 /// The inputs are usable: numactl's output parsed and the crate read the topology.
@@ -366,6 +392,492 @@ fn place_on(node: usize) -> Result<sys::PageCensus, String> {
     }
 }
 
+/// The allocator as `#[global_allocator]`: the lines `guest_alloc` printed, and its exit status
+/// (`exit rc=N`, appended by `guest/init`). Nothing when `--alloc-report` was not given.
+fn global_allocator(cx: &Ctx) -> Vec<Check> {
+    let Some(path) = &cx.args.alloc_report else {
+        return Vec::new();
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            let got = format!("{}: {e}", path.display());
+            return vec![Check::fail("global", "guest_alloc's report", got)];
+        }
+    };
+    let (mut out, mut summary, mut rc) = (Vec::new(), false, None);
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix("PASS ") {
+            out.push(Check::pass(name));
+        } else if let Some(rest) = line.strip_prefix("FAIL ") {
+            // `name: expected X, got Y`, printed again as it came.
+            let (name, detail) = rest.split_once(": ").unwrap_or((rest, ""));
+            let detail = detail.strip_prefix("expected ").unwrap_or(detail);
+            let (expected, got) = detail.split_once(", got ").unwrap_or((detail, "?"));
+            out.push(Check::fail(name, expected, got));
+        } else if line.starts_with("global: ") {
+            summary = true;
+        } else if let Some(code) = line.strip_prefix("exit rc=") {
+            rc = Some(code.trim().to_owned());
+        }
+    }
+    out.push(Check::eq("global.completed", true, summary));
+    out.push(Check::eq("global.exit", Some("0".to_owned()), rc));
+    out
+}
+
+/// The nodes numactl reports memory for.
+fn memory_nodes(n: &Numactl) -> Vec<usize> {
+    n.nodes
+        .iter()
+        .copied()
+        .filter(|id| n.size_mb.get(id).is_some_and(|&mb| mb > 0))
+        .collect()
+}
+
+/// Where the allocator checks put their blocks: the expected host node, else the first node
+/// with memory.
+fn target_node(cx: &Ctx, n: &Numactl) -> Option<usize> {
+    cx.args
+        .expect_host
+        .or_else(|| memory_nodes(n).first().copied())
+}
+
+/// The crate's capacity for a request of `size` bytes: 8 size classes per power of two, whole
+/// pages (as `class_size` in src/arena.rs).
+fn class_size(size: usize) -> usize {
+    let size = size.max(1);
+    let octave = usize::BITS - 1 - size.leading_zeros();
+    let step = (1usize << octave.saturating_sub(3)).max(sys::page_size());
+    size.next_multiple_of(step)
+}
+
+/// A vector of `bytes` bytes from `alloc`, filled with `byte`; `Err` when the allocator refused.
+fn filled(alloc: &NumaGpuAlloc, bytes: usize, byte: u8) -> Result<AVec<u8, &NumaGpuAlloc>, String> {
+    let mut v = AVec::new_in(alloc);
+    v.try_reserve_exact(bytes).map_err(|e| format!("{e:?}"))?;
+    v.resize(bytes, byte);
+    Ok(v)
+}
+
+/// The pages of a live block by node (negative keys: `-errno`, not present).
+fn page_counts(ptr: *const u8, len: usize) -> Result<BTreeMap<i32, usize>, String> {
+    let ptr = NonNull::new(ptr.cast_mut()).ok_or("a null pointer")?;
+    let mut counts = BTreeMap::new();
+    // SAFETY: `ptr..ptr+len` lies in a live large block of this process (page-aligned, mapped);
+    // move_pages without target nodes only reads the page tables.
+    unsafe { sys::page_nodes(ptr, len, |_, node| *counts.entry(node).or_default() += 1) }
+        .map_err(|e| format!("move_pages: {e}"))?;
+    Ok(counts)
+}
+
+fn describe_counts(counts: &BTreeMap<i32, usize>) -> String {
+    let parts: Vec<String> = counts
+        .iter()
+        .map(|(&node, pages)| match node {
+            0.. => format!("{pages} on node {node}"),
+            _ => format!("{pages} absent (errno {})", -node),
+        })
+        .collect();
+    parts.join(", ")
+}
+
+/// Passes when every page of `ptr..ptr+len` is present on `node`.
+fn on_node(name: impl Into<String>, ptr: *const u8, len: usize, node: usize) -> Check {
+    let pages = len.div_ceil(sys::page_size());
+    let expected = format!("{pages} pages on node {node}");
+    match page_counts(ptr, len) {
+        Ok(c) if c.len() == 1 && i32::try_from(node).is_ok_and(|n| c.get(&n) == Some(&pages)) => {
+            Check::pass(name)
+        }
+        Ok(c) => Check::fail(name, expected, describe_counts(&c)),
+        Err(e) => Check::fail(name, expected, e),
+    }
+}
+
+/// `(node, live bytes, live blocks)` of every node with live blocks.
+fn live_rows(stats: &Stats) -> Vec<(usize, usize, usize)> {
+    stats
+        .nodes
+        .iter()
+        .filter(|r| r.live_bytes != 0 || r.live_blocks != 0)
+        .map(|r| (r.node, r.live_bytes, r.live_blocks))
+        .collect()
+}
+
+/// `node=N` for each node: an allocator built with `.node(N)` places its block there. Explicitly
+/// naming a node without memory must not crash: the block is refused (counted) or goes to the
+/// nearest node with memory.
+fn node_allocators(cx: &Ctx) -> Vec<Check> {
+    let Ok(n) = &cx.numactl else {
+        return vec![Check::fail("alloc.node", "numactl output", "unavailable")];
+    };
+    let memory = memory_nodes(n);
+    let mut out = Vec::new();
+    for &node in &n.nodes {
+        let alloc = NumaGpuAlloc::new().node(node);
+        let name = format!("alloc.node{node}");
+        let p = alloc.placement();
+        if memory.contains(&node) {
+            let errors = alloc.stats().config_errors.len();
+            out.push(Check::eq(
+                format!("{name}.placement"),
+                (node, true, false, 0),
+                (p.host_node, p.numa_placement, p.pinning, errors),
+            ));
+            match filled(&alloc, NODE_BYTES, (node % 250) as u8 + 1) {
+                Ok(v) => {
+                    out.push(on_node(format!("{name}.pages"), v.as_ptr(), v.len(), node));
+                    out.push(Check::eq(
+                        format!("{name}.live"),
+                        vec![(node, NODE_BYTES, 1)],
+                        live_rows(&alloc.stats()),
+                    ));
+                }
+                Err(e) => out.push(Check::fail(format!("{name}.pages"), "an 8 MiB block", e)),
+            }
+        } else {
+            match filled(&alloc, NODE_BYTES, 1) {
+                Err(_) => {
+                    let s = alloc.stats();
+                    eprintln!(
+                        "note {name}: refused, host_node {}, config_errors {:?}",
+                        p.host_node, s.config_errors
+                    );
+                    out.push(Check::eq(
+                        format!("{name}.memoryless.refused"),
+                        (1, 0),
+                        (s.fallbacks.failed_allocations, s.live_bytes()),
+                    ));
+                }
+                Ok(v) => {
+                    let near = cx
+                        .topology
+                        .as_ref()
+                        .ok()
+                        .and_then(|t| t.host_node_for(node).ok());
+                    let name = format!("{name}.memoryless.nearest");
+                    out.push(match near {
+                        Some(near) => on_node(name, v.as_ptr(), v.len(), near),
+                        None => Check::fail(name, "a nearest node with memory", "none"),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `policy=interleave` (with `verify`): a 64 MiB block's pages are spread over every node with
+/// memory (each holds some), none on a memoryless node, none counted misplaced, and the block is
+/// accounted to the allocator's node.
+fn interleave(cx: &Ctx) -> Vec<Check> {
+    let Some((n, target)) = cx
+        .numactl
+        .as_ref()
+        .ok()
+        .and_then(|n| Some((n, target_node(cx, n)?)))
+    else {
+        return vec![Check::fail(
+            "alloc.interleave",
+            "numactl output",
+            "unavailable",
+        )];
+    };
+    let memory = memory_nodes(n);
+    let alloc = NumaGpuAlloc::new()
+        .node(target)
+        .policy(MemPolicy::Interleave)
+        .verify(true);
+    let v = match filled(&alloc, INTERLEAVE_BYTES, 0x5a) {
+        Ok(v) => v,
+        Err(e) => return vec![Check::fail("alloc.interleave", "a 64 MiB block", e)],
+    };
+    let counts = match page_counts(v.as_ptr(), v.len()) {
+        Ok(c) => c,
+        Err(e) => return vec![Check::fail("alloc.interleave", "page nodes", e)],
+    };
+    // Diagnostics for the serial log (the harness compares only PASS/FAIL lines).
+    eprintln!("note alloc.interleave: {}", describe_counts(&counts));
+    let pages = INTERLEAVE_BYTES / sys::page_size();
+    let present: usize = counts.range(0..).map(|(_, k)| k).sum();
+    let mut out = vec![Check::eq("alloc.interleave.present", pages, present)];
+    for &node in &n.nodes {
+        let held = i32::try_from(node)
+            .ok()
+            .and_then(|id| counts.get(&id))
+            .copied()
+            .unwrap_or(0);
+        let name = format!("alloc.interleave.node{node}");
+        out.push(if memory.contains(&node) && held > 0 {
+            Check::pass(name)
+        } else if memory.contains(&node) {
+            Check::fail(name, "some pages", describe_counts(&counts))
+        } else {
+            Check::eq(format!("{name}.none"), 0, held)
+        });
+    }
+    let s = alloc.stats();
+    out.push(Check::eq(
+        "alloc.interleave.live",
+        vec![(target, INTERLEAVE_BYTES, 1)],
+        live_rows(&s),
+    ));
+    // verify=on checks against every node of the policy: nothing is misplaced.
+    out.push(Check::eq(
+        "alloc.interleave.verified",
+        (pages as u64, 0),
+        (s.pages_checked, s.pages_misplaced),
+    ));
+    out
+}
+
+/// Two `Allocator` handles on two nodes in one process keep their blocks apart: each block is on
+/// its handle's node, each handle's stats show only its own blocks, and one handle never reuses
+/// a block the other freed.
+fn two_handles(cx: &Ctx) -> Vec<Check> {
+    let Some((n, a_node)) = cx
+        .numactl
+        .as_ref()
+        .ok()
+        .and_then(|n| Some((n, target_node(cx, n)?)))
+    else {
+        return vec![Check::fail(
+            "alloc.handles",
+            "numactl output",
+            "unavailable",
+        )];
+    };
+    let Some(b_node) = memory_nodes(n).into_iter().find(|&id| id != a_node) else {
+        return Vec::new(); // one node with memory: nothing to keep apart
+    };
+    let (a, b) = (
+        NumaGpuAlloc::new().node(a_node),
+        NumaGpuAlloc::new().node(b_node),
+    );
+    let blocks = (|| {
+        let a1 = filled(&a, 8 * MIB, 0xa1)?;
+        let b1 = filled(&b, 12 * MIB, 0xb1)?;
+        let a2 = filled(&a, 16 * MIB, 0xa2)?;
+        let b2 = filled(&b, 4 * MIB, 0xb2)?;
+        Ok::<_, String>((a1, b1, a2, b2))
+    })();
+    let (a1, b1, a2, b2) = match blocks {
+        Ok(blocks) => blocks,
+        Err(e) => return vec![Check::fail("alloc.handles", "four blocks", e)],
+    };
+    let (na, nb) = (format!("node{a_node}"), format!("node{b_node}"));
+    let mut out = vec![
+        on_node(
+            format!("alloc.handles.{na}.8MiB"),
+            a1.as_ptr(),
+            a1.len(),
+            a_node,
+        ),
+        on_node(
+            format!("alloc.handles.{nb}.12MiB"),
+            b1.as_ptr(),
+            b1.len(),
+            b_node,
+        ),
+        on_node(
+            format!("alloc.handles.{na}.16MiB"),
+            a2.as_ptr(),
+            a2.len(),
+            a_node,
+        ),
+        on_node(
+            format!("alloc.handles.{nb}.4MiB"),
+            b2.as_ptr(),
+            b2.len(),
+            b_node,
+        ),
+        Check::eq(
+            format!("alloc.handles.{na}.live"),
+            vec![(a_node, 24 * MIB, 2)],
+            live_rows(&a.stats()),
+        ),
+        Check::eq(
+            format!("alloc.handles.{nb}.live"),
+            vec![(b_node, 16 * MIB, 2)],
+            live_rows(&b.stats()),
+        ),
+    ];
+    drop(a1);
+    let b3 = filled(&b, 8 * MIB, 0xb3);
+    let (sa, sb) = (a.stats(), b.stats());
+    out.push(Check::eq(
+        format!("alloc.handles.{na}.after_free"),
+        (vec![(a_node, 16 * MIB, 1)], 8 * MIB),
+        (live_rows(&sa), sa.cached_bytes()),
+    ));
+    // b asks for the size a just freed: a's cached block must not be handed to b.
+    out.push(match &b3 {
+        Ok(v) => on_node(
+            format!("alloc.handles.{nb}.8MiB.fresh"),
+            v.as_ptr(),
+            v.len(),
+            b_node,
+        ),
+        Err(e) => Check::fail(
+            format!("alloc.handles.{nb}.8MiB.fresh"),
+            "a block",
+            e.clone(),
+        ),
+    });
+    out.push(Check::eq(
+        format!("alloc.handles.{nb}.no_cross_reuse"),
+        (0, 3, vec![(b_node, 24 * MIB, 3)]),
+        (sb.cache_hits, sb.cache_misses, live_rows(&sb)),
+    ));
+    let intact = a2.iter().all(|&x| x == 0xa2)
+        && b1.iter().all(|&x| x == 0xb1)
+        && b2.iter().all(|&x| x == 0xb2)
+        && b3.as_ref().map_or(true, |v| v.iter().all(|&x| x == 0xb3));
+    out.push(Check::eq("alloc.handles.data", true, intact));
+    out
+}
+
+/// Free memory of each node, from `nodeN/meminfo`.
+fn free_bytes(sysfs: &Path, nodes: &[usize]) -> Result<BTreeMap<usize, usize>, String> {
+    let mut free = BTreeMap::new();
+    for &node in nodes {
+        let path = sysfs.join(format!("devices/system/node/node{node}/meminfo"));
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // `Node 1 MemFree:          123456 kB`
+        let kb = text
+            .lines()
+            .find_map(
+                |l| match l.split_whitespace().collect::<Vec<_>>().as_slice() {
+                    ["Node", _, "MemFree:", kb, "kB"] => kb.parse::<usize>().ok(),
+                    _ => None,
+                },
+            )
+            .ok_or_else(|| format!("{}: no MemFree line", path.display()))?;
+        free.insert(node, kb * 1024);
+    }
+    Ok(free)
+}
+
+/// `policy=bind` on the node with the least free memory, for more than it has free (but less
+/// than the guest has): a clean `AllocError`, counted, and the allocator still works. The same
+/// request under `preferred` with `verify`: it succeeds, and the pages that spilled to other
+/// nodes are counted as misplaced.
+fn bind_exhausted(cx: &Ctx) -> Vec<Check> {
+    let Ok(n) = &cx.numactl else {
+        return vec![Check::fail("alloc.bind", "numactl output", "unavailable")];
+    };
+    let memory = memory_nodes(n);
+    if memory.len() < 2 {
+        return Vec::new(); // nowhere to spill to
+    }
+    let free = match free_bytes(&cx.args.sysfs, &memory) {
+        Ok(f) => f,
+        Err(e) => return vec![Check::fail("alloc.bind", "free memory per node", e)],
+    };
+    let Some((&node, &node_free)) = free.iter().min_by_key(|(_, &bytes)| bytes) else {
+        return Vec::new();
+    };
+    let request = class_size(node_free + BIND_EXCESS);
+    let others: usize = free.values().sum::<usize>() - node_free;
+    if others < request - node_free + BIND_MARGIN {
+        let need = (request - node_free + BIND_MARGIN) >> 20;
+        let got = format!("{} MiB free on the other nodes", others >> 20);
+        return vec![Check::fail("alloc.bind.room", format!("{need} MiB"), got)];
+    }
+    let Ok(layout) = Layout::from_size_align(request, sys::page_size()) else {
+        return vec![Check::fail(
+            "alloc.bind",
+            "a layout",
+            format!("{request} bytes"),
+        )];
+    };
+    let what = format!(
+        "{} MiB on node {node} ({} MiB free)",
+        request >> 20,
+        node_free >> 20
+    );
+    eprintln!(
+        "note alloc.bind: {what}, {} MiB free elsewhere",
+        others >> 20
+    );
+
+    let bind = NumaGpuAlloc::new().node(node).policy(MemPolicy::Bind);
+    let mut out = vec![match Allocator::allocate(&bind, layout) {
+        Err(_) => Check::pass("alloc.bind.refused"),
+        Ok(block) => {
+            let got = match page_counts(block.cast::<u8>().as_ptr(), request) {
+                Ok(c) => format!("a block ({})", describe_counts(&c)),
+                Err(e) => format!("a block ({e})"),
+            };
+            // SAFETY: allocated just above from `bind` with `layout`, not used since.
+            unsafe { Allocator::deallocate(&bind, block.cast(), layout) };
+            Check::fail("alloc.bind.refused", format!("AllocError for {what}"), got)
+        }
+    }];
+    let s = bind.stats();
+    out.push(Check::eq(
+        "alloc.bind.counted",
+        (1, 1, 0, 0),
+        (
+            s.fallbacks.failed_allocations,
+            s.fallbacks.bind_exhausted,
+            s.live_bytes(),
+            s.cached_bytes(),
+        ),
+    ));
+    out.push(match filled(&bind, NODE_BYTES, 0x42) {
+        Ok(v) => on_node("alloc.bind.then_8MiB", v.as_ptr(), v.len(), node),
+        Err(e) => Check::fail("alloc.bind.then_8MiB", "an 8 MiB block", e),
+    });
+    drop(bind);
+
+    let preferred = NumaGpuAlloc::new().node(node).verify(true);
+    match Allocator::allocate(&preferred, layout) {
+        Ok(block) => {
+            let ptr = block.cast::<u8>();
+            let counts = page_counts(ptr.as_ptr(), request);
+            if let Ok(c) = &counts {
+                eprintln!("note alloc.preferred: {}", describe_counts(c));
+            }
+            let s = preferred.stats();
+            // SAFETY: allocated just above from `preferred` with `layout`, not used since.
+            unsafe { Allocator::deallocate(&preferred, ptr, layout) };
+            out.push(Check::pass("alloc.preferred.succeeds"));
+            let pages = request / sys::page_size();
+            out.push(Check::eq(
+                "alloc.preferred.pages_checked",
+                pages as u64,
+                s.pages_checked,
+            ));
+            let elsewhere = counts.map(|c| {
+                c.iter()
+                    .filter(|(&id, _)| usize::try_from(id).is_ok_and(|id| id != node))
+                    .map(|(_, &k)| k as u64)
+                    .sum::<u64>()
+            });
+            out.push(match elsewhere {
+                Ok(e) if e > 0 && e == s.pages_misplaced => {
+                    Check::pass("alloc.preferred.misplaced")
+                }
+                Ok(e) => Check::fail(
+                    "alloc.preferred.misplaced",
+                    format!("> 0 and = {e} pages found off node {node}"),
+                    s.pages_misplaced.to_string(),
+                ),
+                Err(e) => Check::fail("alloc.preferred.misplaced", "page nodes", e),
+            });
+        }
+        Err(_) => out.push(Check::fail(
+            "alloc.preferred.succeeds",
+            format!("a block of {what}"),
+            "AllocError",
+        )),
+    }
+    out
+}
+
 fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut args = Args {
         topology: "unknown".into(),
@@ -374,6 +886,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         expect_home: None,
         expect_host: None,
         unknown_device: None,
+        alloc_report: None,
         sysfs: PathBuf::from("/sys"),
     };
     let node = |v: String| match v.as_str() {
@@ -387,6 +900,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         "--expect-home",
         "--expect-host",
         "--unknown-device",
+        "--alloc-report",
         "--sysfs",
     ];
     while let Some(flag) = it.next() {
@@ -401,6 +915,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--expect-home" => args.expect_home = node(value)?,
             "--expect-host" => args.expect_host = node(value)?,
             "--unknown-device" => args.unknown_device = Some(value).filter(|v| !v.is_empty()),
+            "--alloc-report" => args.alloc_report = Some(value.into()),
             "--sysfs" => args.sysfs = value.into(),
             _ => return Err(format!("unknown argument {flag:?}")),
         }
@@ -409,6 +924,9 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
+    // The allocator checks configure their allocators with the builder; the environment would
+    // override it. Nothing else runs yet, so changing the environment races with nobody.
+    std::env::remove_var(numa_gpu_alloc::ENV_VAR);
     let args = match parse_args(std::env::args().skip(1)) {
         Ok(a) => a,
         Err(e) => {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node NUMA tests: boots real Linux kernels under QEMU (TCG, no KVM needed) with the
-# topologies in guest/topologies/*.topo and runs examples/guest_check.rs inside each guest.
+# topologies in guest/topologies/*.topo and runs examples/guest_alloc.rs (the allocator as the
+# #[global_allocator]) and examples/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -184,15 +185,18 @@ NUMACTL=$(command -v numactl) || die "numactl not found"
 # --- 2. Guest program and initramfs --------------------------------------------------------
 
 T0=$(now)
-log "building examples/guest_check (release)"
-(cd "$ROOT" && cargo build --release --quiet --example guest_check) || {
-    log "error: cargo build --release --example guest_check failed"
+log "building examples/guest_check and examples/guest_alloc (release)"
+(cd "$ROOT" && cargo build --release --quiet --example guest_check --example guest_alloc) || {
+    log "error: cargo build --release --example guest_check --example guest_alloc failed"
     exit 2
 }
 TARGET_DIR=${CARGO_TARGET_DIR:-target}
 [[ "$TARGET_DIR" == /* ]] || TARGET_DIR="$ROOT/$TARGET_DIR"
 GUEST_CHECK="$TARGET_DIR/release/examples/guest_check"
-[ -x "$GUEST_CHECK" ] || die "built binary not found at $GUEST_CHECK"
+GUEST_ALLOC="$TARGET_DIR/release/examples/guest_alloc"
+for bin in "$GUEST_CHECK" "$GUEST_ALLOC"; do
+    [ -x "$bin" ] || die "built binary not found at $bin"
+done
 
 RD="$BUILD/rootfs"
 rm -rf "$RD"
@@ -201,9 +205,10 @@ install -m 0755 "$GUEST/init" "$RD/init"
 install -m 0755 "$BUSYBOX" "$RD/bin/busybox"
 install -m 0755 "$NUMACTL" "$RD/bin/numactl"
 install -m 0755 "$GUEST_CHECK" "$RD/guest_check"
+install -m 0755 "$GUEST_ALLOC" "$RD/guest_alloc"
 # Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
 # directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
-for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK"; do
+for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC"; do
     { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
 done | sort -u | while read -r lib; do
     mkdir -p "$RD$(dirname "$lib")"
