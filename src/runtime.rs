@@ -163,7 +163,26 @@ fn resolve_target(
     };
     let selector = match config.target {
         Target::Node(node) if topology.contains(node) => {
-            resolved.host_node = node;
+            // A node without memory cannot hold blocks: use its nearest node with memory.
+            let has_memory = topology.node(node).is_some_and(|n| n.has_memory);
+            resolved.host_node = if has_memory {
+                node
+            } else {
+                match topology.host_node_for(node) {
+                    Ok(host) => {
+                        errors.push(Error::Config {
+                            key: "node".to_owned(),
+                            value: node.to_string(),
+                            expected: "a node with memory (using the nearest node with memory)",
+                        });
+                        host
+                    }
+                    Err(e) => {
+                        errors.push(e);
+                        calling_thread_node(topology)
+                    }
+                }
+            };
             return resolved;
         }
         Target::Node(node) => {

@@ -79,3 +79,16 @@ fn unknown_gpu_home_node_falls_back_to_the_calling_thread() {
     assert_eq!(gpus[0].home_node, None);
     assert_eq!(placed(gpu(root, &gpus[0].address.to_string())), (0, None));
 }
+
+#[test]
+fn explicit_memoryless_node_uses_its_nearest_node_with_memory() {
+    let alloc = NumaGpuAlloc::new()
+        .sysfs_root(fixture!("memoryless-gpu"))
+        .node(1);
+    assert_eq!(alloc.placement().host_node, 2);
+    let errors = alloc.stats().config_errors;
+    assert!(
+        matches!(&errors[..], [numa_gpu_alloc::Error::Config { key, value, .. }] if key == "node" && value == "1"),
+        "{errors:?}"
+    );
+}
