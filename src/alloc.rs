@@ -33,10 +33,26 @@ use crate::sys::MemPolicy;
 /// assert_eq!(big[12345], 1);
 /// ```
 pub struct NumaGpuAlloc {
-    config: Config,
     /// The effective threshold; the environment may change the builder's value at initialisation.
-    threshold: AtomicUsize,
+    threshold: Threshold,
+    config: Config,
     runtime: OnceLock<Runtime>,
+}
+
+/// The one value the small path reads, on a cache line of its own so that writes to the
+/// allocator's other fields (locks, counters) never invalidate it.
+#[repr(align(128))]
+struct Threshold(AtomicUsize);
+
+/// Clamps a threshold into the accepted range (see [`Config::apply`] for the checked form).
+const fn clamp_threshold(bytes: usize) -> usize {
+    if bytes < crate::config::MIN_THRESHOLD {
+        crate::config::MIN_THRESHOLD
+    } else if bytes > crate::config::MAX_THRESHOLD {
+        crate::config::MAX_THRESHOLD
+    } else {
+        bytes
+    }
 }
 
 impl NumaGpuAlloc {
@@ -45,10 +61,11 @@ impl NumaGpuAlloc {
         Self::with_config(Config::DEFAULT)
     }
 
-    /// An allocator with the given settings.
-    pub const fn with_config(config: Config) -> Self {
+    /// An allocator with the given settings (a threshold outside 4 KiB..=64 GiB is clamped).
+    pub const fn with_config(mut config: Config) -> Self {
+        config.threshold = clamp_threshold(config.threshold);
         NumaGpuAlloc {
-            threshold: AtomicUsize::new(config.threshold),
+            threshold: Threshold(AtomicUsize::new(config.threshold)),
             config,
             runtime: OnceLock::new(),
         }
@@ -57,15 +74,8 @@ impl NumaGpuAlloc {
     /// Requests of at least `bytes` take the large path (default 2 MiB). Values outside
     /// 4 KiB..=64 GiB are clamped; [`Config::apply`] with `"threshold"` reports them instead.
     pub const fn threshold(mut self, bytes: usize) -> Self {
-        let bytes = if bytes < crate::config::MIN_THRESHOLD {
-            crate::config::MIN_THRESHOLD
-        } else if bytes > crate::config::MAX_THRESHOLD {
-            crate::config::MAX_THRESHOLD
-        } else {
-            bytes
-        };
-        self.config.threshold = bytes;
-        self.threshold = AtomicUsize::new(bytes);
+        self.config.threshold = clamp_threshold(bytes);
+        self.threshold = Threshold(AtomicUsize::new(self.config.threshold));
         self
     }
 
@@ -139,7 +149,8 @@ impl NumaGpuAlloc {
         self
     }
 
-    /// Root of sysfs (default `/sys`), for tests against fixture trees.
+    /// Root of sysfs (default `/sys`), for tests against fixture trees. Another root describes
+    /// another machine, so this process's cpuset (allowed memory nodes) is then not applied.
     pub const fn sysfs_root(mut self, root: &'static str) -> Self {
         self.config.sysfs_root = root;
         self
@@ -168,7 +179,7 @@ impl NumaGpuAlloc {
         match self.runtime.get() {
             Some(rt) => rt.stats(),
             None => Stats {
-                threshold: self.threshold.load(Relaxed),
+                threshold: self.threshold.0.load(Relaxed),
                 ..Stats::default()
             },
         }
@@ -187,24 +198,37 @@ impl NumaGpuAlloc {
     }
 
     fn runtime(&self) -> &Runtime {
-        self.runtime.get_or_init(|| {
+        let mut initialised_here = false;
+        let rt = self.runtime.get_or_init(|| {
+            initialised_here = true;
             let rt = Runtime::new(self.config);
-            self.threshold.store(rt.config.threshold, Relaxed);
+            self.threshold.0.store(rt.config.threshold, Relaxed);
             rt
-        })
+        });
+        if initialised_here {
+            rt.report_setup_errors();
+        }
+        rt
     }
 
     /// Whether a request of `size` bytes takes the large path. The small path's only cost.
     #[inline(always)]
     pub(crate) fn is_large(&self, size: usize) -> bool {
-        size >= self.threshold.load(Relaxed)
+        size >= self.threshold.0.load(Relaxed)
     }
 
     /// Allocates `layout` (non-zero size). Null on failure.
+    #[inline]
     pub(crate) fn allocate(&self, layout: Layout, zeroed: bool) -> *mut u8 {
-        if !self.is_large(layout.size()) {
-            return system_alloc(layout, zeroed);
+        if self.is_large(layout.size()) {
+            self.allocate_large_path(layout, zeroed)
+        } else {
+            system_alloc(layout, zeroed)
         }
+    }
+
+    #[inline(never)]
+    fn allocate_large_path(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let Some(_inside) = Inside::enter() else {
             return system_alloc(layout, zeroed);
         };
@@ -260,12 +284,24 @@ impl NumaGpuAlloc {
     ///
     /// # Safety
     /// `ptr` was returned by this allocator for `layout` and is not used afterwards.
+    #[inline]
     pub(crate) unsafe fn deallocate(&self, ptr: *mut u8, layout: Layout) {
-        if !self.is_large(layout.size()) {
+        if self.is_large(layout.size()) {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.deallocate_large_path(ptr, layout) }
+        } else {
             // SAFETY: small requests were served by the system allocator with this layout.
-            return unsafe { System.dealloc(ptr, layout) };
+            unsafe { System.dealloc(ptr, layout) }
         }
+    }
+
+    /// # Safety
+    /// As [`Self::deallocate`].
+    #[inline(never)]
+    unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
         let rt = self.runtime.get();
+        // Already inside (None): this thread is running allocator code, which frees only what it
+        // allocated itself while inside, i.e. system-allocator memory, never a block of ours.
         let inside = Inside::enter();
         let mut evicted = Vec::new();
         let freed = match (rt, &inside) {

@@ -107,7 +107,15 @@ impl Arena {
     }
 
     /// Caches a freed block, then evicts the oldest blocks beyond `limit` bytes into `evicted`.
+    /// A block larger than the whole limit is evicted alone rather than emptying the cache.
     pub(crate) fn cache(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
+        if block.capacity > limit {
+            if block.pinned {
+                self.pinned_bytes -= block.capacity;
+            }
+            evicted.push(block);
+            return;
+        }
         self.cached.push_back(block);
         self.cached_bytes += block.capacity;
         while self.cached_bytes > limit {
@@ -225,6 +233,20 @@ mod tests {
         assert_eq!(nodes[0].cached_bytes, 8 * MIB);
         assert_eq!(nodes[0].pinned_bytes, 8 * MIB);
         assert_eq!(nodes[0].cached_blocks, 2);
+        let big = block(0x4000_0000, 16 * MIB, true);
+        arena.note_created(&big);
+        evicted.clear();
+        arena.cache(big, 8 * MIB, &mut evicted);
+        assert_eq!(
+            evicted,
+            [big],
+            "a block over the limit leaves the others cached"
+        );
+        arena.fill(&mut nodes);
+        assert_eq!(
+            (nodes[0].cached_blocks, nodes[0].pinned_bytes),
+            (2, 8 * MIB)
+        );
         assert_eq!(arena.drain_cached().len(), 2);
         arena.fill(&mut nodes);
         assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));

@@ -91,6 +91,13 @@ impl Runtime {
                 self.counters.unplaced_blocks.incr();
                 Ok(false)
             }
+            // `preferred` and `interleave` are best effort: a refused policy (EINVAL: a node the
+            // cpuset or the kernel does not allow) leaves the block unplaced, counted.
+            Err(_) if self.config.policy != MemPolicy::Bind => {
+                self.counters.placement_failures.incr();
+                self.counters.unplaced_blocks.incr();
+                Ok(false)
+            }
             Err(e) => {
                 self.counters.placement_failures.incr();
                 Err(e)
@@ -225,13 +232,16 @@ impl Runtime {
         #[cfg(feature = "fault-injection")]
         if self.config.pin != crate::PinMode::Off {
             if let Some(code) = sys::fault::injected(sys::fault::FaultPoint::Register) {
-                let code = code as u32;
-                let name = crate::cuda::known_error_name(code).unwrap_or("CUDA_ERROR_UNRECOGNIZED");
-                let call = "cuMemHostRegister_v2";
-                return self.registered(Err(Error::Cuda { call, code, name }));
+                return self.registered(Err(crate::cuda::simulated_register_error(code as u32)));
             }
         }
         let Some(gpu) = &self.gpu else {
+            if self.config.pin == PinMode::Strict {
+                // Strict means pinned or nothing; the reason is in the setup errors.
+                return Err(Error::CudaUnavailable {
+                    reason: "pin=strict, but there is no GPU to register blocks with",
+                });
+            }
             self.counters.unpinned_blocks.incr();
             return Ok(false);
         };
@@ -278,9 +288,13 @@ impl Runtime {
         };
         if let (true, Some(gpu)) = (block.pinned, &self.gpu) {
             // SAFETY: the block was registered by `pin` and is still mapped.
-            if unsafe { gpu.unregister(ptr) }.is_ok() {
-                self.counters.unregistrations.incr();
+            if let Err(e) = unsafe { gpu.unregister(ptr) } {
+                // Unmapping a range the driver still holds would make a later mapping at this
+                // address fail to register (712): leak it instead, counted.
+                self.counters.record_unregister_failure(&e);
+                return;
             }
+            self.counters.unregistrations.incr();
         }
         // SAFETY: the caller guarantees the block is ours and unused.
         let _ = unsafe { sys::unmap(ptr, block.capacity) };

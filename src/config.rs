@@ -167,7 +167,7 @@ impl Default for Config {
 
 const SIZE_FORMAT: &str = "a size such as 4096, 512KiB, 4MiB or 8GiB";
 
-fn config_error(key: &str, value: &str, expected: &'static str) -> Error {
+pub(crate) fn config_error(key: &str, value: &str, expected: &'static str) -> Error {
     Error::Config {
         key: key.to_owned(),
         value: value.to_owned(),

@@ -208,6 +208,16 @@ pub(crate) fn cuda_error(call: &'static str, res: sys::CUresult) -> Error {
     Error::Cuda { call, code, name }
 }
 
+/// The error a failed registration of `code` gives, for tests that inject one.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn simulated_register_error(code: u32) -> Error {
+    Error::Cuda {
+        call: "cuMemHostRegister_v2",
+        code,
+        name: known_error_name(code).unwrap_or(UNNAMED_ERROR),
+    }
+}
+
 fn driver_error_name(res: sys::CUresult) -> Option<&'static str> {
     if !driver_present() {
         return None;
@@ -377,18 +387,24 @@ mod raw {
     }
 }
 
-/// A CUDA device with its retained primary context.
+/// A CUDA device, found but not opened: what placement needs (no context is created).
+#[derive(Clone, Debug)]
+pub(crate) struct Device {
+    ordinal: u32,
+    dev: sys::CUdevice,
+    pci: PciAddress,
+    name: String,
+    host_numa_id: Option<usize>,
+}
+
+/// A CUDA device with its retained primary context, for page-locking.
 ///
 /// Dropping it releases the primary context (the driver destroys the context when the last
 /// retain is released).
 #[derive(Debug)]
 pub(crate) struct Gpu {
-    ordinal: u32,
-    dev: sys::CUdevice,
+    device: Device,
     ctx: sys::CUcontext,
-    pci: PciAddress,
-    name: String,
-    host_numa_id: Option<usize>,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (the driver API makes contexts current
@@ -413,8 +429,8 @@ impl Drop for CurrentGuard {
     }
 }
 
-impl Gpu {
-    /// Opens the device the selector names and retains its primary context.
+impl Device {
+    /// Finds the device the selector names, without creating a context.
     ///
     /// `Auto` takes the first of `LOCAL_RANK`, `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`,
     /// `MPI_LOCALRANKID` that parses, modulo the device count, else device 0. `Pci` compares
@@ -423,7 +439,7 @@ impl Gpu {
     ///
     /// Errors: [`Error::CudaUnavailable`] without a usable driver or with no visible device,
     /// [`Error::GpuNotFound`] when no device matches, [`Error::Cuda`] when a driver call fails.
-    pub(crate) fn open(selector: GpuSelector) -> Result<Gpu> {
+    pub(crate) fn find(selector: GpuSelector) -> Result<Device> {
         let state = require_driver()?;
         let count = raw::device_count()?;
         if count == 0 {
@@ -468,16 +484,9 @@ impl Gpu {
         let pci = raw::pci_address(dev)?;
         let name = raw::name(dev)?;
         let host_numa_id = raw::host_numa_id(dev);
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: driver present; `dev` is a valid device handle from cuDeviceGet; `ctx` is a
-        // valid out-pointer. The retain is balanced by the release in Drop.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-        })?;
-        Ok(Gpu {
+        Ok(Device {
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
             dev,
-            ctx,
             pci,
             name,
             host_numa_id,
@@ -506,6 +515,19 @@ impl Gpu {
             Some(node) => Ok(Some(node)),
             None => crate::pci::home_node(sysfs_root, &self.pci),
         }
+    }
+}
+
+impl Gpu {
+    /// Retains the device's primary context, for registering memory with it.
+    pub(crate) fn open(device: Device) -> Result<Gpu> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a `Device` exists only with the driver present, and `device.dev` is a valid
+        // handle from cuDeviceGet; `ctx` is a valid out-pointer. Balanced by the release in Drop.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device.dev)
+        })?;
+        Ok(Gpu { device, ctx })
     }
 
     /// Makes the primary context current on this thread until the guard drops.
@@ -564,9 +586,9 @@ impl Gpu {
 
 impl Drop for Gpu {
     fn drop(&mut self) {
-        // SAFETY: `self.dev` had its primary context retained in `open`; this balances it.
-        // Errors cannot be reported from Drop.
-        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+        // SAFETY: `self.device.dev` had its primary context retained in `open`; this balances
+        // it. Errors cannot be reported from Drop.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device.dev) };
     }
 }
 
@@ -590,16 +612,16 @@ mod tests {
         assert_eq!(present, cuda_driver_present());
         assert_eq!(present, driver_present(), "decided once");
         if !present {
-            match Gpu::open(GpuSelector::Auto) {
+            match Device::find(GpuSelector::Auto) {
                 Err(Error::CudaUnavailable { reason }) => assert!(!reason.is_empty()),
                 other => panic!("expected CudaUnavailable, got {other:?}"),
             }
             assert!(matches!(
-                Gpu::open(GpuSelector::Ordinal(0)),
+                Device::find(GpuSelector::Ordinal(0)),
                 Err(Error::CudaUnavailable { .. })
             ));
             assert!(matches!(
-                Gpu::open(GpuSelector::Uuid([0; 16])),
+                Device::find(GpuSelector::Uuid([0; 16])),
                 Err(Error::CudaUnavailable { .. })
             ));
         }
@@ -610,7 +632,7 @@ mod tests {
         if !driver_present() {
             return;
         }
-        match Gpu::open(GpuSelector::Ordinal(u32::MAX)) {
+        match Device::find(GpuSelector::Ordinal(u32::MAX)) {
             Err(Error::GpuNotFound { selector, .. }) => assert_eq!(selector, "4294967295"),
             other => panic!("expected GpuNotFound, got {other:?}"),
         }

@@ -41,6 +41,14 @@ pub enum Error {
     ZeroSize,
     /// No node of the topology has memory, so no host node can be chosen.
     NoMemoryNode,
+    /// The node blocks should go to is outside this process's allowed memory nodes (a cgroup
+    /// cpuset); the nearest allowed node is used instead.
+    NodeNotAllowed {
+        /// The node that would have been chosen.
+        node: usize,
+        /// The allowed node used instead.
+        chosen: usize,
+    },
     /// A file (usually under sysfs) could not be read.
     Io {
         /// The file.
@@ -145,6 +153,11 @@ impl fmt::Display for Error {
             ),
             Error::ZeroSize => write!(f, "a buffer of zero bytes was requested"),
             Error::NoMemoryNode => write!(f, "no NUMA node has memory; cannot choose a host node"),
+            Error::NodeNotAllowed { node, chosen } => write!(
+                f,
+                "node {node} is not among this process's allowed memory nodes (cgroup cpuset); \
+                 using node {chosen}"
+            ),
             Error::Io { path, kind, errno } => match errno {
                 Some(e) => write!(f, "cannot read {}: {}", path.display(), errno_text(*e)),
                 None => write!(f, "cannot read {}: {kind}", path.display()),

@@ -8,8 +8,8 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 
 use crate::arena::Arena;
-use crate::config::{Config, GpuSelector, Target, ENV_VAR};
-use crate::cuda::{self, Gpu};
+use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR};
+use crate::cuda::{self, Device, Gpu};
 use crate::pci::{self, PciAddress};
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::{self, MemPolicy, NodeMask};
@@ -40,6 +40,9 @@ pub(crate) struct Runtime {
     pub(crate) topology: NumaTopology,
     pub(crate) host_node: usize,
     pub(crate) home_node: Option<usize>,
+    /// The targeted GPU, when CUDA found it.
+    device: Option<Device>,
+    /// Its retained context, when blocks are pinned.
     pub(crate) gpu: Option<Gpu>,
     gpu_pci: Option<PciAddress>,
     /// Nodes the policy names: the host node, or every node with memory for interleave.
@@ -66,26 +69,32 @@ impl Runtime {
             let _ = numa_unavailable.set(e);
             NumaTopology::single_node()
         });
-        let target = resolve_target(&config, &topology, &mut setup_errors);
-        // Every setup problem once, each on one line (a key may hold a newline).
-        for e in &setup_errors {
-            let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
-        }
-        let nodes = policy_nodes(&config, &topology, target.host_node);
+        // The cpuset describes this kernel's nodes, not a fixture tree's. EPERM under seccomp:
+        // then mbind is refused too, and every node is as good as another.
+        let own_kernel = config.sysfs_root == Config::DEFAULT.sysfs_root;
+        let allowed = own_kernel
+            .then(sys::allowed_memory_nodes)
+            .and_then(Result::ok);
+        let allowed = |node: usize| allowed.is_none_or(|mask| mask.contains(node));
+        let target = resolve_target(&config, &topology, &allowed, &mut setup_errors);
+        let nodes = policy_nodes(&config, &topology, &allowed, target.host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             n => n,
         };
-        let pinning = target.gpu.is_some() && config.pin != crate::PinMode::Off;
-        let gpu_pci = target.gpu.as_ref().map(Gpu::pci_address).or(target.gpu_pci);
-        let gpu = if pinning { target.gpu } else { None };
+        let gpu_pci = target
+            .device
+            .as_ref()
+            .map(Device::pci_address)
+            .or(target.gpu_pci);
         Runtime {
             page_size: sys::page_size(),
             arena: Mutex::new(Arena::new(&topology, target.host_node)),
             host_node: target.host_node,
             home_node: target.home_node,
+            device: target.device,
+            gpu: target.gpu,
             gpu_pci,
-            gpu,
             nodes,
             numa_unavailable,
             populate_threads,
@@ -93,6 +102,15 @@ impl Runtime {
             topology,
             setup_errors,
             config,
+        }
+    }
+
+    /// Setup problems, printed once by the allocator after initialisation (not during it: stderr's
+    /// lock may be held by a thread waiting for this initialisation).
+    pub(crate) fn report_setup_errors(&self) {
+        for e in &self.setup_errors {
+            // One line each: a key may hold a newline.
+            let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
         }
     }
 
@@ -105,9 +123,9 @@ impl Runtime {
         Placement {
             host_node: self.host_node,
             home_node: self.home_node,
-            gpu_ordinal: self.gpu.as_ref().map(Gpu::ordinal),
+            gpu_ordinal: self.device.as_ref().map(Device::ordinal),
             gpu_pci: self.gpu_pci,
-            gpu_name: self.gpu.as_ref().map(Gpu::name),
+            gpu_name: self.device.as_ref().map(Device::name),
             pinning: self.gpu.is_some(),
             numa_placement: self.numa_placement(),
         }
@@ -120,9 +138,9 @@ impl Runtime {
             host_node: Some(self.host_node),
             home_node: self.home_node,
             gpu: self
-                .gpu
+                .device
                 .as_ref()
-                .map(|g| format!("{} ({}) {}", g.ordinal(), g.pci_address(), g.name())),
+                .map(|d| format!("{} ({}) {}", d.ordinal(), d.pci_address(), d.name())),
             pinning: self.gpu.is_some(),
             nodes: self
                 .topology
@@ -146,71 +164,55 @@ impl Runtime {
 struct ResolvedTarget {
     host_node: usize,
     home_node: Option<usize>,
+    device: Option<Device>,
     gpu: Option<Gpu>,
     gpu_pci: Option<PciAddress>,
 }
 
+/// Chooses the host node (and the GPU to pin for). Never fails: each problem is recorded in
+/// `errors` and a fallback taken, down to the calling thread's node.
 fn resolve_target(
     config: &Config,
     topology: &NumaTopology,
+    allowed: &dyn Fn(usize) -> bool,
     errors: &mut Vec<Error>,
 ) -> ResolvedTarget {
+    let pinning = config.pin != PinMode::Off;
     let mut resolved = ResolvedTarget {
         host_node: usize::MAX,
         home_node: None,
+        device: None,
         gpu: None,
         gpu_pci: None,
     };
     let selector = match config.target {
-        Target::Node(node) if topology.contains(node) => {
-            // A node without memory cannot hold blocks: use its nearest node with memory.
-            let has_memory = topology.node(node).is_some_and(|n| n.has_memory);
-            resolved.host_node = if has_memory {
-                node
-            } else {
-                match topology.host_node_for(node) {
-                    Ok(host) => {
-                        errors.push(Error::Config {
-                            key: "node".to_owned(),
-                            value: node.to_string(),
-                            expected: "a node with memory (using the nearest node with memory)",
-                        });
-                        host
-                    }
-                    Err(e) => {
-                        errors.push(e);
-                        calling_thread_node(topology)
-                    }
-                }
-            };
+        Target::Node(node) => {
+            resolved.host_node = explicit_node(topology, node, allowed, errors);
             return resolved;
         }
-        Target::Node(node) => {
-            errors.push(Error::UnknownNode {
-                node,
-                node_count: topology.node_count(),
-            });
-            None
-        }
         Target::Gpu(selector) => Some(selector),
-        Target::Default => cuda::driver_present().then_some(GpuSelector::Auto),
+        // Without pinning, the driver (cuInit, a context) is not worth loading just to guess.
+        Target::Default => (pinning && cuda::driver_present()).then_some(GpuSelector::Auto),
     };
     if let Some(selector) = selector {
         let root = Path::new(config.sysfs_root);
         if let GpuSelector::Pci(addr) = selector {
             resolved.gpu_pci = Some(addr);
         }
-        match Gpu::open(selector) {
-            Ok(gpu) => {
-                resolved.home_node = gpu.home_node(root).unwrap_or_else(|e| {
+        match Device::find(selector) {
+            Ok(device) => {
+                resolved.home_node = device.home_node(root).unwrap_or_else(|e| {
                     errors.push(e);
                     None
                 });
-                resolved.gpu = Some(gpu);
+                if pinning {
+                    resolved.gpu = Gpu::open(device.clone()).map_err(|e| errors.push(e)).ok();
+                }
+                resolved.device = Some(device);
             }
             Err(e) => {
                 // Without the driver a PCI selector still gives the home node: placement, no pinning.
-                if config.pin != crate::PinMode::Off {
+                if pinning || resolved.gpu_pci.is_none() {
                     errors.push(e);
                 }
                 if let Some(addr) = resolved.gpu_pci {
@@ -222,33 +224,92 @@ fn resolve_target(
             }
         }
         if let Some(home) = resolved.home_node {
-            match topology.host_node_for(home) {
-                Ok(node) => resolved.host_node = node,
-                Err(e) => errors.push(e),
+            if let Some(host) = host_node(topology, home, allowed, errors) {
+                resolved.host_node = host;
             }
         }
     }
     if resolved.host_node == usize::MAX {
-        resolved.host_node = calling_thread_node(topology);
+        resolved.host_node = calling_thread_node(topology, allowed);
     }
     resolved
 }
 
+/// `node=N`: that node when it has memory and is allowed, else the nearest that is (reported).
+fn explicit_node(
+    topology: &NumaTopology,
+    node: usize,
+    allowed: &dyn Fn(usize) -> bool,
+    errors: &mut Vec<Error>,
+) -> usize {
+    let Some(info) = topology.node(node) else {
+        errors.push(Error::UnknownNode {
+            node,
+            node_count: topology.node_count(),
+        });
+        return calling_thread_node(topology, allowed);
+    };
+    if info.has_memory && allowed(node) {
+        return node;
+    }
+    if !info.has_memory {
+        errors.push(config_error(
+            "node",
+            &node.to_string(),
+            "a node with memory (using the nearest node with memory)",
+        ));
+    }
+    host_node(topology, node, allowed, errors)
+        .unwrap_or_else(|| calling_thread_node(topology, allowed))
+}
+
+/// The allowed node with memory nearest `home`; reports when the cpuset changed the choice.
+fn host_node(
+    topology: &NumaTopology,
+    home: usize,
+    allowed: &dyn Fn(usize) -> bool,
+    errors: &mut Vec<Error>,
+) -> Option<usize> {
+    match topology.host_node_among(home, allowed) {
+        Ok(host) => {
+            let unrestricted = topology.host_node_for(home).unwrap_or(host);
+            if unrestricted != host {
+                errors.push(Error::NodeNotAllowed {
+                    node: unrestricted,
+                    chosen: host,
+                });
+            }
+            Some(host)
+        }
+        Err(e) => {
+            errors.push(e);
+            None
+        }
+    }
+}
+
 /// The node of the calling thread, or the first node with memory when that is unknown.
-fn calling_thread_node(topology: &NumaTopology) -> usize {
+fn calling_thread_node(topology: &NumaTopology, allowed: &dyn Fn(usize) -> bool) -> usize {
     let first = topology.node_ids().first().copied().unwrap_or(0);
     sys::current_node()
         .ok()
-        .and_then(|node| topology.host_node_for(node).ok())
-        .or_else(|| topology.host_node_for(first).ok())
+        .and_then(|node| topology.host_node_among(node, allowed).ok())
+        .or_else(|| topology.host_node_among(first, allowed).ok())
         .unwrap_or(first)
 }
 
-fn policy_nodes(config: &Config, topology: &NumaTopology, host_node: usize) -> NodeMask {
+fn policy_nodes(
+    config: &Config,
+    topology: &NumaTopology,
+    allowed: &dyn Fn(usize) -> bool,
+    host_node: usize,
+) -> NodeMask {
     let mut mask = NodeMask::empty();
     if config.policy == MemPolicy::Interleave {
-        for node in topology.nodes().iter().filter(|n| n.has_memory) {
-            let _ = mask.insert(node.id);
+        for node in topology.nodes().iter() {
+            if node.has_memory && allowed(node.id) {
+                let _ = mask.insert(node.id);
+            }
         }
     }
     if mask.is_empty() {

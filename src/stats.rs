@@ -55,6 +55,8 @@ pub(crate) struct CodeCounts {
     codes: [AtomicU32; ERROR_CODE_SLOTS],
     names: [std::sync::OnceLock<&'static str>; ERROR_CODE_SLOTS],
     counts: [AtomicU64; ERROR_CODE_SLOTS],
+    /// The last slot also counts codes that found no slot of their own.
+    overflowed: std::sync::atomic::AtomicBool,
 }
 
 impl Default for CodeCounts {
@@ -63,6 +65,7 @@ impl Default for CodeCounts {
             codes: std::array::from_fn(|_| AtomicU32::new(FREE_SLOT)),
             names: std::array::from_fn(|_| std::sync::OnceLock::new()),
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            overflowed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -74,6 +77,9 @@ impl CodeCounts {
                 .compare_exchange(FREE_SLOT, code, Relaxed, Relaxed)
                 .unwrap_or_else(|current| current);
             if claimed == code || claimed == FREE_SLOT || slot == ERROR_CODE_SLOTS - 1 {
+                if claimed != code && claimed != FREE_SLOT {
+                    self.overflowed.store(true, Relaxed);
+                }
                 let _ = self.names[slot].set(name);
                 self.counts[slot].fetch_add(1, Relaxed);
                 return;
@@ -84,9 +90,18 @@ impl CodeCounts {
         (0..ERROR_CODE_SLOTS)
             .filter_map(|slot| {
                 let count = self.counts[slot].load(Relaxed);
+                let mixed = slot == ERROR_CODE_SLOTS - 1 && self.overflowed.load(Relaxed);
                 (count > 0).then(|| CudaErrorCount {
-                    code: self.codes[slot].load(Relaxed),
-                    name: self.names[slot].get().copied().unwrap_or("?"),
+                    code: if mixed {
+                        FREE_SLOT
+                    } else {
+                        self.codes[slot].load(Relaxed)
+                    },
+                    name: if mixed {
+                        "other"
+                    } else {
+                        self.names[slot].get().copied().unwrap_or("?")
+                    },
                     count,
                 })
             })
@@ -108,6 +123,7 @@ pub(crate) struct Counters {
     pub(crate) pin_failure_codes: CodeCounts,
     pub(crate) registrations: Counter,
     pub(crate) unregistrations: Counter,
+    pub(crate) unregister_failures: Counter,
     pub(crate) bind_exhausted: Counter,
     pub(crate) map_failures: Counter,
     pub(crate) populate_failures: Counter,
@@ -131,6 +147,14 @@ impl Counters {
         }
     }
 
+    /// Counts a failed unregistration (the block is then leaked, not unmapped).
+    pub(crate) fn record_unregister_failure(&self, error: &Error) {
+        self.unregister_failures.incr();
+        if let Error::Cuda { code, name, .. } = error {
+            self.pin_failure_codes.record(*code, name);
+        }
+    }
+
     pub(crate) fn fill(&self, stats: &mut Stats) {
         stats.large_allocations = self.large_allocations.get();
         stats.frees = self.frees.get();
@@ -149,6 +173,7 @@ impl Counters {
             unplaced_blocks: self.unplaced_blocks.get(),
             unpinned_blocks: self.unpinned_blocks.get(),
             pin_failures: self.pin_failures.get(),
+            unregister_failures: self.unregister_failures.get(),
             failed_allocations: self.failed_allocations.get(),
             bind_exhausted: self.bind_exhausted.get(),
             map_failures: self.map_failures.get(),
@@ -169,12 +194,13 @@ pub struct TimeStats {
     pub max: Duration,
 }
 
-/// Registration failures with one CUDA error code.
+/// Registration (and unregistration) failures with one CUDA error code; the last slot of the
+/// fixed table collects every further code, and is named `other` then.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaErrorCount {
-    /// The `CUresult` number.
+    /// The `CUresult` number (`u32::MAX` for the `other` row).
     pub code: u32,
-    /// The `CUresult` name.
+    /// The `CUresult` name, or `other` for the row that collects codes beyond the table's size.
     pub name: &'static str,
     /// How many registrations failed with it.
     pub count: u64,
@@ -183,14 +209,18 @@ pub struct CudaErrorCount {
 /// Degraded modes and failures, each counted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Fallbacks {
-    /// Blocks mapped without NUMA placement because the kernel refused it (see
-    /// [`Stats::numa_unavailable`]) or the target node could not be resolved.
+    /// Blocks mapped without NUMA placement: the kernel refuses NUMA calls (see
+    /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave` policy
+    /// (also counted in `placement_failures`).
     pub unplaced_blocks: u64,
     /// Blocks handed out without page-locking (pinning off, no GPU, or registration failed
     /// under `pin=fallback`).
     pub unpinned_blocks: u64,
     /// `cuMemHostRegister` calls that failed.
     pub pin_failures: u64,
+    /// `cuMemHostUnregister` calls that failed; those blocks are leaked rather than unmapped
+    /// while the driver still holds them.
+    pub unregister_failures: u64,
     /// Large requests that returned null / `AllocError`.
     pub failed_allocations: u64,
     /// Of those: `policy=bind` blocks that could not be placed entirely on the node.
@@ -199,8 +229,9 @@ pub struct Fallbacks {
     pub map_failures: u64,
     /// Of those: populating failed (out of memory).
     pub populate_failures: u64,
-    /// Of those: `mbind` or the page check failed for another reason than NUMA being unavailable
-    /// (e.g. EINVAL for a node the kernel does not have).
+    /// `mbind` or the page check failed for another reason than NUMA being unavailable (e.g.
+    /// EINVAL for a node the kernel or cpuset does not allow): the block went unplaced under
+    /// `preferred`/`interleave`, the allocation failed under `bind` or a failed page check.
     pub placement_failures: u64,
     /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
     /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
@@ -363,12 +394,14 @@ impl fmt::Display for Stats {
         let fb = &self.fallbacks;
         writeln!(
             f,
-            "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, failed \
+            "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, unregister \
+             failures {}, failed \
              allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}), foreign frees {}",
             fb.unplaced_blocks,
             fb.unpinned_blocks,
             fb.unverified_blocks,
             fb.pin_failures,
+            fb.unregister_failures,
             fb.failed_allocations,
             fb.bind_exhausted,
             fb.map_failures,
@@ -411,8 +444,10 @@ mod tests {
         for code in 0..20 {
             counts.record(code, "X");
         }
-        let total: u64 = counts.snapshot().iter().map(|c| c.count).sum();
+        let snapshot = counts.snapshot();
+        let total: u64 = snapshot.iter().map(|c| c.count).sum();
         assert_eq!(total, 20);
+        assert_eq!(snapshot.last().map(|c| c.name), Some("other"));
     }
 
     #[test]

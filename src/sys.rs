@@ -20,7 +20,7 @@ pub const MAX_NODES: usize = 1024;
 
 const MASK_WORDS: usize = MAX_NODES / 64;
 
-/// `maxnode` argument of `mbind`: the kernel reads `maxnode - 1` bits, so one more than the mask has.
+/// `maxnode` argument of `mbind` and `get_mempolicy`: the kernel reads `maxnode - 1` bits, so one more than the mask has.
 const MBIND_MAXNODE: usize = 64 * MASK_WORDS + 1;
 
 // Constants the libc crate lacks (values from include/uapi/linux/mempolicy.h and mman-common.h,
@@ -29,6 +29,7 @@ const MPOL_PREFERRED: c_int = 1;
 const MPOL_BIND: c_int = 2;
 const MPOL_INTERLEAVE: c_int = 3;
 const MPOL_MF_STRICT: u32 = 1;
+const MPOL_F_MEMS_ALLOWED: libc::c_ulong = 4;
 const MPOL_MF_MOVE: u32 = 2;
 // libc only has it from 0.2.171 on; Cargo.toml allows 0.2.170.
 const MADV_POPULATE_WRITE: c_int = 23;
@@ -583,6 +584,32 @@ pub unsafe fn census(ptr: NonNull<u8>, len: usize, node: usize) -> Result<PageCe
     Ok(census)
 }
 
+/// The memory nodes this process may allocate from (`get_mempolicy(MPOL_F_MEMS_ALLOWED)`): a
+/// cgroup cpuset (`docker run --cpuset-mems`, Slurm, Kubernetes) can exclude the GPU's node, and
+/// `mbind` to an excluded node fails with EINVAL.
+///
+/// Errors: [`Error::NumaUnavailable`] (`call: "get_mempolicy"`) for EPERM/ENOSYS,
+/// [`Error::Syscall`] otherwise.
+pub fn allowed_memory_nodes() -> Result<NodeMask> {
+    let mut mask = NodeMask::empty();
+    // SAFETY: the mask is valid for writes of MBIND_MAXNODE - 1 bits (its whole size); mode and
+    // addr may be NULL with MPOL_F_MEMS_ALLOWED.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            ptr::null_mut::<c_int>(),
+            mask.words.as_mut_ptr(),
+            MBIND_MAXNODE,
+            ptr::null_mut::<c_void>(),
+            MPOL_F_MEMS_ALLOWED,
+        )
+    };
+    if rc != 0 {
+        return Err(numa_error("get_mempolicy", errno()));
+    }
+    Ok(mask)
+}
+
 /// The NUMA node of the CPU the calling thread runs on right now (`getcpu(2)`).
 ///
 /// The thread may migrate right after; use it as a hint. Errors: [`Error::NumaUnavailable`]
@@ -709,6 +736,12 @@ mod fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn this_process_may_use_node_zero() {
+        let allowed = allowed_memory_nodes().expect("get_mempolicy");
+        assert!(allowed.contains(0));
+    }
 
     #[test]
     fn mbind_maxnode_covers_the_whole_mask() {

@@ -296,13 +296,34 @@ impl NumaTopology {
     /// * [`Error::UnknownNode`] if `home_node` is not a node of this topology;
     /// * [`Error::NoMemoryNode`] if no node has memory.
     pub fn host_node_for(&self, home_node: usize) -> Result<usize> {
+        self.host_node_among(home_node, |_| true)
+    }
+
+    /// [`host_node_for`](Self::host_node_for) restricted to the nodes `allowed` accepts, e.g. the
+    /// memory nodes a cgroup cpuset lets this process use (`Mems_allowed`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownNode`] if `home_node` is not a node of this topology;
+    /// [`Error::NoMemoryNode`] if no allowed node has memory.
+    pub fn host_node_among(
+        &self,
+        home_node: usize,
+        allowed: impl Fn(usize) -> bool,
+    ) -> Result<usize> {
         let home = self
             .position(home_node)
             .ok_or_else(|| self.unknown(home_node))?;
-        let any_cpu_memory = self.nodes.iter().any(|n| n.has_memory && n.has_cpu);
+        let candidates = || {
+            self.nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| n.has_memory && allowed(n.id))
+        };
+        let any_cpu_memory = candidates().any(|(_, n)| n.has_cpu);
         let mut best: Option<(u8, usize)> = None;
-        for (pos, node) in self.nodes.iter().enumerate() {
-            if !node.has_memory || (any_cpu_memory && !node.has_cpu) {
+        for (pos, node) in candidates() {
+            if any_cpu_memory && !node.has_cpu {
                 continue;
             }
             let Some(d) = self.distance_at(home, pos) else {
@@ -677,5 +698,13 @@ mod tests {
         let nodes = vec![node(0, false, true), node(1, false, true)];
         let topo = NumaTopology::from_nodes(nodes, vec![10, 20, 20, 10]).expect("topo");
         assert_eq!(topo.host_node_for(0), Err(Error::NoMemoryNode));
+    }
+
+    #[test]
+    fn host_node_among_respects_the_allowed_nodes() {
+        let topo = NumaTopology::uniform(3, 20).expect("topo");
+        assert_eq!(topo.host_node_among(1, |id| id != 1), Ok(0));
+        assert_eq!(topo.host_node_among(1, |id| id == 2), Ok(2));
+        assert_eq!(topo.host_node_among(1, |_| false), Err(Error::NoMemoryNode));
     }
 }

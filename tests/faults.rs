@@ -170,19 +170,31 @@ fn mbind_enosys_falls_back_to_unplaced_blocks() {
 }
 
 #[test]
-fn mbind_einval_fails_cleanly() {
+fn mbind_einval_leaves_best_effort_blocks_unplaced_and_fails_bind() {
     let _serial = serial();
     for policy in [MemPolicy::Preferred, MemPolicy::Bind, MemPolicy::Interleave] {
         let alloc = local().policy(policy);
         fault::inject(FaultPoint::Mbind, libc::EINVAL, 1);
-        assert!(alloc.allocate(layout(4 * MIB)).is_err(), "{policy:?}");
+        let served = alloc.allocate(layout(4 * MIB));
         let s = alloc.stats();
         assert_eq!(s.numa_unavailable, None, "EINVAL is not 'NUMA unavailable'");
-        assert_eq!(s.fallbacks.failed_allocations, 1);
         assert_eq!(s.fallbacks.placement_failures, 1, "counted by cause");
-        assert_eq!(s.fallbacks.unplaced_blocks, 0);
-        assert_eq!(s.released_blocks, 1, "the mapping was given back");
-        assert!(alloc.placement().numa_placement);
+        if policy == MemPolicy::Bind {
+            assert!(served.is_err(), "bind is strict");
+            assert_eq!(s.fallbacks.failed_allocations, 1);
+            assert_eq!(s.fallbacks.unplaced_blocks, 0);
+            assert_eq!(s.released_blocks, 1, "the mapping was given back");
+        } else {
+            let block = served.expect("preferred/interleave are best effort");
+            assert_eq!(s.fallbacks.failed_allocations, 0, "{policy:?}");
+            assert_eq!(s.fallbacks.unplaced_blocks, 1, "{policy:?}");
+            // SAFETY: allocated above with this layout.
+            unsafe { alloc.deallocate(block.cast(), layout(4 * MIB)) };
+        }
+        assert!(
+            alloc.placement().numa_placement,
+            "later blocks are placed again"
+        );
         round_trip(&alloc, 4 * MIB, 4);
         assert_balanced(&alloc.stats());
     }
@@ -233,7 +245,10 @@ fn move_pages_eperm_with_verify_skips_the_check() {
     round_trip(&alloc, 4 * MIB, 8);
     let s = alloc.stats();
     assert_eq!(s.pages_checked, checked, "nothing more could be checked");
-    assert_eq!(s.fallbacks.unverified_blocks, 1, "the skipped check is counted");
+    assert_eq!(
+        s.fallbacks.unverified_blocks, 1,
+        "the skipped check is counted"
+    );
     assert_eq!(s.fallbacks.failed_allocations, 0);
     assert_eq!(s.numa_unavailable, None, "placement itself still works");
     assert!(alloc.placement().numa_placement);
@@ -323,9 +338,15 @@ fn registration_failure_under_strict_fails_the_allocation() {
             (12345, "CUDA_ERROR_UNRECOGNIZED")
         ]
     );
-    // No GPU here: without a fault a strict allocator hands out unpinned blocks.
-    round_trip(&alloc, 4 * MIB, 12);
-    assert_balanced(&alloc.stats());
+    // No GPU here: without a fault a strict allocator still refuses, since nothing can pin.
+    assert!(alloc.allocate(layout(4 * MIB)).is_err());
+    let s = alloc.stats();
+    assert_eq!(s.fallbacks.failed_allocations, 3);
+    assert_eq!(
+        s.fallbacks.unpinned_blocks, 0,
+        "strict never hands out unpinned blocks"
+    );
+    assert_balanced(&s);
 }
 
 #[test]
