@@ -227,6 +227,7 @@ impl NumaGpuAlloc {
         }
     }
 
+    #[cold]
     #[inline(never)]
     fn allocate_large_path(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let Some(_inside) = Inside::enter() else {
@@ -297,6 +298,7 @@ impl NumaGpuAlloc {
 
     /// # Safety
     /// As [`Self::deallocate`].
+    #[cold]
     #[inline(never)]
     unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
         let rt = self.runtime.get();
@@ -392,6 +394,7 @@ impl Drop for NumaGpuAlloc {
     }
 }
 
+#[inline]
 fn system_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
     // SAFETY: callers pass layouts of non-zero size.
     unsafe {
