@@ -46,21 +46,9 @@ struct Args {
     format: Format,
 }
 
+/// A size as `NUMA_GPU_ALLOC` writes them (`256MiB`, `1GiB`), not zero.
 fn parse_size(text: &str) -> Option<usize> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (digits, unit) = text.split_at(split);
-    let n: usize = digits.parse().ok()?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        _ => return None,
-    };
-    n.checked_mul(1usize << shift).filter(|&b| b > 0)
+    numa_gpu_alloc::parse_size(text).filter(|&bytes| bytes > 0)
 }
 
 fn parse_args() -> Res<Args> {

@@ -27,7 +27,7 @@ mod config;
 mod guard;
 mod runtime;
 mod stats;
-pub use config::{Config, GpuSelector, PinMode, Target, ENV_VAR};
+pub use config::{parse_size, Config, GpuSelector, PinMode, Target, ENV_VAR};
 pub use runtime::Placement;
 pub use stats::{CudaErrorCount, Fallbacks, NodeStats, Stats, TimeStats};
 pub use sys::MemPolicy;

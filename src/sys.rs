@@ -466,16 +466,9 @@ fn madvise_populate_write(ptr: NonNull<u8>, len: usize) -> std::result::Result<(
 /// `ptr..ptr+len` must be a mapping this crate created with [`map_anonymous`] that nobody else
 /// uses.
 pub unsafe fn advise_hugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
-    check_range(ptr, len)?;
     // SAFETY: MADV_HUGEPAGE only changes how later faults are served, not the content; the
     // caller guarantees the range is ours.
-    if unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) } != 0 {
-        return Err(Error::Syscall {
-            call: "madvise(MADV_HUGEPAGE)",
-            errno: errno(),
-        });
-    }
-    Ok(())
+    unsafe { advise(ptr, len, libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)") }
 }
 
 /// Gives the pages of `ptr..ptr+len` back to the kernel (`madvise(MADV_DONTNEED)`).
@@ -490,11 +483,21 @@ pub unsafe fn advise_hugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
 /// whose content nobody needs any more: it reads as zeros afterwards. It must not be registered
 /// (page-locked) with CUDA, whose device mappings would keep pointing at the old pages.
 pub unsafe fn advise_free(ptr: NonNull<u8>, len: usize) -> Result<()> {
-    check_range(ptr, len)?;
     // SAFETY: the caller guarantees the range is ours and its content is no longer needed.
-    if unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) } != 0 {
+    unsafe { advise(ptr, len, libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)") }
+}
+
+/// `madvise(advice)` on a checked range.
+///
+/// # Safety
+///
+/// The caller guarantees that `advice` is harmless for `ptr..ptr+len` (see the public wrappers).
+unsafe fn advise(ptr: NonNull<u8>, len: usize, advice: c_int, call: &'static str) -> Result<()> {
+    check_range(ptr, len)?;
+    // SAFETY: forwarded from the caller; the range was checked to be page-aligned and non-empty.
+    if unsafe { libc::madvise(ptr.as_ptr().cast(), len, advice) } != 0 {
         return Err(Error::Syscall {
-            call: "madvise(MADV_DONTNEED)",
+            call,
             errno: errno(),
         });
     }
