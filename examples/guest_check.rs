@@ -443,6 +443,16 @@ fn target_node(cx: &Ctx, n: &Numactl) -> Option<usize> {
         .or_else(|| memory_nodes(n).first().copied())
 }
 
+/// numactl's output and [`target_node`], or the `FAIL` line of check `name` when either is
+/// missing.
+fn numactl_and_target<'a>(cx: &'a Ctx, name: &str) -> Result<(&'a Numactl, usize), Check> {
+    cx.numactl
+        .as_ref()
+        .ok()
+        .and_then(|n| Some((n, target_node(cx, n)?)))
+        .ok_or_else(|| Check::fail(name, "numactl output", "unavailable"))
+}
+
 /// The crate's capacity for a request of `size` bytes: 8 size classes per power of two, whole
 /// pages (as `class_size` in src/arena.rs).
 fn class_size(size: usize) -> usize {
@@ -572,17 +582,9 @@ fn node_allocators(cx: &Ctx) -> Vec<Check> {
 /// memory (each holds some), none on a memoryless node, none counted misplaced, and the block is
 /// accounted to the allocator's node.
 fn interleave(cx: &Ctx) -> Vec<Check> {
-    let Some((n, target)) = cx
-        .numactl
-        .as_ref()
-        .ok()
-        .and_then(|n| Some((n, target_node(cx, n)?)))
-    else {
-        return vec![Check::fail(
-            "alloc.interleave",
-            "numactl output",
-            "unavailable",
-        )];
+    let (n, target) = match numactl_and_target(cx, "alloc.interleave") {
+        Ok(found) => found,
+        Err(fail) => return vec![fail],
     };
     let memory = memory_nodes(n);
     let alloc = NumaGpuAlloc::new()
@@ -636,17 +638,9 @@ fn interleave(cx: &Ctx) -> Vec<Check> {
 /// its handle's node, each handle's stats show only its own blocks, and one handle never reuses
 /// a block the other freed.
 fn two_handles(cx: &Ctx) -> Vec<Check> {
-    let Some((n, a_node)) = cx
-        .numactl
-        .as_ref()
-        .ok()
-        .and_then(|n| Some((n, target_node(cx, n)?)))
-    else {
-        return vec![Check::fail(
-            "alloc.handles",
-            "numactl output",
-            "unavailable",
-        )];
+    let (n, a_node) = match numactl_and_target(cx, "alloc.handles") {
+        Ok(found) => found,
+        Err(fail) => return vec![fail],
     };
     let Some(b_node) = memory_nodes(n).into_iter().find(|&id| id != a_node) else {
         return Vec::new(); // one node with memory: nothing to keep apart

@@ -4,10 +4,13 @@
 //! still holds its pattern.
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::process::Command;
 
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::NumaGpuAlloc;
+
+mod common {
+    pub mod child;
+}
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(64 << 20);
@@ -164,26 +167,10 @@ fn child() {
 
 #[test]
 fn address_space_exhaustion_fails_cleanly() {
-    if std::env::var_os(CHILD_VAR).is_some() {
+    if common::child::mode(CHILD_VAR).is_some() {
         return child();
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "address_space_exhaustion_fails_cleanly",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_VAR, "1")
-        .env_remove("NUMA_GPU_ALLOC")
-        .output()
-        .expect("re-executing the test binary");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "child failed: {}\n{stdout}\n{stderr}",
-        out.status
-    );
+    let (stdout, stderr) =
+        common::child::run("address_space_exhaustion_fails_cleanly", CHILD_VAR, "1");
     assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
 }

@@ -6,30 +6,16 @@ use std::sync::Barrier;
 
 use numa_gpu_alloc::NumaGpuAlloc;
 
+mod common {
+    pub mod pattern;
+}
+use common::pattern::{check, fill};
+
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(256 << 20);
 
 const MIB: usize = 1 << 20;
 const THRESHOLD: usize = 2 * MIB;
-
-/// Writes a pattern derived from `seed` into every page (and the last byte).
-fn fill(buf: &mut [u8], seed: u8) {
-    for i in (0..buf.len()).step_by(4096) {
-        buf[i] = seed.wrapping_add((i / 4096) as u8);
-    }
-    if let Some(last) = buf.last_mut() {
-        *last = seed ^ 0x5a;
-    }
-}
-
-fn check(buf: &[u8], seed: u8) {
-    for i in (0..buf.len().saturating_sub(1)).step_by(4096) {
-        assert_eq!(buf[i], seed.wrapping_add((i / 4096) as u8), "byte {i}");
-    }
-    if let Some(&last) = buf.last() {
-        assert_eq!(last, seed ^ 0x5a);
-    }
-}
 
 fn sizes(thread: usize) -> Vec<usize> {
     vec![

@@ -3,9 +3,13 @@
 //! installs it and then allocates through `NumaGpuAlloc` as its `#[global_allocator]`: every
 //! allocation succeeds unplaced, contents check out, and the stats say why.
 
-use std::process::Command;
-
 use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc};
+
+mod common {
+    pub mod child;
+    pub mod pattern;
+}
+use common::pattern::{check, fill};
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
@@ -117,22 +121,6 @@ fn errno_text() -> String {
     std::io::Error::last_os_error().to_string()
 }
 
-fn fill(buf: &mut [u8], seed: u8) {
-    for i in (0..buf.len()).step_by(4096) {
-        buf[i] = seed.wrapping_add((i / 4096) as u8);
-    }
-    if let Some(last) = buf.last_mut() {
-        *last = seed ^ 0x5a;
-    }
-}
-
-fn check(buf: &[u8], seed: u8) {
-    for i in (0..buf.len().saturating_sub(1)).step_by(4096) {
-        assert_eq!(buf[i], seed.wrapping_add((i / 4096) as u8), "byte {i}");
-    }
-    assert_eq!(buf.last(), Some(&(seed ^ 0x5a)));
-}
-
 fn child() {
     if !install_filter() {
         println!("{CHILD_SKIP}: the kernel has no seccomp filters");
@@ -215,26 +203,13 @@ fn child() {
 
 #[test]
 fn docker_like_seccomp_profile_falls_back_to_unplaced_blocks() {
-    if std::env::var_os(CHILD_VAR).is_some() {
+    if common::child::mode(CHILD_VAR).is_some() {
         return child();
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "docker_like_seccomp_profile_falls_back_to_unplaced_blocks",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_VAR, "1")
-        .env_remove("NUMA_GPU_ALLOC")
-        .output()
-        .expect("re-executing the test binary");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "child failed: {}\n{stdout}\n{stderr}",
-        out.status
+    let (stdout, stderr) = common::child::run(
+        "docker_like_seccomp_profile_falls_back_to_unplaced_blocks",
+        CHILD_VAR,
+        "1",
     );
     if stdout.contains(CHILD_SKIP) {
         eprintln!("{stdout}");

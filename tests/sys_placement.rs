@@ -30,6 +30,12 @@ impl Region {
         let ptr = sys::map_anonymous(len, sys::page_size()).expect("mmap");
         Region { ptr, len }
     }
+
+    /// Binds the whole region to `mask` with `policy` and the default flags.
+    fn bind(&self, policy: MemPolicy, mask: &NodeMask) -> Result<(), Error> {
+        // SAFETY: the mapping is ours for as long as `self` lives.
+        unsafe { sys::bind(self.ptr, self.len, policy, mask, MbindFlags::default()) }
+    }
 }
 
 impl Drop for Region {
@@ -43,12 +49,19 @@ fn node0() -> NodeMask {
     NodeMask::single(0).unwrap()
 }
 
+/// What a failed `mbind` call returns.
+fn mbind_error(errno: i32) -> Error {
+    Error::Syscall {
+        call: "mbind",
+        errno,
+    }
+}
+
 fn bind_populate_and_count(policy: MemPolicy) {
     let len = 64 * MIB;
     let r = Region::new(len);
-    // SAFETY: the region is ours and fresh.
-    unsafe { sys::bind(r.ptr, len, policy, &node0(), MbindFlags::default()) }.unwrap();
-    // SAFETY: as above; still all zeros.
+    r.bind(policy, &node0()).unwrap();
+    // SAFETY: the region is ours and fresh (still all zeros).
     let method = unsafe { sys::populate(r.ptr, len) }.unwrap();
     // Kernel 6.18 here: the madvise path is expected (the fallback is tested with injection).
     assert_eq!(method, PopulateMethod::MadvisePopulateWrite);
@@ -174,65 +187,23 @@ fn partly_touched_mapping_is_counted_per_page() {
 #[test]
 fn binding_to_a_missing_node_is_a_clear_error() {
     let _g = serial();
-    let len = MIB;
-    let r = Region::new(len);
-    let mask = NodeMask::single(5).unwrap();
-    // SAFETY: ours.
-    let err = unsafe { sys::bind(r.ptr, len, MemPolicy::Bind, &mask, MbindFlags::default()) }
+    let r = Region::new(MIB);
+    let err = r
+        .bind(MemPolicy::Bind, &NodeMask::single(5).unwrap())
         .unwrap_err();
-    assert_eq!(
-        err,
-        Error::Syscall {
-            call: "mbind",
-            errno: libc::EINVAL
-        }
-    );
+    assert_eq!(err, mbind_error(libc::EINVAL));
     assert!(err.to_string().contains("mbind"), "{err}");
     // Node 1023 (the last a mask can hold) does not exist either.
-    let mask = NodeMask::single(1023).unwrap();
-    // SAFETY: ours.
-    let err = unsafe {
-        sys::bind(
-            r.ptr,
-            len,
-            MemPolicy::Preferred,
-            &mask,
-            MbindFlags::default(),
-        )
-    }
-    .unwrap_err();
-    assert_eq!(
-        err,
-        Error::Syscall {
-            call: "mbind",
-            errno: libc::EINVAL
-        }
-    );
+    let err = r.bind(MemPolicy::Preferred, &NodeMask::single(1023).unwrap());
+    assert_eq!(err, Err(mbind_error(libc::EINVAL)));
 }
 
 #[test]
 fn empty_mask_with_bind_is_einval() {
     let _g = serial();
-    let len = MIB;
-    let r = Region::new(len);
-    // SAFETY: ours.
-    let err = unsafe {
-        sys::bind(
-            r.ptr,
-            len,
-            MemPolicy::Bind,
-            &NodeMask::empty(),
-            MbindFlags::default(),
-        )
-    }
-    .unwrap_err();
-    assert_eq!(
-        err,
-        Error::Syscall {
-            call: "mbind",
-            errno: libc::EINVAL
-        }
-    );
+    let r = Region::new(MIB);
+    let err = r.bind(MemPolicy::Bind, &NodeMask::empty());
+    assert_eq!(err, Err(mbind_error(libc::EINVAL)));
 }
 
 #[test]
@@ -501,47 +472,32 @@ mod fault_injection {
     #[test]
     fn mbind_eperm_is_numa_unavailable_until_cleared() {
         let _i = Injecting::new();
-        let len = MIB;
-        let r = Region::new(len);
+        let r = Region::new(MIB);
         fault::inject(FaultPoint::Mbind, libc::EPERM, u32::MAX);
         for _ in 0..3 {
-            // SAFETY: ours.
-            let err =
-                unsafe { sys::bind(r.ptr, len, MemPolicy::Bind, &node0(), MbindFlags::default()) }
-                    .unwrap_err();
             assert_eq!(
-                err,
-                Error::NumaUnavailable {
+                r.bind(MemPolicy::Bind, &node0()),
+                Err(Error::NumaUnavailable {
                     call: "mbind",
                     errno: libc::EPERM
-                }
+                })
             );
         }
         assert_eq!(fault::remaining(FaultPoint::Mbind), u32::MAX);
         fault::inject(FaultPoint::Mbind, libc::ENOSYS, 1);
-        // SAFETY: ours.
-        let err =
-            unsafe { sys::bind(r.ptr, len, MemPolicy::Bind, &node0(), MbindFlags::default()) };
         assert!(matches!(
-            err,
+            r.bind(MemPolicy::Bind, &node0()),
             Err(Error::NumaUnavailable {
                 errno: libc::ENOSYS,
                 ..
             })
         ));
         fault::inject(FaultPoint::Mbind, libc::EIO, 1);
-        // SAFETY: ours.
-        let err =
-            unsafe { sys::bind(r.ptr, len, MemPolicy::Bind, &node0(), MbindFlags::default()) };
         assert_eq!(
-            err,
-            Err(Error::Syscall {
-                call: "mbind",
-                errno: libc::EIO
-            })
+            r.bind(MemPolicy::Bind, &node0()),
+            Err(mbind_error(libc::EIO))
         );
-        // SAFETY: ours.
-        unsafe { sys::bind(r.ptr, len, MemPolicy::Bind, &node0(), MbindFlags::default()) }.unwrap();
+        r.bind(MemPolicy::Bind, &node0()).unwrap();
     }
 
     #[test]
@@ -552,9 +508,9 @@ mod fault_injection {
         // First probe says "unknown advice" → touch fallback, remembered.
         fault::inject(FaultPoint::Populate, libc::EINVAL, 1);
         let a = Region::new(len);
+        a.bind(MemPolicy::Bind, &node0()).unwrap();
         // SAFETY: ours, fresh (zeros).
         unsafe {
-            sys::bind(a.ptr, len, MemPolicy::Bind, &node0(), MbindFlags::default()).unwrap();
             assert_eq!(sys::populate(a.ptr, len), Ok(PopulateMethod::TouchPages));
             assert_eq!(sys::census(a.ptr, len, 0).unwrap().on_node, pages);
             assert_eq!(*a.ptr.as_ptr().add(len - 1), 0, "content kept");

@@ -4,11 +4,14 @@
 
 use std::alloc::Layout;
 use std::cell::RefCell;
-use std::process::Command;
 use std::sync::{Arc, Barrier};
 
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::NumaGpuAlloc;
+
+mod common {
+    pub mod child;
+}
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(64 << 20);
@@ -130,28 +133,12 @@ fn child(mode: &str) {
 
 #[test]
 fn processes_exit_with_blocks_outstanding() {
-    if let Some(mode) = std::env::var_os(CHILD_VAR) {
-        return child(&mode.to_string_lossy());
+    if let Some(mode) = common::child::mode(CHILD_VAR) {
+        return child(&mode);
     }
     for mode in ["exit", "exit-from-thread", "return"] {
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "processes_exit_with_blocks_outstanding",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_VAR, mode)
-            .env_remove("NUMA_GPU_ALLOC")
-            .output()
-            .expect("re-executing the test binary");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "child {mode} failed: {}\n{stdout}\n{stderr}",
-            out.status
-        );
+        let (stdout, stderr) =
+            common::child::run("processes_exit_with_blocks_outstanding", CHILD_VAR, mode);
         assert!(
             stdout.contains(&format!("child {mode}: exiting")),
             "{stdout}\n{stderr}"
