@@ -277,7 +277,7 @@ pub struct Stats {
     pub pinning: bool,
     /// Per node.
     pub nodes: Vec<NodeStats>,
-    /// Large allocations served (hits + misses).
+    /// Large requests handled (cache hits + misses; failed ones included, see `fallbacks`).
     pub large_allocations: u64,
     /// Large blocks freed by the user.
     pub frees: u64,
