@@ -482,7 +482,7 @@ pub unsafe fn advise_hugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
 /// `ptr..ptr+len` must be a private anonymous mapping this crate created with [`map_anonymous`]
 /// whose content nobody needs any more: it reads as zeros afterwards. It must not be registered
 /// (page-locked) with CUDA, whose device mappings would keep pointing at the old pages.
-pub unsafe fn advise_free(ptr: NonNull<u8>, len: usize) -> Result<()> {
+pub unsafe fn advise_dontneed(ptr: NonNull<u8>, len: usize) -> Result<()> {
     // SAFETY: the caller guarantees the range is ours and its content is no longer needed.
     unsafe { advise(ptr, len, libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)") }
 }

@@ -231,7 +231,7 @@ fn misaligned_or_empty_ranges_are_rejected_before_the_kernel() {
         assert_eq!(sys::populate(odd, ps), Err(range(odd, ps)));
         assert_eq!(sys::populate(r.ptr, 0), Err(range(r.ptr, 0)));
         assert_eq!(sys::advise_hugepage(odd, ps), Err(range(odd, ps)));
-        assert_eq!(sys::advise_free(r.ptr, 0), Err(range(r.ptr, 0)));
+        assert_eq!(sys::advise_dontneed(r.ptr, 0), Err(range(r.ptr, 0)));
         assert_eq!(sys::page_nodes(odd, ps, |_, _| {}), Err(range(odd, ps)));
         assert_eq!(sys::census(r.ptr, 0, 0), Err(range(r.ptr, 0)));
         assert_eq!(sys::unmap(odd, ps), Err(range(odd, ps)));
@@ -364,7 +364,7 @@ fn advise_hugepage_and_free() {
         sys::bind(ptr, len, MemPolicy::Bind, &node0(), MbindFlags::default()).unwrap();
         sys::populate(ptr, len).unwrap();
         ptr.as_ptr().write(42);
-        sys::advise_free(ptr, len).unwrap();
+        sys::advise_dontneed(ptr, len).unwrap();
         let c = sys::census(ptr, len, 0).unwrap();
         assert_eq!(c.absent, c.pages, "DONTNEED dropped the pages");
         assert_eq!(*ptr.as_ptr(), 0, "and they read back as zero");
@@ -692,7 +692,7 @@ mod no_heap {
             // Error paths must not allocate either.
             let missing = NodeMask::single(5).unwrap();
             let bad = sys::bind(ptr, len, MemPolicy::Bind, &missing, MbindFlags::default());
-            sys::advise_free(ptr, len).unwrap();
+            sys::advise_dontneed(ptr, len).unwrap();
             sys::unmap(ptr, len).unwrap();
             (census, bad)
         };
