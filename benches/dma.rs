@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::{Allocator, Layout};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
-use numa_gpu_alloc::{GpuSelector, NumaGpuAlloc, NumaTopology, PinMode};
+use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -164,7 +164,13 @@ fn bench(c: &mut Criterion) -> Res<()> {
     let far = topo
         .farthest_node_from(host_node)
         .filter(|&n| n != host_node);
-    let far_alloc = far.map(|n| NumaGpuAlloc::new().node(n).pin(PinMode::Off));
+    // `bind`: measured only if every page really is on the far node.
+    let far_alloc = far.map(|n| {
+        NumaGpuAlloc::new()
+            .node(n)
+            .policy(MemPolicy::Bind)
+            .pin(PinMode::Off)
+    });
     println!(
         "dma bench: GPU {ordinal} {} (home node {:?}), host node {host_node}, farthest node {far:?}, \
          {} MiB copies",
@@ -266,8 +272,9 @@ fn main() {
     }
     let mut c = Criterion::default().configure_from_args();
     if let Err(e) = bench(&mut c) {
-        println!("dma bench skipped: {e}");
-        return;
+        // A driver is there, so this is a failure, not a reason to skip.
+        eprintln!("dma bench failed: {e}");
+        std::process::exit(1);
     }
     c.final_summary();
 }

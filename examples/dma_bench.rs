@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
-use numa_gpu_alloc::{GpuSelector, NumaGpuAlloc, NumaTopology, PinMode};
+use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
@@ -539,6 +539,8 @@ fn gpu_part(report: &mut Report, args: &Args, topo: &NumaTopology) -> Res<()> {
         return Err("numa-gpu-alloc does not pin (see its stats)".into());
     }
     let host = placement.host_node;
+    // The thread that populates and drives the copies sits on the GPU's socket, as a loader would.
+    pin_thread_to(topo, host);
     report.far_node = topo.farthest_node_from(host).filter(|&n| n != host);
     let ctx = CudaContext::new(ordinal as usize)?;
     let stream = ctx.default_stream();
@@ -546,7 +548,13 @@ fn gpu_part(report: &mut Report, args: &Args, topo: &NumaTopology) -> Res<()> {
     let mut dev = stream.alloc_zeros::<u8>(max)?;
     let far_alloc = report
         .far_node
-        .map(|n| NumaGpuAlloc::new().node(n).pin(PinMode::Off));
+        // `bind`: the row is only reported if every page really is on the far node.
+        .map(|n| {
+            NumaGpuAlloc::new()
+                .node(n)
+                .policy(MemPolicy::Bind)
+                .pin(PinMode::Off)
+        });
 
     for &size in &args.sizes {
         let gpu = GpuSide {

@@ -35,7 +35,9 @@ n=0
 while read -r kind name exe; do
     case $kind in
         lib) dest="$out/tests/unit-$name" ;;
-        test) dest="$out/tests/test-$name" ;;
+        # These read fixture files from the source tree, which does not travel.
+        test) case $name in fixture_placement | topology_fixtures | fuzz_corpus) continue ;; esac
+              dest="$out/tests/test-$name" ;;
         *) continue ;; # examples are built (not as tests) by `cargo test`: not test binaries
     esac
     cp "$exe" "$dest"
@@ -62,6 +64,10 @@ chmod +x "$out/gpu-check.sh"
     echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty tree)')"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version)"
     echo "glibc: $(ldd --version 2>/dev/null | head -n1)"
+    # The newest glibc symbol version any binary uses: gpu-check.sh refuses older machines.
+    needed=$(find "$out" -type f -perm -u+x ! -name '*.sh' -exec objdump -T {} + 2>/dev/null |
+        grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -t. -k1,1n -k2,2n -k3,3n | tail -n1)
+    echo "glibc-needed: ${needed:-unknown}"
     echo "files:"
     (cd "$out" && find . -type f ! -name MANIFEST | sort | sed 's/^/  /')
 } >"$out/MANIFEST"

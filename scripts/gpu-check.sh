@@ -21,7 +21,11 @@ dma_args=""
 while [ $# -gt 0 ]; do
     case $1 in
         --bench) run_bench=1 ;;
-        --dma-args) dma_args=${2:-}; shift ;;
+        --dma-args)
+            [ $# -ge 2 ] || { echo "gpu-check: --dma-args needs a value" >&2; exit 2; }
+            dma_args=$2
+            shift
+            ;;
         -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) dir=$1 ;;
     esac
@@ -54,6 +58,10 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 note "host: $(uname -n) $(uname -r) $(uname -m), $(nproc 2>/dev/null || echo '?') CPUs, $nodes NUMA node(s)"
+# Without nvidia-smi the driver's own files still show a GPU: then skipping must not pass.
+if [ -z "$gpus" ] && { [ -e /dev/nvidia0 ] || ls /proc/driver/nvidia/gpus/* >/dev/null 2>&1; }; then
+    gpus="(nvidia-smi missing; /dev/nvidia0 or /proc/driver/nvidia/gpus present)"
+fi
 if [ -n "$gpus" ]; then
     while IFS= read -r g; do note "gpu: $g"; done <<<"$gpus"
     export NUMA_GPU_ALLOC_REQUIRE_GPU=1
@@ -61,6 +69,14 @@ else
     note "gpu: none seen by nvidia-smi: GPU tests will skip, dma_bench measures the host only"
 fi
 [ -f "$dir/MANIFEST" ] && note "bundle: $(sed -n 2p "$dir/MANIFEST")"
+# Binaries linked against a newer glibc than this machine's fail with only "exit 1": say why.
+needed=$(sed -n 's/^glibc-needed: //p' "$dir/MANIFEST" 2>/dev/null)
+have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+if [ -n "$needed" ] && [ "$needed" != unknown ] && [ -n "$have" ] &&
+    [ "$(printf '%s\n%s\n' "$needed" "$have" | sort -t. -k1,1n -k2,2n | head -n1)" != "$needed" ]; then
+    echo "gpu-check: these binaries need glibc $needed, this machine has $have; build them on an older distribution" >&2
+    exit 1
+fi
 
 # --- tests
 for bin in "$dir"/tests/*; do
@@ -77,7 +93,8 @@ for bin in "$dir"/tests/*; do
     else
         failed=1
         note "FAIL  $name (exit $rc): $passed passed, $fails failed; log $log"
-        while IFS= read -r l; do note "        $l"; done < <(grep -E "^test .* FAILED|panicked at" "$log" | head -n 8)
+        # Since Rust 1.73 the panic message is on the line after "panicked at".
+        while IFS= read -r l; do note "        $l"; done < <(grep -A1 -E "^test .* FAILED|panicked at" "$log" | head -n 12)
     fi
 done
 
@@ -87,7 +104,8 @@ if [ -x "$dir/dma_bench" ]; then
     # shellcheck disable=SC2086
     (cd "$dir" && with_timeout 600 ./dma_bench $dma_args) >"$log" 2>&1
     rc=$?
-    if [ $rc -eq 0 ] && ! grep -q "measurements stopped" "$log"; then
+    # A row that failed inside a measurement only carries a "failed: ..." note.
+    if [ $rc -eq 0 ] && ! grep -qE "measurements stopped|failed: " "$log"; then
         note "PASS  dma_bench"
     else
         failed=1

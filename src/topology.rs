@@ -337,16 +337,19 @@ impl NumaTopology {
         best.map(|(_, id)| id).ok_or(Error::NoMemoryNode)
     }
 
-    /// The node with memory farthest from node `id` (largest distance, ties to the lowest id),
-    /// e.g. to place a deliberately remote buffer in a benchmark.
+    /// The host node farthest from node `id` (largest distance, ties to the lowest id), e.g. to
+    /// place a deliberately remote buffer in a benchmark. Like [`host_node_for`](Self::host_node_for)
+    /// it only considers nodes with memory, and with CPUs too when any node has both, so a
+    /// GPU-memory node (GH200/GB200) is never taken for a remote socket.
     ///
-    /// Returns `None` if `id` is not a node or no other node has memory.
+    /// Returns `None` if `id` is not a node or no other such node exists.
     #[must_use]
     pub fn farthest_node_from(&self, id: usize) -> Option<usize> {
         let from = self.position(id)?;
+        let any_cpu_memory = self.nodes.iter().any(|n| n.has_memory && n.has_cpu);
         let mut best: Option<(u8, usize)> = None;
         for (pos, node) in self.nodes.iter().enumerate() {
-            if pos == from || !node.has_memory {
+            if pos == from || !node.has_memory || (any_cpu_memory && !node.has_cpu) {
                 continue;
             }
             let d = self.distance_at(from, pos)?;

@@ -102,5 +102,5 @@ fn threads_mixed_sizes_reallocs_and_contention() {
     assert!(stats.frees >= stats.large_allocations - stats.in_place_reallocs);
     assert!(stats.cached_bytes() <= 256 << 20, "cache limit holds");
     assert_eq!(stats.fallbacks.failed_allocations, 0);
-    assert_eq!(stats.host_node, Some(0));
+    assert_eq!(stats.host_node, Some(ALLOC.placement().host_node));
 }
