@@ -25,7 +25,8 @@ pub enum GpuSelector {
     Ordinal(u32),
     /// PCI address of the device; works without the CUDA driver (placement without pinning).
     Pci(PciAddress),
-    /// CUDA device UUID (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+    /// CUDA device UUID (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, or `MIG-…` for a MIG
+    /// instance).
     Uuid([u8; 16]),
 }
 
@@ -218,8 +219,9 @@ fn parse_node(value: &str) -> Result<usize, Error> {
     }
 }
 
-/// Parses a `gpu=` selector: `auto`, an ordinal (`0`), `pci:0000:81:00.0`, or a UUID
-/// (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+/// Parses a `gpu=` selector: `auto`, an ordinal (`0`), `pci:0000:81:00.0`, or a UUID as
+/// `nvidia-smi -L` prints it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, or `MIG-…` for a MIG
+/// instance).
 pub fn parse_gpu(value: &str) -> Result<GpuSelector, Error> {
     const EXPECTED: &str = "auto, a device ordinal (0), pci:DOMAIN:BUS:DEV.FN (pci:0000:81:00.0) \
                             or a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)";
@@ -228,7 +230,9 @@ pub fn parse_gpu(value: &str) -> Result<GpuSelector, Error> {
         Ok(GpuSelector::Auto)
     } else if let Some(addr) = value.strip_prefix("pci:") {
         addr.parse().map(GpuSelector::Pci).map_err(|_| bad())
-    } else if let Some(uuid) = strip_prefix_ignore_case(value, "GPU-") {
+    } else if let Some(uuid) =
+        strip_prefix_ignore_case(value, "GPU-").or_else(|| strip_prefix_ignore_case(value, "MIG-"))
+    {
         parse_uuid(uuid).map(GpuSelector::Uuid).ok_or_else(bad)
     } else {
         value.parse().map(GpuSelector::Ordinal).map_err(|_| bad())
@@ -376,6 +380,11 @@ mod tests {
                 0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd,
                 0xee, 0xff
             ])
+        );
+        assert_eq!(
+            parse_gpu("MIG-00112233-4455-6677-8899-aabbccddeeff"),
+            Ok(uuid),
+            "a MIG instance's UUID"
         );
         assert!(parse_gpu("GPU-0011").is_err());
         assert!(parse_gpu("pci:zz").is_err());
