@@ -1,14 +1,19 @@
-//! The only module that talks to the CUDA driver (through cudarc's raw `sys` bindings).
+//! The only module that talks to the CUDA driver.
+//!
+//! cudarc is used as the loader only (`sys::is_culib_present`, `sys::culib`): every driver
+//! function this module calls is resolved once, in the driver probe, as a function pointer with
+//! C types, and its `CUresult` is read as a plain `u32`. cudarc's own `sys::cu*` wrappers are not
+//! called: they return `CUresult` as a Rust enum, and a driver newer than cudarc's bindings can
+//! return a code that enum lacks (CUDA 13 added several), which would be undefined behaviour.
 //!
 //! Everything here is written for the allocator's large path: nothing panics, nothing calls into
-//! libcuda before [`driver_present`] has confirmed that the library loads, that every driver
-//! function this module uses is exported, and that `cuInit` succeeds. cudarc's `sys` functions
-//! panic when libcuda or one of their symbols is missing, which is why that check comes first and
-//! is made once.
+//! libcuda before [`driver_present`] has confirmed that the library loads, that every required
+//! driver function is exported, and that `cuInit` succeeds.
 //!
-//! Allocation: cudarc allocates when it loads libcuda and on the first call of each function, and
-//! the checks below allocate too. Callers inside the allocator run this code under the allocator's
-//! re-entrancy flag, so those allocations go to the system allocator.
+//! Allocation: loading libcuda and resolving its symbols allocate, once, inside the probe; callers
+//! inside the allocator run it under the allocator's re-entrancy flag, so those allocations go to
+//! the system allocator. Registering and unregistering call through the stored pointers and do
+//! not allocate.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::ptr::NonNull;
@@ -20,22 +25,23 @@ use crate::config::GpuSelector;
 use crate::pci::PciAddress;
 use crate::{Error, Result};
 
-/// Driver functions that must be exported by libcuda before any of them is called. cudarc's
-/// `sys` wrappers panic on a missing symbol, so their presence is checked up front.
-const REQUIRED_SYMBOLS: &[&str] = &[
-    "cuInit",
-    "cuGetErrorName",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDeviceGetAttribute",
-    "cuDeviceGetName",
-    "cuDeviceGetPCIBusId",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxPushCurrent_v2",
-    "cuCtxPopCurrent_v2",
-    "cuMemHostRegister_v2",
-    "cuMemHostUnregister",
+/// Driver functions that must be exported by libcuda for the driver to count as present.
+/// `cuInit` is called once by the probe; the others are kept in [`Api`].
+const REQUIRED_SYMBOLS: &[&CStr] = &[
+    c"cuInit",
+    c"cuGetErrorName",
+    c"cuDeviceGetCount",
+    c"cuDeviceGet",
+    c"cuDeviceGetAttribute",
+    c"cuDeviceGetName",
+    c"cuDeviceGetPCIBusId",
+    c"cuDevicePrimaryCtxRetain",
+    c"cuDevicePrimaryCtxRelease_v2",
+    c"cuCtxPushCurrent_v2",
+    c"cuCtxPopCurrent_v2",
+    c"cuMemHostRegister_v2",
+    c"cuMemHostUnregister",
+    c"cuThreadExchangeStreamCaptureMode",
 ];
 
 /// Environment variables that launchers set to the process's rank on its node, in the order
@@ -47,58 +53,197 @@ pub(crate) const LOCAL_RANK_VARS: [&str; 4] = [
     "MPI_LOCALRANKID",
 ];
 
-/// What the one-time driver probe found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct DriverState {
-    /// `Ok` when libcuda loaded, exports what this module needs, and `cuInit(0)` succeeded.
-    status: std::result::Result<(), &'static str>,
-    /// Whether `cuDeviceGetUuid_v2` is exported (else `cuDeviceGetUuid` is, or UUIDs are unknown).
-    uuid_v2: bool,
-    /// Whether `cuDeviceGetUuid` is exported.
-    uuid_v1: bool,
+/// `CUresult` as the raw number the driver returns (any value, known to cudarc's bindings or not).
+type CuResult = u32;
+/// `CUdevice` (`typedef int CUdevice`).
+type CuDevice = c_int;
+/// `CUcontext` (an opaque pointer).
+type CuContext = *mut c_void;
+
+/// `CUuuid`: `struct { char bytes[16]; }`.
+#[repr(C)]
+struct CuUuid {
+    bytes: [u8; 16],
 }
 
+/// `CUresult cuInit(unsigned int Flags)`.
+type InitFn = unsafe extern "C" fn(c_uint) -> CuResult;
+/// `CUresult cuGetErrorName(CUresult error, const char **pStr)`.
+type GetErrorNameFn = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
+/// `CUresult cuDeviceGetCount(int *count)`.
+type DeviceGetCountFn = unsafe extern "C" fn(*mut c_int) -> CuResult;
+/// `CUresult cuDeviceGet(CUdevice *device, int ordinal)`.
+type DeviceGetFn = unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult;
+/// `CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)`.
+type DeviceGetAttributeFn = unsafe extern "C" fn(*mut c_int, c_uint, CuDevice) -> CuResult;
+/// `CUresult cuDeviceGetName(char *name, int len, CUdevice dev)`, and the same prototype for
+/// `cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)`.
+type DeviceGetTextFn = unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult;
+/// `CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)`, and `cuDeviceGetUuid_v2`.
+type DeviceGetUuidFn = unsafe extern "C" fn(*mut CuUuid, CuDevice) -> CuResult;
+/// `CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`.
+type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult;
+/// `CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)`.
+type PrimaryCtxReleaseFn = unsafe extern "C" fn(CuDevice) -> CuResult;
+/// `CUresult cuCtxPushCurrent_v2(CUcontext ctx)`.
+type CtxPushFn = unsafe extern "C" fn(CuContext) -> CuResult;
+/// `CUresult cuCtxPopCurrent_v2(CUcontext *pctx)`.
+type CtxPopFn = unsafe extern "C" fn(*mut CuContext) -> CuResult;
+/// `CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)`.
+type MemHostRegisterFn = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult;
+/// `CUresult cuMemHostUnregister(void *p)`.
+type MemHostUnregisterFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
+/// `CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)` (the enum is a C
+/// `unsigned int`).
+type ExchangeCaptureModeFn = unsafe extern "C" fn(*mut c_uint) -> CuResult;
+
+/// `CUDA_SUCCESS`.
+const SUCCESS: CuResult = 0;
+/// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
+const HOST_MEMORY_NOT_REGISTERED: CuResult = 713;
+/// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`.
+const ATTRIBUTE_HOST_NUMA_ID: c_uint = 134;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`: this thread's driver calls do not invalidate a capture in
+/// progress on another thread.
+const CAPTURE_MODE_RELAXED: c_uint = 2;
+/// `CU_MEMHOSTREGISTER_PORTABLE`.
+const REGISTER_PORTABLE: c_uint = 1;
+/// `CU_MEMHOSTREGISTER_DEVICEMAP`.
+const REGISTER_DEVICEMAP: c_uint = 2;
+/// `CU_MEMHOSTREGISTER_READ_ONLY`.
+const REGISTER_READ_ONLY: c_uint = 8;
+
+/// Why a forked child does not register memory.
+const FORKED_REASON: &str = "the process forked after CUDA was initialised";
+
+/// The driver entry points this module calls, resolved once by the probe. Function pointers
+/// into libcuda, which cudarc keeps loaded for the life of the process.
+#[derive(Clone, Copy)]
+struct Api {
+    /// `cuGetErrorName`.
+    get_error_name: GetErrorNameFn,
+    /// `cuDeviceGetCount`.
+    device_get_count: DeviceGetCountFn,
+    /// `cuDeviceGet`.
+    device_get: DeviceGetFn,
+    /// `cuDeviceGetAttribute`.
+    device_get_attribute: DeviceGetAttributeFn,
+    /// `cuDeviceGetName`.
+    device_get_name: DeviceGetTextFn,
+    /// `cuDeviceGetPCIBusId`.
+    device_get_pci_bus_id: DeviceGetTextFn,
+    /// `cuDeviceGetUuid_v2` (the MIG instance's UUID under MIG), when exported.
+    device_get_uuid_v2: Option<DeviceGetUuidFn>,
+    /// `cuDeviceGetUuid` (the physical GPU's UUID), when exported.
+    device_get_uuid: Option<DeviceGetUuidFn>,
+    /// `cuDevicePrimaryCtxRetain`.
+    primary_ctx_retain: PrimaryCtxRetainFn,
+    /// `cuDevicePrimaryCtxRelease_v2`.
+    primary_ctx_release: PrimaryCtxReleaseFn,
+    /// `cuCtxPushCurrent_v2`.
+    ctx_push: CtxPushFn,
+    /// `cuCtxPopCurrent_v2`.
+    ctx_pop: CtxPopFn,
+    /// `cuMemHostRegister_v2`.
+    mem_host_register: MemHostRegisterFn,
+    /// `cuMemHostUnregister`.
+    mem_host_unregister: MemHostUnregisterFn,
+    /// `cuThreadExchangeStreamCaptureMode`.
+    exchange_capture_mode: ExchangeCaptureModeFn,
+}
+
+impl std::fmt::Debug for Api {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Api")
+            .field("uuid_v2", &self.device_get_uuid_v2.is_some())
+            .field("uuid_v1", &self.device_get_uuid.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the one-time driver probe found: the entry points when libcuda loaded, exports what this
+/// module needs, and `cuInit(0)` succeeded; else why not.
+type DriverState = std::result::Result<Api, &'static str>;
+
+/// The probe's answer, computed on the first call.
 fn driver_state() -> &'static DriverState {
     static STATE: OnceLock<DriverState> = OnceLock::new();
     STATE.get_or_init(probe_driver)
 }
 
+/// Looks up `name` in libcuda as a function pointer of type `F`.
+///
+/// # Safety
+///
+/// libcuda must be loadable (`sys::is_culib_present()` returned `true`), and `F` must be an
+/// `unsafe extern "C" fn` type matching the C prototype of the symbol `name`.
+unsafe fn symbol<F: Copy>(name: &CStr) -> Option<F> {
+    // SAFETY: libcuda loads (caller), so `culib` opens it without reaching its panic, and keeps
+    // it loaded for the life of the process (in a static). The caller guarantees that `F` is the
+    // symbol's function pointer type; the pointer is copied out of the `Symbol` and stays valid
+    // because the library is never unloaded.
+    unsafe { sys::culib().get::<F>(name) }.ok().map(|sym| *sym)
+}
+
+/// Resolves every entry point of [`Api`]; `None` when a required one is missing.
+///
+/// # Safety
+///
+/// libcuda must be loadable (`sys::is_culib_present()` returned `true`).
+unsafe fn load_api() -> Option<Api> {
+    // SAFETY: libcuda loads (caller); each type passed to `symbol` is the C prototype of the
+    // symbol named, as spelt out on the type aliases above (checked against cudarc's bindings,
+    // with `CUresult` and the enums read as plain integers).
+    unsafe {
+        Some(Api {
+            get_error_name: symbol::<GetErrorNameFn>(c"cuGetErrorName")?,
+            device_get_count: symbol::<DeviceGetCountFn>(c"cuDeviceGetCount")?,
+            device_get: symbol::<DeviceGetFn>(c"cuDeviceGet")?,
+            device_get_attribute: symbol::<DeviceGetAttributeFn>(c"cuDeviceGetAttribute")?,
+            device_get_name: symbol::<DeviceGetTextFn>(c"cuDeviceGetName")?,
+            device_get_pci_bus_id: symbol::<DeviceGetTextFn>(c"cuDeviceGetPCIBusId")?,
+            device_get_uuid_v2: symbol::<DeviceGetUuidFn>(c"cuDeviceGetUuid_v2"),
+            device_get_uuid: symbol::<DeviceGetUuidFn>(c"cuDeviceGetUuid"),
+            primary_ctx_retain: symbol::<PrimaryCtxRetainFn>(c"cuDevicePrimaryCtxRetain")?,
+            primary_ctx_release: symbol::<PrimaryCtxReleaseFn>(c"cuDevicePrimaryCtxRelease_v2")?,
+            ctx_push: symbol::<CtxPushFn>(c"cuCtxPushCurrent_v2")?,
+            ctx_pop: symbol::<CtxPopFn>(c"cuCtxPopCurrent_v2")?,
+            mem_host_register: symbol::<MemHostRegisterFn>(c"cuMemHostRegister_v2")?,
+            mem_host_unregister: symbol::<MemHostUnregisterFn>(c"cuMemHostUnregister")?,
+            exchange_capture_mode: symbol::<ExchangeCaptureModeFn>(
+                c"cuThreadExchangeStreamCaptureMode",
+            )?,
+        })
+    }
+}
+
+/// Loads libcuda, resolves the entry points and calls `cuInit(0)`; never panics.
 fn probe_driver() -> DriverState {
-    let absent = |reason| DriverState {
-        status: Err(reason),
-        uuid_v2: false,
-        uuid_v1: false,
-    };
+    const TOO_OLD: &str = "libcuda lacks a required driver function (the driver is too old)";
     // SAFETY: `is_culib_present` only tries to open the library by its candidate names with
     // libloading (running libcuda's initialisers, which is what loading it means); it does not
     // panic when none is found.
     if !unsafe { sys::is_culib_present() } {
-        return absent("libcuda.so could not be loaded (no NVIDIA driver on this machine)");
+        return Err("libcuda.so could not be loaded (no NVIDIA driver on this machine)");
     }
-    // SAFETY: `is_culib_present` just opened one of the candidate names, and `culib` opens the
-    // first candidate that loads, so it does not reach its panic. The returned library stays
-    // loaded for the life of the process (it lives in a static).
-    let lib = unsafe { sys::culib() };
-    let has = |name: &str| {
-        // SAFETY: the symbol is only looked up, never called through this type; the function
-        // pointer type is irrelevant to `dlsym`.
-        unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_ok()
+    let has = |name: &CStr| {
+        // SAFETY: libcuda loads (just checked); the symbol is only looked up, never called
+        // through this type, and the function pointer type is irrelevant to `dlsym`.
+        unsafe { symbol::<unsafe extern "C" fn()>(name) }.is_some()
     };
     if !REQUIRED_SYMBOLS.iter().all(|name| has(name)) {
-        return absent("libcuda lacks a required driver function (the driver is too old)");
+        return Err(TOO_OLD);
     }
-    let uuid_v2 = has("cuDeviceGetUuid_v2");
-    let uuid_v1 = has("cuDeviceGetUuid");
-    // SAFETY: libcuda is loaded and exports cuInit (checked above); cuInit takes flags 0.
-    let res = unsafe { sys::cuInit(0) };
-    if res != sys::CUresult::CUDA_SUCCESS {
-        return absent(cuinit_reason(res as u32));
+    // SAFETY: libcuda loads (checked above); `InitFn` is cuInit's C prototype.
+    let init = unsafe { symbol::<InitFn>(c"cuInit") }.ok_or(TOO_OLD)?;
+    // SAFETY: as above.
+    let api = unsafe { load_api() }.ok_or(TOO_OLD)?;
+    // SAFETY: cuInit is resolved from the loaded libcuda and takes flags 0.
+    let res = unsafe { init(0) };
+    if res != SUCCESS {
+        return Err(cuinit_reason(res));
     }
-    DriverState {
-        status: Ok(()),
-        uuid_v2,
-        uuid_v1,
-    }
+    Ok(api)
 }
 
 /// Why `cuInit` failed, as a fixed sentence (the error's `reason` is `&'static str`).
@@ -122,14 +267,13 @@ fn cuinit_reason(code: u32) -> &'static str {
 /// Whether libcuda loads, exports what this crate needs, and `cuInit` succeeds. Decided once
 /// (the first call probes; later calls read the answer); never panics.
 pub(crate) fn driver_present() -> bool {
-    driver_state().status.is_ok()
+    driver_state().is_ok()
 }
 
-/// `Ok` when the driver is usable, else `CudaUnavailable` with the reason.
-fn require_driver() -> Result<&'static DriverState> {
-    let state = driver_state();
-    match state.status {
-        Ok(()) => Ok(state),
+/// The driver's entry points when it is usable, else `CudaUnavailable` with the reason.
+fn require_driver() -> Result<&'static Api> {
+    match driver_state() {
+        Ok(api) => Ok(api),
         Err(reason) => Err(Error::CudaUnavailable { reason }),
     }
 }
@@ -198,12 +342,16 @@ pub(crate) fn known_error_name(code: u32) -> Option<&'static str> {
 /// Name used when neither the table nor the driver knows a code.
 const UNNAMED_ERROR: &str = "CUDA_ERROR_UNRECOGNIZED";
 
-/// `CUresult` → [`Error::Cuda`]. The name comes from the table above, else from
-/// `cuGetErrorName` (its strings are static in libcuda, which is never unloaded).
-pub(crate) fn cuda_error(call: &'static str, res: sys::CUresult) -> Error {
-    let code = res as u32;
+/// A raw `CUresult` → [`Error::Cuda`]. The name comes from the table above, else from
+/// `driver_name` (the driver's `cuGetErrorName` in production), else [`UNNAMED_ERROR`]. Any
+/// number is accepted: codes newer than this crate are reported, not misread.
+pub(crate) fn cuda_error(
+    call: &'static str,
+    code: u32,
+    driver_name: impl FnOnce(u32) -> Option<&'static str>,
+) -> Error {
     let name = known_error_name(code)
-        .or_else(|| driver_error_name(res))
+        .or_else(|| driver_name(code))
         .unwrap_or(UNNAMED_ERROR);
     Error::Cuda { call, code, name }
 }
@@ -211,37 +359,35 @@ pub(crate) fn cuda_error(call: &'static str, res: sys::CUresult) -> Error {
 /// The error a failed registration of `code` gives, for tests that inject one.
 #[cfg(feature = "fault-injection")]
 pub(crate) fn simulated_register_error(code: u32) -> Error {
-    Error::Cuda {
-        call: "cuMemHostRegister_v2",
-        code,
-        name: known_error_name(code).unwrap_or(UNNAMED_ERROR),
-    }
+    cuda_error("cuMemHostRegister_v2", code, |_| None)
 }
 
-fn driver_error_name(res: sys::CUresult) -> Option<&'static str> {
-    if !driver_present() {
-        return None;
+impl Api {
+    /// The driver's name for `code` (`cuGetErrorName`), when it has one. Its strings are static
+    /// in libcuda, which is never unloaded.
+    fn error_name(&self, code: CuResult) -> Option<&'static str> {
+        let mut text: *const c_char = std::ptr::null();
+        // SAFETY: `get_error_name` is cuGetErrorName from the loaded libcuda (the driver is
+        // present: an `Api` exists only then); it accepts any number (unknown ones give
+        // CUDA_ERROR_INVALID_VALUE) and `text` is a valid out-pointer.
+        let res = unsafe { (self.get_error_name)(code, &mut text) };
+        if res != SUCCESS || text.is_null() {
+            return None;
+        }
+        // SAFETY: on success cuGetErrorName stores a pointer to a NUL-terminated string constant
+        // inside libcuda; the library is held in a static by cudarc and never unloaded, so the
+        // string lives for the rest of the process.
+        let name: &'static CStr = unsafe { CStr::from_ptr(text) };
+        name.to_str().ok()
     }
-    let mut text: *const c_char = std::ptr::null();
-    // SAFETY: the driver is present and exports cuGetErrorName (checked by `driver_present`);
-    // `text` is a valid out-pointer.
-    let ok = unsafe { sys::cuGetErrorName(res, &mut text) } == sys::CUresult::CUDA_SUCCESS;
-    if !ok || text.is_null() {
-        return None;
-    }
-    // SAFETY: on success cuGetErrorName stores a pointer to a NUL-terminated string constant
-    // inside libcuda; the library is held in a static by cudarc and never unloaded, so the
-    // string lives for the rest of the process.
-    let name: &'static CStr = unsafe { CStr::from_ptr(text) };
-    name.to_str().ok()
-}
 
-/// `Ok(())` for `CUDA_SUCCESS`, else the mapped error.
-fn check(call: &'static str, res: sys::CUresult) -> Result<()> {
-    if res == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(cuda_error(call, res))
+    /// `Ok(())` for `CUDA_SUCCESS`, else the mapped error.
+    fn check(&self, call: &'static str, res: CuResult) -> Result<()> {
+        if res == SUCCESS {
+            Ok(())
+        } else {
+            Err(cuda_error(call, res, |code| self.error_name(code)))
+        }
     }
 }
 
@@ -294,92 +440,92 @@ fn c_buf_text(buf: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Safe wrappers for the per-device queries. Each requires `driver_present()`.
+/// Safe wrappers for the per-device queries, through the resolved entry points.
 mod raw {
     use super::*;
 
-    pub(super) fn device_count() -> Result<usize> {
+    pub(super) fn device_count(api: &Api) -> Result<usize> {
         let mut count: c_int = 0;
-        // SAFETY: callers checked `driver_present()`; `count` is a valid out-pointer.
-        check("cuDeviceGetCount", unsafe {
-            sys::cuDeviceGetCount(&mut count)
-        })?;
+        // SAFETY: `api` holds cuDeviceGetCount from the loaded, initialised driver; `count` is a
+        // valid out-pointer.
+        let res = unsafe { (api.device_get_count)(&mut count) };
+        api.check("cuDeviceGetCount", res)?;
         Ok(usize::try_from(count).unwrap_or(0))
     }
 
-    pub(super) fn device(ordinal: usize) -> Result<sys::CUdevice> {
+    pub(super) fn device(api: &Api, ordinal: usize) -> Result<CuDevice> {
         let ordinal = c_int::try_from(ordinal).map_err(|_| Error::Cuda {
             call: "cuDeviceGet",
             code: 101,
             name: "CUDA_ERROR_INVALID_DEVICE",
         })?;
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: driver present; `dev` is a valid out-pointer.
-        check("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut dev, ordinal)
-        })?;
+        let mut dev: CuDevice = 0;
+        // SAFETY: cuDeviceGet from the initialised driver; `dev` is a valid out-pointer.
+        let res = unsafe { (api.device_get)(&mut dev, ordinal) };
+        api.check("cuDeviceGet", res)?;
         Ok(dev)
     }
 
-    pub(super) fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
+    pub(super) fn pci_bus_id(api: &Api, dev: CuDevice) -> Result<String> {
         let mut buf: [c_char; 64] = [0; 64];
-        // SAFETY: driver present; the buffer is 64 bytes and its length is passed, the driver
-        // writes at most that many bytes including the NUL.
-        check("cuDeviceGetPCIBusId", unsafe {
-            sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), 64, dev)
-        })?;
+        // SAFETY: cuDeviceGetPCIBusId from the initialised driver; the buffer is 64 bytes and its
+        // length is passed, the driver writes at most that many bytes including the NUL.
+        let res = unsafe { (api.device_get_pci_bus_id)(buf.as_mut_ptr(), 64, dev) };
+        api.check("cuDeviceGetPCIBusId", res)?;
         Ok(c_buf_text(&buf))
     }
 
-    pub(super) fn pci_address(dev: sys::CUdevice) -> Result<PciAddress> {
-        let text = pci_bus_id(dev)?;
+    pub(super) fn pci_address(api: &Api, dev: CuDevice) -> Result<PciAddress> {
+        let text = pci_bus_id(api, dev)?;
         text.parse::<PciAddress>()
             .map_err(|_| Error::InvalidPciAddress { input: text })
     }
 
-    pub(super) fn name(dev: sys::CUdevice) -> Result<String> {
+    pub(super) fn name(api: &Api, dev: CuDevice) -> Result<String> {
         let mut buf: [c_char; 256] = [0; 256];
-        // SAFETY: driver present; the buffer is 256 bytes and its length is passed.
-        check("cuDeviceGetName", unsafe {
-            sys::cuDeviceGetName(buf.as_mut_ptr(), 256, dev)
-        })?;
+        // SAFETY: cuDeviceGetName from the initialised driver; the buffer is 256 bytes and its
+        // length is passed.
+        let res = unsafe { (api.device_get_name)(buf.as_mut_ptr(), 256, dev) };
+        api.check("cuDeviceGetName", res)?;
         Ok(c_buf_text(&buf))
     }
 
-    pub(super) fn uuid(state: &DriverState, dev: sys::CUdevice) -> Result<[u8; 16]> {
-        let mut uuid = sys::CUuuid { bytes: [0; 16] };
-        let (call, res) = if state.uuid_v2 {
-            // SAFETY: driver present and the symbol is exported (probed); valid out-pointer.
-            ("cuDeviceGetUuid_v2", unsafe {
-                sys::cuDeviceGetUuid_v2(&mut uuid, dev)
-            })
-        } else if state.uuid_v1 {
-            // SAFETY: as above, for the older entry point.
-            ("cuDeviceGetUuid", unsafe {
-                sys::cuDeviceGetUuid(&mut uuid, dev)
-            })
-        } else {
+    /// Whether `want` is the device's UUID as either entry point reports it: under MIG,
+    /// `cuDeviceGetUuid_v2` gives the MIG instance's UUID and `cuDeviceGetUuid` the physical
+    /// GPU's, and users may name either.
+    pub(super) fn uuid_matches(api: &Api, dev: CuDevice, want: &[u8; 16]) -> Result<bool> {
+        let getters = [
+            ("cuDeviceGetUuid_v2", api.device_get_uuid_v2),
+            ("cuDeviceGetUuid", api.device_get_uuid),
+        ];
+        if getters.iter().all(|(_, getter)| getter.is_none()) {
             return Err(Error::CudaUnavailable {
                 reason: "libcuda exports neither cuDeviceGetUuid_v2 nor cuDeviceGetUuid",
             });
-        };
-        check(call, res)?;
-        Ok(uuid.bytes.map(|c| c as u8))
+        }
+        for (call, getter) in getters {
+            let Some(getter) = getter else { continue };
+            let mut uuid = CuUuid { bytes: [0; 16] };
+            // SAFETY: the entry point was resolved from the initialised driver with the
+            // prototype `CUresult (CUuuid *, CUdevice)`; `uuid` is a valid out-pointer to a
+            // 16-byte `#[repr(C)]` struct.
+            let res = unsafe { getter(&mut uuid, dev) };
+            api.check(call, res)?;
+            if uuid.bytes == *want {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` when it is reported and ≥ 0. Drivers before 12.2 do
     /// not know the attribute (INVALID_VALUE): that is `None`, not an error.
-    pub(super) fn host_numa_id(dev: sys::CUdevice) -> Option<usize> {
+    pub(super) fn host_numa_id(api: &Api, dev: CuDevice) -> Option<usize> {
         let mut value: c_int = -1;
-        // SAFETY: driver present; `value` is a valid out-pointer.
-        let res = unsafe {
-            sys::cuDeviceGetAttribute(
-                &mut value,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
-                dev,
-            )
-        };
-        if res == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: cuDeviceGetAttribute from the initialised driver; `value` is a valid
+        // out-pointer; an attribute the driver does not know is refused, not misread.
+        let res = unsafe { (api.device_get_attribute)(&mut value, ATTRIBUTE_HOST_NUMA_ID, dev) };
+        if res == SUCCESS {
             usize::try_from(value).ok()
         } else {
             None
@@ -390,8 +536,9 @@ mod raw {
 /// A CUDA device, found but not opened: what placement needs (no context is created).
 #[derive(Clone, Debug)]
 pub(crate) struct Device {
+    api: &'static Api,
     ordinal: u32,
-    dev: sys::CUdevice,
+    dev: CuDevice,
     pci: PciAddress,
     name: String,
     host_numa_id: Option<usize>,
@@ -400,16 +547,19 @@ pub(crate) struct Device {
 /// A CUDA device with its retained primary context, for page-locking.
 ///
 /// Dropping it releases the primary context (the driver destroys the context when the last
-/// retain is released).
+/// retain is released) — except in a forked child, where the context is the parent's.
 #[derive(Debug)]
 pub(crate) struct Gpu {
     device: Device,
-    ctx: sys::CUcontext,
+    ctx: CuContext,
+    /// The process that retained the context: a child forked after [`Gpu::open`] must not use
+    /// it (the CUDA driver does not support use across `fork`).
+    pid: u32,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (the driver API makes contexts current
 // per thread with push/pop, which is all this type does with it); the other fields are plain
-// data. The handle is never freed while `Gpu` lives (released in Drop only).
+// data and function pointers. The handle is never freed while `Gpu` lives (released in Drop only).
 unsafe impl Send for Gpu {}
 // SAFETY: `&Gpu` only reads plain fields and pushes/pops the context on the calling thread's
 // own context stack, which the driver supports from several threads at once.
@@ -417,16 +567,65 @@ unsafe impl Sync for Gpu {}
 
 /// Pops the context pushed by [`Gpu::push`] when dropped, restoring the thread's previous one.
 /// Not `Send`: it must drop on the thread that pushed.
-struct CurrentGuard(std::marker::PhantomData<*const ()>);
+struct CurrentGuard {
+    pop: CtxPopFn,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
 
 impl Drop for CurrentGuard {
     fn drop(&mut self) {
-        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        let mut popped: CuContext = std::ptr::null_mut();
         // SAFETY: a guard exists only after a successful cuCtxPushCurrent_v2 on this thread
-        // (the guard is not Send), so the stack has our context on top; `popped` is a valid
-        // out-pointer. A failure cannot be reported from Drop and leaves nothing to undo.
-        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        // (the guard is not Send), so the stack has our context on top; `pop` is
+        // cuCtxPopCurrent_v2 and `popped` a valid out-pointer. A failure cannot be reported from
+        // Drop and leaves nothing to undo.
+        let _ = unsafe { (self.pop)(&mut popped) };
     }
+}
+
+/// Puts back the thread's stream capture mode saved by [`relaxed_capture`] when dropped.
+/// Not `Send`: the mode is per thread.
+struct CaptureModeGuard {
+    exchange: ExchangeCaptureModeFn,
+    previous: c_uint,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for CaptureModeGuard {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: `exchange` is cuThreadExchangeStreamCaptureMode; `mode` holds the value the
+        // driver itself handed out on this thread (the guard is not Send) and is a valid
+        // in/out-pointer. A failure cannot be reported from Drop.
+        let _ = unsafe { (self.exchange)(&mut mode) };
+    }
+}
+
+/// Sets this thread's stream capture mode to relaxed until the guard drops, so that registering
+/// or unregistering memory does not invalidate a CUDA graph another thread is capturing in
+/// global mode.
+fn relaxed_capture(api: &Api) -> Result<CaptureModeGuard> {
+    let mut mode = CAPTURE_MODE_RELAXED;
+    // SAFETY: `exchange_capture_mode` is cuThreadExchangeStreamCaptureMode from the initialised
+    // driver; `mode` is a valid in/out-pointer (the driver stores the previous mode in it).
+    let res = unsafe { (api.exchange_capture_mode)(&mut mode) };
+    api.check("cuThreadExchangeStreamCaptureMode", res)?;
+    Ok(CaptureModeGuard {
+        exchange: api.exchange_capture_mode,
+        previous: mode,
+        _not_send: std::marker::PhantomData,
+    })
+}
+
+/// What `cuMemHostUnregister` returning `res` means for the caller: 713
+/// (`CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`, e.g. after the program reset the device) says that
+/// the registration is already gone, so the range may be unmapped like a successful unregister.
+/// `check` maps every other result.
+fn unregister_outcome(check: impl FnOnce(CuResult) -> Result<()>, res: CuResult) -> Result<()> {
+    if res == HOST_MEMORY_NOT_REGISTERED {
+        return Ok(());
+    }
+    check(res)
 }
 
 impl Device {
@@ -435,13 +634,14 @@ impl Device {
     /// `Auto` takes the first of `LOCAL_RANK`, `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`,
     /// `MPI_LOCALRANKID` that parses, modulo the device count, else device 0. `Pci` compares
     /// `cuDeviceGetPCIBusId` as a parsed address (so case and domain width do not matter). `Uuid`
-    /// compares the 16 bytes.
+    /// compares the 16 bytes with `cuDeviceGetUuid_v2` and with `cuDeviceGetUuid` (whichever the
+    /// driver exports), so that under MIG both the instance's and the GPU's UUID match.
     ///
     /// Errors: [`Error::CudaUnavailable`] without a usable driver or with no visible device,
     /// [`Error::GpuNotFound`] when no device matches, [`Error::Cuda`] when a driver call fails.
     pub(crate) fn find(selector: GpuSelector) -> Result<Device> {
-        let state = require_driver()?;
-        let count = raw::device_count()?;
+        let api = require_driver()?;
+        let count = raw::device_count(api)?;
         if count == 0 {
             return Err(Error::CudaUnavailable {
                 reason: "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)",
@@ -460,8 +660,8 @@ impl Device {
             GpuSelector::Pci(want) => {
                 let mut found = None;
                 for i in 0..count {
-                    let dev = raw::device(i)?;
-                    if raw::pci_address(dev).ok() == Some(want) {
+                    let dev = raw::device(api, i)?;
+                    if raw::pci_address(api, dev).ok() == Some(want) {
                         found = Some(i);
                         break;
                     }
@@ -471,8 +671,8 @@ impl Device {
             GpuSelector::Uuid(want) => {
                 let mut found = None;
                 for i in 0..count {
-                    let dev = raw::device(i)?;
-                    if raw::uuid(state, dev)? == want {
+                    let dev = raw::device(api, i)?;
+                    if raw::uuid_matches(api, dev, &want)? {
                         found = Some(i);
                         break;
                     }
@@ -480,11 +680,12 @@ impl Device {
                 found.ok_or_else(not_found)?
             }
         };
-        let dev = raw::device(ordinal)?;
-        let pci = raw::pci_address(dev)?;
-        let name = raw::name(dev)?;
-        let host_numa_id = raw::host_numa_id(dev);
+        let dev = raw::device(api, ordinal)?;
+        let pci = raw::pci_address(api, dev)?;
+        let name = raw::name(api, dev)?;
+        let host_numa_id = raw::host_numa_id(api, dev);
         Ok(Device {
+            api,
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
             dev,
             pci,
@@ -521,28 +722,45 @@ impl Device {
 impl Gpu {
     /// Retains the device's primary context, for registering memory with it.
     pub(crate) fn open(device: Device) -> Result<Gpu> {
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: a `Device` exists only with the driver present, and `device.dev` is a valid
-        // handle from cuDeviceGet; `ctx` is a valid out-pointer. Balanced by the release in Drop.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, device.dev)
-        })?;
-        Ok(Gpu { device, ctx })
+        let api = device.api;
+        let mut ctx: CuContext = std::ptr::null_mut();
+        // SAFETY: `api` is the initialised driver's (a `Device` exists only then), and
+        // `device.dev` is a valid handle from cuDeviceGet; `ctx` is a valid out-pointer.
+        // Balanced by the release in Drop.
+        let res = unsafe { (api.primary_ctx_retain)(&mut ctx, device.dev) };
+        api.check("cuDevicePrimaryCtxRetain", res)?;
+        Ok(Gpu {
+            device,
+            ctx,
+            pid: std::process::id(),
+        })
+    }
+
+    /// Whether this is a child forked after [`Gpu::open`]: the context belongs to the parent.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
     }
 
     /// Makes the primary context current on this thread until the guard drops.
     fn push(&self) -> Result<CurrentGuard> {
-        // SAFETY: the driver is present (a Gpu exists only then) and `self.ctx` is a retained
-        // primary context, valid until Drop.
-        check("cuCtxPushCurrent_v2", unsafe {
-            sys::cuCtxPushCurrent_v2(self.ctx)
-        })?;
-        Ok(CurrentGuard(std::marker::PhantomData))
+        let api = self.device.api;
+        // SAFETY: `api` is the initialised driver's (a Gpu exists only then) and `self.ctx` is a
+        // retained primary context, valid until Drop.
+        let res = unsafe { (api.ctx_push)(self.ctx) };
+        api.check("cuCtxPushCurrent_v2", res)?;
+        Ok(CurrentGuard {
+            pop: api.ctx_pop,
+            _not_send: std::marker::PhantomData,
+        })
     }
 
     /// Page-locks `ptr..ptr+len` with `cuMemHostRegister_v2` (PORTABLE, plus DEVICEMAP and
-    /// READ_ONLY when asked). The primary context is pushed current on the calling thread for
-    /// the call and the thread's previous context is restored afterwards, whatever happens.
+    /// READ_ONLY when asked). The primary context is pushed current on the calling thread and
+    /// the thread's stream capture mode is set to relaxed for the call; both are restored
+    /// afterwards, whatever happens.
+    ///
+    /// In a child forked after [`Gpu::open`] nothing is registered: the error is
+    /// [`Error::CudaUnavailable`].
     ///
     /// # Safety
     ///
@@ -555,40 +773,66 @@ impl Gpu {
         devicemap: bool,
         read_only: bool,
     ) -> Result<()> {
-        let mut flags: c_uint = sys::CU_MEMHOSTREGISTER_PORTABLE;
+        if self.forked() {
+            return Err(Error::CudaUnavailable {
+                reason: FORKED_REASON,
+            });
+        }
+        let mut flags: c_uint = REGISTER_PORTABLE;
         if devicemap {
-            flags |= sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+            flags |= REGISTER_DEVICEMAP;
         }
         if read_only {
-            flags |= sys::CU_MEMHOSTREGISTER_READ_ONLY;
+            flags |= REGISTER_READ_ONLY;
         }
+        let api = self.device.api;
+        // Dropped in reverse order: the capture mode is restored, then the context popped.
         let _current = self.push()?;
+        let _relaxed = relaxed_capture(api)?;
         // SAFETY: the caller guarantees the range is a live mapping it owns and that is not
-        // registered; a context is current (pushed above).
-        let res = unsafe { sys::cuMemHostRegister_v2(ptr.as_ptr().cast::<c_void>(), len, flags) };
-        check("cuMemHostRegister_v2", res)
+        // registered; `mem_host_register` is cuMemHostRegister_v2 and a context is current
+        // (pushed above).
+        let res = unsafe { (api.mem_host_register)(ptr.as_ptr().cast::<c_void>(), len, flags) };
+        api.check("cuMemHostRegister_v2", res)
     }
 
-    /// Unregisters a range registered by [`Gpu::register`], with the primary context current.
+    /// Unregisters a range registered by [`Gpu::register`], with the primary context current
+    /// and the thread's stream capture mode relaxed (both restored afterwards).
+    ///
+    /// `Ok(())` means the range may be unmapped: the driver released it, or reported
+    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED` (the registration is already gone, e.g. after the
+    /// program reset the device), or this is a child forked after [`Gpu::open`] (the child's
+    /// copy of the pages was never registered; the driver is not called).
     ///
     /// # Safety
     ///
     /// `ptr` must be the base pointer passed to a successful [`Gpu::register`] on a `Gpu` of the
     /// same device, not unregistered since, and the range must still be mapped.
     pub(crate) unsafe fn unregister(&self, ptr: NonNull<u8>) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
+        let api = self.device.api;
+        // Dropped in reverse order: the capture mode is restored, then the context popped.
         let _current = self.push()?;
-        // SAFETY: the caller guarantees `ptr` is a registered, still-mapped base pointer; a
-        // context is current.
-        let res = unsafe { sys::cuMemHostUnregister(ptr.as_ptr().cast::<c_void>()) };
-        check("cuMemHostUnregister", res)
+        let _relaxed = relaxed_capture(api)?;
+        // SAFETY: the caller guarantees `ptr` is a registered, still-mapped base pointer;
+        // `mem_host_unregister` is cuMemHostUnregister and a context is current.
+        let res = unsafe { (api.mem_host_unregister)(ptr.as_ptr().cast::<c_void>()) };
+        unregister_outcome(|res| api.check("cuMemHostUnregister", res), res)
     }
 }
 
 impl Drop for Gpu {
     fn drop(&mut self) {
-        // SAFETY: `self.device.dev` had its primary context retained in `open`; this balances
-        // it. Errors cannot be reported from Drop.
-        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device.dev) };
+        if self.forked() {
+            // The retain was the parent's; the child must not touch its context.
+            return;
+        }
+        // SAFETY: `self.device.dev` had its primary context retained in `open` by this process;
+        // `primary_ctx_release` is cuDevicePrimaryCtxRelease_v2, and this balances the retain.
+        // Errors cannot be reported from Drop.
+        let _ = unsafe { (self.device.api.primary_ctx_release)(self.device.dev) };
     }
 }
 
@@ -648,10 +892,7 @@ mod tests {
         );
         assert_eq!(known_error_name(800), Some("CUDA_ERROR_NOT_PERMITTED"));
         assert_eq!(known_error_name(12345), None);
-        let e = cuda_error(
-            "cuMemHostRegister_v2",
-            sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
-        );
+        let e = cuda_error("cuMemHostRegister_v2", 712, |_| None);
         assert_eq!(
             e,
             Error::Cuda {
@@ -664,8 +905,41 @@ mod tests {
             e.to_string(),
             "cuMemHostRegister_v2 failed: CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED (712)"
         );
-        let e = cuda_error("cuInit", sys::CUresult::CUDA_ERROR_NOT_PERMITTED);
-        assert!(matches!(e, Error::Cuda { code: 800, .. }));
+        let e = cuda_error("cuInit", 800, |_| Some("IGNORED"));
+        assert!(matches!(
+            e,
+            Error::Cuda {
+                code: 800,
+                name: "CUDA_ERROR_NOT_PERMITTED",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn codes_newer_than_the_bindings_are_reported() {
+        // CUDA 13 codes that cudarc's 12.8 enum lacks: plain numbers here, never an enum.
+        for code in [47, 227, 917, 918, 919, u32::MAX] {
+            assert_eq!(
+                cuda_error("cuMemHostRegister_v2", code, |_| None),
+                Error::Cuda {
+                    call: "cuMemHostRegister_v2",
+                    code,
+                    name: UNNAMED_ERROR,
+                }
+            );
+        }
+        let e = cuda_error("cuMemHostUnregister", 917, |code| {
+            (code == 917).then_some("CUDA_ERROR_FROM_DRIVER")
+        });
+        assert!(matches!(
+            e,
+            Error::Cuda {
+                code: 917,
+                name: "CUDA_ERROR_FROM_DRIVER",
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -685,6 +959,340 @@ mod tests {
         ] {
             assert_eq!(known_error_name(r as u32), Some(format!("{r:?}").as_str()));
         }
+    }
+
+    #[test]
+    fn constants_agree_with_the_bindings() {
+        // Enum → integer only: the safe direction.
+        assert_eq!(SUCCESS, sys::CUresult::CUDA_SUCCESS as u32);
+        assert_eq!(
+            HOST_MEMORY_NOT_REGISTERED,
+            sys::CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED as u32
+        );
+        assert_eq!(
+            ATTRIBUTE_HOST_NUMA_ID,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID as c_uint
+        );
+        assert_eq!(
+            CAPTURE_MODE_RELAXED,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as c_uint
+        );
+        assert_eq!(REGISTER_PORTABLE, sys::CU_MEMHOSTREGISTER_PORTABLE);
+        assert_eq!(REGISTER_DEVICEMAP, sys::CU_MEMHOSTREGISTER_DEVICEMAP);
+        assert_eq!(REGISTER_READ_ONLY, sys::CU_MEMHOSTREGISTER_READ_ONLY);
+        assert_eq!(std::mem::size_of::<CuUuid>(), 16);
+        assert_eq!(
+            std::mem::size_of::<CuUuid>(),
+            std::mem::size_of::<sys::CUuuid>()
+        );
+    }
+
+    #[test]
+    fn required_symbols() {
+        assert!(REQUIRED_SYMBOLS.contains(&c"cuThreadExchangeStreamCaptureMode"));
+        assert!(REQUIRED_SYMBOLS.contains(&c"cuInit"));
+        for (i, a) in REQUIRED_SYMBOLS.iter().enumerate() {
+            assert!(!REQUIRED_SYMBOLS[i + 1..].contains(a), "{a:?} twice");
+        }
+        // Optional entry points are not required.
+        assert!(!REQUIRED_SYMBOLS.contains(&c"cuDeviceGetUuid_v2"));
+        assert!(!REQUIRED_SYMBOLS.contains(&c"cuDeviceGetUuid"));
+    }
+
+    #[test]
+    fn unregister_713_means_already_gone() {
+        let check = |res| {
+            if res == SUCCESS {
+                Ok(())
+            } else {
+                Err(cuda_error("cuMemHostUnregister", res, |_| None))
+            }
+        };
+        assert_eq!(unregister_outcome(check, SUCCESS), Ok(()));
+        assert_eq!(unregister_outcome(check, 713), Ok(()));
+        assert!(matches!(
+            unregister_outcome(check, 201),
+            Err(Error::Cuda { code: 201, .. })
+        ));
+        assert!(matches!(
+            unregister_outcome(check, 917),
+            Err(Error::Cuda { code: 917, .. })
+        ));
+    }
+
+    /// A driver made of Rust functions, recording calls per thread, to exercise [`Gpu`] without
+    /// libcuda.
+    mod fake {
+        use super::super::*;
+        use std::cell::{Cell, RefCell};
+
+        thread_local! {
+            /// Calls made on this thread, in order.
+            pub(super) static LOG: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+            /// This thread's stream capture mode (GLOBAL = 0 by default).
+            pub(super) static MODE: Cell<c_uint> = const { Cell::new(0) };
+            /// Context stack depth on this thread.
+            pub(super) static DEPTH: Cell<i32> = const { Cell::new(0) };
+            /// What cuMemHostRegister_v2 / cuMemHostUnregister return.
+            pub(super) static REGISTER_RC: Cell<u32> = const { Cell::new(0) };
+            pub(super) static UNREGISTER_RC: Cell<u32> = const { Cell::new(0) };
+            /// What cuThreadExchangeStreamCaptureMode returns.
+            pub(super) static EXCHANGE_RC: Cell<u32> = const { Cell::new(0) };
+        }
+
+        fn log(call: String) {
+            LOG.with(|l| l.borrow_mut().push(call));
+        }
+
+        pub(super) fn take_log() -> Vec<String> {
+            LOG.with(|l| std::mem::take(&mut *l.borrow_mut()))
+        }
+
+        extern "C" fn get_error_name(code: u32, text: *mut *const c_char) -> u32 {
+            if code != 917 {
+                return 1;
+            }
+            // SAFETY: callers pass a valid out-pointer.
+            unsafe { *text = c"CUDA_ERROR_FAKE_917".as_ptr() };
+            0
+        }
+        extern "C" fn count(c: *mut c_int) -> u32 {
+            // SAFETY: callers pass a valid out-pointer.
+            unsafe { *c = 1 };
+            0
+        }
+        extern "C" fn get(d: *mut CuDevice, ordinal: c_int) -> u32 {
+            // SAFETY: callers pass a valid out-pointer.
+            unsafe { *d = ordinal };
+            0
+        }
+        extern "C" fn attribute(_: *mut c_int, _: c_uint, _: CuDevice) -> u32 {
+            1
+        }
+        extern "C" fn text(_: *mut c_char, _: c_int, _: CuDevice) -> u32 {
+            0
+        }
+        extern "C" fn uuid_v2(u: *mut CuUuid, _: CuDevice) -> u32 {
+            // SAFETY: callers pass a valid out-pointer.
+            unsafe { (*u).bytes = [0xab; 16] };
+            0
+        }
+        extern "C" fn uuid_v1(u: *mut CuUuid, _: CuDevice) -> u32 {
+            // SAFETY: callers pass a valid out-pointer.
+            unsafe { (*u).bytes = [0xcd; 16] };
+            0
+        }
+        extern "C" fn retain(c: *mut CuContext, _: CuDevice) -> u32 {
+            log("retain".into());
+            // SAFETY: callers pass a valid out-pointer.
+            unsafe { *c = 0x1234 as CuContext };
+            0
+        }
+        extern "C" fn release(_: CuDevice) -> u32 {
+            log("release".into());
+            0
+        }
+        extern "C" fn push(_: CuContext) -> u32 {
+            DEPTH.with(|d| d.set(d.get() + 1));
+            log("push".into());
+            0
+        }
+        extern "C" fn pop(_: *mut CuContext) -> u32 {
+            DEPTH.with(|d| d.set(d.get() - 1));
+            log("pop".into());
+            0
+        }
+        extern "C" fn register(_: *mut c_void, _: usize, flags: c_uint) -> u32 {
+            let (depth, mode) = (DEPTH.with(Cell::get), MODE.with(Cell::get));
+            log(format!("register flags={flags} depth={depth} mode={mode}"));
+            REGISTER_RC.with(Cell::get)
+        }
+        extern "C" fn unregister(_: *mut c_void) -> u32 {
+            let (depth, mode) = (DEPTH.with(Cell::get), MODE.with(Cell::get));
+            log(format!("unregister depth={depth} mode={mode}"));
+            UNREGISTER_RC.with(Cell::get)
+        }
+        extern "C" fn exchange(mode: *mut c_uint) -> u32 {
+            let rc = EXCHANGE_RC.with(Cell::get);
+            if rc != 0 {
+                return rc;
+            }
+            // SAFETY: callers pass a valid in/out-pointer.
+            let new = unsafe { *mode };
+            let old = MODE.with(|m| m.replace(new));
+            // SAFETY: as above.
+            unsafe { *mode = old };
+            log(format!("exchange {old}->{new}"));
+            0
+        }
+
+        pub(super) fn api(uuid_v2_present: bool, uuid_v1_present: bool) -> &'static Api {
+            Box::leak(Box::new(Api {
+                get_error_name,
+                device_get_count: count,
+                device_get: get,
+                device_get_attribute: attribute,
+                device_get_name: text,
+                device_get_pci_bus_id: text,
+                device_get_uuid_v2: uuid_v2_present.then_some(uuid_v2 as DeviceGetUuidFn),
+                device_get_uuid: uuid_v1_present.then_some(uuid_v1 as DeviceGetUuidFn),
+                primary_ctx_retain: retain,
+                primary_ctx_release: release,
+                ctx_push: push,
+                ctx_pop: pop,
+                mem_host_register: register,
+                mem_host_unregister: unregister,
+                exchange_capture_mode: exchange,
+            }))
+        }
+
+        pub(super) fn gpu() -> Gpu {
+            let device = Device {
+                api: api(true, true),
+                ordinal: 0,
+                dev: 0,
+                pci: PciAddress {
+                    domain: 0,
+                    bus: 0x1b,
+                    device: 0,
+                    function: 0,
+                },
+                name: "Fake".into(),
+                host_numa_id: None,
+            };
+            match Gpu::open(device) {
+                Ok(gpu) => gpu,
+                Err(e) => panic!("fake open failed: {e}"),
+            }
+        }
+    }
+
+    fn block() -> (Vec<u8>, NonNull<u8>) {
+        let mut buf = vec![0u8; 4096];
+        let ptr = NonNull::new(buf.as_mut_ptr()).expect("vec pointer");
+        (buf, ptr)
+    }
+
+    #[test]
+    fn register_relaxes_capture_and_restores_everything() {
+        fake::MODE.with(|m| m.set(1)); // the thread was in THREAD_LOCAL mode
+        let gpu = fake::gpu();
+        let (_buf, ptr) = block();
+        // SAFETY: the fake driver does not touch the memory.
+        assert_eq!(unsafe { gpu.register(ptr, 4096, true, true) }, Ok(()));
+        // SAFETY: as above.
+        assert_eq!(unsafe { gpu.unregister(ptr) }, Ok(()));
+        drop(gpu);
+        assert_eq!(
+            fake::take_log(),
+            [
+                "retain",
+                "push",
+                "exchange 1->2",
+                "register flags=11 depth=1 mode=2",
+                "exchange 2->1",
+                "pop",
+                "push",
+                "exchange 1->2",
+                "unregister depth=1 mode=2",
+                "exchange 2->1",
+                "pop",
+                "release",
+            ]
+        );
+        assert_eq!(fake::MODE.with(std::cell::Cell::get), 1);
+        assert_eq!(fake::DEPTH.with(std::cell::Cell::get), 0);
+    }
+
+    #[test]
+    fn failures_restore_and_name_unknown_codes() {
+        let gpu = fake::gpu();
+        let (_buf, ptr) = block();
+        fake::take_log();
+        fake::REGISTER_RC.with(|c| c.set(917));
+        assert_eq!(
+            // SAFETY: the fake driver does not touch the memory.
+            unsafe { gpu.register(ptr, 4096, false, false) },
+            Err(Error::Cuda {
+                call: "cuMemHostRegister_v2",
+                code: 917,
+                name: "CUDA_ERROR_FAKE_917",
+            })
+        );
+        fake::REGISTER_RC.with(|c| c.set(919));
+        assert_eq!(
+            // SAFETY: as above.
+            unsafe { gpu.register(ptr, 4096, false, false) },
+            Err(Error::Cuda {
+                call: "cuMemHostRegister_v2",
+                code: 919,
+                name: UNNAMED_ERROR,
+            })
+        );
+        assert_eq!(fake::MODE.with(std::cell::Cell::get), 0);
+        assert_eq!(fake::DEPTH.with(std::cell::Cell::get), 0);
+        // 713: the registration is already gone; the block may be unmapped.
+        fake::UNREGISTER_RC.with(|c| c.set(713));
+        // SAFETY: as above.
+        assert_eq!(unsafe { gpu.unregister(ptr) }, Ok(()));
+        fake::UNREGISTER_RC.with(|c| c.set(201));
+        assert!(matches!(
+            // SAFETY: as above.
+            unsafe { gpu.unregister(ptr) },
+            Err(Error::Cuda { code: 201, .. })
+        ));
+        // The capture mode cannot be relaxed: nothing is registered, the context is popped.
+        fake::EXCHANGE_RC.with(|c| c.set(3));
+        fake::take_log();
+        assert!(matches!(
+            // SAFETY: as above.
+            unsafe { gpu.register(ptr, 4096, false, false) },
+            Err(Error::Cuda {
+                call: "cuThreadExchangeStreamCaptureMode",
+                code: 3,
+                ..
+            })
+        ));
+        assert_eq!(fake::take_log(), ["push", "pop"]);
+        assert_eq!(fake::DEPTH.with(std::cell::Cell::get), 0);
+    }
+
+    #[test]
+    fn forked_child_leaves_the_driver_alone() {
+        let mut gpu = fake::gpu();
+        let (_buf, ptr) = block();
+        fake::take_log();
+        // As if this process were a child forked after `open`.
+        gpu.pid = gpu.pid.wrapping_add(1);
+        assert_eq!(
+            // SAFETY: the fake driver does not touch the memory.
+            unsafe { gpu.register(ptr, 4096, false, false) },
+            Err(Error::CudaUnavailable {
+                reason: FORKED_REASON
+            })
+        );
+        // SAFETY: as above.
+        assert_eq!(unsafe { gpu.unregister(ptr) }, Ok(()));
+        drop(gpu);
+        assert!(fake::take_log().is_empty(), "no driver call in the child");
+    }
+
+    #[test]
+    fn uuid_matches_either_entry_point() {
+        let both = fake::api(true, true);
+        assert_eq!(raw::uuid_matches(both, 0, &[0xab; 16]), Ok(true));
+        assert_eq!(raw::uuid_matches(both, 0, &[0xcd; 16]), Ok(true));
+        assert_eq!(raw::uuid_matches(both, 0, &[0x00; 16]), Ok(false));
+        let v2 = fake::api(true, false);
+        assert_eq!(raw::uuid_matches(v2, 0, &[0xab; 16]), Ok(true));
+        assert_eq!(raw::uuid_matches(v2, 0, &[0xcd; 16]), Ok(false));
+        let v1 = fake::api(false, true);
+        assert_eq!(raw::uuid_matches(v1, 0, &[0xcd; 16]), Ok(true));
+        assert_eq!(raw::uuid_matches(v1, 0, &[0xab; 16]), Ok(false));
+        assert!(matches!(
+            raw::uuid_matches(fake::api(false, false), 0, &[0xab; 16]),
+            Err(Error::CudaUnavailable { .. })
+        ));
     }
 
     #[test]
