@@ -1126,16 +1126,25 @@ mod tests {
             0
         }
 
-        pub(super) fn api(uuid_v2_present: bool, uuid_v1_present: bool) -> &'static Api {
-            Box::leak(Box::new(Api {
+        /// The fake driver, with or without each UUID entry point.
+        const fn make(uuid_v2_present: bool, uuid_v1_present: bool) -> Api {
+            Api {
                 get_error_name,
                 device_get_count: count,
                 device_get: get,
                 device_get_attribute: attribute,
                 device_get_name: text,
                 device_get_pci_bus_id: text,
-                device_get_uuid_v2: uuid_v2_present.then_some(uuid_v2 as DeviceGetUuidFn),
-                device_get_uuid: uuid_v1_present.then_some(uuid_v1 as DeviceGetUuidFn),
+                device_get_uuid_v2: if uuid_v2_present {
+                    Some(uuid_v2 as DeviceGetUuidFn)
+                } else {
+                    None
+                },
+                device_get_uuid: if uuid_v1_present {
+                    Some(uuid_v1 as DeviceGetUuidFn)
+                } else {
+                    None
+                },
                 primary_ctx_retain: retain,
                 primary_ctx_release: release,
                 ctx_push: push,
@@ -1143,7 +1152,18 @@ mod tests {
                 mem_host_register: register,
                 mem_host_unregister: unregister,
                 exchange_capture_mode: exchange,
-            }))
+            }
+        }
+
+        static APIS: [Api; 4] = [
+            make(false, false),
+            make(false, true),
+            make(true, false),
+            make(true, true),
+        ];
+
+        pub(super) fn api(uuid_v2_present: bool, uuid_v1_present: bool) -> &'static Api {
+            &APIS[usize::from(uuid_v2_present) * 2 + usize::from(uuid_v1_present)]
         }
 
         pub(super) fn gpu() -> Gpu {
