@@ -71,7 +71,7 @@ impl Arena {
             .iter()
             .rposition(|b| b.capacity >= capacity && b.capacity <= most && b.addr % align == 0)?;
         let block = self.cached.remove(index)?;
-        self.cached_bytes -= block.capacity;
+        self.cached_bytes = self.cached_bytes.saturating_sub(block.capacity);
         Some(block)
     }
 
@@ -111,7 +111,7 @@ impl Arena {
     pub(crate) fn cache(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
         if block.capacity > limit {
             if block.pinned {
-                self.pinned_bytes -= block.capacity;
+                self.pinned_bytes = self.pinned_bytes.saturating_sub(block.capacity);
             }
             evicted.push(block);
             return;
@@ -133,16 +133,16 @@ impl Arena {
         self.cached_bytes = 0;
         for block in &drained {
             if block.pinned {
-                self.pinned_bytes -= block.capacity;
+                self.pinned_bytes = self.pinned_bytes.saturating_sub(block.capacity);
             }
         }
         drained
     }
 
     fn forget_cached(&mut self, block: Block) {
-        self.cached_bytes -= block.capacity;
+        self.cached_bytes = self.cached_bytes.saturating_sub(block.capacity);
         if block.pinned {
-            self.pinned_bytes -= block.capacity;
+            self.pinned_bytes = self.pinned_bytes.saturating_sub(block.capacity);
         }
     }
 

@@ -76,8 +76,8 @@ impl Runtime {
             .then(sys::allowed_memory_nodes)
             .and_then(Result::ok);
         let allowed = |node: usize| allowed.is_none_or(|mask| mask.contains(node));
-        let target = resolve_target(&config, &topology, &allowed, &mut setup_errors);
-        let nodes = policy_nodes(&config, &topology, &allowed, target.host_node);
+        let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut setup_errors);
+        let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             n => n,
@@ -89,8 +89,8 @@ impl Runtime {
             .or(target.gpu_pci);
         Runtime {
             page_size: sys::page_size(),
-            arena: Mutex::new(Arena::new(&topology, target.host_node)),
-            host_node: target.host_node,
+            arena: Mutex::new(Arena::new(&topology, host_node)),
+            host_node,
             home_node: target.home_node,
             device: target.device,
             gpu: target.gpu,
@@ -161,78 +161,83 @@ impl Runtime {
     }
 }
 
-struct ResolvedTarget {
-    host_node: usize,
+/// What the GPU selector led to.
+#[derive(Default)]
+struct GpuTarget {
     home_node: Option<usize>,
     device: Option<Device>,
     gpu: Option<Gpu>,
     gpu_pci: Option<PciAddress>,
 }
 
-/// Chooses the host node (and the GPU to pin for). Never fails: each problem is recorded in
+/// Chooses the host node, and the GPU to pin for. Never fails: each problem is recorded in
 /// `errors` and a fallback taken, down to the calling thread's node.
 fn resolve_target(
     config: &Config,
     topology: &NumaTopology,
     allowed: &dyn Fn(usize) -> bool,
     errors: &mut Vec<Error>,
-) -> ResolvedTarget {
+) -> (usize, GpuTarget) {
     let pinning = config.pin != PinMode::Off;
-    let mut resolved = ResolvedTarget {
-        host_node: usize::MAX,
-        home_node: None,
-        device: None,
-        gpu: None,
-        gpu_pci: None,
-    };
     let selector = match config.target {
-        Target::Node(node) => {
-            resolved.host_node = explicit_node(topology, node, allowed, errors);
-            return resolved;
-        }
+        Target::Node(_) => None,
         Target::Gpu(selector) => Some(selector),
         // Without pinning, the driver (cuInit, a context) is not worth loading just to guess.
         Target::Default => (pinning && cuda::driver_present()).then_some(GpuSelector::Auto),
     };
-    if let Some(selector) = selector {
-        let root = Path::new(config.sysfs_root);
-        if let GpuSelector::Pci(addr) = selector {
-            resolved.gpu_pci = Some(addr);
+    let target = selector.map_or_else(GpuTarget::default, |selector| {
+        find_gpu(config, selector, pinning, errors)
+    });
+    let host_node = match config.target {
+        Target::Node(node) => explicit_node(topology, node, allowed, errors),
+        _ => target
+            .home_node
+            .and_then(|home| host_node(topology, home, allowed, errors))
+            .unwrap_or_else(|| calling_thread_node(topology, allowed)),
+    };
+    (host_node, target)
+}
+
+/// The GPU the selector names, its home node, and its context when pinning.
+fn find_gpu(
+    config: &Config,
+    selector: GpuSelector,
+    pinning: bool,
+    errors: &mut Vec<Error>,
+) -> GpuTarget {
+    let root = Path::new(config.sysfs_root);
+    let mut target = GpuTarget {
+        gpu_pci: match selector {
+            GpuSelector::Pci(addr) => Some(addr),
+            _ => None,
+        },
+        ..GpuTarget::default()
+    };
+    match Device::find(selector) {
+        Ok(device) => {
+            target.home_node = device.home_node(root).unwrap_or_else(|e| {
+                errors.push(e);
+                None
+            });
+            if pinning {
+                target.gpu = Gpu::open(device.clone()).map_err(|e| errors.push(e)).ok();
+            }
+            target.device = Some(device);
         }
-        match Device::find(selector) {
-            Ok(device) => {
-                resolved.home_node = device.home_node(root).unwrap_or_else(|e| {
+        Err(e) => {
+            // Without the driver a PCI selector still gives the home node: placement, no pinning.
+            if pinning || target.gpu_pci.is_none() {
+                errors.push(e);
+            }
+            if let Some(addr) = target.gpu_pci {
+                target.home_node = pci::home_node(root, &addr).unwrap_or_else(|e| {
                     errors.push(e);
                     None
                 });
-                if pinning {
-                    resolved.gpu = Gpu::open(device.clone()).map_err(|e| errors.push(e)).ok();
-                }
-                resolved.device = Some(device);
-            }
-            Err(e) => {
-                // Without the driver a PCI selector still gives the home node: placement, no pinning.
-                if pinning || resolved.gpu_pci.is_none() {
-                    errors.push(e);
-                }
-                if let Some(addr) = resolved.gpu_pci {
-                    resolved.home_node = pci::home_node(root, &addr).unwrap_or_else(|e| {
-                        errors.push(e);
-                        None
-                    });
-                }
-            }
-        }
-        if let Some(home) = resolved.home_node {
-            if let Some(host) = host_node(topology, home, allowed, errors) {
-                resolved.host_node = host;
             }
         }
     }
-    if resolved.host_node == usize::MAX {
-        resolved.host_node = calling_thread_node(topology, allowed);
-    }
-    resolved
+    target
 }
 
 /// `node=N`: that node when it has memory and is allowed, else the nearest that is (reported).
