@@ -3,13 +3,13 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
 use crate::arena::{class_size, Block, Fit, InFlight, Work};
 use crate::config::{Config, GpuSelector, PinMode, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
+use crate::process;
 use crate::runtime::{Placement, Runtime};
 use crate::stats::Stats;
 use crate::sys::{self, MemPolicy};
@@ -22,6 +22,15 @@ use crate::sys::{self, MemPolicy};
 ///
 /// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
 /// a `static`, as long as memory it handed out is in use.
+///
+/// ## Fork
+///
+/// `fork()` is safe from any thread: fork handlers hold every allocator's locks across the fork
+/// (it waits for an initialisation or a short arena operation in progress on another thread), so
+/// the child can allocate. The child never calls CUDA; page-locked blocks cached by the parent are
+/// released there at the child's first large allocation instead of being reused, and blocks it
+/// frees that were page-locked are released too (unmapped, never unregistered: the registration
+/// is the parent's).
 ///
 /// ```
 /// use numa_gpu_alloc::NumaGpuAlloc;
@@ -36,7 +45,10 @@ pub struct NumaGpuAlloc {
     /// The effective threshold; the environment may change the builder's value at initialisation.
     threshold: Threshold,
     config: Config,
-    runtime: OnceLock<Runtime>,
+    /// Null until the large path initialises; then a runtime boxed and listed by
+    /// [`process::initialise`] (its address must not move with the allocator value, and the fork
+    /// handlers reach it through the list), freed in `Drop`.
+    runtime: AtomicPtr<Runtime>,
 }
 
 /// The one value the small path reads, on a cache line of its own so that writes to the
@@ -67,7 +79,7 @@ impl NumaGpuAlloc {
         NumaGpuAlloc {
             threshold: Threshold(AtomicUsize::new(config.threshold)),
             config,
-            runtime: OnceLock::new(),
+            runtime: AtomicPtr::new(ptr::null_mut()),
         }
     }
 
@@ -163,7 +175,7 @@ impl NumaGpuAlloc {
 
     /// The settings in force: after initialisation, the builder's with `NUMA_GPU_ALLOC` applied.
     pub fn config(&self) -> Config {
-        self.runtime.get().map_or(self.config, |rt| rt.config)
+        self.initialised().map_or(self.config, |rt| rt.config)
     }
 
     /// Initialises the large path now (it otherwise happens on the first large request) and
@@ -176,7 +188,7 @@ impl NumaGpuAlloc {
     /// A snapshot of the counters. Before initialisation only `threshold` is filled in.
     pub fn stats(&self) -> Stats {
         let _inside = Inside::enter();
-        match self.runtime.get() {
+        match self.initialised() {
             Some(rt) => rt.stats(),
             None => Stats {
                 threshold: self.threshold.0.load(Relaxed),
@@ -190,12 +202,8 @@ impl NumaGpuAlloc {
     /// pending (`trim` never waits, and never unmaps memory a DMA may still read).
     pub fn trim(&self) {
         let _inside = Inside::enter();
-        if let Some(rt) = self.runtime.get() {
-            let cached = rt.arena.lock().drain_cached();
-            for block in cached {
-                // SAFETY: drained blocks are no longer cached or handed out.
-                unsafe { rt.release_block(block) };
-            }
+        if let Some(rt) = self.initialised() {
+            rt.trim();
         }
     }
 
@@ -215,7 +223,7 @@ impl NumaGpuAlloc {
         ptr: *const u8,
         work: Box<dyn InFlight>,
     ) -> Result<(), Box<dyn InFlight>> {
-        let (Some(rt), Some(_inside)) = (self.runtime.get(), Inside::enter()) else {
+        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return Err(work);
         };
         rt.arena.lock().record_in_flight(ptr as usize, work)?;
@@ -223,9 +231,20 @@ impl NumaGpuAlloc {
         Ok(())
     }
 
+    /// The runtime, once the large path has initialised.
+    fn initialised(&self) -> Option<&Runtime> {
+        // SAFETY: a non-null pointer is a live runtime boxed by `process::initialise`, freed only
+        // by `Drop`, which `&self` rules out.
+        unsafe { self.runtime.load(Acquire).as_ref() }
+    }
+
+    /// The runtime, initialised now if needed. Must be called inside the re-entrancy guard.
     fn runtime(&self) -> &Runtime {
+        if let Some(rt) = self.initialised() {
+            return rt;
+        }
         let mut initialised_here = false;
-        let rt = self.runtime.get_or_init(|| {
+        let rt = process::initialise(&self.runtime, || {
             initialised_here = true;
             let rt = Runtime::new(self.config);
             self.threshold.0.store(rt.config.threshold, Relaxed);
@@ -334,7 +353,7 @@ impl NumaGpuAlloc {
     #[cold]
     #[inline(never)]
     unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
-        let rt = self.runtime.get();
+        let rt = self.initialised();
         // Already inside (None): this thread is running allocator code, which frees only what it
         // allocated itself while inside, i.e. system-allocator memory, never a block of ours.
         let inside = Inside::enter();
@@ -397,7 +416,7 @@ impl NumaGpuAlloc {
 
     /// Keeps a live block when `new` fits its capacity without wasting more than half of it.
     fn resize_in_place(&self, ptr: *mut u8, new: Layout) -> bool {
-        let (Some(rt), Some(_inside)) = (self.runtime.get(), Inside::enter()) else {
+        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return false;
         };
         let block: Option<Block> = rt.arena.lock().live_block(ptr as usize);
@@ -421,26 +440,26 @@ impl std::fmt::Debug for NumaGpuAlloc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NumaGpuAlloc")
             .field("config", &self.config())
-            .field("initialized", &self.runtime.get().is_some())
+            .field("initialized", &self.initialised().is_some())
             .finish()
     }
 }
 
 impl Drop for NumaGpuAlloc {
-    /// Releases the cache, then waits for the GPU work of pending blocks and releases them.
+    /// Releases the cache, waits for the GPU work of pending blocks and releases them, then frees
+    /// the runtime.
     fn drop(&mut self) {
-        self.trim();
-        let _inside = Inside::enter();
-        if let Some(rt) = self.runtime.get() {
-            let pending = rt.arena.lock().drain_pending();
-            for mut p in pending {
-                for work in &mut p.work {
-                    work.wait();
-                }
-                // SAFETY: the block left the pending list, and no GPU work uses it any more.
-                unsafe { rt.release_block(p.block) };
-            }
+        let runtime = std::mem::replace(self.runtime.get_mut(), ptr::null_mut());
+        if runtime.is_null() {
+            return;
         }
+        let _inside = Inside::enter();
+        process::forget(runtime);
+        // SAFETY: boxed by `process::initialise`; no longer listed, and `&mut self` means nobody
+        // else uses it.
+        let rt = unsafe { Box::from_raw(runtime) };
+        rt.trim();
+        rt.release_pending_waiting();
     }
 }
 
@@ -465,8 +484,8 @@ mod tests {
 
     const BLOCK: usize = 256 << 10;
 
-    /// Serialises the tests that free blocks with work in flight: one of them switches
-    /// stream-ordered reuse off process-wide (`fault-injection`).
+    /// Serialises these tests: one switches stream-ordered reuse off process-wide
+    /// (`fault-injection`), one compares runtime addresses, which another test could reuse.
     fn serial() -> std::sync::MutexGuard<'static, ()> {
         static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
         SWITCH
@@ -542,6 +561,7 @@ mod tests {
 
     #[test]
     fn work_outside_every_live_block_is_given_back() {
+        let _serial = serial();
         let alloc = allocator();
         let (work, _) = Flag::unfinished();
         let work = alloc
@@ -573,6 +593,18 @@ mod tests {
         unsafe { alloc.deallocate(second, layout(BLOCK)) };
         drop(alloc);
         assert!(done.load(Ordering::Acquire), "Drop waited on the work");
+    }
+
+    #[test]
+    fn only_live_allocators_are_listed_for_the_fork_handlers() {
+        let _serial = serial();
+        let alloc = allocator();
+        assert!(alloc.initialised().is_none());
+        let _ = alloc.placement();
+        let runtime = alloc.runtime.load(Acquire).cast_const();
+        assert!(process::listed(runtime));
+        drop(alloc);
+        assert!(!process::listed(runtime));
     }
 
     /// The switch the simulator tests use: with it, the same sequence reuses the block at once.

@@ -86,8 +86,8 @@ impl Runtime {
         // SAFETY: forwarded from the caller.
         match unsafe { sys::bind(ptr, len, policy, &self.nodes, MbindFlags::default()) } {
             Ok(()) => Ok(true),
-            Err(e @ Error::NumaUnavailable { .. }) => {
-                let _ = self.numa_unavailable.set(e);
+            Err(Error::NumaUnavailable { errno, .. }) => {
+                self.refuse_mbind(errno);
                 self.counters.unplaced_blocks.incr();
                 Ok(false)
             }
@@ -274,6 +274,25 @@ impl Runtime {
                 self.counters.unpinned_blocks.incr();
                 Ok(false)
             }
+        }
+    }
+
+    /// Releases every cached block, and every pending one whose GPU work has completed.
+    pub(crate) fn trim(&self) {
+        let cached = self.arena.lock().drain_cached();
+        // SAFETY: drained blocks are no longer cached or handed out.
+        unsafe { self.release_blocks(cached) };
+    }
+
+    /// Waits for the GPU work of every pending block, then releases them (for `Drop` only).
+    pub(crate) fn release_pending_waiting(&self) {
+        let pending = self.arena.lock().drain_pending();
+        for mut p in pending {
+            for work in &mut p.work {
+                work.wait();
+            }
+            // SAFETY: the block left the pending list, and no GPU work uses it any more.
+            unsafe { self.release_block(p.block) };
         }
     }
 

@@ -1,7 +1,7 @@
 //! Re-entrancy guard: marks the current thread as "inside the allocator".
 //!
-//! Code the large path calls allocates (parking_lot's slow path, sysfs reads, libcuda loading,
-//! threads that populate). Those allocations must not re-enter the large path, so while the flag
+//! Code the large path calls allocates (the arena's maps, sysfs reads, libcuda loading, threads
+//! that populate). Those allocations must not re-enter the large path, so while the flag
 //! is set the front ends send every request to the system allocator. The flag is a const-initialised
 //! `Cell<bool>` with no destructor, so reading it never allocates and works during thread teardown.
 

@@ -25,6 +25,8 @@ mod arena;
 mod block;
 mod config;
 mod guard;
+mod lock;
+mod process;
 mod runtime;
 mod stats;
 pub use config::{parse_size, Config, GpuSelector, PinMode, Target, ENV_VAR};

@@ -1,4 +1,5 @@
-//! Raw placement syscalls: `mmap`, `mbind`, `madvise`, `move_pages`, `getcpu`.
+//! Raw placement syscalls: `mmap`, `mbind`, `madvise`, `move_pages`, `getcpu`; and the
+//! allocator's `futex` and `pthread_atfork` calls.
 //!
 //! This is the only module of the crate that makes these calls (see the design notes). Everything
 //! here runs inside a memory allocator, so nothing allocates on the heap, nothing panics, and errno
@@ -10,7 +11,7 @@
 
 use std::ffi::{c_int, c_long, c_void};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
 use crate::{Error, Result};
 
@@ -634,6 +635,54 @@ pub fn current_node() -> Result<usize> {
         return Err(numa_error("getcpu", errno()));
     }
     Ok(node as usize)
+}
+
+/// Sleeps while `word` holds `expected` (`FUTEX_WAIT_PRIVATE`, no timeout). Returns on a wake-up,
+/// a signal, or at once when the value already differs: callers re-check in a loop.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32) {
+    // SAFETY: the kernel only reads the aligned u32 behind `word`, which outlives the call; the
+    // null timeout means "no timeout" and the two unused arguments are ignored for FUTEX_WAIT.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            ptr::null::<libc::timespec>(),
+        )
+    };
+}
+
+/// Wakes one thread sleeping in [`futex_wait`] on `word` (`FUTEX_WAKE_PRIVATE`).
+pub(crate) fn futex_wake_one(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live, aligned u32.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            1,
+        )
+    };
+}
+
+/// Registers fork handlers with `pthread_atfork(3)`: `prepare` runs in the forking thread before
+/// `fork`, `parent` and `child` after it in each process.
+///
+/// Fails with [`Error::Syscall`] (`call: "pthread_atfork"`, ENOMEM) when glibc cannot store them.
+pub(crate) fn at_fork(
+    prepare: unsafe extern "C" fn(),
+    parent: unsafe extern "C" fn(),
+    child: unsafe extern "C" fn(),
+) -> Result<()> {
+    // SAFETY: the handlers are plain functions that live as long as the program.
+    match unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) } {
+        0 => Ok(()),
+        errno => Err(Error::Syscall {
+            call: "pthread_atfork",
+            errno,
+        }),
+    }
 }
 
 /// Fault injection for tests (feature `fault-injection`; never enable it in production).

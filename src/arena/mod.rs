@@ -1,7 +1,7 @@
 //! The per-node arena: live blocks, the cache of freed blocks (`index.rs`), blocks waiting for GPU
 //! work (`pending.rs`), and per-node accounting.
 //!
-//! An arena is only touched under its `parking_lot::Mutex`, from inside the re-entrancy guard
+//! An arena is only touched under its lock (`lock.rs`), from inside the re-entrancy guard
 //! (its maps allocate through the system allocator). Slow work — mapping, populating, pinning,
 //! unmapping — happens outside the lock; the arena only moves [`Block`] records around.
 
@@ -90,6 +90,11 @@ pub(crate) struct Arena {
     pinned_bytes: usize,
     peak_live_bytes: usize,
     tracker: NumaAllocTracker,
+    /// In a forked child: page-locked blocks are not reused (the child's copy is not registered,
+    /// and a driver may keep registered ranges out of the child altogether), only released.
+    in_child: bool,
+    /// Set by the fork handler; the next settling moves page-locked cached blocks out.
+    pinned_cache_stale: bool,
 }
 
 impl Arena {
@@ -104,12 +109,32 @@ impl Arena {
             pinned_bytes: 0,
             peak_live_bytes: 0,
             tracker: NumaAllocTracker::new(topology),
+            in_child: false,
+            pinned_cache_stale: false,
         }
+    }
+
+    /// Called by the fork handler in the child: page-locked blocks will no longer be reused. No
+    /// work is done here; the next allocation releases the cached ones.
+    pub(crate) fn enter_child(&mut self) {
+        self.in_child = true;
+        self.pinned_cache_stale = true;
     }
 
     /// Moves pending blocks whose work has completed into the cache (evicting beyond `limit` into
     /// `evicted`). Polls, never waits: O(pending).
     pub(crate) fn settle_pending(&mut self, limit: usize, evicted: &mut Vec<Block>) {
+        if self.pinned_cache_stale {
+            self.pinned_cache_stale = false;
+            for block in self.cached.drain() {
+                if block.pinned {
+                    self.forget_pinned(&block);
+                    evicted.push(block);
+                } else {
+                    self.cached.insert(block);
+                }
+            }
+        }
         if self.pending.len() == 0 {
             return;
         }
@@ -198,9 +223,10 @@ impl Arena {
 
     /// Caches a freed block, then evicts the oldest cached blocks while cached and pending bytes
     /// exceed `limit`. A block larger than the whole limit is evicted alone rather than emptying
-    /// the cache. Pending blocks are never evicted: GPU work may still use them.
+    /// the cache, and so is a page-locked block in a forked child. Pending blocks are never
+    /// evicted: GPU work may still use them.
     pub(crate) fn cache(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
-        if block.capacity > limit {
+        if block.capacity > limit || (block.pinned && self.in_child) {
             self.forget_pinned(&block);
             evicted.push(block);
             return;
@@ -484,6 +510,38 @@ mod tests {
         done.store(true, Ordering::Release);
         arena.settle_pending(2 * MIB, &mut evicted);
         assert_eq!(evicted, [block]);
+    }
+
+    #[test]
+    fn a_forked_child_releases_page_locked_blocks_instead_of_reusing_them() {
+        let topo = NumaTopology::single_node();
+        let mut arena = Arena::new(&topo, 0);
+        let mut evicted = Vec::new();
+        let (pinned, plain) = (
+            block(0x100_0000, 4 * MIB, true),
+            block(0x200_0000, 4 * MIB, false),
+        );
+        for b in [pinned, plain] {
+            arena.note_created(&b);
+            arena.cache(b, usize::MAX, &mut evicted);
+        }
+        arena.enter_child();
+        arena.settle_pending(usize::MAX, &mut evicted);
+        assert_eq!(evicted, [pinned]);
+        assert_eq!(arena.take_cached(fit(4 * MIB, PAGE)), Some(plain));
+        let live = block(0x300_0000, 4 * MIB, true);
+        arena.note_created(&live);
+        arena.insert_live(live);
+        let (freed, work) = arena.remove_live(live.addr).unwrap();
+        arena.free(freed, work, usize::MAX, &mut evicted);
+        assert_eq!(
+            evicted,
+            [pinned, live],
+            "freed in the child: released, not cached"
+        );
+        let mut nodes = vec![NodeStats::default()];
+        arena.fill(&mut nodes);
+        assert_eq!((nodes[0].cached_blocks, nodes[0].pinned_bytes), (0, 0));
     }
 
     #[test]
