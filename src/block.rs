@@ -16,16 +16,96 @@ pub(crate) const HUGE_PAGE: usize = 2 << 20;
 /// Blocks smaller than this are populated by one thread: thread start-up would cost more.
 const PARALLEL_POPULATE_MIN: usize = 64 << 20;
 
+/// `CUresult` of a registration beyond what the driver can page-lock.
+const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+
+/// Whether a failure to create a block may go away when memory is given back: mmap, populate or
+/// a full node (ENOMEM), a cgroup limit, or CUDA's page-locking limit.
+fn shortage(error: &Error) -> bool {
+    match error {
+        Error::Syscall { errno, .. } => *errno == libc::ENOMEM,
+        Error::MemoryLimit { .. } => true,
+        Error::Cuda { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
+        _ => false,
+    }
+}
+
+/// The step at which a block could not be created, counted once per failed request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cause {
+    MemoryLimit,
+    Mmap,
+    Populate,
+    BindExhausted,
+    /// Counted where it happens (placement, registration), or not a memory failure.
+    Other,
+}
+
+/// The error of a `policy=bind` block with pages off the node.
+fn bind_exhausted() -> Error {
+    Error::Syscall {
+        call: "mbind(MPOL_BIND)",
+        errno: libc::ENOMEM,
+    }
+}
+
 impl Runtime {
     /// Creates a placed, populated and (when configured) pinned block of `capacity` bytes whose
-    /// address is a multiple of `align`.
+    /// address is a multiple of `align`. When that fails for want of memory, gives cached blocks
+    /// back and retries: first the oldest ones, only as many bytes as the block needs, then, if
+    /// it fails again, all of them. Blocks pending on GPU work stay.
     pub(crate) fn create_block(&self, capacity: usize, align: usize) -> Result<Block, Error> {
+        let mut created = self.try_create_block(capacity, align);
+        for everything in [false, true] {
+            let needed = match &created {
+                Ok(_) => break,
+                Err((_, e)) if !shortage(e) => break,
+                Err((
+                    _,
+                    Error::MemoryLimit {
+                        available,
+                        requested,
+                        ..
+                    },
+                )) => requested - available,
+                Err(_) => capacity,
+            };
+            let released =
+                self.arena
+                    .lock()
+                    .release_oldest(if everything { usize::MAX } else { needed });
+            if released.is_empty() {
+                break;
+            }
+            self.counters.pressure_released.add(released.len() as u64);
+            // SAFETY: released blocks left the cache and are handed out to nobody.
+            unsafe { self.release_blocks(released) };
+            self.counters.pressure_retries.incr();
+            created = self.try_create_block(capacity, align);
+        }
+        created.map_err(|(cause, e)| {
+            let counter = match cause {
+                Cause::MemoryLimit => &self.counters.memory_limited,
+                Cause::Mmap => &self.counters.map_failures,
+                Cause::Populate => &self.counters.populate_failures,
+                Cause::BindExhausted => &self.counters.bind_exhausted,
+                Cause::Other => return e,
+            };
+            counter.incr();
+            e
+        })
+    }
+
+    /// One attempt of [`Self::create_block`].
+    fn try_create_block(&self, capacity: usize, align: usize) -> Result<Block, (Cause, Error)> {
+        // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
+        self.memory_limits
+            .check(capacity)
+            .map_err(|e| (Cause::MemoryLimit, e))?;
         let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
         let map_align = if huge { align.max(HUGE_PAGE) } else { align };
-        let ptr =
-            sys::map_anonymous(capacity, map_align.max(self.page_size)).inspect_err(|_| {
-                self.counters.map_failures.incr();
-            })?;
+        let ptr = sys::map_anonymous(capacity, map_align.max(self.page_size))
+            .map_err(|e| (Cause::Mmap, e))?;
         if huge {
             // SAFETY: ptr..ptr+capacity was just mapped by us. Without THP this is a no-op hint.
             let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
@@ -50,20 +130,28 @@ impl Runtime {
     ///
     /// # Safety
     /// `ptr..ptr+len` must be a fresh private mapping of this crate, used by nobody else.
-    unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+    unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, (Cause, Error)> {
+        let other = |e| (Cause::Other, e);
         // SAFETY: forwarded from the caller.
-        let placed = unsafe { self.place(ptr, len) }?;
+        let placed = unsafe { self.place(ptr, len) }.map_err(other)?;
         let start = Instant::now();
         // SAFETY: forwarded from the caller.
         let populated = unsafe { self.populate(ptr, len) };
         self.counters.populate.record(start.elapsed());
-        populated.inspect_err(|_| self.counters.populate_failures.incr())?;
+        populated.map_err(|e| (Cause::Populate, e))?;
         if placed {
             // SAFETY: forwarded from the caller.
-            unsafe { self.check_placement(ptr, len) }?;
+            unsafe { self.check_placement(ptr, len) }.map_err(|e| {
+                let cause = if e == bind_exhausted() {
+                    Cause::BindExhausted
+                } else {
+                    Cause::Other
+                };
+                (cause, e)
+            })?;
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.pin(ptr, len) }
+        unsafe { self.pin(ptr, len) }.map_err(other)
     }
 
     /// Sets the range's NUMA policy. `Ok(false)` when placement is unavailable (counted).
@@ -149,13 +237,8 @@ impl Runtime {
             }
         }
         if bind {
-            let exhausted = Error::Syscall {
-                call: "mbind(MPOL_BIND)",
-                errno: libc::ENOMEM,
-            };
             if misplaced > 0 {
-                self.counters.bind_exhausted.incr();
-                return Err(exhausted);
+                return Err(bind_exhausted());
             }
             let flags = MbindFlags {
                 strict,
@@ -164,8 +247,7 @@ impl Runtime {
             // SAFETY: forwarded from the caller.
             match unsafe { sys::bind(ptr, len, MemPolicy::Bind, &self.nodes, flags) } {
                 Err(Error::Syscall { errno, .. }) if strict && errno == libc::EIO => {
-                    self.counters.bind_exhausted.incr();
-                    return Err(exhausted);
+                    return Err(bind_exhausted());
                 }
                 other => other?,
             }

@@ -23,6 +23,7 @@ pub use cuda::cuda_driver_present;
 
 mod arena;
 mod block;
+mod cgroup;
 mod config;
 mod guard;
 mod lock;

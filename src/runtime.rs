@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::Arena;
+use crate::cgroup::MemoryLimits;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR};
 use crate::cuda::{self, Device, Gpu};
 use crate::lock::Lock;
@@ -59,6 +60,8 @@ pub(crate) struct Runtime {
     /// blocking in the child.
     mbind_refused: AtomicI32,
     pub(crate) populate_threads: usize,
+    /// The cgroup memory limits a new block is checked against.
+    pub(crate) memory_limits: MemoryLimits,
     pub(crate) arena: Lock<Arena>,
     pub(crate) counters: Counters,
     setup_errors: Vec<Error>,
@@ -107,6 +110,7 @@ impl Runtime {
             topology_error,
             mbind_refused: AtomicI32::new(0),
             populate_threads,
+            memory_limits: MemoryLimits::of_this_process(),
             counters: Counters::default(),
             topology,
             setup_errors,

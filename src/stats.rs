@@ -134,6 +134,9 @@ pub(crate) struct Counters {
     pub(crate) in_place_reallocs: Counter,
     pub(crate) in_flight_recorded: Counter,
     pub(crate) reuse_deferred: Counter,
+    pub(crate) pressure_retries: Counter,
+    pub(crate) pressure_released: Counter,
+    pub(crate) memory_limited: Counter,
     pub(crate) pages_checked: Counter,
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
@@ -165,6 +168,8 @@ impl Counters {
         stats.in_place_reallocs = self.in_place_reallocs.get();
         stats.in_flight_recorded = self.in_flight_recorded.get();
         stats.reuse_deferred = self.reuse_deferred.get();
+        stats.pressure_retries = self.pressure_retries.get();
+        stats.pressure_released_blocks = self.pressure_released.get();
         stats.released_blocks = self.released_blocks.get();
         stats.registrations = self.registrations.get();
         stats.unregistrations = self.unregistrations.get();
@@ -182,6 +187,7 @@ impl Counters {
             bind_exhausted: self.bind_exhausted.get(),
             map_failures: self.map_failures.get(),
             populate_failures: self.populate_failures.get(),
+            memory_limited: self.memory_limited.get(),
             placement_failures: self.placement_failures.get(),
             unverified_blocks: self.unverified_blocks.get(),
             foreign_frees: self.foreign_frees.get(),
@@ -233,6 +239,9 @@ pub struct Fallbacks {
     pub map_failures: u64,
     /// Of those: populating failed (out of memory).
     pub populate_failures: u64,
+    /// Of those: the block would have exceeded a cgroup's `memory.max` (populating it would
+    /// have summoned the OOM killer).
+    pub memory_limited: u64,
     /// `mbind` or the page check failed for another reason than NUMA being unavailable (e.g.
     /// EINVAL for a node the kernel or cpuset does not allow): the block went unplaced under
     /// `preferred`/`interleave`, the allocation failed under `bind` or a failed page check.
@@ -300,6 +309,10 @@ pub struct Stats {
     pub in_flight_recorded: u64,
     /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
     pub reuse_deferred: u64,
+    /// Block creations retried after cached blocks were given back for want of memory.
+    pub pressure_retries: u64,
+    /// Cached blocks given back for those retries (oldest first).
+    pub pressure_released_blocks: u64,
     /// Blocks unmapped (cache limit, `trim()`, failed placement).
     pub released_blocks: u64,
     /// Successful `cuMemHostRegister` calls.
@@ -409,17 +422,21 @@ impl fmt::Display for Stats {
         });
         writeln!(
             f,
-            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}",
+            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}; \
+             retries after giving back {} cached blocks: {}",
             mib(bytes),
             self.in_flight_recorded,
-            self.reuse_deferred
+            self.reuse_deferred,
+            self.pressure_released_blocks,
+            self.pressure_retries
         )?;
         let fb = &self.fallbacks;
         writeln!(
             f,
             "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, unregister \
              failures {}, failed \
-             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}), foreign frees {}",
+             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}, memory limit \
+             {}), foreign frees {}",
             fb.unplaced_blocks,
             fb.unpinned_blocks,
             fb.unverified_blocks,
@@ -430,6 +447,7 @@ impl fmt::Display for Stats {
             fb.map_failures,
             fb.placement_failures,
             fb.populate_failures,
+            fb.memory_limited,
             fb.foreign_frees
         )?;
         for c in &self.pin_failures_by_code {

@@ -256,6 +256,22 @@ impl Arena {
         drained
     }
 
+    /// Removes the oldest cached blocks until they sum to at least `bytes` (or the cache is
+    /// empty), returning them for release.
+    pub(crate) fn release_oldest(&mut self, bytes: usize) -> Vec<Block> {
+        let mut released = Vec::new();
+        let mut sum = 0usize;
+        while sum < bytes {
+            let Some(old) = self.cached.pop_oldest() else {
+                break;
+            };
+            sum += old.capacity;
+            self.forget_pinned(&old);
+            released.push(old);
+        }
+        released
+    }
+
     /// Removes every pending block with its work (for the allocator's `Drop`, which waits).
     pub(crate) fn drain_pending(&mut self) -> Vec<PendingBlock> {
         let drained = self.pending.drain();
@@ -408,6 +424,25 @@ mod tests {
             (2, 8 * MIB)
         );
         assert_eq!(arena.drain_cached().len(), 2);
+        arena.fill(&mut nodes);
+        assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
+    }
+
+    #[test]
+    fn memory_is_given_back_oldest_first_and_only_as_much_as_asked() {
+        let topo = NumaTopology::single_node();
+        let mut arena = Arena::new(&topo, 0);
+        let mut evicted = Vec::new();
+        let blocks =
+            [(1, 4), (2, 2), (3, 8), (4, 2)].map(|(i, mib)| block(i << 30, mib * MIB, true));
+        for b in blocks {
+            arena.note_created(&b);
+            arena.cache(b, usize::MAX, &mut evicted);
+        }
+        assert_eq!(arena.release_oldest(5 * MIB), blocks[..2]);
+        assert_eq!(arena.release_oldest(0), []);
+        assert_eq!(arena.release_oldest(usize::MAX), blocks[2..]);
+        let mut nodes = vec![NodeStats::default()];
         arena.fill(&mut nodes);
         assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
     }
