@@ -24,15 +24,21 @@ use crate::sys;
 /// Held while a runtime is built, so that a fork never copies a half-built one.
 static INIT: Lock<()> = Lock::new(());
 
-/// Every initialised runtime that is not dropped yet; also whether the fork handlers are installed.
-static RUNTIMES: Lock<Runtimes> = Lock::new(Runtimes {
-    list: Vec::new(),
-    handlers_installed: false,
-});
+/// Every initialised runtime that is not dropped yet.
+static RUNTIMES: Lock<Vec<RuntimePtr>> = Lock::new(Vec::new());
 
-struct Runtimes {
-    list: Vec<RuntimePtr>,
-    handlers_installed: bool,
+/// Registers the fork handlers when the program is loaded, before `main` and before any thread
+/// exists, as jemalloc and mimalloc do from their constructors: registered later (say, by the
+/// first initialisation), a fork could come between another thread taking [`INIT`] and the
+/// registration, and the child would inherit the lock taken.
+#[used]
+#[link_section = ".init_array"]
+static REGISTER_AT_LOAD: extern "C" fn() = register_fork_handlers;
+
+extern "C" fn register_fork_handlers() {
+    // Only ENOMEM is possible; then a fork during an allocation may deadlock the child, as it
+    // would without this module.
+    let _ = sys::at_fork(prepare, parent, child);
 }
 
 /// A runtime in the list: boxed by [`initialise`], removed by [`forget`] before it is freed.
@@ -46,17 +52,13 @@ unsafe impl Send for RuntimePtr {}
 /// The runtime in `slot`, built with `make` and listed if there is none yet. Waits for another
 /// thread's initialisation of the same slot. Must be called inside the re-entrancy guard.
 pub(crate) fn initialise(slot: &AtomicPtr<Runtime>, make: impl FnOnce() -> Runtime) -> &Runtime {
+    // Referenced, so that the linker keeps the object holding the registration.
+    std::hint::black_box(&REGISTER_AT_LOAD);
     let _init = INIT.lock();
     let mut current = slot.load(Ordering::Acquire);
     if current.is_null() {
         let runtime = Box::into_raw(Box::new(make()));
-        let mut runtimes = RUNTIMES.lock();
-        if !runtimes.handlers_installed {
-            // ENOMEM only; without handlers a fork may deadlock the child, as before this module.
-            runtimes.handlers_installed = sys::at_fork(prepare, parent, child).is_ok();
-        }
-        runtimes.list.push(RuntimePtr(runtime));
-        drop(runtimes);
+        RUNTIMES.lock().push(RuntimePtr(runtime));
         slot.store(runtime, Ordering::Release);
         current = runtime;
     }
@@ -67,7 +69,7 @@ pub(crate) fn initialise(slot: &AtomicPtr<Runtime>, make: impl FnOnce() -> Runti
 
 /// Removes `runtime` from the list, before its owner frees it.
 pub(crate) fn forget(runtime: *const Runtime) {
-    RUNTIMES.lock().list.retain(|r| *r != RuntimePtr(runtime));
+    RUNTIMES.lock().retain(|r| *r != RuntimePtr(runtime));
 }
 
 /// Takes every lock, in the fixed order. Allocates nothing.
@@ -76,7 +78,7 @@ unsafe extern "C" fn prepare() {
     RUNTIMES.acquire();
     // SAFETY: this thread took RUNTIMES just above and holds it until `parent` or `child`.
     let runtimes = unsafe { RUNTIMES.held() };
-    for r in &runtimes.list {
+    for r in runtimes {
         // SAFETY: listed runtimes are alive (see `RuntimePtr`).
         unsafe { &*r.0 }.arena.acquire();
     }
@@ -86,7 +88,7 @@ unsafe extern "C" fn prepare() {
 unsafe extern "C" fn parent() {
     // SAFETY: `prepare` took RUNTIMES on this thread and still holds it.
     let runtimes = unsafe { RUNTIMES.held() };
-    for r in runtimes.list.iter().rev() {
+    for r in runtimes.iter().rev() {
         // SAFETY: listed runtimes are alive; `prepare` took this arena lock on this thread.
         unsafe { (*r.0).arena.release() };
     }
@@ -103,7 +105,7 @@ unsafe extern "C" fn child() {
     let _inside = Inside::enter();
     // SAFETY: `prepare` took RUNTIMES on this thread (the child's only one) before the fork.
     let runtimes = unsafe { RUNTIMES.held() };
-    for r in runtimes.list.iter().rev() {
+    for r in runtimes.iter().rev() {
         // SAFETY: listed runtimes are alive (the child has a copy of each); `prepare` took this
         // arena lock, and the child has no other thread.
         let runtime = unsafe { &*r.0 };
@@ -121,5 +123,5 @@ unsafe extern "C" fn child() {
 /// Runtimes listed now (for tests).
 #[cfg(test)]
 pub(crate) fn listed(runtime: *const Runtime) -> bool {
-    RUNTIMES.lock().list.contains(&RuntimePtr(runtime))
+    RUNTIMES.lock().contains(&RuntimePtr(runtime))
 }
