@@ -293,10 +293,32 @@ impl NumaGpuAlloc {
     }
 
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
+        let (capacity, fit) = Self::fit(rt, layout)?;
+        rt.counters.large_allocations.incr();
+        let block = match Self::take_cached(rt, fit) {
+            Some(block) => {
+                if zeroed {
+                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
+                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
+                }
+                block
+            }
+            // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
+            None => Self::create(rt, capacity, fit.align)?,
+        };
+        NonNull::new(block.addr as *mut u8)
+    }
+
+    /// The capacity a request gets, and the cached blocks that may serve it.
+    fn fit(rt: &Runtime, layout: Layout) -> Option<(usize, Fit)> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
-        let fit = Fit::new(layout.size(), capacity, align);
-        rt.counters.large_allocations.incr();
+        Some((capacity, Fit::new(layout.size(), capacity, align)))
+    }
+
+    /// A cached block for `fit`, now live (a cache hit), once pending blocks that are ready
+    /// joined the cache.
+    fn take_cached(rt: &Runtime, fit: Fit) -> Option<Block> {
         let mut evicted = Vec::new();
         let hit = {
             let mut arena = rt.arena.lock();
@@ -311,26 +333,18 @@ impl NumaGpuAlloc {
         };
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
         unsafe { rt.release_blocks(evicted) };
-        let block = match hit {
-            Some(block) => {
-                rt.counters.cache_hits.incr();
-                if zeroed {
-                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
-                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
-                }
-                block
-            }
-            None => {
-                rt.counters.cache_misses.incr();
-                // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
-                let block = rt.create_block(capacity, align).ok()?;
-                let mut arena = rt.arena.lock();
-                arena.note_created(&block);
-                arena.insert_live(block);
-                block
-            }
-        };
-        NonNull::new(block.addr as *mut u8)
+        if hit.is_some() {
+            rt.counters.cache_hits.incr();
+        }
+        hit
+    }
+
+    /// A new live block (a cache miss).
+    fn create(rt: &Runtime, capacity: usize, align: usize) -> Option<Block> {
+        rt.counters.cache_misses.incr();
+        let block = rt.create_block(capacity, align).ok()?;
+        rt.record_created(None, block);
+        Some(block)
     }
 
     /// Frees what [`Self::allocate`] returned for `layout`.
@@ -404,6 +418,11 @@ impl NumaGpuAlloc {
         if old_large && new_large && self.resize_in_place(ptr, new) {
             return ptr;
         }
+        if old_large && new_large && new.size() > old.size() {
+            if let Some(grown) = self.grow_without_copy(ptr, new) {
+                return grown.as_ptr();
+            }
+        }
         let moved = self.allocate(new, false);
         if !moved.is_null() {
             // SAFETY: both are live, distinct allocations at least this long.
@@ -412,6 +431,39 @@ impl NumaGpuAlloc {
             unsafe { self.deallocate(ptr, old) };
         }
         moved
+    }
+
+    /// Grows a large block when no cached block fits the new size: its pages move into a larger
+    /// mapping whose tail is placed and populated (see `Runtime::grow_block`), so a growing `Vec`
+    /// leaves no smaller blocks behind and is never copied. Only for unpinned blocks without GPU
+    /// work recorded (a registration is tied to the address). `None`: move by copying instead
+    /// (also when a cached block fits: reuse comes first).
+    fn grow_without_copy(&self, ptr: *mut u8, new: Layout) -> Option<NonNull<u8>> {
+        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
+            return None;
+        };
+        let (capacity, fit) = Self::fit(rt, new)?;
+        let old = {
+            let arena = rt.arena.lock();
+            if arena.holds_fit(fit) {
+                return None;
+            }
+            arena.growable(ptr as usize)?
+        };
+        // SAFETY: `old` is live, unpinned, without recorded GPU work, and the caller owns it
+        // (reallocating it) while this runs.
+        let grown = unsafe { rt.grow_block(old, capacity, fit.align) }.ok()?;
+        // Counted as a move: a new block (a miss) and the old one freed.
+        for counter in [
+            &rt.counters.large_allocations,
+            &rt.counters.cache_misses,
+            &rt.counters.frees,
+            &rt.counters.grown_without_copy,
+        ] {
+            counter.incr();
+        }
+        rt.record_created(Some(old), grown);
+        NonNull::new(grown.addr as *mut u8)
     }
 
     /// Keeps a live block when `new` fits its capacity without wasting more than half of it.
@@ -593,6 +645,38 @@ mod tests {
         unsafe { alloc.deallocate(second, layout(BLOCK)) };
         drop(alloc);
         assert!(done.load(Ordering::Acquire), "Drop waited on the work");
+    }
+
+    #[test]
+    fn growing_an_unpinned_block_moves_its_pages_and_leaves_nothing_behind() {
+        let alloc = allocator();
+        let small = alloc.allocate(layout(BLOCK), false);
+        // SAFETY: a live block of BLOCK bytes.
+        unsafe { ptr::write_bytes(small, 0xa5, BLOCK) };
+        // SAFETY: `small` is live with this layout; 4× does not fit in place.
+        let grown = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
+        assert!(!grown.is_null());
+        // SAFETY: the grown block is 4 × BLOCK long; its head holds the old bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(grown, 4 * BLOCK) };
+        assert!(bytes[..BLOCK].iter().all(|&b| b == 0xa5));
+        assert!(
+            bytes[BLOCK..].iter().all(|&b| b == 0),
+            "a fresh, zeroed tail"
+        );
+        let stats = alloc.stats();
+        assert_eq!(stats.grown_without_copy, 1);
+        assert_eq!(
+            (stats.cached_bytes(), stats.live_bytes()),
+            (0, class_size(4 * BLOCK, 4096).unwrap())
+        );
+        // A cached block that fits comes first: growing next to it copies into it.
+        let small = alloc.allocate(layout(BLOCK), false);
+        // SAFETY: `grown` is live with this layout.
+        unsafe { alloc.deallocate(grown, layout(4 * BLOCK)) };
+        // SAFETY: `small` is live with this layout.
+        let again = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
+        assert_eq!(again, grown, "the cached block");
+        assert_eq!(alloc.stats().grown_without_copy, 1);
     }
 
     #[test]

@@ -96,6 +96,22 @@ impl Runtime {
         })
     }
 
+    /// Records a block just created as live (after `old`, which it replaces when grown from it),
+    /// and releases what the cache may no longer hold.
+    pub(crate) fn record_created(&self, old: Option<Block>, block: Block) {
+        let mut evicted = Vec::new();
+        {
+            let mut arena = self.arena.lock();
+            if let Some(old) = old {
+                // The old block's pages are the new block's now: it just leaves the live set.
+                let _ = arena.remove_live(old.addr);
+            }
+            arena.insert_created(block, self.config.cache_limit, &mut evicted);
+        }
+        // SAFETY: evicted blocks left the cache and are handed out to nobody.
+        unsafe { self.release_blocks(evicted) };
+    }
+
     /// One attempt of [`Self::create_block`].
     fn try_create_block(&self, capacity: usize, align: usize) -> Result<Block, (Cause, Error)> {
         // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
@@ -131,9 +147,23 @@ impl Runtime {
     /// # Safety
     /// `ptr..ptr+len` must be a fresh private mapping of this crate, used by nobody else.
     unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, (Cause, Error)> {
-        let other = |e| (Cause::Other, e);
         // SAFETY: forwarded from the caller.
-        let placed = unsafe { self.place(ptr, len) }.map_err(other)?;
+        unsafe { self.place_and_populate(ptr, len) }?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.pin(ptr, len) }.map_err(|e| (Cause::Other, e))
+    }
+
+    /// Places, populates and checks (steps 2–4 of the pipeline).
+    ///
+    /// # Safety
+    /// As [`Self::place_and_pin`].
+    unsafe fn place_and_populate(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+    ) -> Result<(), (Cause, Error)> {
+        // SAFETY: forwarded from the caller.
+        let placed = unsafe { self.place(ptr, len) }.map_err(|e| (Cause::Other, e))?;
         let start = Instant::now();
         // SAFETY: forwarded from the caller.
         let populated = unsafe { self.populate(ptr, len) };
@@ -150,8 +180,58 @@ impl Runtime {
                 (cause, e)
             })?;
         }
-        // SAFETY: forwarded from the caller.
-        unsafe { self.pin(ptr, len) }.map_err(other)
+        Ok(())
+    }
+
+    /// Grows an unpinned block to `capacity` without copying: a new mapping of that size (aligned
+    /// to `align`) gets its tail placed and populated, then the block's pages move onto its head
+    /// (`mremap`). Nothing is left behind to cache, and only the tail is populated. On failure the
+    /// block is untouched (the caller then moves it by copying).
+    ///
+    /// # Safety
+    /// `block` is a live, unpinned block of this runtime that nothing uses while this runs (the
+    /// caller owns it, no GPU work is recorded against it); on success it no longer exists.
+    pub(crate) unsafe fn grow_block(
+        &self,
+        block: Block,
+        capacity: usize,
+        align: usize,
+    ) -> Result<Block, Error> {
+        let tail_len = capacity - block.capacity;
+        let old = NonNull::new(block.addr as *mut u8).ok_or(Error::InvalidRange {
+            addr: block.addr,
+            len: block.capacity,
+        })?;
+        self.memory_limits.check(tail_len)?;
+        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
+        let map_align = if huge { align.max(HUGE_PAGE) } else { align };
+        let region = sys::map_anonymous(capacity, map_align.max(self.page_size))?;
+        if huge {
+            // SAFETY: region..region+capacity was just mapped by us.
+            let _ = unsafe { sys::advise_hugepage(region, capacity) };
+        }
+        // SAFETY: block.capacity < capacity: inside the region. Block capacities are whole
+        // pages, so the tail starts on a page.
+        let tail = unsafe { region.add(block.capacity) };
+        // SAFETY: the tail is part of the fresh mapping, used by nobody; then the caller's block
+        // (unused while this runs) moves onto the region's head, which nobody uses either.
+        let grown = unsafe {
+            self.place_and_populate(tail, tail_len)
+                .map_err(|(_, e)| e)
+                .and_then(|()| sys::move_mapping(old, region, block.capacity))
+        };
+        match grown {
+            Ok(()) => Ok(Block {
+                addr: region.as_ptr() as usize,
+                capacity,
+                pinned: false,
+            }),
+            Err(e) => {
+                // SAFETY: the region is ours; the block did not move (move_mapping is last).
+                let _ = unsafe { sys::unmap(region, capacity) };
+                Err(e)
+            }
+        }
     }
 
     /// Sets the range's NUMA policy. `Ok(false)` when placement is unavailable (counted).

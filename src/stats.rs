@@ -132,6 +132,7 @@ pub(crate) struct Counters {
     pub(crate) foreign_frees: Counter,
     pub(crate) released_blocks: Counter,
     pub(crate) in_place_reallocs: Counter,
+    pub(crate) grown_without_copy: Counter,
     pub(crate) in_flight_recorded: Counter,
     pub(crate) reuse_deferred: Counter,
     pub(crate) pressure_retries: Counter,
@@ -166,6 +167,7 @@ impl Counters {
         stats.cache_hits = self.cache_hits.get();
         stats.cache_misses = self.cache_misses.get();
         stats.in_place_reallocs = self.in_place_reallocs.get();
+        stats.grown_without_copy = self.grown_without_copy.get();
         stats.in_flight_recorded = self.in_flight_recorded.get();
         stats.reuse_deferred = self.reuse_deferred.get();
         stats.pressure_retries = self.pressure_retries.get();
@@ -305,6 +307,9 @@ pub struct Stats {
     pub cache_misses: u64,
     /// Reallocations done in place, within the block's capacity.
     pub in_place_reallocs: u64,
+    /// Reallocations that grew an unpinned block by moving its pages into a larger mapping
+    /// (`mremap`, no copy; also counted as a miss and a free).
+    pub grown_without_copy: u64,
     /// GPU uses (events) recorded against live blocks.
     pub in_flight_recorded: u64,
     /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
@@ -393,12 +398,13 @@ impl fmt::Display for Stats {
         writeln!(
             f,
             "large allocations {} (cache hits {}, misses {}), frees {}, in-place reallocs {}, \
-             released blocks {}",
+             grown without copy {}, released blocks {}",
             self.large_allocations,
             self.cache_hits,
             self.cache_misses,
             self.frees,
             self.in_place_reallocs,
+            self.grown_without_copy,
             self.released_blocks
         )?;
         writeln!(

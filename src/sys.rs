@@ -1,4 +1,4 @@
-//! Raw placement syscalls: `mmap`, `mbind`, `madvise`, `move_pages`, `getcpu`; and the
+//! Raw placement syscalls: `mmap`, `mremap`, `mbind`, `madvise`, `move_pages`, `getcpu`; and the
 //! allocator's `futex` and `pthread_atfork` calls.
 //!
 //! This is the only module of the crate that makes these calls (see the design notes). Everything
@@ -309,6 +309,41 @@ pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
         call: "mmap",
         errno: libc::EFAULT,
     })
+}
+
+/// Moves the pages of the mapping `from..from+len` to `to..to+len` with
+/// `mremap(MREMAP_MAYMOVE | MREMAP_FIXED)`: page tables move, no byte is copied, and the pages
+/// keep their node and the range its memory policy. Whatever was mapped at `to..to+len` is
+/// unmapped first; `from..from+len` is unmapped afterwards.
+///
+/// Fails with [`Error::InvalidRange`] for an empty or misaligned range, [`Error::Syscall`]
+/// (`call: "mremap"`) if the kernel refuses; then both ranges are as they were.
+///
+/// # Safety
+///
+/// Both ranges must be mappings this crate created with [`map_anonymous`], must not overlap, and
+/// nothing may use either while this runs; afterwards `from..from+len` must not be used.
+pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Result<()> {
+    check_range(from, len)?;
+    check_range(to, len)?;
+    // SAFETY: the caller guarantees both ranges are our mappings and unused; FIXED replaces only
+    // the caller's own range at `to`.
+    let moved = unsafe {
+        libc::mremap(
+            from.as_ptr().cast(),
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            to.as_ptr().cast::<c_void>(),
+        )
+    };
+    if moved == libc::MAP_FAILED {
+        return Err(Error::Syscall {
+            call: "mremap",
+            errno: errno(),
+        });
+    }
+    Ok(())
 }
 
 /// Unmaps `ptr..ptr+len` (the length is rounded up to whole pages, as the kernel does).

@@ -182,6 +182,35 @@ fn a_second_failure_gives_back_everything_then_fails_cleanly() {
 }
 
 #[test]
+fn a_growth_whose_tail_cannot_be_populated_moves_by_copying() {
+    let _serial = serial();
+    let alloc = local();
+    let old = layout(3 * MIB);
+    let p = alloc.allocate(old).unwrap().cast::<u8>();
+    // SAFETY: ours, 3 MiB long.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), 0x5c, old.size()) };
+    // The tail of the larger mapping fails to populate; the copy's fresh block then works.
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
+    let new = layout(12 * MIB);
+    // SAFETY: p is live with `old`; new.size() >= old.size().
+    let q = unsafe { alloc.grow(p, old, new) }
+        .expect("moved by copying")
+        .cast::<u8>();
+    // SAFETY: the grown allocation is 12 MiB long, its head the old contents.
+    let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), old.size()) };
+    assert!(bytes.iter().all(|&b| b == 0x5c));
+    let s = alloc.stats();
+    assert_eq!(
+        (s.grown_without_copy, s.fallbacks.failed_allocations),
+        (0, 0),
+        "{s}"
+    );
+    // SAFETY: allocated above with `new`.
+    unsafe { alloc.deallocate(q, new) };
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
 fn mmap_failure_during_realloc_keeps_the_old_block() {
     let _serial = serial();
     let alloc = local();
@@ -189,7 +218,8 @@ fn mmap_failure_during_realloc_keeps_the_old_block() {
     let p = alloc.allocate(old).unwrap().cast::<u8>();
     // SAFETY: ours, 3 MiB long.
     unsafe { std::ptr::write_bytes(p.as_ptr(), 0xc3, old.size()) };
-    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    // Two mappings fail: the larger one to move the pages into, then the new block to copy to.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 2);
     let new = layout(40 * MIB);
     // SAFETY: p is live with `old`; new.size() >= old.size().
     assert!(unsafe { alloc.grow(p, old, new) }.is_err());

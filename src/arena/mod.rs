@@ -89,6 +89,9 @@ pub(crate) struct Arena {
     pending: PendingList,
     pinned_bytes: usize,
     peak_live_bytes: usize,
+    /// Highest live plus pending bytes seen: the memory the program (and its GPU work) needed
+    /// at once, which bounds the cache (see [`Self::budget`]).
+    peak_in_use: usize,
     tracker: NumaAllocTracker,
     /// In a forked child: page-locked blocks are not reused (the child's copy is not registered,
     /// and a driver may keep registered ranges out of the child altogether), only released.
@@ -108,6 +111,7 @@ impl Arena {
             pending: PendingList::default(),
             pinned_bytes: 0,
             peak_live_bytes: 0,
+            peak_in_use: 0,
             tracker: NumaAllocTracker::new(topology),
             in_child: false,
             pinned_cache_stale: false,
@@ -150,6 +154,20 @@ impl Arena {
         self.cached.take(fit)
     }
 
+    /// Whether a cached block would serve this request.
+    pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
+        self.cached.holds(fit)
+    }
+
+    /// The live block at `addr` when it may grow by moving its pages (`mremap`): not page-locked
+    /// (a registration is tied to the address) and no GPU work recorded against it.
+    pub(crate) fn growable(&self, addr: usize) -> Option<Block> {
+        self.live
+            .get(&addr)
+            .filter(|live| !live.block.pinned && live.work.is_empty())
+            .map(|live| live.block)
+    }
+
     /// Whether a pending block would have served this request (a miss deferred by GPU work).
     pub(crate) fn pending_fits(&self, fit: Fit) -> bool {
         self.pending.holds_fit(fit)
@@ -163,15 +181,9 @@ impl Arena {
         }
         let work = Work::new();
         self.live.insert(block.addr, Live { block, work });
-        self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes());
-    }
-
-    /// Records that a newly created block exists (pinned bytes include live, pending and cached
-    /// blocks).
-    pub(crate) fn note_created(&mut self, block: &Block) {
-        if block.pinned {
-            self.pinned_bytes += block.capacity;
-        }
+        let live = self.live_bytes();
+        self.peak_live_bytes = self.peak_live_bytes.max(live);
+        self.peak_in_use = self.peak_in_use.max(live + self.pending.bytes());
     }
 
     /// Looks up a live block by address.
@@ -222,7 +234,7 @@ impl Arena {
     }
 
     /// Caches a freed block, then evicts the oldest cached blocks while cached and pending bytes
-    /// exceed `limit`. A block larger than the whole limit is evicted alone rather than emptying
+    /// exceed the budget (`limit`, and the live high-water mark, see [`Self::budget`]). A block larger than the whole limit is evicted alone rather than emptying
     /// the cache, and so is a page-locked block in a forked child. Pending blocks are never
     /// evicted: GPU work may still use them.
     pub(crate) fn cache(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
@@ -235,8 +247,35 @@ impl Arena {
         self.evict_beyond(limit, evicted);
     }
 
+    /// Records a block just created for a request, then evicts what the cache may no longer
+    /// hold now that live bytes grew (see [`Self::budget`]).
+    pub(crate) fn insert_created(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
+        self.note_created(&block);
+        self.insert_live(block);
+        self.evict_beyond(limit, evicted);
+    }
+
+    /// Pinned bytes include live, pending and cached blocks.
+    fn note_created(&mut self, block: &Block) {
+        if block.pinned {
+            self.pinned_bytes += block.capacity;
+        }
+    }
+
+    /// Bytes the cache and the pending list may hold: at most `limit`, and no more than keeps
+    /// live, pending and cached bytes within 1/8 above the most that was live and pending at
+    /// once. Reuse never needs more (what was in use at once fits); a cache beyond it holds
+    /// blocks the program has moved on from, such as a growing `Vec`'s smaller sizes, populated
+    /// (maybe page-locked) for nothing.
+    fn budget(&self, limit: usize) -> usize {
+        let peak = self.peak_in_use;
+        let roof = peak.saturating_add(peak / CLASSES_PER_DOUBLING as usize);
+        limit.min(roof.saturating_sub(self.live_bytes()))
+    }
+
     fn evict_beyond(&mut self, limit: usize, evicted: &mut Vec<Block>) {
-        while self.cached.bytes() + self.pending.bytes() > limit {
+        let budget = self.budget(limit);
+        while self.cached.bytes() + self.pending.bytes() > budget {
             let Some(old) = self.cached.pop_oldest() else {
                 break;
             };
@@ -348,6 +387,14 @@ mod tests {
         }
     }
 
+    /// An arena whose live bytes once reached `peak` (so that its budget allows a cache that
+    /// large), as if blocks had been handed out and freed.
+    fn arena_that_held(peak: usize) -> Arena {
+        let mut arena = Arena::new(&NumaTopology::single_node(), 0);
+        arena.peak_in_use = peak;
+        arena
+    }
+
     /// The fit of a request of `size` bytes, as the allocator computes it.
     fn fit(size: usize, align: usize) -> Fit {
         Fit::new(size, class_size(size, PAGE).unwrap(), align)
@@ -355,8 +402,7 @@ mod tests {
 
     #[test]
     fn reuse_needs_covering_capacity_and_alignment() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         arena.cache(block(0x20_0000, 4 * MIB, false), usize::MAX, &mut evicted);
         assert_eq!(arena.take_cached(fit(5 * MIB, PAGE)), None, "too small");
@@ -371,8 +417,7 @@ mod tests {
 
     #[test]
     fn reuse_wastes_at_most_an_eighth_of_the_request() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         // 2.5 MiB is one class above 2 MiB + 1 B (class 2.25 MiB): 25% over the request.
         arena.cache(
@@ -395,8 +440,7 @@ mod tests {
 
     #[test]
     fn cache_limit_evicts_oldest_first() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         for i in 1..=3 {
             let b = block(i * 0x1000_0000, 4 * MIB, true);
@@ -430,8 +474,7 @@ mod tests {
 
     #[test]
     fn memory_is_given_back_oldest_first_and_only_as_much_as_asked() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         let blocks =
             [(1, 4), (2, 2), (3, 8), (4, 2)].map(|(i, mib)| block(i << 30, mib * MIB, true));
@@ -459,8 +502,7 @@ mod tests {
 
     #[test]
     fn a_freed_block_in_use_is_not_reused_before_its_work_completed() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         let done = live_in_use(&mut arena, 0x40_0000);
         let (block, work) = arena.remove_live(0x40_0000).unwrap();
@@ -504,8 +546,7 @@ mod tests {
 
     #[test]
     fn pending_bytes_count_against_the_limit_and_are_never_evicted() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         arena.cache(block(0x1000_0000, 4 * MIB, false), 8 * MIB, &mut evicted);
         let first = live_in_use(&mut arena, 0x2000_0000);
@@ -535,8 +576,7 @@ mod tests {
 
     #[test]
     fn a_block_over_the_limit_waits_for_its_work_before_eviction() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         let done = live_in_use(&mut arena, 0x2000_0000);
         let (block, work) = arena.remove_live(0x2000_0000).unwrap();
@@ -549,8 +589,7 @@ mod tests {
 
     #[test]
     fn a_forked_child_releases_page_locked_blocks_instead_of_reusing_them() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
+        let mut arena = arena_that_held(1 << 40);
         let mut evicted = Vec::new();
         let (pinned, plain) = (
             block(0x100_0000, 4 * MIB, true),
@@ -577,6 +616,33 @@ mod tests {
         let mut nodes = vec![NodeStats::default()];
         arena.fill(&mut nodes);
         assert_eq!((nodes[0].cached_blocks, nodes[0].pinned_bytes), (0, 0));
+    }
+
+    #[test]
+    fn the_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eighth() {
+        // A Vec grown by doubling: each step allocates the next size, then frees the last.
+        let mut arena = Arena::new(&NumaTopology::single_node(), 0);
+        let mut evicted = Vec::new();
+        let mut previous: Option<Block> = None;
+        for (i, mib) in [2, 4, 8, 16, 32].into_iter().enumerate() {
+            let next = block((i + 1) << 30, mib * MIB, false);
+            arena.insert_created(next, usize::MAX, &mut evicted);
+            if let Some(old) = previous.replace(next) {
+                let (old, work) = arena.remove_live(old.addr).unwrap();
+                arena.free(old, work, usize::MAX, &mut evicted);
+            }
+            let footprint = arena.live_bytes() + arena.cached.bytes();
+            assert!(footprint <= arena.peak_in_use * 9 / 8, "{mib} MiB step");
+        }
+        // Only the last smaller size stays; the older ones were given back as the live set grew.
+        assert_eq!(arena.cached.bytes(), 16 * MIB);
+        let released: usize = evicted.iter().map(|b| b.capacity).sum();
+        assert_eq!(released, (2 + 4 + 8) * MIB);
+        // Reuse of what was live at once is untouched: freeing everything keeps it all.
+        let (last, work) = arena.remove_live(previous.unwrap().addr).unwrap();
+        arena.free(last, work, usize::MAX, &mut evicted);
+        assert_eq!(arena.cached.bytes(), 48 * MIB);
+        assert_eq!(arena.take_cached(fit(32 * MIB, PAGE)), Some(last));
     }
 
     #[test]
