@@ -5,14 +5,14 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, InFlight, Work};
+use crate::arena::{class_size, Block, Fit, InFlight};
 use crate::config::{Config, GpuSelector, PinMode, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
 use crate::process;
 use crate::runtime::{Placement, Runtime};
 use crate::stats::Stats;
-use crate::sys::{self, MemPolicy};
+use crate::sys::MemPolicy;
 
 /// A NUMA- and GPU-aware allocator.
 ///
@@ -21,7 +21,9 @@ use crate::sys::{self, MemPolicy};
 /// page-locked with CUDA when a driver is present, and cached for reuse when freed.
 ///
 /// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
-/// a `static`, as long as memory it handed out is in use.
+/// a `static`, as long as memory it handed out is in use. A block freed through another value
+/// than the one that handed it out goes back to its own value (found among the live ones, counted
+/// in `foreign_frees`); that is the caller's mistake, forgiven, not a way to move blocks.
 ///
 /// ## Fork
 ///
@@ -367,41 +369,27 @@ impl NumaGpuAlloc {
     #[cold]
     #[inline(never)]
     unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
-        let rt = self.initialised();
-        // Already inside (None): this thread is running allocator code, which frees only what it
+        // Already inside: this thread is running allocator code, which frees only what it
         // allocated itself while inside, i.e. system-allocator memory, never a block of ours.
-        let inside = Inside::enter();
-        let mut evicted = Vec::new();
-        let freed = match (rt, &inside) {
-            (Some(rt), Some(_)) => {
-                let mut arena = rt.arena.lock();
-                match arena.remove_live(ptr as usize) {
-                    Some((block, work)) => {
-                        let work = if sys::fault::in_flight_ignored() {
-                            Work::new()
-                        } else {
-                            work
-                        };
-                        arena.free(block, work, rt.config.cache_limit, &mut evicted);
-                        true
-                    }
-                    None => false,
-                }
+        if let Some(_inside) = Inside::enter() {
+            let rt = self.initialised();
+            if rt.is_some_and(|rt| rt.free_block(ptr as usize)) {
+                return;
             }
-            _ => false,
-        };
-        let Some(rt) = rt.filter(|_| freed) else {
-            // Not ours: served by the system allocator while inside the allocator or before
-            // initialisation changed the threshold.
+            let own = rt.map_or(ptr::null(), |rt| ptr::from_ref(rt));
             if let Some(rt) = rt {
                 rt.counters.foreign_frees.incr();
             }
-            // SAFETY: the system allocator served this pointer with this layout.
-            return unsafe { System.dealloc(ptr, layout) };
-        };
-        rt.counters.frees.incr();
-        // SAFETY: evicted blocks left the cache and are handed out to nobody.
-        unsafe { rt.release_blocks(evicted) };
+            // Another allocator value's block, freed through this one (the caller's mistake, but
+            // the block goes back where it belongs instead of crashing the system allocator).
+            if process::free_elsewhere(own, ptr as usize) {
+                return;
+            }
+        }
+        // Not ours: served by the system allocator while inside the allocator or before
+        // initialisation changed the threshold.
+        // SAFETY: the system allocator served this pointer with this layout.
+        unsafe { System.dealloc(ptr, layout) }
     }
 
     /// Resizes an allocation, in place when the block's capacity allows, otherwise by moving.
@@ -680,6 +668,26 @@ mod tests {
     }
 
     #[test]
+    fn a_block_freed_through_another_allocator_goes_back_to_its_own() {
+        let _serial = serial();
+        let (owner, other, fresh) = (allocator(), allocator(), allocator());
+        let _ = other.placement();
+        for through in [&other, &fresh] {
+            let block = owner.allocate(layout(BLOCK), false);
+            // SAFETY: a live block of `owner`, freed once (through the wrong value).
+            unsafe { through.deallocate(block, layout(BLOCK)) };
+        }
+        let stats = owner.stats();
+        assert_eq!((stats.frees, stats.live_bytes()), (2, 0));
+        assert_eq!(stats.cached_bytes(), class_size(BLOCK, 4096).unwrap());
+        assert_eq!(other.stats().fallbacks.foreign_frees, 1);
+        assert!(
+            !fresh.stats().initialized,
+            "a value never used stays uninitialised"
+        );
+    }
+
+    #[test]
     fn only_live_allocators_are_listed_for_the_fork_handlers() {
         let _serial = serial();
         let alloc = allocator();
@@ -697,9 +705,9 @@ mod tests {
     fn ignoring_in_flight_work_reuses_early() {
         let _serial = serial();
         let alloc = allocator();
-        sys::fault::ignore_in_flight(true);
+        crate::sys::fault::ignore_in_flight(true);
         let (first, second) = reuse_while_in_flight(&alloc);
-        sys::fault::ignore_in_flight(false);
+        crate::sys::fault::ignore_in_flight(false);
         assert_eq!(first, second);
     }
 }

@@ -4,7 +4,7 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::Block;
+use crate::arena::{Block, Work};
 use crate::config::PinMode;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
@@ -437,6 +437,30 @@ impl Runtime {
                 Ok(false)
             }
         }
+    }
+
+    /// Takes back the live block at `addr`: pending while GPU work recorded against it runs, else
+    /// cached; releases what the cache no longer holds. False when no live block of this runtime
+    /// starts at `addr`.
+    pub(crate) fn free_block(&self, addr: usize) -> bool {
+        let mut evicted = Vec::new();
+        {
+            let mut arena = self.arena.lock();
+            let Some((block, work)) = arena.remove_live(addr) else {
+                return false;
+            };
+            // The switch tests use to show that they catch reuse during GPU work.
+            let work = if sys::fault::in_flight_ignored() {
+                Work::new()
+            } else {
+                work
+            };
+            arena.free(block, work, self.config.cache_limit, &mut evicted);
+        }
+        self.counters.frees.incr();
+        // SAFETY: evicted blocks left the cache and are handed out to nobody.
+        unsafe { self.release_blocks(evicted) };
+        true
     }
 
     /// Releases every cached block, and every pending one whose GPU work has completed.

@@ -72,6 +72,18 @@ pub(crate) fn forget(runtime: *const Runtime) {
     RUNTIMES.lock().retain(|r| *r != RuntimePtr(runtime));
 }
 
+/// Frees `addr` in the listed runtime other than `except` whose live block it is; whether one
+/// was. The list stays locked meanwhile (that runtime cannot be dropped); its arena lock comes
+/// after the list's, the fixed order.
+pub(crate) fn free_elsewhere(except: *const Runtime, addr: usize) -> bool {
+    let runtimes = RUNTIMES.lock();
+    runtimes
+        .iter()
+        .filter(|r| r.0 != except)
+        // SAFETY: listed runtimes are alive while the list is locked (see `RuntimePtr`).
+        .any(|r| unsafe { &*r.0 }.free_block(addr))
+}
+
 /// Takes every lock, in the fixed order. Allocates nothing.
 unsafe extern "C" fn prepare() {
     INIT.acquire();

@@ -251,8 +251,9 @@ pub struct Fallbacks {
     /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
     /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
     pub unverified_blocks: u64,
-    /// Large frees of pointers this allocator did not hand out (made while inside the
-    /// allocator, so served by the system allocator); passed on to the system allocator.
+    /// Large frees of pointers this allocator did not hand out: blocks of another
+    /// `NumaGpuAlloc` value (given back to it), or memory the system allocator served while
+    /// inside the allocator (passed on to it).
     pub foreign_frees: u64,
 }
 
@@ -362,6 +363,20 @@ fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
 }
 
+/// `bytes` in the largest binary unit that keeps a whole or one-decimal number: `4 KiB`,
+/// `2.5 MiB`, `64 GiB` (the threshold ranges from 4 KiB to 64 GiB).
+fn size(bytes: usize) -> String {
+    let units = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    let text = format!("{value:.1}");
+    format!("{} {}", text.trim_end_matches(".0"), units[unit])
+}
+
 fn opt(value: Option<usize>) -> String {
     value.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
@@ -370,12 +385,12 @@ impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {:.1} MiB",
+            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {}",
             opt(self.host_node),
             self.gpu.as_deref().unwrap_or("none"),
             opt(self.home_node),
             if self.pinning { "on" } else { "off" },
-            mib(self.threshold)
+            size(self.threshold)
         )?;
         writeln!(
             f,
@@ -511,6 +526,11 @@ mod tests {
         };
         let text = stats.to_string();
         assert!(text.contains("host node 1"), "{text}");
+        assert!(text.contains("threshold 2 MiB"), "{text}");
+        assert_eq!(
+            [4096, 2_621_440, 64 << 30, 1000].map(size),
+            ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
+        );
         assert!(text.contains("   1          3.0"), "{text}");
         assert_eq!(stats.live_bytes(), 3 << 20);
     }
