@@ -376,7 +376,7 @@ impl NumaGpuAlloc {
             if rt.is_some_and(|rt| rt.free_block(ptr as usize)) {
                 return;
             }
-            let own = rt.map_or(ptr::null(), |rt| ptr::from_ref(rt));
+            let own = rt.map_or(ptr::null(), ptr::from_ref);
             if let Some(rt) = rt {
                 rt.counters.foreign_frees.incr();
             }
