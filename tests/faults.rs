@@ -181,14 +181,20 @@ fn a_second_failure_gives_back_everything_then_fails_cleanly() {
     assert_balanced(&s);
 }
 
+/// A 3 MiB block of `alloc` filled with `byte`, and its layout.
+fn filled_3mib(alloc: &NumaGpuAlloc, byte: u8) -> (std::ptr::NonNull<u8>, Layout) {
+    let old = layout(3 * MIB);
+    let p = alloc.allocate(old).unwrap().cast::<u8>();
+    // SAFETY: ours, 3 MiB long.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), byte, old.size()) };
+    (p, old)
+}
+
 #[test]
 fn a_growth_whose_tail_cannot_be_populated_moves_by_copying() {
     let _serial = serial();
     let alloc = local();
-    let old = layout(3 * MIB);
-    let p = alloc.allocate(old).unwrap().cast::<u8>();
-    // SAFETY: ours, 3 MiB long.
-    unsafe { std::ptr::write_bytes(p.as_ptr(), 0x5c, old.size()) };
+    let (p, old) = filled_3mib(&alloc, 0x5c);
     // The tail of the larger mapping fails to populate; the copy's fresh block then works.
     fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
     let new = layout(12 * MIB);
@@ -214,10 +220,7 @@ fn a_growth_whose_tail_cannot_be_populated_moves_by_copying() {
 fn mmap_failure_during_realloc_keeps_the_old_block() {
     let _serial = serial();
     let alloc = local();
-    let old = layout(3 * MIB);
-    let p = alloc.allocate(old).unwrap().cast::<u8>();
-    // SAFETY: ours, 3 MiB long.
-    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xc3, old.size()) };
+    let (p, old) = filled_3mib(&alloc, 0xc3);
     // Two mappings fail: the larger one to move the pages into, then the new block to copy to.
     fault::inject(FaultPoint::Mmap, libc::ENOMEM, 2);
     let new = layout(40 * MIB);
