@@ -125,7 +125,7 @@ impl NumaGpuAlloc {
         self
     }
 
-    /// Page-locking mode (default [`PinMode::Fallback`]).
+    /// Page-locking mode (default [`PinMode::Off`]; see the README on what pinning changes).
     pub const fn pin(mut self, mode: PinMode) -> Self {
         self.config.pin = mode;
         self

@@ -45,11 +45,11 @@ pub enum Target {
 /// What to do about page-locking (`cuMemHostRegister`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PinMode {
-    /// Pin; when registration fails keep the block unpinned and count it.
-    Fallback,
+    /// Pin; when registration fails keep the block unpinned and count it (`pin=on`).
+    On,
     /// Pin; when registration fails the allocation fails.
     Strict,
-    /// Never pin.
+    /// Never pin (the default): copies from and to these blocks stay synchronous.
     Off,
 }
 
@@ -82,7 +82,7 @@ pub struct Config {
 
 impl Config {
     /// The defaults: 2 MiB threshold, default target, `preferred` policy, 4 GiB cache, huge
-    /// pages on, no verification, pinning with fallback (PORTABLE only), automatic threads.
+    /// pages on, no verification, no pinning, automatic threads.
     pub const DEFAULT: Config = Config {
         threshold: DEFAULT_THRESHOLD,
         target: Target::Default,
@@ -90,7 +90,7 @@ impl Config {
         cache_limit: DEFAULT_CACHE_LIMIT,
         huge_pages: true,
         verify: false,
-        pin: PinMode::Fallback,
+        pin: PinMode::Off,
         pin_devicemap: false,
         pin_read_only: false,
         populate_threads: 0,
@@ -273,10 +273,11 @@ fn parse_policy(value: &str) -> Result<MemPolicy, Error> {
 
 fn parse_pin(value: &str) -> Result<PinMode, Error> {
     match value.to_ascii_lowercase().as_str() {
-        "fallback" => Ok(PinMode::Fallback),
+        // `fallback` was this mode's name before pinning became opt-in.
+        "on" | "fallback" => Ok(PinMode::On),
         "strict" => Ok(PinMode::Strict),
         "off" => Ok(PinMode::Off),
-        _ => Err(config_error("pin", value, "fallback, strict or off")),
+        _ => Err(config_error("pin", value, "on, strict or off")),
     }
 }
 

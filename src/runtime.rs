@@ -182,8 +182,8 @@ fn resolve_target(
     let selector = match config.target {
         Target::Node(_) => None,
         Target::Gpu(selector) => Some(selector),
-        // Without pinning, the driver (cuInit, a context) is not worth loading just to guess.
-        Target::Default => (pinning && cuda::driver_present()).then_some(GpuSelector::Auto),
+        // The driver (cuInit, no context unless pinning) tells which GPU and so which node.
+        Target::Default => cuda::driver_present().then_some(GpuSelector::Auto),
     };
     let target = selector.map_or_else(GpuTarget::default, |selector| {
         find_gpu(config, selector, pinning, errors)
