@@ -19,7 +19,7 @@ pub mod pci;
 
 mod cuda;
 pub mod sys;
-pub use cuda::cuda_driver_present;
+pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
 
 mod arena;
 mod block;
