@@ -16,7 +16,7 @@
 //!    registration time alone. Without a driver: ours (place + populate) against `malloc` + touch.
 //! 2. **Reuse**: a freed block of the first cold size taken back from the cache.
 //! 3. **Populate scaling**: a cold `--scaling-size` block (4 GiB) placed and populated with each
-//!    of `--threads` (1,2,4,8,16) populate threads, host-only.
+//!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory.
 //! 4. **Bandwidth** in the style of nvbandwidth: for each `--bw-sizes` (4 MiB … 1 GiB), both
 //!    directions, timed with CUDA events, each sample at least 64 MiB of copies (several copies
 //!    below that), median of `--runs` (5); pageable, `cuMemHostAlloc`, ours, and ours on the
@@ -220,6 +220,22 @@ fn short_of_memory(need: usize) -> Option<String> {
     })
 }
 
+/// Touches `bytes` of fresh memory and frees it, so that a cold measurement after it does not
+/// pay the first touch of memory the hypervisor (or the kernel) has never backed.
+fn pre_touch(bytes: usize) {
+    let start = Instant::now();
+    let mut warm: Vec<u8> = Vec::with_capacity(bytes);
+    for page in warm.spare_capacity_mut().iter_mut().step_by(4096) {
+        page.write(1);
+    }
+    drop(std::hint::black_box(warm));
+    println!(
+        "pre-touched and freed {} in {:.0} ms",
+        size_text(bytes),
+        ms(start.elapsed())
+    );
+}
+
 /// A block from one of our allocators, freed on drop.
 struct OurBlock<'a> {
     alloc: &'a NumaGpuAlloc,
@@ -377,24 +393,12 @@ impl Bench<'_> {
 
     /// Cold cost of `size` bytes, methods alternated, median of `reps`.
     fn cold(&mut self, size: usize) -> Res<()> {
-        if let Some(why) = short_of_memory(3 * size) {
+        if let Some(why) = short_of_memory(2 * size + GIB) {
             println!("{why}");
             return Ok(());
         }
-        // Touch and free twice the size: the memory the methods then get back is equally warm.
-        let start = Instant::now();
-        let mut warm: Vec<u8> = Vec::with_capacity(2 * size);
-        let spare = warm.spare_capacity_mut();
-        for page in spare.iter_mut().step_by(4096) {
-            page.write(1);
-        }
-        std::hint::black_box(&warm);
-        drop(warm);
-        println!(
-            "pre-touched and freed {} in {:.0} ms",
-            size_text(2 * size),
-            ms(start.elapsed())
-        );
+        // Twice the size: the memory each method then gets back is equally warm.
+        pre_touch(2 * size);
         let (mut ours, mut ours_pin) = (Vec::new(), Vec::new());
         let (mut host_alloc, mut naive, mut naive_reg) = (Vec::new(), Vec::new(), Vec::new());
         let mut populate = Vec::new();
@@ -506,7 +510,7 @@ impl Bench<'_> {
 
     /// A freed block taken back from the cache.
     fn reuse(&mut self, size: usize) -> Res<()> {
-        if let Some(why) = short_of_memory(2 * size) {
+        if let Some(why) = short_of_memory(size + GIB) {
             println!("{why}");
             return Ok(());
         }
@@ -530,10 +534,11 @@ impl Bench<'_> {
     /// Cold place + populate of one block with each thread count (host-only: no pinning).
     fn scaling(&mut self) -> Res<()> {
         let size = self.args.scaling_size;
-        if let Some(why) = short_of_memory(2 * size) {
+        if let Some(why) = short_of_memory(size + GIB) {
             println!("{why}");
             return Ok(());
         }
+        pre_touch(size);
         let mut base = None;
         for &threads in &self.args.threads {
             let alloc = NumaGpuAlloc::new()
