@@ -203,13 +203,6 @@ impl NumaGpuAlloc {
     /// block is freed before `work` completed, it waits in the pending list instead of the cache.
     /// Gives `work` back when no live block of this allocator contains `ptr`, so that the caller
     /// can wait on it itself.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the CUDA side of stream-ordered reuse (issue 10) calls it"
-        )
-    )]
     pub(crate) fn record_in_flight(
         &self,
         ptr: *const u8,

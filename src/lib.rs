@@ -20,6 +20,9 @@ pub mod pci;
 mod cuda;
 pub mod sys;
 pub use cuda::cuda_driver_present;
+#[cfg(feature = "pinned-buffer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
+pub use cuda::PinnedBuf;
 
 mod arena;
 mod block;

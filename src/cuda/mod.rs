@@ -22,12 +22,17 @@
 mod context;
 mod device;
 mod driver;
+mod event;
+#[cfg(feature = "pinned-buffer")]
+mod pinned;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use context::Gpu;
 pub(crate) use device::Device;
 pub(crate) use driver::driver_present;
+#[cfg(feature = "pinned-buffer")]
+pub use pinned::PinnedBuf;
 
 use crate::Error;
 
@@ -107,6 +112,11 @@ pub(super) fn cuda_error(
         .or_else(|| driver_name(code))
         .unwrap_or(UNNAMED_ERROR);
     Error::Cuda { call, code, name }
+}
+
+/// A cudarc call's error as [`Error::Cuda`] (cudarc already read the result as its enum).
+pub(super) fn driver_error(call: &'static str, e: cudarc::driver::DriverError) -> Error {
+    cuda_error(call, e.0 as u32, |_| None)
 }
 
 /// The error a failed registration of `code` gives, for tests that inject one.
