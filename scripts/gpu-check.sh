@@ -13,8 +13,9 @@
 #   --dma-args  arguments for dma_bench (default: none; see `dma_bench --help`)
 #
 # Order: the machine (driver version, persistence mode, each GPU's PCI id and NUMA node), the GPU
-# test binaries (test-gpu, and test-pinned_sim against the real driver) with the GPU visible and
-# NUMA_GPU_ALLOC_REQUIRE_GPU=1, one dma_bench run, the other test binaries with
+# test binaries (test-gpu, and test-pinned_sim with NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU
+# visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a GPU: skipping, and the simulator), one
+# dma_bench run, the other test binaries with
 # CUDA_VISIBLE_DEVICES= (they never start the driver), then the optional bench.
 #
 # Logs, dma_bench.json, this output (gpu-check.txt) and summary.json go to ${OUT:-DIR/out}.
@@ -218,8 +219,10 @@ for bin in "$dir/tests/test-gpu" "$dir/tests/test-pinned_sim"; do
 done
 echo "--- GPU tests (${#gpu_tests[@]} binaries)"
 for bin in "${gpu_tests[@]}"; do
-    case $(basename "$bin") in
-        test-pinned_sim) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 ;;
+    case $(basename "$bin")-$gpu_present in
+        # Against the real driver; without a GPU, against its simulator (which it compiles from
+        # the source tree, so only where the bundle was built).
+        test-pinned_sim-1) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 ;;
         *) run_test "$bin" 120 ;;
     esac
 done

@@ -132,6 +132,8 @@ pub(crate) struct Counters {
     pub(crate) foreign_frees: Counter,
     pub(crate) released_blocks: Counter,
     pub(crate) in_place_reallocs: Counter,
+    pub(crate) in_flight_recorded: Counter,
+    pub(crate) reuse_deferred: Counter,
     pub(crate) pages_checked: Counter,
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
@@ -177,6 +179,8 @@ impl Counters {
         stats.cache_hits = self.cache_hits.get();
         stats.cache_misses = self.cache_misses.get();
         stats.in_place_reallocs = self.in_place_reallocs.get();
+        stats.in_flight_recorded = self.in_flight_recorded.get();
+        stats.reuse_deferred = self.reuse_deferred.get();
         stats.released_blocks = self.released_blocks.get();
         stats.registrations = self.registrations.get();
         stats.unregistrations = self.unregistrations.get();
@@ -274,6 +278,11 @@ pub struct NodeStats {
     pub live_blocks: usize,
     /// Blocks kept for reuse.
     pub cached_blocks: usize,
+    /// Freed blocks that GPU work may still use, reusable once it completed (they count against
+    /// the cache limit).
+    pub pending_blocks: usize,
+    /// Their bytes.
+    pub pending_bytes: usize,
 }
 
 /// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
@@ -303,6 +312,10 @@ pub struct Stats {
     pub cache_misses: u64,
     /// Reallocations done in place, within the block's capacity.
     pub in_place_reallocs: u64,
+    /// GPU uses (events) recorded against live blocks.
+    pub in_flight_recorded: u64,
+    /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
+    pub reuse_deferred: u64,
     /// Blocks unmapped (cache limit, `trim()`, failed placement).
     pub released_blocks: u64,
     /// Successful `cuMemHostRegister` calls.
@@ -408,6 +421,16 @@ impl fmt::Display for Stats {
             f,
             "pages checked {}, misplaced {}",
             self.pages_checked, self.pages_misplaced
+        )?;
+        let (blocks, bytes) = self.nodes.iter().fold((0, 0), |(n, b), row| {
+            (n + row.pending_blocks, b + row.pending_bytes)
+        });
+        writeln!(
+            f,
+            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}",
+            mib(bytes),
+            self.in_flight_recorded,
+            self.reuse_deferred
         )?;
         let fb = &self.fallbacks;
         writeln!(

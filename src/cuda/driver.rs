@@ -30,6 +30,8 @@ pub(super) const REQUIRED_SYMBOLS: &[&CStr] = &[
     c"cuMemHostRegister_v2",
     c"cuMemHostUnregister",
     c"cuThreadExchangeStreamCaptureMode",
+    c"cuEventQuery",
+    c"cuEventSynchronize",
 ];
 
 /// `CUresult` as the raw number the driver returns (any value, known to cudarc's bindings or not).
@@ -77,8 +79,14 @@ pub(super) type MemHostUnregisterFn = unsafe extern "C" fn(*mut c_void) -> CuRes
 /// `unsigned int`).
 pub(super) type ExchangeCaptureModeFn = unsafe extern "C" fn(*mut c_uint) -> CuResult;
 
+/// `CUresult cuEventQuery(CUevent hEvent)`, and the same prototype for
+/// `cuEventSynchronize(CUevent hEvent)` (`CUevent` is an opaque pointer).
+pub(super) type EventFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
+
 /// `CUDA_SUCCESS`.
 pub(super) const SUCCESS: CuResult = 0;
+/// `CUDA_ERROR_NOT_READY`: `cuEventQuery`'s answer while the recorded work is still running.
+pub(super) const NOT_READY: CuResult = 600;
 /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
 pub(super) const HOST_MEMORY_NOT_REGISTERED: CuResult = 713;
 /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`.
@@ -129,6 +137,10 @@ pub(super) struct Api {
     pub(super) mem_host_unregister: MemHostUnregisterFn,
     /// `cuThreadExchangeStreamCaptureMode`.
     pub(super) exchange_capture_mode: ExchangeCaptureModeFn,
+    /// `cuEventQuery`.
+    pub(super) event_query: EventFn,
+    /// `cuEventSynchronize`.
+    pub(super) event_synchronize: EventFn,
 }
 
 impl std::fmt::Debug for Api {
@@ -194,6 +206,8 @@ pub(super) unsafe fn load_api() -> Option<Api> {
             exchange_capture_mode: symbol::<ExchangeCaptureModeFn>(
                 c"cuThreadExchangeStreamCaptureMode",
             )?,
+            event_query: symbol::<EventFn>(c"cuEventQuery")?,
+            event_synchronize: symbol::<EventFn>(c"cuEventSynchronize")?,
         })
     }
 }

@@ -16,13 +16,18 @@
 //! not allocate.
 //!
 //! Files: `driver.rs` loads libcuda and holds the entry-point table and the probe; `device.rs`
-//! finds a device; `context.rs` retains its primary context and registers memory; this file
-//! names errors and holds the public items; `tests.rs` runs the code against a fake driver table.
+//! finds a device; `context.rs` retains its primary context and registers memory; `event.rs`
+//! and `pinned.rs` order reuse after stream work; `names.rs` names every `CUresult`; this file
+//! holds the public items and error naming; `tests.rs` runs the code against a fake driver
+//! table.
 
 mod context;
 mod device;
 mod driver;
+mod event;
 mod names;
+#[cfg(feature = "pinned-buffer")]
+mod pinned;
 #[cfg(test)]
 mod tests;
 
@@ -30,6 +35,8 @@ pub(crate) use context::Gpu;
 pub(crate) use device::Device;
 pub(crate) use driver::driver_present;
 use names::known_error_name;
+#[cfg(feature = "pinned-buffer")]
+pub use pinned::PinnedBuf;
 
 use crate::Error;
 
@@ -119,6 +126,11 @@ pub(super) fn cuda_error(
         .or_else(|| driver_name(code))
         .unwrap_or(UNNAMED_ERROR);
     Error::Cuda { call, code, name }
+}
+
+/// A cudarc call's error as [`Error::Cuda`] (cudarc already read the result as its enum).
+pub(super) fn driver_error(call: &'static str, e: cudarc::driver::DriverError) -> Error {
+    cuda_error(call, e.0 as u32, |_| None)
 }
 
 /// The error a failed registration of `code` gives, for tests that inject one.

@@ -340,6 +340,13 @@ mod fake {
         log(format!("exchange {old}->{new}"));
         0
     }
+    /// A fake event's handle is the `CUresult` that querying it answers.
+    extern "C" fn event_query(event: *mut c_void) -> u32 {
+        event as usize as u32
+    }
+    extern "C" fn event_synchronize(_: *mut c_void) -> u32 {
+        0
+    }
 
     /// The fake driver, with or without each UUID entry point.
     const fn make(uuid_v2_present: bool, uuid_v1_present: bool) -> Api {
@@ -367,6 +374,8 @@ mod fake {
             mem_host_register: register,
             mem_host_unregister: unregister,
             exchange_capture_mode: exchange,
+            event_query,
+            event_synchronize,
         }
     }
 
