@@ -15,8 +15,8 @@
 # Order: the machine (driver version, persistence mode, each GPU's PCI id and NUMA node), the GPU
 # test binaries (test-gpu, and test-pinned_sim with NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU
 # visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a GPU: skipping, and the simulator), one
-# dma_bench run, the other test binaries with
-# CUDA_VISIBLE_DEVICES= (cuInit finds no device, so none creates a context), then the optional bench.
+# dma_bench run, the other test binaries with CUDA_VISIBLE_DEVICES= (cuInit finds no device, so
+# none creates a context), then the optional bench.
 #
 # Logs, dma_bench.json, this output (gpu-check.txt) and summary.json go to ${OUT:-DIR/out}.
 # Exit status: 0 every step passed on a machine with a GPU; 1 a step failed, timed out, or no
