@@ -216,7 +216,13 @@ impl fmt::Display for Error {
                 "numa-gpu-alloc: bad setting {key}={value:?}: expected {expected}"
             ),
             Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
-            Error::Cuda { call, code, name } => write!(f, "{call} failed: {name} ({code})"),
+            Error::Cuda { call, code, name } => {
+                write!(f, "{call} failed: {name} ({code})")?;
+                match crate::cuda::error_hint(call, *code) {
+                    Some(hint) => write!(f, ": {hint}"),
+                    None => Ok(()),
+                }
+            }
             Error::GpuNotFound {
                 selector,
                 device_count,

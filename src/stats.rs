@@ -138,12 +138,16 @@ pub(crate) struct Counters {
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
     pub(crate) pin: Timer,
+    /// The latest registration or unregistration error (taken on failures and snapshots only; std's
+    /// futex mutex does not allocate).
+    pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
 }
 
 impl Counters {
     /// Counts a failed registration under its CUDA error code.
     pub(crate) fn record_pin_failure(&self, error: &Error) {
         self.pin_failures.incr();
+        self.set_last_pin_error(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -152,12 +156,24 @@ impl Counters {
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
     pub(crate) fn record_unregister_failure(&self, error: &Error) {
         self.unregister_failures.incr();
+        self.set_last_pin_error(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
     }
 
+    fn set_last_pin_error(&self, error: &Error) {
+        // Cloning a CUDA error copies numbers and static strings: no allocation.
+        *self
+            .last_pin_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(error.clone());
+    }
+
     pub(crate) fn fill(&self, stats: &mut Stats) {
+        stats.last_pin_error = (self.last_pin_error.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         stats.large_allocations = self.large_allocations.get();
         stats.frees = self.frees.get();
         stats.cache_hits = self.cache_hits.get();
@@ -318,6 +334,8 @@ pub struct Stats {
     pub fallbacks: Fallbacks,
     /// Registration failures by CUDA error.
     pub pin_failures_by_code: Vec<CudaErrorCount>,
+    /// The latest failed registration or unregistration, with the CUDA call, code and name.
+    pub last_pin_error: Option<Error>,
     /// Why NUMA placement is off, when the kernel refused it.
     pub numa_unavailable: Option<Error>,
     /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems (each was also printed once to
@@ -434,6 +452,9 @@ impl fmt::Display for Stats {
         )?;
         for c in &self.pin_failures_by_code {
             writeln!(f, "pin failure {} ({}): {}", c.name, c.code, c.count)?;
+        }
+        if let Some(e) = &self.last_pin_error {
+            writeln!(f, "last pin failure: {e}")?;
         }
         if let Some(e) = &self.numa_unavailable {
             writeln!(f, "NUMA unavailable: {e}")?;

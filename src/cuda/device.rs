@@ -1,8 +1,11 @@
 //! Finding a device: by ordinal, PCI address, UUID, or automatically from the local rank.
 
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, c_uint};
 
-use super::driver::{require_driver, Api, CuDevice, CuUuid, ATTRIBUTE_HOST_NUMA_ID, SUCCESS};
+use super::driver::{
+    require_driver, Api, CuDevice, CuUuid, ATTRIBUTE_HOST_NUMA_ID,
+    ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, SUCCESS,
+};
 use crate::config::GpuSelector;
 use crate::pci::PciAddress;
 use crate::{Error, Result};
@@ -143,18 +146,14 @@ pub(super) mod raw {
         Ok(false)
     }
 
-    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` when it is reported and ≥ 0. Drivers before 12.2 do
-    /// not know the attribute (INVALID_VALUE): that is `None`, not an error.
-    pub(in crate::cuda) fn host_numa_id(api: &Api, dev: CuDevice) -> Option<usize> {
+    /// An integer attribute of the device; `None` when the driver refuses the query (drivers
+    /// older than the attribute answer CUDA_ERROR_INVALID_VALUE): unknown, not an error.
+    pub(in crate::cuda) fn attribute(api: &Api, dev: CuDevice, attribute: c_uint) -> Option<c_int> {
         let mut value: c_int = -1;
         // SAFETY: cuDeviceGetAttribute from the initialised driver; `value` is a valid
         // out-pointer; an attribute the driver does not know is refused, not misread.
-        let res = unsafe { (api.device_get_attribute)(&mut value, ATTRIBUTE_HOST_NUMA_ID, dev) };
-        if res == SUCCESS {
-            usize::try_from(value).ok()
-        } else {
-            None
-        }
+        let res = unsafe { (api.device_get_attribute)(&mut value, attribute, dev) };
+        (res == SUCCESS).then_some(value)
     }
 }
 
@@ -167,6 +166,8 @@ pub(crate) struct Device {
     pub(super) pci: PciAddress,
     pub(super) name: String,
     pub(super) host_numa_id: Option<usize>,
+    /// `CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED`, when the driver reports it.
+    pub(super) read_only_register: Option<bool>,
 }
 
 impl Device {
@@ -224,7 +225,11 @@ impl Device {
         let dev = raw::device(api, ordinal)?;
         let pci = raw::pci_address(api, dev)?;
         let name = raw::name(api, dev)?;
-        let host_numa_id = raw::host_numa_id(api, dev);
+        // Drivers before 12.2 do not know HOST_NUMA_ID; -1 means no NUMA affinity.
+        let host_numa_id = raw::attribute(api, dev, ATTRIBUTE_HOST_NUMA_ID)
+            .and_then(|node| usize::try_from(node).ok());
+        let read_only_register =
+            raw::attribute(api, dev, ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED).map(|v| v != 0);
         Ok(Device {
             api,
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
@@ -232,6 +237,7 @@ impl Device {
             pci,
             name,
             host_numa_id,
+            read_only_register,
         })
     }
 
@@ -248,6 +254,12 @@ impl Device {
     /// The device's marketing name, e.g. `NVIDIA H100 80GB HBM3`.
     pub(crate) fn name(&self) -> String {
         self.name.clone()
+    }
+
+    /// Whether the device accepts `CU_MEMHOSTREGISTER_READ_ONLY`; `None` when the driver does not
+    /// say.
+    pub(crate) fn read_only_register(&self) -> Option<bool> {
+        self.read_only_register
     }
 
     /// The GPU's home NUMA node: the driver's host NUMA id, else the `numa_node` of its PCI

@@ -91,6 +91,8 @@ pub(super) const NOT_READY: CuResult = 600;
 pub(super) const HOST_MEMORY_NOT_REGISTERED: CuResult = 713;
 /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`.
 pub(super) const ATTRIBUTE_HOST_NUMA_ID: c_uint = 134;
+/// `CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED`.
+pub(super) const ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: c_uint = 113;
 /// `CU_STREAM_CAPTURE_MODE_RELAXED`: this thread's driver calls do not invalidate a capture in
 /// progress on another thread.
 pub(super) const CAPTURE_MODE_RELAXED: c_uint = 2;
@@ -152,7 +154,9 @@ impl std::fmt::Debug for Api {
 
 /// What the one-time driver probe found: the entry points when libcuda loaded, exports what this
 /// module needs, and `cuInit(0)` succeeded; else why not.
-pub(super) type DriverState = std::result::Result<Api, &'static str>;
+/// The error is [`Error::CudaUnavailable`] when libcuda is missing or too old, and
+/// [`Error::Cuda`] with `cuInit`'s code when it failed.
+pub(super) type DriverState = std::result::Result<Api, Error>;
 
 /// The probe's answer, computed on the first call.
 pub(super) fn driver_state() -> &'static DriverState {
@@ -210,12 +214,16 @@ pub(super) unsafe fn load_api() -> Option<Api> {
 
 /// Loads libcuda, resolves the entry points and calls `cuInit(0)`; never panics.
 pub(super) fn probe_driver() -> DriverState {
-    const TOO_OLD: &str = "libcuda lacks a required driver function (the driver is too old)";
+    const TOO_OLD: Error = Error::CudaUnavailable {
+        reason: "libcuda lacks a required driver function (the driver is too old)",
+    };
     // SAFETY: `is_culib_present` only tries to open the library by its candidate names with
     // libloading (running libcuda's initialisers, which is what loading it means); it does not
     // panic when none is found.
     if !unsafe { sys::is_culib_present() } {
-        return Err("libcuda.so could not be loaded (no NVIDIA driver on this machine)");
+        return Err(Error::CudaUnavailable {
+            reason: "libcuda.so could not be loaded (no NVIDIA driver on this machine)",
+        });
     }
     let has = |name: &CStr| {
         // SAFETY: libcuda loads (just checked); the symbol is only looked up, never called
@@ -231,28 +239,8 @@ pub(super) fn probe_driver() -> DriverState {
     let api = unsafe { load_api() }.ok_or(TOO_OLD)?;
     // SAFETY: cuInit is resolved from the loaded libcuda and takes flags 0.
     let res = unsafe { init(0) };
-    if res != SUCCESS {
-        return Err(cuinit_reason(res));
-    }
+    api.check("cuInit", res)?;
     Ok(api)
-}
-
-/// Why `cuInit` failed, as a fixed sentence (the error's `reason` is `&'static str`).
-pub(super) fn cuinit_reason(code: u32) -> &'static str {
-    match code {
-        100 => "cuInit failed: CUDA_ERROR_NO_DEVICE (no visible GPU; check CUDA_VISIBLE_DEVICES)",
-        34 => "cuInit failed: CUDA_ERROR_STUB_LIBRARY (libcuda.so is the toolkit's stub)",
-        35 => "cuInit failed: CUDA_ERROR_INSUFFICIENT_DRIVER (the driver is too old)",
-        46 => "cuInit failed: CUDA_ERROR_DEVICE_UNAVAILABLE (GPUs busy or exclusive-process)",
-        803 => {
-            "cuInit failed: CUDA_ERROR_SYSTEM_DRIVER_MISMATCH (libcuda and the kernel module \
-             differ)"
-        }
-        804 => "cuInit failed: CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
-        999 => "cuInit failed: CUDA_ERROR_UNKNOWN (is the nvidia kernel module loaded?)",
-        304 => "cuInit failed: CUDA_ERROR_OPERATING_SYSTEM",
-        _ => "cuInit failed",
-    }
 }
 
 /// Whether libcuda loads, exports what this crate needs, and `cuInit` succeeds. Decided once
@@ -261,12 +249,10 @@ pub(crate) fn driver_present() -> bool {
     driver_state().is_ok()
 }
 
-/// The driver's entry points when it is usable, else `CudaUnavailable` with the reason.
+/// The driver's entry points when it is usable, else the probe's error.
 pub(super) fn require_driver() -> Result<&'static Api> {
-    match driver_state() {
-        Ok(api) => Ok(api),
-        Err(reason) => Err(Error::CudaUnavailable { reason }),
-    }
+    // Cloning the error does not allocate: its variants hold numbers and static strings.
+    driver_state().as_ref().map_err(Error::clone)
 }
 
 impl Api {

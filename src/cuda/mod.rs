@@ -16,13 +16,16 @@
 //! not allocate.
 //!
 //! Files: `driver.rs` loads libcuda and holds the entry-point table and the probe; `device.rs`
-//! finds a device; `context.rs` retains its primary context and registers memory; this file
-//! names errors and holds the public items; `tests.rs` runs the code against a fake driver table.
+//! finds a device; `context.rs` retains its primary context and registers memory; `event.rs`
+//! and `pinned.rs` order reuse after stream work; `names.rs` names every `CUresult`; this file
+//! holds the public items and error naming; `tests.rs` runs the code against a fake driver
+//! table.
 
 mod context;
 mod device;
 mod driver;
 mod event;
+mod names;
 #[cfg(feature = "pinned-buffer")]
 mod pinned;
 #[cfg(test)]
@@ -31,6 +34,7 @@ mod tests;
 pub(crate) use context::Gpu;
 pub(crate) use device::Device;
 pub(crate) use driver::driver_present;
+use names::known_error_name;
 #[cfg(feature = "pinned-buffer")]
 pub use pinned::PinnedBuf;
 
@@ -57,42 +61,52 @@ pub fn cuda_driver_present() -> bool {
     driver_present()
 }
 
-/// The name of a `CUresult` number this crate knows without asking the driver.
-pub(super) fn known_error_name(code: u32) -> Option<&'static str> {
+/// Why the CUDA driver is not usable in this process, or `None` when it is (the answer of the
+/// probe behind [`cuda_driver_present`], computed once).
+///
+/// [`Error::CudaUnavailable`] says that libcuda could not be loaded or lacks a function this crate
+/// calls; [`Error::Cuda`] with `call: "cuInit"` carries the code `cuInit` returned, its name
+/// (for instance 802, `CUDA_ERROR_SYSTEM_NOT_READY`: on NVSwitch systems, the fabric manager is
+/// not running) and, in its `Display` text, a hint where one is known.
+///
+/// ```
+/// match numa_gpu_alloc::cuda_unavailable_reason() {
+///     None => println!("CUDA driver ready"),
+///     Some(why) => println!("no pinning: {why}"),
+/// }
+/// ```
+pub fn cuda_unavailable_reason() -> Option<Error> {
+    // As in `cuda_driver_present`: the first call loads libcuda, which allocates.
+    let _inside = crate::guard::Inside::enter();
+    driver::driver_state().as_ref().err().cloned()
+}
+
+/// The name of a `CUresult` code, e.g. `cuda_error_name(2) == Some("CUDA_ERROR_OUT_OF_MEMORY")`,
+/// for every code of CUDA 11.4 to 13.2; `None` for codes this crate does not know (report
+/// those as numbers).
+pub fn cuda_error_name(code: u32) -> Option<&'static str> {
+    known_error_name(code)
+}
+
+/// What to check when `call` failed with `code`, where the cause is usually outside the program.
+pub(crate) fn error_hint(call: &str, code: u32) -> Option<&'static str> {
+    if call != "cuInit" {
+        return None;
+    }
     Some(match code {
-        0 => "CUDA_SUCCESS",
-        1 => "CUDA_ERROR_INVALID_VALUE",
-        2 => "CUDA_ERROR_OUT_OF_MEMORY",
-        3 => "CUDA_ERROR_NOT_INITIALIZED",
-        4 => "CUDA_ERROR_DEINITIALIZED",
-        34 => "CUDA_ERROR_STUB_LIBRARY",
-        35 => "CUDA_ERROR_INSUFFICIENT_DRIVER",
-        36 => "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER",
-        46 => "CUDA_ERROR_DEVICE_UNAVAILABLE",
-        100 => "CUDA_ERROR_NO_DEVICE",
-        101 => "CUDA_ERROR_INVALID_DEVICE",
-        201 => "CUDA_ERROR_INVALID_CONTEXT",
-        202 => "CUDA_ERROR_CONTEXT_ALREADY_CURRENT",
-        205 => "CUDA_ERROR_MAP_FAILED",
-        206 => "CUDA_ERROR_UNMAP_FAILED",
-        216 => "CUDA_ERROR_CONTEXT_ALREADY_IN_USE",
-        304 => "CUDA_ERROR_OPERATING_SYSTEM",
-        400 => "CUDA_ERROR_INVALID_HANDLE",
-        401 => "CUDA_ERROR_ILLEGAL_STATE",
-        500 => "CUDA_ERROR_NOT_FOUND",
-        600 => "CUDA_ERROR_NOT_READY",
-        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
-        709 => "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        712 => "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-        713 => "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-        800 => "CUDA_ERROR_NOT_PERMITTED",
-        801 => "CUDA_ERROR_NOT_SUPPORTED",
-        802 => "CUDA_ERROR_SYSTEM_NOT_READY",
-        803 => "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
-        804 => "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
-        805 => "CUDA_ERROR_MPS_CONNECTION_FAILED",
-        909 => "CUDA_ERROR_TIMEOUT",
-        999 => "CUDA_ERROR_UNKNOWN",
+        2 => "the driver could not allocate memory while starting",
+        3 | 4 => "the driver is shutting down or was not initialised",
+        34 => "libcuda.so is the CUDA toolkit's stub, not the driver's library",
+        35 => "the driver is too old for this CUDA (compatibility) library",
+        46 => "the GPUs are busy or in exclusive-process compute mode",
+        100 => "no GPU is visible to this process; check CUDA_VISIBLE_DEVICES and /dev/nvidia*",
+        101 => "CUDA_VISIBLE_DEVICES names a device that does not exist",
+        304 => "a system call in the driver failed (device file permissions in a container?)",
+        802 => "the system is not ready: on NVSwitch (HGX) systems start nvidia-fabricmanager",
+        803 => "libcuda and the nvidia kernel module are different versions",
+        804 => "the forward-compatibility libcuda does not support this GPU",
+        805 => "the MPS control daemon could not be reached",
+        999 => "unknown driver error: is the nvidia kernel module loaded?",
         _ => return None,
     })
 }

@@ -26,6 +26,7 @@ fn no_driver_here_and_no_panic() {
     // This machine has no libcuda; on a GPU machine the same calls must simply succeed.
     let present = driver_present();
     assert_eq!(present, cuda_driver_present());
+    assert_eq!(present, cuda_unavailable_reason().is_none());
     assert_eq!(present, driver_present(), "decided once");
     if !present {
         match Device::find(GpuSelector::Auto) {
@@ -89,9 +90,51 @@ fn error_table() {
 }
 
 #[test]
+fn cuinit_failures_carry_number_name_and_hint() {
+    for (code, name) in [
+        (2, "CUDA_ERROR_OUT_OF_MEMORY"),
+        (3, "CUDA_ERROR_NOT_INITIALIZED"),
+        (35, "CUDA_ERROR_INSUFFICIENT_DRIVER"),
+        (101, "CUDA_ERROR_INVALID_DEVICE"),
+        (802, "CUDA_ERROR_SYSTEM_NOT_READY"),
+        (805, "CUDA_ERROR_MPS_CONNECTION_FAILED"),
+        (920, UNNAMED_ERROR),
+    ] {
+        let e = cuda_error("cuInit", code, |_| None);
+        assert_eq!(
+            e,
+            Error::Cuda {
+                call: "cuInit",
+                code,
+                name
+            }
+        );
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("cuInit failed: {name} ({code})")),
+            "{text}"
+        );
+        assert_eq!(error_hint("cuInit", code).is_some(), code != 920, "{code}");
+    }
+    assert_eq!(
+        cuda_error("cuInit", 802, |_| None).to_string(),
+        "cuInit failed: CUDA_ERROR_SYSTEM_NOT_READY (802): the system is not ready: on NVSwitch \
+         (HGX) systems start nvidia-fabricmanager"
+    );
+    // Hints are for start-up failures only.
+    assert_eq!(error_hint("cuMemHostRegister_v2", 2), None);
+    assert_eq!(
+        crate::cuda_error_name(802),
+        Some("CUDA_ERROR_SYSTEM_NOT_READY")
+    );
+    assert_eq!(crate::cuda_error_name(920), None);
+}
+
+#[test]
 fn codes_newer_than_the_bindings_are_reported() {
-    // CUDA 13 codes that cudarc's 12.8 enum lacks: plain numbers here, never an enum.
-    for code in [47, 227, 917, 918, 919, u32::MAX] {
+    // Codes no binding of cudarc 0.19 has (a newer driver may return them): plain numbers here,
+    // never an enum.
+    for code in [47, 227, 918, 919, 920, u32::MAX] {
         assert_eq!(
             cuda_error("cuMemHostRegister_v2", code, |_| None),
             Error::Cuda {
@@ -101,13 +144,13 @@ fn codes_newer_than_the_bindings_are_reported() {
             }
         );
     }
-    let e = cuda_error("cuMemHostUnregister", 917, |code| {
-        (code == 917).then_some("CUDA_ERROR_FROM_DRIVER")
+    let e = cuda_error("cuMemHostUnregister", 920, |code| {
+        (code == 920).then_some("CUDA_ERROR_FROM_DRIVER")
     });
     assert!(matches!(
         e,
         Error::Cuda {
-            code: 917,
+            code: 920,
             name: "CUDA_ERROR_FROM_DRIVER",
             ..
         }
@@ -187,8 +230,8 @@ fn unregister_713_means_already_gone() {
         Err(Error::Cuda { code: 201, .. })
     ));
     assert!(matches!(
-        unregister_outcome(check, 917),
-        Err(Error::Cuda { code: 917, .. })
+        unregister_outcome(check, 920),
+        Err(Error::Cuda { code: 920, .. })
     ));
 }
 
@@ -221,11 +264,11 @@ mod fake {
     }
 
     extern "C" fn get_error_name(code: u32, text: *mut *const c_char) -> u32 {
-        if code != 917 {
+        if code != 920 {
             return 1;
         }
         // SAFETY: callers pass a valid out-pointer.
-        unsafe { *text = c"CUDA_ERROR_FAKE_917".as_ptr() };
+        unsafe { *text = c"CUDA_ERROR_FAKE_920".as_ptr() };
         0
     }
     extern "C" fn count(c: *mut c_int) -> u32 {
@@ -360,6 +403,7 @@ mod fake {
             },
             name: "Fake".into(),
             host_numa_id: None,
+            read_only_register: None,
         };
         match Gpu::open(device) {
             Ok(gpu) => gpu,
@@ -410,14 +454,14 @@ fn failures_restore_and_name_unknown_codes() {
     let gpu = fake::gpu();
     let (_buf, ptr) = block();
     fake::take_log();
-    fake::REGISTER_RC.with(|c| c.set(917));
+    fake::REGISTER_RC.with(|c| c.set(920));
     assert_eq!(
         // SAFETY: the fake driver does not touch the memory.
         unsafe { gpu.register(ptr, 4096, false, false) },
         Err(Error::Cuda {
             call: "cuMemHostRegister_v2",
-            code: 917,
-            name: "CUDA_ERROR_FAKE_917",
+            code: 920,
+            name: "CUDA_ERROR_FAKE_920",
         })
     );
     fake::REGISTER_RC.with(|c| c.set(919));
