@@ -19,7 +19,8 @@
 # dma_bench run, the other test binaries with
 # CUDA_VISIBLE_DEVICES= (they never start the driver), then the optional bench.
 #
-# Logs, dma_bench.json, this output (gpu-check.txt) and summary.json go to ${OUT:-DIR/out}.
+# Logs (also as logs.tar.gz), dma_bench.json, this output (gpu-check.txt) and summary.json go to
+# ${OUT:-DIR/out}.
 # Exit status: 0 every step passed on a machine with a GPU; 1 a step failed, timed out, or no
 # test binary ran; 2 bad usage or no bundle; 3 no GPU on this machine (every host-side step
 # passed, GPU steps skipped: not a GPU verdict).
@@ -312,6 +313,8 @@ else
     result=PASS status=0
 fi
 write_summary "$result"
+# One archive as well: a device tool that returns only a few files from $OUT still returns every log.
+tar -czf "$out/logs.tar.gz" -C "$out" logs 2>/dev/null
 case $result in
     PASS) echo "RESULT: PASS in $(elapsed)s: every step passed with a GPU present" ;;
     FAIL) echo "RESULT: FAIL in $(elapsed)s: see the FAIL lines above (logs in $logs)" ;;
