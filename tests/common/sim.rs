@@ -91,9 +91,9 @@ pub fn run_child(name: &str, env: &[(&str, &str)]) -> (bool, String) {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SimStats {
-    /// Sum of simulated copy durations, µs.
+    /// Sum of simulated copy durations and modelled host work, µs.
     pub busy_us: f64,
-    /// First copy start to last copy end, µs.
+    /// Clock reset to the end of the last copy or host work, µs.
     pub span_us: f64,
     /// Copies that ran asynchronously (page-locked host memory).
     pub async_copies: u64,

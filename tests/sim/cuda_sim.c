@@ -17,8 +17,9 @@
  *     (HOST_MEMORY_ALREADY_REGISTERED), unregistering an unknown base 713 (NOT_REGISTERED).
  *   - A virtual clock: every copy takes bytes / bandwidth of simulated time (pinned 25 GB/s,
  *     pageable 10 GB/s; one copy engine per direction); a host that blocks waits in simulated
- *     time too. cuSimStats reports the busy time and the span, whose ratio is the overlap,
- *     independent of the test machine's speed.
+ *     time too, and cuSimHostWork adds modelled host work. cuSimStats reports the busy time
+ *     (copies and host work) and the span, whose ratio is the overlap, independent of the test
+ *     machine's speed.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
  *
@@ -93,7 +94,7 @@ static int range_count;
 /* Virtual clock, in microseconds of simulated time. */
 static double host_vtime;
 static double engine_vtime[2]; /* 0: host to device, 1: device to host (and device to device) */
-static double busy_vtime, first_start = -1, last_end;
+static double busy_vtime, clock_start, last_end, host_work_vtime;
 static unsigned long long async_copies, sync_copies;
 
 /* ---------------------------------------------------------------- error injection */
@@ -262,7 +263,6 @@ static void account_copy_locked(struct sim_stream *s, size_t len, int engine, in
     double end = start + duration;
     s->vtime = engine_vtime[engine] = end;
     busy_vtime += duration;
-    if (first_start < 0 || start < first_start) first_start = start;
     if (end > last_end) last_end = end;
     if (pinned)
         async_copies++;
@@ -828,16 +828,17 @@ CUresult cuMemFreeHost(void *p) {
 
 /* What the virtual clock saw since the last reset. */
 struct sim_stats {
-    double busy_us;         /* sum of simulated copy durations */
-    double span_us;         /* first copy start to last copy end */
+    double busy_us;         /* sum of simulated copy durations, plus host work (cuSimHostWork) */
+    double span_us;         /* clock reset to the end of the last copy or host work */
     unsigned long long async_copies, sync_copies;
     unsigned long long registered_ranges;
 };
 
 void cuSimStats(struct sim_stats *out) {
     pthread_mutex_lock(&lock);
-    out->busy_us = busy_vtime;
-    out->span_us = first_start < 0 ? 0 : last_end - first_start;
+    out->busy_us = busy_vtime + host_work_vtime;
+    double end = last_end > host_vtime ? last_end : host_vtime;
+    out->span_us = end - clock_start;
     out->async_copies = async_copies;
     out->sync_copies = sync_copies;
     out->registered_ranges = (unsigned long long)range_count;
@@ -850,11 +851,18 @@ void cuSimResetClock(void) {
     double now = host_vtime;
     for (int e = 0; e < 2; e++)
         if (engine_vtime[e] > now) now = engine_vtime[e];
-    host_vtime = now;
-    busy_vtime = 0;
-    first_start = -1;
-    last_end = 0;
+    host_vtime = clock_start = last_end = now;
+    busy_vtime = host_work_vtime = 0;
     async_copies = sync_copies = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+/* The calling program did `us` of simulated host work (filling a buffer, say): the host's clock
+ * moves on, while queued copies keep running. */
+void cuSimHostWork(double us) {
+    pthread_mutex_lock(&lock);
+    host_vtime += us;
+    host_work_vtime += us;
     pthread_mutex_unlock(&lock);
 }
 
