@@ -227,7 +227,7 @@ sim_test!(
 sim_test!(
     /// (c) A block freed while a copy still reads it is not reused before the copy completed.
     freed_block_is_not_reused_before_its_copy_completed,
-    env: [("CUDA_SIM_DELAY_US", "50000")],
+    env: [("CUDA_SIM_DELAY_US", "300000")],
     {
         #[cfg(feature = "fault-injection")]
         if std::env::var_os(IGNORE_IN_FLIGHT_VAR).is_some() {
@@ -260,7 +260,7 @@ sim_test!(
 sim_test!(
     /// `record_stream` gives plain `Vec`s of a pinning allocator the same stream-ordered reuse.
     record_stream_defers_reuse_of_a_plain_vec,
-    env: [("CUDA_SIM_DELAY_US", "50000")],
+    env: [("CUDA_SIM_DELAY_US", "300000")],
     {
         let ctx = context();
         let stream = ctx.new_stream().expect("a stream");
@@ -321,7 +321,7 @@ fn without_the_pending_list_test_c_fails() {
     }
     let (passed, output) = sim::run_child(
         "freed_block_is_not_reused_before_its_copy_completed",
-        &[("CUDA_SIM_DELAY_US", "50000"), (IGNORE_IN_FLIGHT_VAR, "1")],
+        &[("CUDA_SIM_DELAY_US", "300000"), (IGNORE_IN_FLIGHT_VAR, "1")],
     );
     assert!(
         !passed,
