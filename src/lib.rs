@@ -19,10 +19,10 @@ pub mod pci;
 
 mod cuda;
 pub mod sys;
+pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
-pub use cuda::PinnedBuf;
-pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
+pub use cuda::{PinnedBuf, PinnedSliceMut};
 
 mod arena;
 mod block;

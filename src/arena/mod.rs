@@ -162,6 +162,8 @@ impl Arena {
     ) -> Result<(), Box<dyn InFlight>> {
         match self.live.range_mut(..=addr).next_back() {
             Some((_, live)) if addr - live.block.addr < live.block.capacity => {
+                // A long-lived block recorded on every copy: keep only the work still running.
+                settle(&mut live.work);
                 live.work.push(work);
                 Ok(())
             }

@@ -36,7 +36,7 @@ pub(crate) use device::Device;
 pub(crate) use driver::driver_present;
 use names::known_error_name;
 #[cfg(feature = "pinned-buffer")]
-pub use pinned::PinnedBuf;
+pub use pinned::{PinnedBuf, PinnedSliceMut};
 
 use crate::Error;
 
