@@ -54,7 +54,10 @@ pub enum PinMode {
 }
 
 /// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+///
+/// Start from [`Config::DEFAULT`] (or `Config::default()`) and set fields: more may be added.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// Requests of at least this many bytes take the large path.
     pub threshold: usize,

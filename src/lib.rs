@@ -27,6 +27,7 @@ mod config;
 mod guard;
 mod runtime;
 mod stats;
+mod stats_json;
 pub use config::{parse_size, Config, GpuSelector, PinMode, Target, ENV_VAR};
 pub use runtime::Placement;
 pub use stats::{CudaErrorCount, Fallbacks, NodeStats, Stats, TimeStats};

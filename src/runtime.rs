@@ -17,6 +17,7 @@ use crate::{Error, NumaTopology};
 
 /// Where an allocator places its blocks, as resolved at initialisation.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Placement {
     /// The node blocks are placed on (for `policy=interleave`: the node they are accounted to).
     pub host_node: usize,
