@@ -2,7 +2,7 @@
 //! without a GPU, the node of the first thread that allocates large), pinned when CUDA is there.
 //!
 //! Run: `cargo run --release --example global_allocator`
-//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on cargo run --release --example global_allocator`
+//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on,stats=exit cargo run --release --example global_allocator`
 
 use numa_gpu_alloc::NumaGpuAlloc;
 

@@ -107,12 +107,14 @@ impl Runtime {
     }
 
     /// Setup problems, printed once by the allocator after initialisation (not during it: stderr's
-    /// lock may be held by a thread waiting for this initialisation).
+    /// lock may be held by a thread waiting for this initialisation); then the report at exit
+    /// (`stats=`) is registered, now that the runtime is at its final address.
     pub(crate) fn report_setup_errors(&self) {
         for e in &self.setup_errors {
             // One line each: a key may hold a newline.
             let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
         }
+        crate::stats_exit::register(self);
     }
 
     /// Whether blocks are still placed with `mbind`.

@@ -47,7 +47,7 @@ impl Timer {
 }
 
 /// How many distinct CUDA error codes are counted separately; the rest share the last slot.
-const ERROR_CODE_SLOTS: usize = 8;
+pub(crate) const ERROR_CODE_SLOTS: usize = 8;
 const FREE_SLOT: u32 = u32::MAX;
 
 /// Registration failures counted by CUDA error code, lock-free.
@@ -154,6 +154,8 @@ impl Counters {
         }
     }
 
+    /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
+    /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
         stats.large_allocations = self.large_allocations.get();
         stats.frees = self.frees.get();
