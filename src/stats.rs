@@ -44,6 +44,10 @@ impl Timer {
             max: Duration::from_nanos(self.max_ns.load(Relaxed)),
         }
     }
+    /// Forgets the maximum; the total stays.
+    fn reset_max(&self) {
+        self.max_ns.store(0, Relaxed);
+    }
 }
 
 /// How many distinct CUDA error codes are counted separately; the rest share the last slot.
@@ -154,6 +158,12 @@ impl Counters {
         }
     }
 
+    /// Starts the maxima over (see [`NumaGpuAlloc::reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    pub(crate) fn reset_peaks(&self) {
+        self.populate.reset_max();
+        self.pin.reset_max();
+    }
+
     /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
     /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
@@ -197,7 +207,7 @@ pub struct TimeStats {
     /// Sum over all blocks.
     #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
     pub total: Duration,
-    /// The longest single block.
+    /// The longest single block (since the last [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
     #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
     pub max: Duration,
 }
@@ -262,7 +272,8 @@ pub struct NodeStats {
     pub node: usize,
     /// Bytes (block capacities) handed out and not yet freed.
     pub live_bytes: usize,
-    /// Highest `live_bytes` seen.
+    /// Highest `live_bytes` seen (since the last
+    /// [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
     pub peak_live_bytes: usize,
     /// Bytes of freed blocks kept for reuse.
     pub cached_bytes: usize,
