@@ -6,13 +6,13 @@ use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
 
-use crate::arena::{class_size, Block};
+use crate::arena::{class_size, Block, Fit, InFlight, Work};
 use crate::config::{Config, GpuSelector, PinMode, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
 use crate::runtime::{Placement, Runtime};
 use crate::stats::Stats;
-use crate::sys::MemPolicy;
+use crate::sys::{self, MemPolicy};
 
 /// A NUMA- and GPU-aware allocator.
 ///
@@ -196,7 +196,9 @@ impl NumaGpuAlloc {
         }
     }
 
-    /// Releases every cached block (unregistering and unmapping it). Live blocks are untouched.
+    /// Releases every cached block (unregistering and unmapping it). Live blocks are untouched,
+    /// and so are freed blocks that GPU work recorded against them may still use: those stay
+    /// pending (`trim` never waits, and never unmaps memory a DMA may still read).
     pub fn trim(&self) {
         let _inside = Inside::enter();
         if let Some(rt) = self.runtime.get() {
@@ -206,6 +208,23 @@ impl NumaGpuAlloc {
                 unsafe { rt.release_block(block) };
             }
         }
+    }
+
+    /// Attaches `work` to the live large block containing `ptr` (anywhere inside it): when the
+    /// block is freed before `work` completed, it waits in the pending list instead of the cache.
+    /// Gives `work` back when no live block of this allocator contains `ptr`, so that the caller
+    /// can wait on it itself.
+    pub(crate) fn record_in_flight(
+        &self,
+        ptr: *const u8,
+        work: Box<dyn InFlight>,
+    ) -> Result<(), Box<dyn InFlight>> {
+        let (Some(rt), Some(_inside)) = (self.runtime.get(), Inside::enter()) else {
+            return Err(work);
+        };
+        rt.arena.lock().record_in_flight(ptr as usize, work)?;
+        rt.counters.in_flight_recorded.incr();
+        Ok(())
     }
 
     fn runtime(&self) -> &Runtime {
@@ -261,15 +280,22 @@ impl NumaGpuAlloc {
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
+        let fit = Fit::new(layout.size(), capacity, align);
         rt.counters.large_allocations.incr();
+        let mut evicted = Vec::new();
         let hit = {
             let mut arena = rt.arena.lock();
-            let hit = arena.take_cached(capacity, align);
-            if let Some(block) = hit {
-                arena.insert_live(block);
+            arena.settle_pending(rt.config.cache_limit, &mut evicted);
+            let hit = arena.take_cached(fit);
+            match hit {
+                Some(block) => arena.insert_live(block),
+                None if arena.pending_fits(fit) => rt.counters.reuse_deferred.incr(),
+                None => {}
             }
             hit
         };
+        // SAFETY: evicted blocks left the cache and are handed out to nobody.
+        unsafe { rt.release_blocks(evicted) };
         let block = match hit {
             Some(block) => {
                 rt.counters.cache_hits.incr();
@@ -320,11 +346,18 @@ impl NumaGpuAlloc {
         let freed = match (rt, &inside) {
             (Some(rt), Some(_)) => {
                 let mut arena = rt.arena.lock();
-                let block = arena.remove_live(ptr as usize);
-                if let Some(block) = block {
-                    arena.cache(block, rt.config.cache_limit, &mut evicted);
+                match arena.remove_live(ptr as usize) {
+                    Some((block, work)) => {
+                        let work = if sys::fault::in_flight_ignored() {
+                            Work::new()
+                        } else {
+                            work
+                        };
+                        arena.free(block, work, rt.config.cache_limit, &mut evicted);
+                        true
+                    }
+                    None => false,
                 }
-                block.is_some()
             }
             _ => false,
         };
@@ -338,10 +371,8 @@ impl NumaGpuAlloc {
             return unsafe { System.dealloc(ptr, layout) };
         };
         rt.counters.frees.incr();
-        for old in evicted {
-            // SAFETY: evicted blocks left the cache and are handed out to nobody.
-            unsafe { rt.release_block(old) };
-        }
+        // SAFETY: evicted blocks left the cache and are handed out to nobody.
+        unsafe { rt.release_blocks(evicted) };
     }
 
     /// Resizes an allocation, in place when the block's capacity allows, otherwise by moving.
@@ -400,8 +431,20 @@ impl std::fmt::Debug for NumaGpuAlloc {
 }
 
 impl Drop for NumaGpuAlloc {
+    /// Releases the cache, then waits for the GPU work of pending blocks and releases them.
     fn drop(&mut self) {
         self.trim();
+        let _inside = Inside::enter();
+        if let Some(rt) = self.runtime.get() {
+            let pending = rt.arena.lock().drain_pending();
+            for mut p in pending {
+                for work in &mut p.work {
+                    work.wait();
+                }
+                // SAFETY: the block left the pending list, and no GPU work uses it any more.
+                unsafe { rt.release_block(p.block) };
+            }
+        }
     }
 }
 
@@ -414,5 +457,137 @@ fn system_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
         } else {
             System.alloc(layout)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::arena::pending_double::Flag;
+
+    const BLOCK: usize = 256 << 10;
+
+    /// Serialises the tests that free blocks with work in flight: one of them switches
+    /// stream-ordered reuse off process-wide (`fault-injection`).
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        SWITCH
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An allocator whose large path starts at 64 KiB, never pinning.
+    fn allocator() -> NumaGpuAlloc {
+        NumaGpuAlloc::new().threshold(64 << 10).pin(PinMode::Off)
+    }
+
+    fn layout(size: usize) -> Layout {
+        Layout::from_size_align(size, 8).unwrap()
+    }
+
+    /// Frees a block with unfinished work, then allocates the same size: the address it gets.
+    fn reuse_while_in_flight(alloc: &NumaGpuAlloc) -> (*mut u8, *mut u8) {
+        let first = alloc.allocate(layout(BLOCK), false);
+        assert!(!first.is_null());
+        let (work, _never_done) = Flag::unfinished();
+        // A pointer into the middle, as `record_stream` on a sub-slice passes.
+        assert!(alloc
+            .record_in_flight(first.wrapping_add(1000), work)
+            .is_ok());
+        // SAFETY: allocated above with this layout, not used afterwards.
+        unsafe { alloc.deallocate(first, layout(BLOCK)) };
+        (first, alloc.allocate(layout(BLOCK), false))
+    }
+
+    #[test]
+    fn a_block_with_gpu_work_is_reused_only_after_it_completed() {
+        let _serial = serial();
+        let alloc = allocator();
+        let first = alloc.allocate(layout(BLOCK), false);
+        let (work, done) = Flag::unfinished();
+        assert!(alloc.record_in_flight(first, work).is_ok());
+        // SAFETY: allocated above with this layout, not used afterwards.
+        unsafe { alloc.deallocate(first, layout(BLOCK)) };
+        let second = alloc.allocate(layout(BLOCK), false);
+        assert_ne!(second, first, "reused while the GPU may still use it");
+        let stats = alloc.stats();
+        assert_eq!((stats.in_flight_recorded, stats.reuse_deferred), (1, 1));
+        assert_eq!(
+            stats.nodes.iter().map(|n| n.pending_blocks).sum::<usize>(),
+            1
+        );
+
+        done.store(true, Ordering::Release);
+        assert_eq!(alloc.allocate(layout(BLOCK), false), first);
+        let stats = alloc.stats();
+        assert_eq!(
+            stats.nodes.iter().map(|n| n.pending_bytes).sum::<usize>(),
+            0
+        );
+        assert_eq!(stats.cache_hits, 1);
+    }
+
+    #[test]
+    fn a_realloc_that_moves_leaves_the_old_block_pending() {
+        let _serial = serial();
+        let alloc = allocator();
+        let old = alloc.allocate(layout(BLOCK), false);
+        let (work, done) = Flag::unfinished();
+        assert!(alloc.record_in_flight(old, work).is_ok());
+        // SAFETY: `old` is live with this layout; 4× does not fit in place.
+        let moved = unsafe { alloc.reallocate(old, layout(BLOCK), layout(4 * BLOCK)) };
+        assert!(!moved.is_null() && moved != old);
+        assert_ne!(alloc.allocate(layout(BLOCK), false), old);
+        done.store(true, Ordering::Release);
+        assert_eq!(alloc.allocate(layout(BLOCK), false), old);
+    }
+
+    #[test]
+    fn work_outside_every_live_block_is_given_back() {
+        let alloc = allocator();
+        let (work, _) = Flag::unfinished();
+        let work = alloc
+            .record_in_flight(ptr::null(), work)
+            .expect_err("not initialised");
+        let live = alloc.allocate(layout(BLOCK), false);
+        let outside = live.wrapping_add(class_size(BLOCK, 4096).unwrap());
+        assert!(alloc.record_in_flight(outside, work).is_err());
+        assert_eq!(alloc.stats().in_flight_recorded, 0);
+    }
+
+    #[test]
+    fn dropping_the_allocator_waits_for_pending_blocks() {
+        let _serial = serial();
+        let alloc = allocator();
+        let (first, second) = reuse_while_in_flight(&alloc);
+        assert_ne!(first, second);
+        let stats = alloc.stats();
+        assert_eq!(
+            stats.nodes.iter().map(|n| n.pending_blocks).sum::<usize>(),
+            1
+        );
+        alloc.trim();
+        let after_trim = alloc.stats();
+        assert_eq!(after_trim.nodes, stats.nodes, "trim skips pending blocks");
+        let (work, done) = Flag::unfinished();
+        assert!(alloc.record_in_flight(second, work).is_ok());
+        // SAFETY: allocated by `reuse_while_in_flight` with this layout.
+        unsafe { alloc.deallocate(second, layout(BLOCK)) };
+        drop(alloc);
+        assert!(done.load(Ordering::Acquire), "Drop waited on the work");
+    }
+
+    /// The switch the simulator tests use: with it, the same sequence reuses the block at once.
+    #[cfg(feature = "fault-injection")]
+    #[test]
+    fn ignoring_in_flight_work_reuses_early() {
+        let _serial = serial();
+        let alloc = allocator();
+        sys::fault::ignore_in_flight(true);
+        let (first, second) = reuse_while_in_flight(&alloc);
+        sys::fault::ignore_in_flight(false);
+        assert_eq!(first, second);
     }
 }

@@ -277,6 +277,17 @@ impl Runtime {
         }
     }
 
+    /// Releases each of `blocks` (see [`Self::release_block`]).
+    ///
+    /// # Safety
+    /// As [`Self::release_block`], for each block.
+    pub(crate) unsafe fn release_blocks(&self, blocks: Vec<Block>) {
+        for block in blocks {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.release_block(block) };
+        }
+    }
+
     /// Unregisters (if pinned) and unmaps a block nobody uses any more.
     ///
     /// # Safety

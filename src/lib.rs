@@ -19,7 +19,10 @@ pub mod pci;
 
 mod cuda;
 pub mod sys;
-pub use cuda::cuda_driver_present;
+#[cfg(feature = "pinned-buffer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
+pub use cuda::PinnedBuf;
+pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
 
 mod arena;
 mod block;

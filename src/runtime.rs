@@ -78,6 +78,19 @@ impl Runtime {
             .and_then(Result::ok);
         let allowed = |node: usize| allowed.is_none_or(|mask| mask.contains(node));
         let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut setup_errors);
+        if config.pin_read_only
+            && target.device.as_ref().and_then(Device::read_only_register) == Some(false)
+        {
+            // Registering with READ_ONLY would fail for every block: register without it.
+            setup_errors.push(Error::Config {
+                key: "readonly".to_owned(),
+                value: "on".to_owned(),
+                expected: "off on this GPU: it reports \
+                           CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED (113) = 0; blocks \
+                           are registered without CU_MEMHOSTREGISTER_READ_ONLY",
+            });
+            config.pin_read_only = false;
+        }
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),

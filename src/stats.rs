@@ -135,16 +135,22 @@ pub(crate) struct Counters {
     pub(crate) foreign_frees: Counter,
     pub(crate) released_blocks: Counter,
     pub(crate) in_place_reallocs: Counter,
+    pub(crate) in_flight_recorded: Counter,
+    pub(crate) reuse_deferred: Counter,
     pub(crate) pages_checked: Counter,
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
     pub(crate) pin: Timer,
+    /// The latest registration or unregistration error (taken on failures and snapshots only; std's
+    /// futex mutex does not allocate).
+    pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
 }
 
 impl Counters {
     /// Counts a failed registration under its CUDA error code.
     pub(crate) fn record_pin_failure(&self, error: &Error) {
         self.pin_failures.incr();
+        self.set_last_pin_error(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -153,6 +159,7 @@ impl Counters {
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
     pub(crate) fn record_unregister_failure(&self, error: &Error) {
         self.unregister_failures.incr();
+        self.set_last_pin_error(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -164,14 +171,27 @@ impl Counters {
         self.pin.reset_max();
     }
 
+    fn set_last_pin_error(&self, error: &Error) {
+        // Cloning a CUDA error copies numbers and static strings: no allocation.
+        *self
+            .last_pin_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(error.clone());
+    }
+
     /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
     /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
+        stats.last_pin_error = (self.last_pin_error.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         stats.large_allocations = self.large_allocations.get();
         stats.frees = self.frees.get();
         stats.cache_hits = self.cache_hits.get();
         stats.cache_misses = self.cache_misses.get();
         stats.in_place_reallocs = self.in_place_reallocs.get();
+        stats.in_flight_recorded = self.in_flight_recorded.get();
+        stats.reuse_deferred = self.reuse_deferred.get();
         stats.released_blocks = self.released_blocks.get();
         stats.registrations = self.registrations.get();
         stats.unregistrations = self.unregistrations.get();
@@ -283,6 +303,11 @@ pub struct NodeStats {
     pub live_blocks: usize,
     /// Blocks kept for reuse.
     pub cached_blocks: usize,
+    /// Freed blocks that GPU work may still use, reusable once it completed (they count against
+    /// the cache limit).
+    pub pending_blocks: usize,
+    /// Their bytes.
+    pub pending_bytes: usize,
 }
 
 /// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
@@ -318,6 +343,10 @@ pub struct Stats {
     pub cache_misses: u64,
     /// Reallocations done in place, within the block's capacity.
     pub in_place_reallocs: u64,
+    /// GPU uses (events) recorded against live blocks.
+    pub in_flight_recorded: u64,
+    /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
+    pub reuse_deferred: u64,
     /// Blocks unmapped (cache limit, `trim()`, failed placement).
     pub released_blocks: u64,
     /// Successful `cuMemHostRegister` calls.
@@ -336,6 +365,13 @@ pub struct Stats {
     pub fallbacks: Fallbacks,
     /// Registration failures by CUDA error.
     pub pin_failures_by_code: Vec<CudaErrorCount>,
+    /// The latest failed registration or unregistration, with the CUDA call, code and name (in
+    /// JSON: the message).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::message")
+    )]
+    pub last_pin_error: Option<Error>,
     /// Why NUMA placement is off, when the kernel refused it (in JSON: the message).
     #[cfg_attr(
         feature = "serde",
@@ -438,6 +474,16 @@ impl fmt::Display for Stats {
             "pages checked {}, misplaced {}",
             self.pages_checked, self.pages_misplaced
         )?;
+        let (blocks, bytes) = self.nodes.iter().fold((0, 0), |(n, b), row| {
+            (n + row.pending_blocks, b + row.pending_bytes)
+        });
+        writeln!(
+            f,
+            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}",
+            mib(bytes),
+            self.in_flight_recorded,
+            self.reuse_deferred
+        )?;
         let fb = &self.fallbacks;
         writeln!(
             f,
@@ -458,6 +504,9 @@ impl fmt::Display for Stats {
         )?;
         for c in &self.pin_failures_by_code {
             writeln!(f, "pin failure {} ({}): {}", c.name, c.code, c.count)?;
+        }
+        if let Some(e) = &self.last_pin_error {
+            writeln!(f, "last pin failure: {e}")?;
         }
         if let Some(e) = &self.numa_unavailable {
             writeln!(f, "NUMA unavailable: {e}")?;

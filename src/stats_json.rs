@@ -178,6 +178,8 @@ json_object! {
         pinned_bytes,
         live_blocks,
         cached_blocks,
+        pending_blocks,
+        pending_bytes,
     }
     Stats {
         initialized,
@@ -192,6 +194,8 @@ json_object! {
         cache_hits,
         cache_misses,
         in_place_reallocs,
+        in_flight_recorded,
+        reuse_deferred,
         released_blocks,
         registrations,
         unregistrations,
@@ -201,6 +205,7 @@ json_object! {
         pin_time,
         fallbacks,
         pin_failures_by_code,
+        last_pin_error,
         numa_unavailable,
         config_errors,
     }

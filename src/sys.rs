@@ -647,7 +647,7 @@ pub fn current_node() -> Result<usize> {
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub mod fault {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     /// A syscall site that can be made to fail.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -698,6 +698,20 @@ pub mod fault {
         slot(point).load(Ordering::SeqCst) as u32
     }
 
+    static IGNORE_IN_FLIGHT: AtomicBool = AtomicBool::new(false);
+
+    /// Makes frees ignore GPU work recorded against a block, so that it is cached (and reused) at
+    /// once: stream-ordered reuse switched off, for tests that show they catch the bug. Process-wide;
+    /// [`clear`] does not reset it.
+    pub fn ignore_in_flight(on: bool) {
+        IGNORE_IN_FLIGHT.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether [`ignore_in_flight`] is on.
+    pub(crate) fn in_flight_ignored() -> bool {
+        IGNORE_IN_FLIGHT.load(Ordering::SeqCst)
+    }
+
     /// Consumes one pending fault at `point`, returning its errno.
     pub(crate) fn injected(point: FaultPoint) -> Option<i32> {
         let slot = slot(point);
@@ -721,7 +735,7 @@ pub mod fault {
 
 /// Without the feature nothing is ever injected, and the checks compile away.
 #[cfg(not(feature = "fault-injection"))]
-mod fault {
+pub(crate) mod fault {
     #[derive(Clone, Copy)]
     pub(super) enum FaultPoint {
         Mmap,
@@ -733,6 +747,11 @@ mod fault {
     #[inline(always)]
     pub(super) fn injected(_point: FaultPoint) -> Option<i32> {
         None
+    }
+
+    #[inline(always)]
+    pub(crate) fn in_flight_ignored() -> bool {
+        false
     }
 }
 

@@ -65,6 +65,9 @@ fn child() {
     let mut global: Vec<(*mut u8, Layout, u8)> = Vec::with_capacity(4096);
     let mut local_blocks: Vec<(std::ptr::NonNull<u8>, Layout, u8)> = Vec::with_capacity(4096);
     let local = NumaGpuAlloc::new().cache_limit(0);
+    // Initialise both large paths first: on a GPU machine that loads libcuda (the default target
+    // asks the driver for the GPU's node), whose mappings must not count against the limit.
+    let _ = (ALLOC.placement(), local.placement());
     let limit = vm_size() + HEADROOM;
     set_address_space_limit(limit);
 

@@ -1,0 +1,157 @@
+//! Stream-ordered reuse: freed blocks that GPU work may still read or write wait here, out of the
+//! cache, until every recorded use has completed.
+//!
+//! Completion is only ever polled ([`InFlight::is_complete`]) on the allocation path, O(pending);
+//! the one blocking wait ([`InFlight::wait`]) is in the allocator's `Drop`.
+
+use super::{Block, Fit};
+
+/// GPU work that may still read or write a block: CUDA events recorded on streams.
+///
+/// Its methods and its `Drop` run under the arena lock, inside the re-entrancy guard: they may
+/// allocate (that goes to the system allocator) but must be quick, must not call into this
+/// allocator, and must not own memory of its large path (a large free from inside the allocator
+/// would be handed to the system allocator).
+pub(crate) trait InFlight: Send {
+    /// Whether every recorded use has completed. Never blocks (`cuEventQuery`-style).
+    fn is_complete(&mut self) -> bool;
+    /// Blocks until every use completed (only where blocking is acceptable: the allocator's Drop).
+    fn wait(&mut self);
+}
+
+/// Work recorded against one block.
+pub(crate) type Work = Vec<Box<dyn InFlight>>;
+
+/// Drops the completed entries of `work`; whether none is left.
+pub(crate) fn settle(work: &mut Work) -> bool {
+    work.retain_mut(|w| !w.is_complete());
+    work.is_empty()
+}
+
+/// A freed block and the work that still uses it.
+pub(crate) struct PendingBlock {
+    pub(crate) block: Block,
+    pub(crate) work: Work,
+}
+
+/// Freed blocks with work in flight, in no particular order.
+#[derive(Default)]
+pub(crate) struct PendingList {
+    blocks: Vec<PendingBlock>,
+    bytes: usize,
+}
+
+impl PendingList {
+    /// Adds a freed block whose `work` is not complete.
+    pub(crate) fn push(&mut self, block: Block, work: Work) {
+        self.bytes += block.capacity;
+        self.blocks.push(PendingBlock { block, work });
+    }
+
+    /// Moves every block whose work has all completed into `ready`. O(pending); never blocks.
+    pub(crate) fn poll(&mut self, ready: &mut Vec<Block>) {
+        let mut i = 0;
+        while i < self.blocks.len() {
+            if settle(&mut self.blocks[i].work) {
+                let done = self.blocks.swap_remove(i);
+                self.bytes -= done.block.capacity;
+                ready.push(done.block);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Whether a pending block fits (a miss that stream-ordered reuse deferred). O(pending).
+    pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
+        self.blocks.iter().any(|p| fit.admits(&p.block))
+    }
+
+    /// Removes every pending block with its work (for the allocator's `Drop`, which waits).
+    pub(crate) fn drain(&mut self) -> Vec<PendingBlock> {
+        self.bytes = 0;
+        std::mem::take(&mut self.blocks)
+    }
+
+    /// Number of pending blocks.
+    pub(crate) fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Sum of the pending blocks' capacities.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// A test double for [`InFlight`]: complete once the shared flag is set.
+#[cfg(test)]
+pub(crate) mod double {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::InFlight;
+
+    /// Work that completes when its flag is set; `wait` sets it (as a finished stream would).
+    pub(crate) struct Flag(pub(crate) Arc<AtomicBool>);
+
+    impl Flag {
+        /// Unfinished work and the switch that finishes it.
+        pub(crate) fn unfinished() -> (Box<dyn InFlight>, Arc<AtomicBool>) {
+            let done = Arc::new(AtomicBool::new(false));
+            (Box::new(Flag(Arc::clone(&done))), done)
+        }
+    }
+
+    impl InFlight for Flag {
+        fn is_complete(&mut self) -> bool {
+            self.0.load(Ordering::Acquire)
+        }
+        fn wait(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::double::Flag;
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn block(addr: usize) -> Block {
+        Block {
+            addr,
+            capacity: 4 * MIB,
+            pinned: true,
+        }
+    }
+
+    #[test]
+    fn a_block_is_ready_only_when_all_its_work_completed() {
+        let mut list = PendingList::default();
+        let (first, first_done) = Flag::unfinished();
+        let (second, second_done) = Flag::unfinished();
+        list.push(block(0x1000), vec![first, second]);
+        let (other, other_done) = Flag::unfinished();
+        list.push(block(0x2000), vec![other]);
+        assert_eq!((list.len(), list.bytes()), (2, 8 * MIB));
+        assert!(list.holds_fit(Fit::new(4 * MIB, 4 * MIB, 4096)));
+        assert!(!list.holds_fit(Fit::new(5 * MIB, 5 * MIB, 4096)));
+
+        let mut ready = Vec::new();
+        first_done.store(true, Ordering::Release);
+        list.poll(&mut ready);
+        assert!(ready.is_empty(), "one of two uses is still running");
+        other_done.store(true, Ordering::Release);
+        list.poll(&mut ready);
+        assert_eq!(ready, [block(0x2000)]);
+        second_done.store(true, Ordering::Release);
+        list.poll(&mut ready);
+        assert_eq!(ready, [block(0x2000), block(0x1000)]);
+        assert_eq!((list.len(), list.bytes()), (0, 0));
+    }
+}
