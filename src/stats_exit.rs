@@ -10,7 +10,8 @@
 //!   the allocator, so anything below it that does allocate (an errno's text) gets the system
 //!   allocator, never our arena;
 //! - never blocks on the arena: it tries the lock for a bounded time, then prints the counters
-//!   without the node rows and says so;
+//!   without the node rows and says so (the counters' one lock, the last pin error's, is held
+//!   only to copy that error);
 //! - prints each report once, however often `exit` runs.
 //!
 //! Only allocators that live in a static (the `#[global_allocator]`, any `static`) are reported:
