@@ -217,10 +217,10 @@ fn main() -> Res<()> {
         return simulator_table(&mut rig, &mut rings, &sim);
     }
     let mut c = Criterion::default()
-        .configure_from_args()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
-        .sample_size(10);
+        .sample_size(10)
+        .configure_from_args();
     let mut group = c.benchmark_group("pinned_pipeline");
     group.throughput(Throughput::Bytes((COPIES * len) as u64));
     let mut bench = |name: &str, run: &mut dyn FnMut(&mut Rig) -> Res<Duration>| {

@@ -2,6 +2,7 @@
 # Builds what scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain:
 #   gpu-bin/tests/<kind>-<name>   release test executables (unit tests and tests/*.rs)
 #   gpu-bin/bench-dma             the criterion DMA benchmark (benches/dma.rs)
+#   gpu-bin/bench-pinned          the pinned pipeline benchmark (benches/pinned.rs)
 #   gpu-bin/dma_bench             the DMA example
 #   gpu-bin/gpu-check.sh          the runner; gpu-bin/MANIFEST  what was built, from which commit
 #
@@ -49,11 +50,13 @@ while read -r kind name exe; do
 done < <(cargo test --release --no-run --message-format=json "${extra[@]}" | executables)
 [ "$n" -gt 0 ] || { echo "no test executables found" >&2; exit 1; }
 
-echo "building the dma bench..." >&2
+echo "building the dma and pinned benches..." >&2
 while read -r kind name exe; do
     [ "$kind" = bench ] && cp "$exe" "$out/bench-$name"
-done < <(cargo bench --no-run --bench dma --message-format=json "${extra[@]}" | executables)
-[ -x "$out/bench-dma" ] || { echo "the dma bench was not built" >&2; exit 1; }
+done < <(cargo bench --no-run --bench dma --bench pinned --message-format=json "${extra[@]}" | executables)
+for bench in dma pinned; do
+    [ -x "$out/bench-$bench" ] || { echo "the $bench bench was not built" >&2; exit 1; }
+done
 
 echo "building the dma_bench example..." >&2
 while read -r kind name exe; do

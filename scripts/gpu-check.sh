@@ -9,7 +9,8 @@
 #               holds tests/, else ./gpu-bin)
 #   --deadline  seconds for the whole check (default 420, or $GPU_CHECK_DEADLINE); every step is
 #               stopped with `timeout` so that the summary is written before the deadline
-#   --bench     also run the criterion DMA benchmark, shortened, if time is left
+#   --bench     also run the criterion benchmarks (bench-dma, bench-pinned), shortened, if time
+#               is left
 #   --dma-args  arguments for dma_bench (default: none; see `dma_bench --help`)
 #
 # Order: the machine (driver version, persistence mode, each GPU's PCI id and NUMA node), the GPU
@@ -222,7 +223,8 @@ for bin in "${gpu_tests[@]}"; do
     case $(basename "$bin")-$gpu_present in
         # Against the real driver; without a GPU, against its simulator (which it compiles from
         # the source tree, so only where the bundle was built).
-        test-pinned_sim-1) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 ;;
+        # One test at a time: in place, the bodies share one process and its allocators.
+        test-pinned_sim-1) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 RUST_TEST_THREADS=1 ;;
         *) run_test "$bin" 120 ;;
     esac
 done
@@ -274,29 +276,32 @@ if [ $binaries_run -eq 0 ]; then
     record FAIL tests 0 "no test binary ran (none in $dir/tests, or the deadline came first)"
 fi
 
-# --- criterion benchmark (optional, short)
+# --- criterion benchmarks (optional, short): host<->device DMA, and the pinned pipeline
 if [ $run_bench -eq 1 ]; then
-    echo "--- bench-dma"
-    limit=$(budget 120)
-    log=$logs/bench-dma.txt
-    if [ ! -x "$dir/bench-dma" ]; then
-        record FAIL bench-dma 0 "bench-dma missing from $dir"
-    elif [ "$limit" -lt 20 ]; then
-        record FAIL bench-dma 0 "not run: only ${limit}s left before the deadline"
-    else
+    for bench in bench-dma bench-pinned; do
+        echo "--- $bench"
+        limit=$(budget 120)
+        log=$logs/$bench.txt
+        if [ ! -x "$dir/$bench" ]; then
+            record FAIL "$bench" 0 "$bench missing from $dir"
+            continue
+        elif [ "$limit" -lt 20 ]; then
+            record FAIL "$bench" 0 "not run: only ${limit}s left before the deadline"
+            continue
+        fi
         t0=$(date +%s)
-        (cd "$dir" && timeout -k 5 "$limit" ./bench-dma --bench --warm-up-time 0.5 --measurement-time 1 --sample-size 10) >"$log" 2>&1
+        (cd "$dir" && timeout -k 5 "$limit" "./$bench" --bench --warm-up-time 0.5 --measurement-time 1 --sample-size 10) >"$log" 2>&1
         rc=$?
         secs=$(($(date +%s) - t0))
         if [ $rc -ne 0 ]; then
-            record FAIL bench-dma "$secs" "$(failure_reason $rc "$log" "$limit")" "$log"
+            record FAIL "$bench" "$secs" "$(failure_reason $rc "$log" "$limit")" "$log"
         elif [ $gpu_present = 1 ] && grep -q "skipped" "$log"; then
-            record FAIL bench-dma "$secs" "a GPU is present but the bench skipped: $(grep -m1 skipped "$log")" "$log"
+            record FAIL "$bench" "$secs" "a GPU is present but the bench skipped: $(grep -m1 skipped "$log")" "$log"
         else
-            record PASS bench-dma "$secs" "$(grep -cE 'time:' "$log") measurements" "$log"
+            record PASS "$bench" "$secs" "$(grep -cE 'time:' "$log") measurements" "$log"
         fi
-        grep -E "skipped|time:|thrpt:|^dma|^pinned" "$log" | head -n 40 | sed 's/^/        /'
-    fi
+        grep -E "skipped|time:|thrpt:|^dma|^pinned|^[A-Za-z_]+/" "$log" | head -n 40 | sed 's/^/        /'
+    done
 fi
 
 if [ $failed -ne 0 ]; then

@@ -281,7 +281,7 @@ sim_test!(
         let small = [0u8; 64];
         assert!(!PINNING.record_stream(small.as_ptr(), &stream).unwrap());
         let stats = PINNING.stats();
-        assert_eq!(stats.in_flight_recorded, recorded_before + 3, "{stats}");
+        assert!(stats.in_flight_recorded >= recorded_before + 3, "{stats}");
     }
 );
 
