@@ -16,7 +16,8 @@
 //!    registration time alone. Without a driver: ours (place + populate) against `malloc` + touch.
 //! 2. **Reuse**: a freed block of the first cold size taken back from the cache.
 //! 3. **Populate scaling**: a cold `--scaling-size` block (4 GiB) placed and populated with each
-//!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory.
+//!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory;
+//!    the thread counts take turns, `--reps` rounds, median reported.
 //! 4. **Bandwidth** in the style of nvbandwidth: for each `--bw-sizes` (4 MiB … 1 GiB), both
 //!    directions, timed with CUDA events, each sample at least 64 MiB of copies (several copies
 //!    below that), median of `--runs` (5); pageable, `cuMemHostAlloc`, ours, and ours on the
@@ -539,22 +540,29 @@ impl Bench<'_> {
             return Ok(());
         }
         pre_touch(size);
-        let mut base = None;
-        for &threads in &self.args.threads {
-            let alloc = NumaGpuAlloc::new()
-                .node(self.host)
-                .pin(PinMode::Off)
-                .cache_limit(0)
-                .populate_threads(threads);
-            let _ = alloc.placement();
-            let mut samples = Vec::new();
-            for _ in 0..self.args.reps {
-                let (block, took) = OurBlock::new(&alloc, size)?;
+        let allocs: Vec<NumaGpuAlloc> = (self.args.threads.iter())
+            .map(|&threads| {
+                NumaGpuAlloc::new()
+                    .node(self.host)
+                    .pin(PinMode::Off)
+                    .cache_limit(0)
+                    .populate_threads(threads)
+            })
+            .collect();
+        allocs.iter().for_each(|a| drop(a.placement()));
+        // Thread counts take turns, so that a slow spell of the machine (a hypervisor backing
+        // memory again) lands on one sample of each row rather than on one row.
+        let mut samples = vec![Vec::new(); allocs.len()];
+        for _ in 0..self.args.reps {
+            for (alloc, samples) in allocs.iter().zip(&mut samples) {
+                let (block, took) = OurBlock::new(alloc, size)?;
                 drop(block);
                 samples.push(ms(took));
             }
+        }
+        let base = median(samples[0].clone());
+        for (&threads, samples) in self.args.threads.iter().zip(samples) {
             let m = median(samples.clone());
-            let base = *base.get_or_insert(m);
             self.rows.push(Row {
                 test: "populate",
                 memory: "ours",

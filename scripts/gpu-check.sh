@@ -19,7 +19,8 @@
 # dma_bench run, the other test binaries with
 # CUDA_VISIBLE_DEVICES= (they never start the driver), then the optional bench.
 #
-# Logs, dma_bench.json, this output (gpu-check.txt) and summary.json go to ${OUT:-DIR/out}.
+# Logs (also as logs.tar.gz), dma_bench.json, this output (gpu-check.txt) and summary.json go to
+# ${OUT:-DIR/out}.
 # Exit status: 0 every step passed on a machine with a GPU; 1 a step failed, timed out, or no
 # test binary ran; 2 bad usage or no bundle; 3 no GPU on this machine (every host-side step
 # passed, GPU steps skipped: not a GPU verdict).
@@ -139,8 +140,30 @@ failure_reason() {
     fi
 }
 
-# Stopped from outside (e.g. the device's own limit): the summary still says how far it got.
-trap 'record FAIL interrupted "$(elapsed)" "stopped by a signal after $(elapsed)s"; write_summary FAIL; exit 1' TERM INT HUP
+# Stopped from outside (e.g. the device's own limit): the running step is stopped and the summary
+# still says how far the check got. Steps run in the background and are waited for, so that the
+# trap runs at once.
+child=""
+on_signal() {
+    [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
+    record FAIL interrupted "$(elapsed)" "stopped by a signal after $(elapsed)s"
+    write_summary FAIL
+    exit 1
+}
+trap on_signal TERM INT HUP
+# bg_step LOG COMMAND...: runs COMMAND (`exec`ed, so that $child is the process itself) with its
+# output in LOG and waits for it; the exit status is the command's.
+bg_step() {
+    local log=$1 rc
+    shift
+    (cd "$dir" && exec "$@") >"$log" 2>&1 &
+    child=$!
+    # Bash's own "Aborted" notice stays out of the output: the step's reason says it.
+    { wait "$child"; } 2>/dev/null
+    rc=$?
+    child=""
+    return $rc
+}
 
 # --- the machine
 echo "=== numa-gpu-alloc GPU check (deadline ${deadline_s}s; logs and summary.json in $out) ==="
@@ -197,7 +220,7 @@ run_test() {
         return
     fi
     t0=$(date +%s)
-    (cd "$dir" && timeout -k 5 "$limit" env "$@" "$bin" --nocapture) >"$log" 2>&1
+    bg_step "$log" timeout -k 5 "$limit" env "$@" "$bin" --nocapture
     rc=$?
     secs=$(($(date +%s) - t0))
     binaries_run=$((binaries_run + 1))
@@ -241,18 +264,27 @@ if [ -x "$dir/dma_bench" ]; then
         # Sections that would start late are skipped, so the run ends (and writes its JSON)
         # before `timeout` would stop it.
         max=$((limit > 120 ? limit - 60 : limit / 2))
+        # Its output is shown as it comes (tail stops, after a last read, when dma_bench ends).
+        : >"$log"
+        tail -n +1 -f "$log" &
+        tail_pid=$!
         # shellcheck disable=SC2086
-        (cd "$dir" && timeout -k 5 "$limit" ./dma_bench --max-seconds "$max" --json-out "$out/dma_bench.json" $dma_args) 2>&1 | tee "$log"
-        rc=${PIPESTATUS[0]}
+        bg_step "$log" timeout -k 5 "$limit" ./dma_bench --max-seconds "$max" --json-out "$out/dma_bench.json" $dma_args
+        rc=$?
+        sleep 1
+        kill "$tail_pid" 2>/dev/null
+        wait "$tail_pid" 2>/dev/null
         secs=$(($(date +%s) - t0))
         problems=()
         [ "$rc" -eq 0 ] || problems+=("$(failure_reason "$rc" "$log" "$limit")")
         # A section or row that failed carries "failed: ..."; a section skipped for time, the
         # --max-seconds note.
-        bad=$(grep -E "failed: |^skipped: --max-seconds" "$log" | head -n 5)
+        # (The driver's own start-up failure is judged below, by whether a GPU is present.)
+        bad=$(grep -E "failed: |^skipped: --max-seconds" "$log" |
+            grep -vE "^(no CUDA driver|measured host-side costs only)" | head -n 5)
         [ -z "$bad" ] || problems+=("$bad")
         if [ $gpu_present = 1 ] && grep -q "^no CUDA driver" "$log"; then
-            problems+=("a GPU is present but dma_bench found no usable CUDA driver: $(grep -m1 '^no CUDA driver' "$log")")
+            problems+=("a GPU is present but dma_bench could not use CUDA: $(grep -m1 '^no CUDA driver' "$log")")
         fi
         [ "$rc" -ne 0 ] || [ -s "$out/dma_bench.json" ] || problems+=("dma_bench.json was not written")
         if [ ${#problems[@]} -eq 0 ]; then
@@ -290,7 +322,7 @@ if [ $run_bench -eq 1 ]; then
             continue
         fi
         t0=$(date +%s)
-        (cd "$dir" && timeout -k 5 "$limit" "./$bench" --bench --warm-up-time 0.5 --measurement-time 1 --sample-size 10) >"$log" 2>&1
+        bg_step "$log" timeout -k 5 "$limit" "./$bench" --bench --warm-up-time 0.5 --measurement-time 1 --sample-size 10
         rc=$?
         secs=$(($(date +%s) - t0))
         if [ $rc -ne 0 ]; then
@@ -312,6 +344,8 @@ else
     result=PASS status=0
 fi
 write_summary "$result"
+# One archive as well: a device tool that returns only a few files from $OUT still returns every log.
+tar -czf "$out/logs.tar.gz" -C "$out" logs 2>/dev/null
 case $result in
     PASS) echo "RESULT: PASS in $(elapsed)s: every step passed with a GPU present" ;;
     FAIL) echo "RESULT: FAIL in $(elapsed)s: see the FAIL lines above (logs in $logs)" ;;

@@ -333,3 +333,46 @@ fn without_the_pending_list_test_c_fails() {
     );
     eprintln!("{output}");
 }
+
+sim_test!(
+    /// A child forked while a copy runs makes no CUDA call: host access and drop of the parent's
+    /// `PinnedBuf` return at once there (against the simulator, a driver call in the child
+    /// would wait forever for a worker thread that was not forked).
+    forked_child_makes_no_cuda_call,
+    env: [("CUDA_SIM_DELAY_US", "200000")],
+    {
+        let ctx = context();
+        let stream = ctx.new_stream().expect("a stream");
+        let expected = pattern(4 * MIB, 3);
+        let mut buf = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
+        let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
+        stream.memcpy_htod(&buf, &mut dev).expect("memcpy_htod");
+        stream.memcpy_dtoh(&dev, &mut buf).expect("memcpy_dtoh");
+        // SAFETY: the child only touches `buf` and then leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let ok = buf.as_slice().is_ok();
+            drop(buf);
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            // SAFETY: waits for our own child without blocking.
+            let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if done == pid {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                // SAFETY: our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("the forked child hung (a CUDA call in the child?)");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
+        assert_eq!(wrong_bytes(&buf, &expected), 0);
+    }
+);

@@ -173,6 +173,7 @@ impl Driver {
             driver: self,
             ptr,
             len,
+            filled: false,
         })
     }
 
@@ -199,7 +200,7 @@ impl Driver {
             stream: std::ptr::null_mut(),
             events: [std::ptr::null_mut(); 2],
         };
-        // SAFETY (all four calls): the context is current; each out-pointer is valid; what is
+        // SAFETY: (all four calls) the context is current; each out-pointer is valid; what is
         // created is destroyed by `Copier`'s Drop, which skips what is still null or zero.
         check("cuMemAlloc_v2", unsafe {
             (self.fns.mem_alloc)(&mut copier.dev, len)
@@ -230,17 +231,21 @@ pub struct HostAlloc<'d> {
     driver: &'d Driver,
     ptr: NonNull<u8>,
     len: usize,
+    /// Whether the bytes were written (`cuMemHostAlloc` leaves them uninitialised).
+    filled: bool,
 }
 
 impl HostAlloc<'_> {
-    /// The bytes (zero-filled here first: `cuMemHostAlloc` does not initialise them).
+    /// The bytes, zero-filled on the first call.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `len` bytes owned by this allocation; `write_bytes` initialises them all
-        // before the slice is made.
-        unsafe {
-            std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len);
-            std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len)
+        if !self.filled {
+            // SAFETY: `len` writable bytes owned by this allocation.
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
+            self.filled = true;
         }
+        // SAFETY: `len` bytes owned by this allocation, initialised above, borrowed mutably
+        // with `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
@@ -292,12 +297,15 @@ impl Copier<'_> {
         direction: Direction,
         copies: usize,
     ) -> Result<f64, CuError> {
-        assert!(
-            host.len() <= self.len,
-            "host buffer larger than the device buffer"
-        );
+        if host.len() > self.len {
+            // What the driver would answer for a copy past the device buffer's end.
+            return Err(CuError {
+                call: "cuMemcpy (host buffer larger than the device buffer)",
+                code: 1,
+            });
+        }
         let f = &self.driver.fns;
-        // SAFETY (whole block): the stream, events and device buffer are live (Drop destroys
+        // SAFETY: (whole block) the stream, events and device buffer are live (Drop destroys
         // them); `host` is valid for its length, which fits the device buffer; the stream is
         // synchronised (event_synchronize on the last event) before `host`'s borrow ends.
         unsafe {

@@ -40,6 +40,9 @@ pub struct PinnedBuf<'a, T> {
     event: OnceLock<CudaEvent>,
     /// A copy recorded the event since the host last waited for it.
     in_flight: AtomicBool,
+    /// The process that made it: in a child forked since, no CUDA call is made (the GPU writes
+    /// the parent's pages, never the child's copy) and the event is left alone.
+    pid: u32,
 }
 
 // SAFETY: the buffer owns its elements like a `Box<[T]>`; the event and the allocator reference
@@ -98,6 +101,7 @@ impl<'a, T> PinnedBuf<'a, T> {
             alloc,
             event: OnceLock::new(),
             in_flight: AtomicBool::new(false),
+            pid: std::process::id(),
         })
     }
 
@@ -128,8 +132,12 @@ impl<'a, T> PinnedBuf<'a, T> {
         self.wait_for_copies()
     }
 
+    fn forked(&self) -> bool {
+        self.pid != std::process::id()
+    }
+
     fn wait_for_copies(&self) -> Result<()> {
-        if self.in_flight.load(Ordering::Acquire) {
+        if self.in_flight.load(Ordering::Acquire) && !self.forked() {
             if let Some(event) = self.event.get() {
                 event::wait(event)?;
             }
@@ -250,7 +258,9 @@ impl<T: std::fmt::Debug> std::fmt::Debug for PinnedBuf<'_, T> {
 
 impl<T> Drop for PinnedBuf<'_, T> {
     fn drop(&mut self) {
-        if let Some(event) = self.event.take() {
+        if self.forked() {
+            std::mem::forget(self.event.take());
+        } else if let Some(event) = self.event.take() {
             if *self.in_flight.get_mut() {
                 let work = Box::new(RecordedEvent::new(event));
                 // Not a block of the allocator's large path (cannot happen: sized at the
