@@ -238,12 +238,15 @@ sim_test!(
         let mut wrong = 0;
         for round in 0..4u8 {
             let expected = pattern(4 * MIB, round);
+            // Built before the copy starts: in a debug build this takes longer (about 100 ms)
+            // than the simulated copy, which would then be over before the allocation below.
+            let refill = pattern(4 * MIB, !round);
             let upload = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
             let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
             stream.memcpy_htod(&upload, &mut dev).expect("memcpy_htod");
             drop(upload);
             // The same size at once: the freed block must not be handed out while the copy reads.
-            let next = PinnedBuf::from_slice(&PINNING, &pattern(4 * MIB, !round)).unwrap();
+            let next = PinnedBuf::from_slice(&PINNING, &refill).unwrap();
             let back = stream.clone_dtoh(&dev).expect("clone_dtoh");
             wrong += wrong_bytes(&back, &expected);
             drop(next);
