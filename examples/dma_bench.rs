@@ -2,27 +2,27 @@
 //! `numa-gpu-alloc` against pageable memory, `cuMemHostAlloc` and `malloc` + `cuMemHostRegister`.
 //!
 //! ```text
-//! cargo run --release --example dma_bench                  # defaults: about 2-3 minutes on a GPU
+//! cargo run --release --example dma_bench                  # defaults; 16 GiB needs 33 GiB free
 //! cargo run --release --example dma_bench -- --cold-sizes 64MiB --scaling-size 256MiB \
 //!     --bw-sizes 4MiB,64MiB --json-out dma.json            # small, for a laptop or CI
 //! ```
 //!
 //! Sections, each printed when it ends with the seconds it took:
 //!
-//! 1. **Cold cost** for each `--cold-sizes` (1 GiB and 16 GiB): first, twice the size is touched
+//! 1. **Bandwidth** in the style of nvbandwidth (first: a run cut short by `--max-seconds` keeps
+//!    it): for each `--bw-sizes` (4 MiB … 1 GiB), both directions, timed with CUDA events, each
+//!    sample at least 64 MiB of copies (several copies below that), median of `--runs` (5);
+//!    pageable, `cuMemHostAlloc`, ours, and ours on the farthest node when there is more than
+//!    one. Without a driver: host memcpy bandwidth from each node, last.
+//! 2. **Cold cost** for each `--cold-sizes` (1 GiB and 16 GiB): first, twice the size is touched
 //!    and freed, so that no method pays the hypervisor's or kernel's first touch alone; then
 //!    ours (place + populate + register), `cuMemHostAlloc`, and `vec![0; n]` + `cuMemHostRegister`
 //!    (the naive path) are alternated `--reps` times (3) and the median reported, with the
 //!    registration time alone. Without a driver: ours (place + populate) against `malloc` + touch.
-//! 2. **Reuse**: a freed block of the first cold size taken back from the cache.
-//! 3. **Populate scaling**: a cold `--scaling-size` block (4 GiB) placed and populated with each
+//! 3. **Reuse**: a freed block of the first cold size taken back from the cache.
+//! 4. **Populate scaling**: a cold `--scaling-size` block (4 GiB) placed and populated with each
 //!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory;
 //!    the thread counts take turns, `--reps` rounds, median reported.
-//! 4. **Bandwidth** in the style of nvbandwidth: for each `--bw-sizes` (4 MiB … 1 GiB), both
-//!    directions, timed with CUDA events, each sample at least 64 MiB of copies (several copies
-//!    below that), median of `--runs` (5); pageable, `cuMemHostAlloc`, ours, and ours on the
-//!    farthest node when there is more than one. Without a driver: host memcpy bandwidth from
-//!    each node instead.
 //!
 //! The driver is called through C-typed pointers (`support/cuda.rs`), never through cudarc's
 //! `sys::cu*` wrappers.
@@ -354,27 +354,25 @@ struct Bench<'a> {
     far: Option<usize>,
     started: Instant,
     rows: Vec<Row>,
-    /// The latest registration error of any allocator used so far.
-    last_pin_error: Option<numa_gpu_alloc::Error>,
+    /// Sections that stopped on an error.
+    failed_sections: usize,
+    /// Ours, without a cache: every block is cold.
+    ours: NumaGpuAlloc,
+    /// Ours, caching freed blocks of the first cold size.
+    cached: NumaGpuAlloc,
+}
+
+/// An allocator of ours for `host`: pinning explicitly on (strict) with a driver, off without.
+fn ours_alloc(args: &Args, cuda: bool, host: usize, cache: usize) -> NumaGpuAlloc {
+    let alloc = NumaGpuAlloc::new().cache_limit(cache);
+    if cuda {
+        alloc.gpu(args.gpu).pin(PinMode::Strict)
+    } else {
+        alloc.node(host).pin(PinMode::Off)
+    }
 }
 
 impl Bench<'_> {
-    /// Keeps `alloc`'s latest registration error, if it had one.
-    fn keep_pin_error(&mut self, alloc: &NumaGpuAlloc) {
-        if let Some(e) = alloc.stats().last_pin_error {
-            self.last_pin_error = Some(e);
-        }
-    }
-
-    /// An allocator of ours for `host`: pinning explicitly on (strict) when there is a driver.
-    fn ours(&self) -> NumaGpuAlloc {
-        let alloc = NumaGpuAlloc::new().cache_limit(0);
-        match self.driver {
-            Some(_) => alloc.gpu(self.args.gpu).pin(PinMode::Strict),
-            None => alloc.node(self.host).pin(PinMode::Off),
-        }
-    }
-
     /// Runs one section unless the time budget is spent, then prints its rows and duration.
     fn section(&mut self, title: &str, run: impl FnOnce(&mut Self) -> Res<()>) {
         let first = self.rows.len();
@@ -386,6 +384,7 @@ impl Bench<'_> {
         }
         let start = Instant::now();
         if let Err(e) = run(self) {
+            self.failed_sections += 1;
             println!("failed: {e}");
         }
         print_rows(&self.rows[first..]);
@@ -403,11 +402,11 @@ impl Bench<'_> {
         let (mut ours, mut ours_pin) = (Vec::new(), Vec::new());
         let (mut host_alloc, mut naive, mut naive_reg) = (Vec::new(), Vec::new(), Vec::new());
         let mut populate = Vec::new();
-        let alloc = self.ours();
+        let alloc = &self.ours;
         let _ = alloc.placement(); // context and topology set up outside the timing
         for _ in 0..self.args.reps {
             let before = alloc.stats();
-            let (block, took) = OurBlock::new(&alloc, size)?;
+            let (block, took) = OurBlock::new(alloc, size)?;
             let after = alloc.stats();
             drop(block);
             alloc.trim();
@@ -448,7 +447,6 @@ impl Bench<'_> {
             drop(registered);
             drop(v);
         }
-        self.keep_pin_error(&alloc);
         let node = Some(self.host);
         let (ours_note, ours_reg) = if self.driver.is_some() {
             (
@@ -515,18 +513,21 @@ impl Bench<'_> {
             println!("{why}");
             return Ok(());
         }
-        let alloc = self.ours().cache_limit(size.saturating_mul(2));
-        drop(OurBlock::new(&alloc, size)?);
-        let (block, took) = OurBlock::new(&alloc, size)?;
+        drop(OurBlock::new(&self.cached, size)?);
+        let (block, took) = OurBlock::new(&self.cached, size)?;
         drop(block);
-        self.keep_pin_error(&alloc);
         self.rows.push(Row {
             test: "reuse",
             memory: "ours",
             node: Some(self.host),
             bytes: size,
             ms: Some(ms(took)),
-            note: "freed block taken from the cache, still placed (and pinned)".into(),
+            note: if self.driver.is_some() {
+                "freed block taken from the cache, still placed and pinned"
+            } else {
+                "freed block taken from the cache, still placed"
+            }
+            .into(),
             ..Row::default()
         });
         Ok(())
@@ -581,7 +582,7 @@ impl Bench<'_> {
     fn bandwidth(&mut self, driver: &Driver) -> Res<()> {
         let max = self.args.bw_sizes.iter().copied().max().unwrap_or(0);
         let copier = driver.copier(max)?;
-        let ours = self.ours();
+        let ours = &self.ours;
         // `bind`: every page really is on the far node, or the allocation fails.
         let far = self.far.map(|n| {
             let alloc = NumaGpuAlloc::new()
@@ -624,7 +625,7 @@ impl Bench<'_> {
             let mut pinned = driver.host_alloc(size)?;
             rows.push(measure("cuMemHostAlloc", None, pinned.as_mut_slice()));
             drop(pinned);
-            let (mut block, _) = OurBlock::new(&ours, size)?;
+            let (mut block, _) = OurBlock::new(ours, size)?;
             rows.push(measure("ours", Some(self.host), block.filled(0x22)));
             drop(block);
             if let Some((node, alloc)) = &far {
@@ -638,7 +639,6 @@ impl Bench<'_> {
             }
             self.rows.extend(rows);
         }
-        self.keep_pin_error(&ours);
         Ok(())
     }
 
@@ -844,8 +844,19 @@ fn main() -> Res<()> {
         far,
         started,
         rows: Vec::new(),
-        last_pin_error: None,
+        failed_sections: 0,
+        ours: ours_alloc(&args, driver.is_some(), host, 0),
+        cached: ours_alloc(
+            &args,
+            driver.is_some(),
+            host,
+            args.cold_sizes.first().map_or(0, |&s| s.saturating_mul(2)),
+        ),
     };
+    // The DMA table first: it is what a short run must not lose to the time budget.
+    if let Some(d) = driver.as_ref() {
+        bench.section("DMA bandwidth (CUDA events, median)", |b| b.bandwidth(d));
+    }
     for &size in &args.cold_sizes {
         bench.section(&format!("cold cost, {}", size_text(size)), |b| b.cold(size));
     }
@@ -856,19 +867,16 @@ fn main() -> Res<()> {
         &format!("populate scaling, {}", size_text(args.scaling_size)),
         Bench::scaling,
     );
-    match driver.as_ref() {
-        Some(d) => bench.section("DMA bandwidth (CUDA events, median)", |b| b.bandwidth(d)),
-        None => {
-            let size = args.bw_sizes.iter().copied().max().unwrap_or(64 * MIB);
-            bench.section("host copy bandwidth to the host node (GB/s, median)", |b| {
-                b.host_copies(size)
-            });
-        }
+    if driver.is_none() {
+        let size = args.bw_sizes.iter().copied().max().unwrap_or(64 * MIB);
+        bench.section("host copy bandwidth to the host node (GB/s, median)", |b| {
+            b.host_copies(size)
+        });
     }
-    let last_pin_error = bench
-        .last_pin_error
-        .as_ref()
-        .map_or_else(|| "none".to_owned(), ToString::to_string);
+    let last_pin_error = [&bench.ours, &bench.cached]
+        .iter()
+        .find_map(|alloc| alloc.stats().last_pin_error)
+        .map_or_else(|| "none".to_owned(), |e| e.to_string());
     match &unavailable {
         Some(why) => println!("\nmeasured host-side costs only: {why}"),
         None => println!("\nlast registration error: {last_pin_error}"),
@@ -879,6 +887,14 @@ fn main() -> Res<()> {
         header.push(("seconds", format!("{:.1}", started.elapsed().as_secs_f64())));
         std::fs::write(path, to_json(&header, &bench.rows))
             .map_err(|e| format!("cannot write {path}: {e}"))?;
+    }
+    let failed_rows = bench.rows.iter().filter(|r| r.note.starts_with("failed:"));
+    let failures = bench.failed_sections + failed_rows.count();
+    if failures > 0 {
+        return Err(format!(
+            "{failures} section(s) or row(s) failed (lines starting with failed:)"
+        )
+        .into());
     }
     Ok(())
 }

@@ -16,8 +16,8 @@
 # Order: the machine (driver version, persistence mode, each GPU's PCI id and NUMA node), the GPU
 # test binaries (test-gpu, and test-pinned_sim with NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU
 # visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a GPU: skipping, and the simulator), one
-# dma_bench run, the other test binaries with
-# CUDA_VISIBLE_DEVICES= (they never start the driver), then the optional bench.
+# dma_bench run, the other test binaries with CUDA_VISIBLE_DEVICES= (cuInit finds no device, so
+# none creates a context), then the optional bench.
 #
 # Logs (also as logs.tar.gz), dma_bench.json, this output (gpu-check.txt) and summary.json go to
 # ${OUT:-DIR/out}.

@@ -227,7 +227,7 @@ sim_test!(
 sim_test!(
     /// (c) A block freed while a copy still reads it is not reused before the copy completed.
     freed_block_is_not_reused_before_its_copy_completed,
-    env: [("CUDA_SIM_DELAY_US", "50000")],
+    env: [("CUDA_SIM_DELAY_US", "300000")],
     {
         #[cfg(feature = "fault-injection")]
         if std::env::var_os(IGNORE_IN_FLIGHT_VAR).is_some() {
@@ -238,15 +238,12 @@ sim_test!(
         let mut wrong = 0;
         for round in 0..4u8 {
             let expected = pattern(4 * MIB, round);
-            // Built before the copy starts: in a debug build this takes longer (about 100 ms)
-            // than the simulated copy, which would then be over before the allocation below.
-            let refill = pattern(4 * MIB, !round);
             let upload = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
             let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
             stream.memcpy_htod(&upload, &mut dev).expect("memcpy_htod");
             drop(upload);
             // The same size at once: the freed block must not be handed out while the copy reads.
-            let next = PinnedBuf::from_slice(&PINNING, &refill).unwrap();
+            let next = PinnedBuf::from_slice(&PINNING, &pattern(4 * MIB, !round)).unwrap();
             let back = stream.clone_dtoh(&dev).expect("clone_dtoh");
             wrong += wrong_bytes(&back, &expected);
             drop(next);
@@ -263,7 +260,7 @@ sim_test!(
 sim_test!(
     /// `record_stream` gives plain `Vec`s of a pinning allocator the same stream-ordered reuse.
     record_stream_defers_reuse_of_a_plain_vec,
-    env: [("CUDA_SIM_DELAY_US", "50000")],
+    env: [("CUDA_SIM_DELAY_US", "300000")],
     {
         let ctx = context();
         let stream = ctx.new_stream().expect("a stream");
@@ -324,7 +321,7 @@ fn without_the_pending_list_test_c_fails() {
     }
     let (passed, output) = sim::run_child(
         "freed_block_is_not_reused_before_its_copy_completed",
-        &[("CUDA_SIM_DELAY_US", "50000"), (IGNORE_IN_FLIGHT_VAR, "1")],
+        &[("CUDA_SIM_DELAY_US", "300000"), (IGNORE_IN_FLIGHT_VAR, "1")],
     );
     assert!(
         !passed,
