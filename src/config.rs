@@ -53,8 +53,23 @@ pub enum PinMode {
     Off,
 }
 
-/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+/// What an allocator prints about itself when the process exits (`stats=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StatsAtExit {
+    /// Nothing (the default).
+    Off,
+    /// The [`Stats`](crate::Stats) table, to stderr (`stats=exit`).
+    Table,
+    /// [`Stats::json`](crate::Stats::json) on one line, to stderr (`stats=json`).
+    Json,
+}
+
+/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+///
+/// Start from [`Config::DEFAULT`] (or `Config::default()`) and set fields: more may be added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// Requests of at least this many bytes take the large path.
     pub threshold: usize,
@@ -78,6 +93,8 @@ pub struct Config {
     pub populate_threads: usize,
     /// Root of sysfs (`/sys`); tests point it at fixture trees.
     pub sysfs_root: &'static str,
+    /// Whether the stats are printed at process exit, and how.
+    pub stats_at_exit: StatsAtExit,
 }
 
 impl Config {
@@ -95,6 +112,7 @@ impl Config {
         pin_read_only: false,
         populate_threads: 0,
         sysfs_root: "/sys",
+        stats_at_exit: StatsAtExit::Off,
     };
 
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
@@ -147,12 +165,13 @@ impl Config {
             "devicemap" => self.pin_devicemap = parse_switch(key, value)?,
             "readonly" => self.pin_read_only = parse_switch(key, value)?,
             "threads" => self.populate_threads = parse_threads(value)?,
+            "stats" => self.stats_at_exit = parse_stats(value)?,
             _ => {
                 return Err(config_error(
                     key,
                     value,
                     "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads",
+                     readonly, threads, stats",
                 ))
             }
         }
@@ -289,6 +308,19 @@ fn parse_switch(key: &str, value: &str) -> Result<bool, Error> {
     }
 }
 
+fn parse_stats(value: &str) -> Result<StatsAtExit, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "off" => Ok(StatsAtExit::Off),
+        "exit" => Ok(StatsAtExit::Table),
+        "json" => Ok(StatsAtExit::Json),
+        _ => Err(config_error(
+            "stats",
+            value,
+            "exit (the table at exit), json (JSON at exit) or off",
+        )),
+    }
+}
+
 fn parse_threads(value: &str) -> Result<usize, Error> {
     if value.eq_ignore_ascii_case("auto") {
         return Ok(0);
@@ -368,6 +400,23 @@ mod tests {
         assert!(c.apply_settings("").is_empty());
         assert!(c.apply_settings(",,, ,").is_empty());
         assert_eq!(c.apply_settings("novalue").len(), 1);
+    }
+
+    #[test]
+    fn stats_at_exit() {
+        let mut c = Config::DEFAULT;
+        assert_eq!(c.stats_at_exit, StatsAtExit::Off);
+        assert!(c.apply_settings("stats=exit").is_empty());
+        assert_eq!(c.stats_at_exit, StatsAtExit::Table);
+        assert!(c.apply_settings("stats=JSON").is_empty());
+        assert_eq!(c.stats_at_exit, StatsAtExit::Json);
+        let errors = c.apply_settings("stats=on");
+        assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["stats"]);
+        assert_eq!(
+            c.stats_at_exit,
+            StatsAtExit::Json,
+            "a rejected value changes nothing"
+        );
     }
 
     #[test]

@@ -247,6 +247,11 @@ impl Arena {
         }
     }
 
+    /// Starts the peak over from the bytes live now (`reset_peaks()`).
+    pub(crate) fn reset_peak(&mut self) {
+        self.peak_live_bytes = self.live_bytes();
+    }
+
     fn live_bytes(&self) -> usize {
         self.tracker.total_bytes()
     }
