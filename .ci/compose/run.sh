@@ -7,3 +7,5 @@ cd "$(dirname "$0")"
 for member in cuda-12060 cuda-13000 cudarc-defaults; do
     cargo run --quiet --target-dir ../../target -p "compose-$member"
 done
+# Linked against libcuda when built, and CI has none to link: compiled, not linked or run.
+cargo check --quiet --target-dir ../../target -p compose-dynamic-linking

@@ -1,6 +1,6 @@
 //! The only module that talks to the CUDA driver.
 //!
-//! cudarc is used as the loader only (`sys::is_culib_present`, `sys::culib`): every driver
+//! libcuda is opened with libloading (`driver.rs`), whatever linking mode cudarc has: every driver
 //! function this module calls is resolved once, in the driver probe, as a function pointer with
 //! C types, and its `CUresult` is read as a plain `u32`. cudarc's own `sys::cu*` wrappers are not
 //! called: they return `CUresult` as a Rust enum, and a driver newer than cudarc's bindings can
