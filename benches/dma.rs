@@ -1,152 +1,92 @@
 //! Criterion benchmarks of host↔device DMA and pinned-allocation cost: pageable memory,
 //! `cuMemHostAlloc`, `numa-gpu-alloc` on the GPU's host node and on the farthest node.
 //!
-//! `cargo bench --bench dma`. Without a CUDA driver it prints why it skipped and exits 0.
+//! `cargo bench --bench dma`. Without a CUDA driver it prints why it skipped and exits 0 (1 when
+//! `NUMA_GPU_ALLOC_REQUIRE_GPU=1`, as `scripts/gpu-check.sh` sets on a machine with a GPU). The
+//! driver is called through C-typed pointers (`examples/support/cuda.rs`).
 //! `DMA_BENCH_SIZE` (default `256MiB`) sets the copy size.
 
-use std::ffi::c_void;
+#[path = "../examples/support/cuda.rs"]
+mod cuda;
+
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
 use criterion::{BenchmarkId, Criterion, Throughput};
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
+use cuda::{Copier, Direction, Driver, HostAlloc, Registered};
 use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn size_from_env() -> usize {
-    let text = std::env::var("DMA_BENCH_SIZE").unwrap_or_default();
-    let text = text.trim().to_ascii_lowercase();
-    let (digits, shift) = if let Some(d) = text.strip_suffix("gib") {
-        (d, 30)
-    } else if let Some(d) = text.strip_suffix("mib") {
-        (d, 20)
-    } else {
-        (text.as_str(), 0)
-    };
-    match digits.trim().parse::<usize>() {
-        Ok(n) if n > 0 => n << shift,
-        _ => 256 << 20,
+    std::env::var("DMA_BENCH_SIZE")
+        .ok()
+        .and_then(|text| numa_gpu_alloc::parse_size(&text))
+        .filter(|&n| n > 0)
+        .unwrap_or(256 << 20)
+}
+
+/// A block from one of our allocators, freed on drop.
+struct OurBlock<'a> {
+    alloc: &'a NumaGpuAlloc,
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl<'a> OurBlock<'a> {
+    fn new(alloc: &'a NumaGpuAlloc, len: usize) -> Res<Self> {
+        let layout = Layout::from_size_align(len, 4096)?;
+        let ptr = alloc
+            .allocate(layout)
+            .map_err(|_| "numa-gpu-alloc allocation failed")?
+            .cast::<u8>();
+        // SAFETY: `len` writable bytes at `ptr`, initialised here before any slice is made.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0x33, len) };
+        Ok(OurBlock { alloc, ptr, layout })
+    }
+
+    fn slice(&mut self) -> &mut [u8] {
+        // SAFETY: `layout.size()` initialised bytes owned by this block.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for OurBlock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: from `alloc.allocate(layout)`, freed once.
+        unsafe { self.alloc.deallocate(self.ptr, self.layout) };
     }
 }
 
 /// Host memory of one kind, freed on drop.
 enum Host<'a> {
     Pageable(Vec<u8>),
-    Pinned(NonNull<u8>, usize),
-    Ours(&'a NumaGpuAlloc, NonNull<u8>, Layout, Option<NonNull<u8>>),
+    Pinned(HostAlloc<'a>),
+    Ours(OurBlock<'a>),
+    /// Registered here; the registration is declared first, so it ends before the block is
+    /// freed.
+    OursRegistered {
+        _registration: Registered<'a>,
+        block: OurBlock<'a>,
+    },
 }
 
-impl<'a> Host<'a> {
-    fn pageable(len: usize) -> Host<'a> {
-        Host::Pageable(vec![0x11; len])
-    }
-
-    /// Needs a current context.
-    fn cuda_host(len: usize) -> Res<Host<'a>> {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: the driver is present (checked in main) and a context is current.
-        let res = unsafe { sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuMemHostAlloc failed: {res:?}").into());
-        }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or("cuMemHostAlloc returned null")?;
-        // SAFETY: `len` writable bytes at `ptr`.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0x22, len) };
-        Ok(Host::Pinned(ptr, len))
-    }
-
-    /// From `alloc`; registered here with `cuMemHostRegister` when `register` (for allocators
-    /// that do not pin themselves).
-    fn ours(alloc: &'a NumaGpuAlloc, len: usize, register: bool) -> Res<Host<'a>> {
-        let layout = Layout::from_size_align(len, 4096)?;
-        let ptr = alloc
-            .allocate(layout)
-            .map_err(|_| "numa-gpu-alloc allocation failed")?
-            .cast::<u8>();
-        // SAFETY: `len` writable bytes at `ptr`.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0x33, len) };
-        let mut host = Host::Ours(alloc, ptr, layout, None);
-        if register {
-            // SAFETY: the block is live, owned here, and not registered yet; a context is
-            // current.
-            let res = unsafe {
-                sys::cuMemHostRegister_v2(
-                    ptr.as_ptr().cast(),
-                    len,
-                    sys::CU_MEMHOSTREGISTER_PORTABLE,
-                )
-            };
-            if res != sys::CUresult::CUDA_SUCCESS {
-                return Err(format!("cuMemHostRegister_v2 failed: {res:?}").into());
-            }
-            if let Host::Ours(.., registered) = &mut host {
-                *registered = Some(ptr);
-            }
-        }
-        Ok(host)
-    }
-
+impl Host<'_> {
     fn slice(&mut self) -> &mut [u8] {
         match self {
             Host::Pageable(v) => v,
-            // SAFETY: `len` initialised bytes owned by this value.
-            Host::Pinned(p, len) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), *len) },
-            // SAFETY: `layout.size()` initialised bytes owned by this value.
-            Host::Ours(_, p, layout, _) => unsafe {
-                std::slice::from_raw_parts_mut(p.as_ptr(), layout.size())
-            },
-        }
-    }
-}
-
-impl Drop for Host<'_> {
-    fn drop(&mut self) {
-        match self {
-            Host::Pageable(_) => {}
-            // SAFETY: from cuMemHostAlloc, freed once.
-            Host::Pinned(p, _) => unsafe {
-                let _ = sys::cuMemFreeHost(p.as_ptr().cast());
-            },
-            Host::Ours(alloc, p, layout, registered) => {
-                if let Some(r) = registered.take() {
-                    // SAFETY: registered in `ours` with this base pointer; still mapped.
-                    let _ = unsafe { sys::cuMemHostUnregister(r.as_ptr().cast()) };
-                }
-                // SAFETY: from `alloc.allocate(layout)`, freed once.
-                unsafe { alloc.deallocate(*p, *layout) };
-            }
+            Host::Pinned(h) => h.as_mut_slice(),
+            Host::Ours(block) | Host::OursRegistered { block, .. } => block.slice(),
         }
     }
 }
 
 /// Times `iters` copies with CUDA events.
-fn timed_copies(
-    stream: &Arc<CudaStream>,
-    host: &mut [u8],
-    dev: &mut CudaSlice<u8>,
-    to_device: bool,
-    iters: u64,
-) -> Duration {
-    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut run = || -> Res<Duration> {
-        let start = stream.record_event(timing)?;
-        for _ in 0..iters {
-            if to_device {
-                stream.memcpy_htod(&*host, dev)?;
-            } else {
-                stream.memcpy_dtoh(&*dev, &mut *host)?;
-            }
-        }
-        let end = stream.record_event(timing)?;
-        Ok(Duration::from_secs_f64(
-            f64::from(start.elapsed_ms(&end)?) / 1e3,
-        ))
-    };
-    match run() {
-        Ok(d) => d,
+fn timed_copies(copier: &Copier, host: &mut [u8], direction: Direction, iters: u64) -> Duration {
+    let copies = usize::try_from(iters).unwrap_or(usize::MAX);
+    match copier.time(host, direction, copies) {
+        Ok(seconds) => Duration::from_secs_f64(seconds),
         Err(e) => panic!("copy failed: {e}"),
     }
 }
@@ -178,31 +118,41 @@ fn bench(c: &mut Criterion) -> Res<()> {
         placement.home_node,
         size >> 20
     );
-    let ctx = CudaContext::new(ordinal as usize)?;
-    let stream = ctx.default_stream();
-    let mut dev = stream.alloc_zeros::<u8>(size)?;
+    let driver = Driver::open(ordinal)?;
+    let copier = driver.copier(size)?;
 
-    let mut kinds: Vec<(String, Host)> = Vec::new();
-    kinds.push(("pageable".into(), Host::pageable(size)));
-    ctx.bind_to_thread()?;
-    kinds.push(("cuMemHostAlloc".into(), Host::cuda_host(size)?));
-    kinds.push((
-        format!("ours-node{host_node}"),
-        Host::ours(&ours, size, false)?,
-    ));
+    let mut kinds: Vec<(String, Host)> = vec![
+        ("pageable".into(), Host::Pageable(vec![0x11; size])),
+        (
+            "cuMemHostAlloc".into(),
+            Host::Pinned(driver.host_alloc(size)?),
+        ),
+        (
+            format!("ours-node{host_node}"),
+            Host::Ours(OurBlock::new(&ours, size)?),
+        ),
+    ];
     if let (Some(n), Some(a)) = (far, far_alloc.as_ref()) {
-        ctx.bind_to_thread()?;
-        kinds.push((format!("ours-far-node{n}"), Host::ours(a, size, true)?));
+        let mut block = OurBlock::new(a, size)?;
+        let ptr = NonNull::new(block.slice().as_mut_ptr()).ok_or("null block")?;
+        // SAFETY: the block is mapped and not registered (its allocator does not pin); the
+        // variant ends the registration before it frees the block.
+        let registered = unsafe { driver.register(ptr, size) }?;
+        kinds.push((
+            format!("ours-far-node{n}"),
+            Host::OursRegistered {
+                _registration: registered,
+                block,
+            },
+        ));
     }
-    for (dir, to_device) in [("h2d", true), ("d2h", false)] {
+    for (dir, direction) in [("h2d", Direction::HtoD), ("d2h", Direction::DtoH)] {
         let mut g = c.benchmark_group(format!("dma_{dir}"));
         g.throughput(Throughput::Bytes(size as u64));
         g.sample_size(10);
         for (name, host) in &mut kinds {
             g.bench_function(BenchmarkId::from_parameter(&*name), |b| {
-                b.iter_custom(|iters| {
-                    timed_copies(&stream, host.slice(), &mut dev, to_device, iters)
-                })
+                b.iter_custom(|iters| timed_copies(&copier, host.slice(), direction, iters))
             });
         }
         g.finish();
@@ -242,18 +192,12 @@ fn bench(c: &mut Criterion) -> Res<()> {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                if let Err(e) = ctx.bind_to_thread() {
-                    panic!("bind: {e:?}");
-                }
-                let mut p: *mut c_void = std::ptr::null_mut();
                 let start = Instant::now();
-                // SAFETY: driver present, context current, valid out-pointer.
-                let res =
-                    unsafe { sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE) };
+                let block = driver.host_alloc(size);
                 total += start.elapsed();
-                assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "cuMemHostAlloc");
-                // SAFETY: from cuMemHostAlloc, freed once.
-                let _ = unsafe { sys::cuMemFreeHost(p) };
+                if let Err(e) = block {
+                    panic!("{e}");
+                }
             }
             total
         })
@@ -263,10 +207,15 @@ fn bench(c: &mut Criterion) -> Res<()> {
 }
 
 fn main() {
-    if !numa_gpu_alloc::cuda_driver_present() {
+    if let Some(why) = numa_gpu_alloc::cuda_unavailable_reason() {
+        // On a machine with a GPU (scripts/gpu-check.sh sets this), not starting is a failure.
+        if std::env::var_os("NUMA_GPU_ALLOC_REQUIRE_GPU").is_some_and(|v| v != "0") {
+            eprintln!("dma bench failed: NUMA_GPU_ALLOC_REQUIRE_GPU is set but {why}");
+            std::process::exit(1);
+        }
         println!(
-            "dma bench skipped: no CUDA driver (libcuda not found, or cuInit failed); \
-             run `cargo run --release --example dma_bench` for the host-side measurements"
+            "dma bench skipped: {why}; run `cargo run --release --example dma_bench` for the \
+             host-side measurements"
         );
         return;
     }

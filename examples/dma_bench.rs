@@ -1,63 +1,104 @@
-//! Host↔device DMA bandwidth and allocation cost: the system allocator, `cuMemHostAlloc`, and
-//! `numa-gpu-alloc` on the GPU's host node and on the farthest node.
+//! Host↔device DMA bandwidth, the cold cost of page-locked memory, and populate scaling:
+//! `numa-gpu-alloc` against pageable memory, `cuMemHostAlloc` and `malloc` + `cuMemHostRegister`.
 //!
 //! ```text
-//! cargo run --release --example dma_bench                       # 256 MiB, 1 GiB cold block
-//! cargo run --release --example dma_bench -- --size 64MiB,1GiB --runs 10
-//! cargo run --release --example dma_bench -- --csv > dma.csv   # or --json
+//! cargo run --release --example dma_bench                  # defaults; 16 GiB needs 33 GiB free
+//! cargo run --release --example dma_bench -- --cold-sizes 64MiB --scaling-size 256MiB \
+//!     --bw-sizes 4MiB,64MiB --json-out dma.json            # small, for a laptop or CI
 //! ```
 //!
-//! Without a CUDA driver it says so on one line and measures what the host can: the cold cost of
-//! placing and populating a block, the cost of reusing a cached one, and copy bandwidth from a
-//! buffer on each NUMA node to one on the local node.
+//! Sections, each printed when it ends with the seconds it took:
+//!
+//! 1. **Bandwidth** in the style of nvbandwidth (first: a run cut short by `--max-seconds` keeps
+//!    it): for each `--bw-sizes` (4 MiB … 1 GiB), both directions, timed with CUDA events, each
+//!    sample at least 64 MiB of copies (several copies below that), median of `--runs` (5);
+//!    pageable, `cuMemHostAlloc`, ours, and ours on the farthest node when there is more than
+//!    one. Without a driver: host memcpy bandwidth from each node, last.
+//! 2. **Cold cost** for each `--cold-sizes` (1 GiB and 16 GiB): first, twice the size is touched
+//!    and freed, so that no method pays the hypervisor's or kernel's first touch alone; then
+//!    ours (place + populate + register), `cuMemHostAlloc`, and `vec![0; n]` + `cuMemHostRegister`
+//!    (the naive path) are alternated `--reps` times (3) and the median reported, with the
+//!    registration time alone. Without a driver: ours (place + populate) against `malloc` + touch.
+//! 3. **Reuse**: a freed block of the first cold size taken back from the cache.
+//! 4. **Populate scaling**: a cold `--scaling-size` block (4 GiB) placed and populated with each
+//!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory;
+//!    the thread counts take turns, `--reps` rounds, median reported.
+//!
+//! The driver is called through C-typed pointers (`support/cuda.rs`), never through cudarc's
+//! `sys::cu*` wrappers.
+
+#[path = "support/cuda.rs"]
+mod cuda;
 
 use std::error::Error;
 use std::fmt::Write as _;
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
+use cuda::{Direction, Driver};
 use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
-const USAGE: &str = "usage: dma_bench [--size SIZE[,SIZE...]] [--runs N] [--cold-size SIZE] \
-                     [--gpu auto|N] [--csv|--json]
-  --size       buffer sizes for the bandwidth tables (default 256MiB; e.g. 64MiB,1GiB)
-  --runs       timed copies per measurement, the median is reported (default 5)
-  --cold-size  size of the block whose first allocation and cached reuse are timed (default 1GiB)
-  --gpu        CUDA device ordinal, or auto (LOCAL_RANK etc.; default)
-  --csv/--json machine-readable results on stdout (notes go to stderr)";
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+/// Below this, one bandwidth sample is several copies (nvbandwidth does the same).
+const MIN_SAMPLE_BYTES: usize = 64 * MIB;
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Format {
-    Text,
-    Csv,
-    Json,
-}
+const USAGE: &str = "usage: dma_bench [--cold-sizes S,..] [--reps N] [--scaling-size S] \
+                     [--threads N,..] [--bw-sizes S,..] [--runs N] [--gpu auto|N] \
+                     [--max-seconds N] [--json-out FILE]
+  --cold-sizes    cold-cost block sizes (default 1GiB,16GiB; skipped when memory is short)
+  --reps          cold-cost samples per method, alternated; the median is reported (default 3)
+  --scaling-size  block for populate scaling (default 4GiB)
+  --threads       populate thread counts (default 1,2,4,8,16)
+  --bw-sizes      bandwidth sizes (default 4MiB,16MiB,64MiB,256MiB,1GiB)
+  --runs          bandwidth samples per size and direction, median reported (default 5)
+  --gpu           CUDA device ordinal, or auto (LOCAL_RANK etc.; default)
+  --max-seconds   skip the sections that would start after this many seconds
+  --json-out      also write every row as JSON to FILE";
 
 struct Args {
-    sizes: Vec<usize>,
+    cold_sizes: Vec<usize>,
+    reps: usize,
+    scaling_size: usize,
+    threads: Vec<usize>,
+    bw_sizes: Vec<usize>,
     runs: usize,
-    cold_size: usize,
     gpu: GpuSelector,
-    format: Format,
+    max_seconds: Option<u64>,
+    json_out: Option<String>,
 }
 
-/// A size as `NUMA_GPU_ALLOC` writes them (`256MiB`, `1GiB`), not zero.
-fn parse_size(text: &str) -> Option<usize> {
-    numa_gpu_alloc::parse_size(text).filter(|&bytes| bytes > 0)
+fn parse_sizes(v: &str) -> Res<Vec<usize>> {
+    v.split(',')
+        .map(|s| {
+            numa_gpu_alloc::parse_size(s)
+                .filter(|&b| b > 0)
+                .ok_or_else(|| format!("bad size {s:?}\n{USAGE}").into())
+        })
+        .collect()
+}
+
+fn parse_count(v: &str) -> Res<usize> {
+    v.parse()
+        .ok()
+        .filter(|&n: &usize| n > 0)
+        .ok_or_else(|| format!("bad count {v:?}\n{USAGE}").into())
 }
 
 fn parse_args() -> Res<Args> {
     let mut args = Args {
-        sizes: vec![256 << 20],
+        cold_sizes: vec![GIB, 16 * GIB],
+        reps: 3,
+        scaling_size: 4 * GIB,
+        threads: vec![1, 2, 4, 8, 16],
+        bw_sizes: vec![4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB],
         runs: 5,
-        cold_size: 1 << 30,
         gpu: GpuSelector::Auto,
-        format: Format::Text,
+        max_seconds: None,
+        json_out: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -72,25 +113,14 @@ fn parse_args() -> Res<Args> {
                 .ok_or_else(|| format!("{key} needs a value\n{USAGE}").into())
         };
         match key.as_str() {
-            "--size" | "--sizes" => {
-                let v = value()?;
-                args.sizes = v
-                    .split(',')
-                    .map(|s| parse_size(s).ok_or_else(|| format!("bad size {s:?}\n{USAGE}")))
-                    .collect::<Result<_, _>>()?;
+            "--cold-sizes" => args.cold_sizes = parse_sizes(&value()?)?,
+            "--reps" => args.reps = parse_count(&value()?)?,
+            "--scaling-size" => args.scaling_size = parse_sizes(&value()?)?[0],
+            "--threads" => {
+                args.threads = value()?.split(',').map(parse_count).collect::<Res<_>>()?;
             }
-            "--runs" => {
-                let v = value()?;
-                args.runs = v
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| format!("bad run count {v:?}"))?;
-            }
-            "--cold-size" => {
-                let v = value()?;
-                args.cold_size = parse_size(&v).ok_or_else(|| format!("bad size {v:?}"))?;
-            }
+            "--bw-sizes" => args.bw_sizes = parse_sizes(&value()?)?,
+            "--runs" => args.runs = parse_count(&value()?)?,
             "--gpu" => {
                 let v = value()?;
                 args.gpu = if v.eq_ignore_ascii_case("auto") {
@@ -99,8 +129,8 @@ fn parse_args() -> Res<Args> {
                     GpuSelector::Ordinal(v.parse().map_err(|_| format!("bad GPU {v:?}"))?)
                 };
             }
-            "--csv" => args.format = Format::Csv,
-            "--json" => args.format = Format::Json,
+            "--max-seconds" => args.max_seconds = Some(parse_count(&value()?)? as u64),
+            "--json-out" => args.json_out = Some(value()?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -114,51 +144,25 @@ fn parse_args() -> Res<Args> {
 }
 
 /// One measured value.
+#[derive(Default)]
 struct Row {
-    /// `bandwidth`, `cold`, `reuse` or `host_copy`.
+    /// `cold`, `reuse`, `populate`, `bandwidth` or `host_copy`.
     test: &'static str,
-    /// What memory: `pageable`, `cuMemHostAlloc`, `ours`, `ours-far`, `system`.
+    /// What memory: `ours`, `cuMemHostAlloc`, `malloc+register`, `malloc+touch`, `pageable`,
+    /// `ours-far`.
     memory: &'static str,
     node: Option<usize>,
     bytes: usize,
+    /// Populate threads (`populate` rows).
+    threads: Option<usize>,
+    /// Median milliseconds (cost rows).
+    ms: Option<f64>,
+    /// Median milliseconds of `cuMemHostRegister` alone, where it is a separate step.
+    register_ms: Option<f64>,
     h2d_gbps: Option<f64>,
     d2h_gbps: Option<f64>,
     copy_gbps: Option<f64>,
-    ms: Option<f64>,
     note: String,
-}
-
-impl Row {
-    fn new(test: &'static str, memory: &'static str, node: Option<usize>, bytes: usize) -> Row {
-        Row {
-            test,
-            memory,
-            node,
-            bytes,
-            h2d_gbps: None,
-            d2h_gbps: None,
-            copy_gbps: None,
-            ms: None,
-            note: String::new(),
-        }
-    }
-}
-
-/// What the run found out about the machine.
-struct Report {
-    cuda: bool,
-    cuda_note: String,
-    topology: String,
-    local_node: Option<usize>,
-    host_node: Option<usize>,
-    home_node: Option<usize>,
-    far_node: Option<usize>,
-    gpu: Option<String>,
-    rows: Vec<Row>,
-}
-
-fn gbps(bytes: usize, seconds: f64) -> f64 {
-    bytes as f64 / seconds / 1e9
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -170,63 +174,111 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// `median (min…max of N)` of millisecond samples.
+fn spread(v: &[f64]) -> String {
+    let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{} samples, {min:.1}…{max:.1} ms", v.len())
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn mib(bytes: usize) -> String {
-    if bytes >= 1 << 30 && bytes.is_multiple_of(1 << 30) {
-        format!("{} GiB", bytes >> 30)
+fn size_text(bytes: usize) -> String {
+    if bytes >= GIB && bytes.is_multiple_of(GIB) {
+        format!("{} GiB", bytes / GIB)
     } else {
-        format!("{} MiB", bytes as f64 / f64::from(1u32 << 20))
+        format!("{} MiB", bytes as f64 / MIB as f64)
     }
 }
 
-/// A block from one of our allocators, freed on drop. Its bytes are uninitialised until
-/// [`OurBlock::fill`] is called.
+fn opt(v: Option<f64>, prec: usize) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.prec$}"))
+}
+
+fn opt_u(v: Option<usize>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+/// Bytes the kernel could give without swapping (`MemAvailable`), when known.
+fn mem_available() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Why a section needing `need` bytes is skipped, if memory is short.
+fn short_of_memory(need: usize) -> Option<String> {
+    let avail = mem_available()?;
+    (avail < need).then(|| {
+        format!(
+            "skipped: needs {} and MemAvailable is {}",
+            size_text(need.next_multiple_of(GIB)),
+            size_text(avail / GIB * GIB)
+        )
+    })
+}
+
+/// Touches `bytes` of fresh memory and frees it, so that a cold measurement after it does not
+/// pay the first touch of memory the hypervisor (or the kernel) has never backed.
+fn pre_touch(bytes: usize) {
+    let start = Instant::now();
+    let mut warm: Vec<u8> = Vec::with_capacity(bytes);
+    for page in warm.spare_capacity_mut().iter_mut().step_by(4096) {
+        page.write(1);
+    }
+    drop(std::hint::black_box(warm));
+    println!(
+        "pre-touched and freed {} in {:.0} ms",
+        size_text(bytes),
+        ms(start.elapsed())
+    );
+}
+
+/// A block from one of our allocators, freed on drop.
 struct OurBlock<'a> {
     alloc: &'a NumaGpuAlloc,
     ptr: NonNull<u8>,
     layout: Layout,
-    filled: bool,
 }
 
 impl<'a> OurBlock<'a> {
+    /// Allocates `len` bytes and returns the block with the time the allocation took.
     fn new(alloc: &'a NumaGpuAlloc, len: usize) -> Res<(Self, Duration)> {
         let layout = Layout::from_size_align(len, 4096)?;
         let start = Instant::now();
-        let ptr = alloc
-            .allocate(layout)
-            .map_err(|_| format!("numa-gpu-alloc could not allocate {}", mib(len)))?;
+        let ptr = alloc.allocate(layout).map_err(|_| {
+            format!(
+                "numa-gpu-alloc could not allocate {}: {}",
+                size_text(len),
+                alloc.stats().last_pin_error.map_or_else(
+                    || "see its stats".to_owned(),
+                    |e| format!("last pin failure: {e}")
+                )
+            )
+        })?;
         let took = start.elapsed();
-        let block = OurBlock {
-            alloc,
-            ptr: ptr.cast(),
-            layout,
-            filled: false,
-        };
-        Ok((block, took))
+        Ok((
+            OurBlock {
+                alloc,
+                ptr: ptr.cast(),
+                layout,
+            },
+            took,
+        ))
     }
 
-    fn filled(alloc: &'a NumaGpuAlloc, len: usize, byte: u8) -> Res<Self> {
-        let (mut block, _) = Self::new(alloc, len)?;
-        block.fill(byte);
-        Ok(block)
-    }
-
-    fn fill(&mut self, byte: u8) {
-        // SAFETY: the block owns `layout.size()` writable bytes at `ptr`.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.layout.size()) };
-        self.filled = true;
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        if !self.filled {
-            self.fill(0);
+    /// The bytes, filled with `byte`.
+    fn filled(&mut self, byte: u8) -> &mut [u8] {
+        // SAFETY: the block owns `layout.size()` writable bytes at `ptr`; `write_bytes`
+        // initialises all of them before the slice is made, and `&mut self` is borrowed for
+        // the slice's lifetime.
+        unsafe {
+            std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.layout.size());
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size())
         }
-        // SAFETY: the bytes are initialised (filled above) and owned by this block, which is
-        // borrowed mutably for the slice's lifetime.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }
 }
 
@@ -234,43 +286,6 @@ impl Drop for OurBlock<'_> {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from `alloc.allocate(layout)` and is freed once, here.
         unsafe { self.alloc.deallocate(self.ptr, self.layout) };
-    }
-}
-
-/// `cuMemHostAlloc(PORTABLE)` memory, freed with `cuMemFreeHost` on drop.
-struct CudaHostBlock {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-impl CudaHostBlock {
-    /// Needs a current context (`ctx.bind_to_thread()`).
-    fn new(len: usize) -> Res<(Self, Duration)> {
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        let start = Instant::now();
-        // SAFETY: the driver is present (checked by the caller) and a context is current;
-        // `p` is a valid out-pointer.
-        let res = unsafe { sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
-        let took = start.elapsed();
-        if res != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuMemHostAlloc({}) failed: {res:?}", mib(len)).into());
-        }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or("cuMemHostAlloc returned null")?;
-        // SAFETY: `len` writable bytes were just allocated at `ptr`.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0x3c, len) };
-        Ok((CudaHostBlock { ptr, len }, took))
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `len` initialised bytes owned by this block.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for CudaHostBlock {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
-        let _ = unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) };
     }
 }
 
@@ -282,441 +297,429 @@ fn pin_thread_to(topo: &NumaTopology, node: usize) {
     }
     // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    for &cpu in &info.cpus {
-        if cpu < libc::CPU_SETSIZE as usize {
-            // SAFETY: `cpu` is below CPU_SETSIZE and `set` is a valid cpu_set_t.
-            unsafe { libc::CPU_SET(cpu, &mut set) };
-        }
+    for &cpu in info
+        .cpus
+        .iter()
+        .filter(|&&c| c < libc::CPU_SETSIZE as usize)
+    {
+        // SAFETY: `cpu` is below CPU_SETSIZE and `set` is a valid cpu_set_t.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
     }
     // SAFETY: pid 0 is the calling thread; `set` is a valid, initialised cpu_set_t.
     let _ = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
 }
 
 fn describe_topology(topo: &NumaTopology) -> String {
-    let mut s = String::new();
     let ids = topo.node_ids();
-    let _ = write!(
-        s,
+    let mut s = format!(
         "NUMA topology: {} node(s)\n  node  cpus  memory  distances to",
         ids.len()
     );
     for id in ids {
         let _ = write!(s, " {id:>4}");
     }
-    s.push('\n');
     for info in topo.nodes() {
+        let memory = if info.has_memory {
+            format!("{}G", info.memory_bytes >> 30)
+        } else {
+            "none".to_owned()
+        };
         let _ = write!(
             s,
-            "  {:>4}  {:>4}  {:>6}  {:12}",
+            "\n  {:>4}  {:>4}  {memory:>6}  {:12}",
             info.id,
             info.cpus.len(),
-            if info.has_memory {
-                format!("{}G", info.memory_bytes >> 30)
-            } else {
-                "none".to_owned()
-            },
             ""
         );
         for &to in ids {
+            let d = topo.distance(info.id, to);
             let _ = write!(
                 s,
                 " {:>4}",
-                topo.distance(info.id, to)
-                    .map_or_else(|| "-".to_owned(), |d| d.to_string())
+                d.map_or_else(|| "-".to_owned(), |d| d.to_string())
             );
         }
-        s.push('\n');
     }
     s
 }
 
-/// Host-only: cold place+populate, cached reuse, and the system allocator's first-touch cost.
-fn host_alloc_costs(report: &mut Report, node: usize, size: usize) -> Res<()> {
-    let alloc = NumaGpuAlloc::new()
-        .node(node)
-        .pin(PinMode::Off)
-        .cache_limit(size.saturating_mul(2));
-    let _ = alloc.placement();
-    let (block, cold) = OurBlock::new(&alloc, size)?;
-    let mut row = Row::new("cold", "ours", Some(node), size);
-    row.ms = Some(ms(cold));
-    row.note = "mmap + mbind + populate".into();
-    report.rows.push(row);
-    drop(block);
-    let (block, reuse) = OurBlock::new(&alloc, size)?;
-    let mut row = Row::new("reuse", "ours", Some(node), size);
-    row.ms = Some(ms(reuse));
-    row.note = "freed block taken from the cache".into();
-    report.rows.push(row);
-    drop(block);
-
-    let start = Instant::now();
-    let mut v: Vec<u8> = Vec::with_capacity(size);
-    // SAFETY: `size` bytes of capacity; touching one byte per 4 KiB page faults them in.
-    unsafe {
-        let p = v.as_mut_ptr();
-        for off in (0..size).step_by(4096) {
-            p.add(off).write_volatile(0);
-        }
-    }
-    let took = start.elapsed();
-    drop(v);
-    let mut row = Row::new("cold", "system", None, size);
-    row.ms = Some(ms(took));
-    row.note = "malloc + first touch (no placement)".into();
-    report.rows.push(row);
-    Ok(())
+/// Everything the sections share.
+struct Bench<'a> {
+    args: &'a Args,
+    topo: &'a NumaTopology,
+    /// The driver and device ordinal, when CUDA is usable.
+    driver: Option<&'a Driver>,
+    /// Where blocks go: the GPU's host node, else this thread's node.
+    host: usize,
+    far: Option<usize>,
+    started: Instant,
+    rows: Vec<Row>,
+    /// Sections that stopped on an error.
+    failed_sections: usize,
+    /// Ours, without a cache: every block is cold.
+    ours: NumaGpuAlloc,
+    /// Ours, caching freed blocks of the first cold size.
+    cached: NumaGpuAlloc,
 }
 
-/// Host-only: memcpy bandwidth from a buffer on each node to one on the local node.
-fn host_copies(
-    report: &mut Report,
-    topo: &NumaTopology,
-    local: usize,
-    size: usize,
-    runs: usize,
-) -> Res<()> {
-    let dst_alloc = NumaGpuAlloc::new().node(local).pin(PinMode::Off);
-    let mut dst = OurBlock::filled(&dst_alloc, size, 0)?;
-    for info in topo.nodes().iter().filter(|n| n.has_memory) {
-        let src_alloc = NumaGpuAlloc::new().node(info.id).pin(PinMode::Off);
-        let mut src = OurBlock::filled(&src_alloc, size, 0xa5)?;
-        let src = src.as_mut_slice();
-        let dst = dst.as_mut_slice();
-        dst.copy_from_slice(src); // warm-up
-        let mut rates = Vec::with_capacity(runs);
-        for _ in 0..runs {
+/// An allocator of ours for `host`: pinning explicitly on (strict) with a driver, off without.
+fn ours_alloc(args: &Args, cuda: bool, host: usize, cache: usize) -> NumaGpuAlloc {
+    let alloc = NumaGpuAlloc::new().cache_limit(cache);
+    if cuda {
+        alloc.gpu(args.gpu).pin(PinMode::Strict)
+    } else {
+        alloc.node(host).pin(PinMode::Off)
+    }
+}
+
+impl Bench<'_> {
+    /// Runs one section unless the time budget is spent, then prints its rows and duration.
+    fn section(&mut self, title: &str, run: impl FnOnce(&mut Self) -> Res<()>) {
+        let first = self.rows.len();
+        let elapsed = self.started.elapsed().as_secs();
+        println!("\n== {title}");
+        if self.args.max_seconds.is_some_and(|max| elapsed >= max) {
+            println!("skipped: --max-seconds reached after {elapsed} s");
+            return;
+        }
+        let start = Instant::now();
+        if let Err(e) = run(self) {
+            self.failed_sections += 1;
+            println!("failed: {e}");
+        }
+        print_rows(&self.rows[first..]);
+        println!("[{title}: {:.1} s]", start.elapsed().as_secs_f64());
+    }
+
+    /// Cold cost of `size` bytes, methods alternated, median of `reps`.
+    fn cold(&mut self, size: usize) -> Res<()> {
+        if let Some(why) = short_of_memory(2 * size + GIB) {
+            println!("{why}");
+            return Ok(());
+        }
+        // Twice the size: the memory each method then gets back is equally warm.
+        pre_touch(2 * size);
+        let (mut ours, mut ours_pin) = (Vec::new(), Vec::new());
+        let (mut host_alloc, mut naive, mut naive_reg) = (Vec::new(), Vec::new(), Vec::new());
+        let mut populate = Vec::new();
+        let alloc = &self.ours;
+        let _ = alloc.placement(); // context and topology set up outside the timing
+        for _ in 0..self.args.reps {
+            let before = alloc.stats();
+            let (block, took) = OurBlock::new(alloc, size)?;
+            let after = alloc.stats();
+            drop(block);
+            alloc.trim();
+            ours.push(ms(took));
+            ours_pin.push(ms(after
+                .pin_time
+                .total
+                .saturating_sub(before.pin_time.total)));
+            populate.push(ms(after
+                .populate_time
+                .total
+                .saturating_sub(before.populate_time.total)));
+            let Some(driver) = self.driver else {
+                // The system allocator, first touch included (no placement, no pinning).
+                let start = Instant::now();
+                let mut v: Vec<u8> = Vec::with_capacity(size);
+                for page in v.spare_capacity_mut().iter_mut().step_by(4096) {
+                    page.write(0);
+                }
+                naive.push(ms(start.elapsed()));
+                drop(std::hint::black_box(v));
+                continue;
+            };
             let start = Instant::now();
-            dst.copy_from_slice(src);
-            std::hint::black_box(&dst[..]);
-            rates.push(gbps(size, start.elapsed().as_secs_f64()));
+            let block = driver.host_alloc(size)?;
+            host_alloc.push(ms(start.elapsed()));
+            drop(block);
+            // The naive path: a zeroed Vec (untouched pages from calloc), then registered.
+            let start = Instant::now();
+            let mut v = vec![0u8; size];
+            let ptr = NonNull::new(v.as_mut_ptr()).ok_or("null Vec")?;
+            let reg_start = Instant::now();
+            // SAFETY: the Vec's buffer is mapped, not registered, and outlives the guard
+            // (dropped first, below); the context is current on this thread.
+            let registered = unsafe { driver.register(ptr, size) }?;
+            naive_reg.push(ms(reg_start.elapsed()));
+            naive.push(ms(start.elapsed()));
+            drop(registered);
+            drop(v);
         }
-        let mut row = Row::new("host_copy", "ours", Some(info.id), size);
-        row.copy_gbps = Some(median(rates));
-        row.note = format!("node {} -> node {local}", info.id);
-        report.rows.push(row);
-    }
-    Ok(())
-}
-
-/// Median host→device and device→host bandwidth for one host buffer.
-fn dma(
-    stream: &Arc<CudaStream>,
-    host: &mut [u8],
-    dev: &mut CudaSlice<u8>,
-    runs: usize,
-) -> Res<(f64, f64)> {
-    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let bytes = host.len();
-    let mut dev = dev.slice_mut(0..bytes);
-    // Warm-up in both directions.
-    stream.memcpy_htod(&*host, &mut dev)?;
-    stream.memcpy_dtoh(&dev, &mut *host)?;
-    stream.synchronize()?;
-    let (mut h2d, mut d2h) = (Vec::new(), Vec::new());
-    for _ in 0..runs {
-        let a = stream.record_event(timing)?;
-        stream.memcpy_htod(&*host, &mut dev)?;
-        let b = stream.record_event(timing)?;
-        stream.memcpy_dtoh(&dev, &mut *host)?;
-        let c = stream.record_event(timing)?;
-        h2d.push(gbps(bytes, f64::from(a.elapsed_ms(&b)?) / 1e3));
-        d2h.push(gbps(bytes, f64::from(b.elapsed_ms(&c)?) / 1e3));
-    }
-    Ok((median(h2d), median(d2h)))
-}
-
-/// Registers a range with cuMemHostRegister (PORTABLE) until dropped.
-struct Registered(NonNull<u8>);
-
-impl Registered {
-    fn new(slice: &mut [u8]) -> Res<Registered> {
-        let ptr = NonNull::new(slice.as_mut_ptr()).ok_or("null buffer")?;
-        // SAFETY: the driver is present and a context is current; the slice is live, owned by
-        // the caller, not registered, and outlives the returned guard.
-        let res = unsafe {
-            sys::cuMemHostRegister_v2(
-                ptr.as_ptr().cast(),
-                slice.len(),
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
+        let node = Some(self.host);
+        let (ours_note, ours_reg) = if self.driver.is_some() {
+            (
+                "mmap + mbind + populate + cuMemHostRegister",
+                Some(median(ours_pin)),
             )
+        } else {
+            ("mmap + mbind + populate", None)
         };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuMemHostRegister_v2 failed: {res:?}").into());
+        self.rows.push(Row {
+            test: "cold",
+            memory: "ours",
+            node,
+            bytes: size,
+            ms: Some(median(ours.clone())),
+            register_ms: ours_reg,
+            note: format!(
+                "{ours_note}; populate {:.1} ms; {}",
+                median(populate),
+                spread(&ours)
+            ),
+            ..Row::default()
+        });
+        if self.driver.is_some() {
+            self.rows.push(Row {
+                test: "cold",
+                memory: "cuMemHostAlloc",
+                bytes: size,
+                ms: Some(median(host_alloc.clone())),
+                note: format!(
+                    "pages on the calling thread's node; {}",
+                    spread(&host_alloc)
+                ),
+                ..Row::default()
+            });
+            self.rows.push(Row {
+                test: "cold",
+                memory: "malloc+register",
+                bytes: size,
+                ms: Some(median(naive.clone())),
+                register_ms: Some(median(naive_reg)),
+                note: format!(
+                    "vec![0; n] + cuMemHostRegister, no placement; {}",
+                    spread(&naive)
+                ),
+                ..Row::default()
+            });
+        } else {
+            self.rows.push(Row {
+                test: "cold",
+                memory: "malloc+touch",
+                bytes: size,
+                ms: Some(median(naive.clone())),
+                note: format!("malloc + first touch, no placement; {}", spread(&naive)),
+                ..Row::default()
+            });
         }
-        Ok(Registered(ptr))
+        Ok(())
     }
-}
 
-impl Drop for Registered {
-    fn drop(&mut self) {
-        // SAFETY: registered in `new` with this base pointer; still mapped.
-        let _ = unsafe { sys::cuMemHostUnregister(self.0.as_ptr().cast()) };
+    /// A freed block taken back from the cache.
+    fn reuse(&mut self, size: usize) -> Res<()> {
+        if let Some(why) = short_of_memory(size + GIB) {
+            println!("{why}");
+            return Ok(());
+        }
+        drop(OurBlock::new(&self.cached, size)?);
+        let (block, took) = OurBlock::new(&self.cached, size)?;
+        drop(block);
+        self.rows.push(Row {
+            test: "reuse",
+            memory: "ours",
+            node: Some(self.host),
+            bytes: size,
+            ms: Some(ms(took)),
+            note: if self.driver.is_some() {
+                "freed block taken from the cache, still placed and pinned"
+            } else {
+                "freed block taken from the cache, still placed"
+            }
+            .into(),
+            ..Row::default()
+        });
+        Ok(())
     }
-}
 
-/// The host memory one bandwidth row measures.
-enum HostKind<'a> {
-    /// A `Vec` from the system allocator.
-    Pageable,
-    /// `cuMemHostAlloc(PORTABLE)`.
-    CudaHost,
-    /// A block from an allocator that pins it itself.
-    Ours(&'a NumaGpuAlloc),
-    /// A block from an unpinned allocator, registered here.
-    OursRegistered(&'a NumaGpuAlloc),
-}
-
-struct GpuSide<'a> {
-    ctx: &'a Arc<CudaContext>,
-    stream: &'a Arc<CudaStream>,
-    runs: usize,
-}
-
-impl GpuSide<'_> {
-    fn measure(&self, kind: HostKind, size: usize, dev: &mut CudaSlice<u8>) -> Res<(f64, f64)> {
-        match kind {
-            HostKind::Pageable => {
-                let mut v = vec![0x11u8; size];
-                dma(self.stream, &mut v, dev, self.runs)
-            }
-            HostKind::CudaHost => {
-                self.ctx.bind_to_thread()?;
-                let (mut b, _) = CudaHostBlock::new(size)?;
-                dma(self.stream, b.as_mut_slice(), dev, self.runs)
-            }
-            HostKind::Ours(alloc) => {
-                let mut b = OurBlock::filled(alloc, size, 0x22)?;
-                dma(self.stream, b.as_mut_slice(), dev, self.runs)
-            }
-            HostKind::OursRegistered(alloc) => {
-                let mut b = OurBlock::filled(alloc, size, 0x33)?;
-                self.ctx.bind_to_thread()?;
-                let slice = b.as_mut_slice();
-                let _registered = Registered::new(slice)?;
-                dma(self.stream, slice, dev, self.runs)
+    /// Cold place + populate of one block with each thread count (host-only: no pinning).
+    fn scaling(&mut self) -> Res<()> {
+        let size = self.args.scaling_size;
+        if let Some(why) = short_of_memory(size + GIB) {
+            println!("{why}");
+            return Ok(());
+        }
+        pre_touch(size);
+        let allocs: Vec<NumaGpuAlloc> = (self.args.threads.iter())
+            .map(|&threads| {
+                NumaGpuAlloc::new()
+                    .node(self.host)
+                    .pin(PinMode::Off)
+                    .cache_limit(0)
+                    .populate_threads(threads)
+            })
+            .collect();
+        allocs.iter().for_each(|a| drop(a.placement()));
+        // Thread counts take turns, so that a slow spell of the machine (a hypervisor backing
+        // memory again) lands on one sample of each row rather than on one row.
+        let mut samples = vec![Vec::new(); allocs.len()];
+        for _ in 0..self.args.reps {
+            for (alloc, samples) in allocs.iter().zip(&mut samples) {
+                let (block, took) = OurBlock::new(alloc, size)?;
+                drop(block);
+                samples.push(ms(took));
             }
         }
-    }
-}
-
-fn bandwidth_row(
-    memory: &'static str,
-    node: Option<usize>,
-    bytes: usize,
-    result: Res<(f64, f64)>,
-) -> Row {
-    let mut row = Row::new("bandwidth", memory, node, bytes);
-    match result {
-        Ok((h2d, d2h)) => {
-            row.h2d_gbps = Some(h2d);
-            row.d2h_gbps = Some(d2h);
+        let base = median(samples[0].clone());
+        for (&threads, samples) in self.args.threads.iter().zip(samples) {
+            let m = median(samples.clone());
+            self.rows.push(Row {
+                test: "populate",
+                memory: "ours",
+                node: Some(self.host),
+                bytes: size,
+                threads: Some(threads),
+                ms: Some(m),
+                note: format!("{:.2}x the first row; {}", base / m, spread(&samples)),
+                ..Row::default()
+            });
         }
-        Err(e) => row.note = format!("failed: {e}"),
+        Ok(())
     }
-    row
-}
 
-fn gpu_part(report: &mut Report, args: &Args, topo: &NumaTopology) -> Res<()> {
-    let ours = NumaGpuAlloc::new()
-        .gpu(args.gpu)
-        .pin(PinMode::Strict)
-        .cache_limit(args.cold_size.saturating_mul(2));
-    let placement = ours.placement();
-    report.host_node = Some(placement.host_node);
-    report.home_node = placement.home_node;
-    let ordinal = placement
-        .gpu_ordinal
-        .ok_or("numa-gpu-alloc found no GPU to pin for")?;
-    report.gpu = Some(format!(
-        "{ordinal} ({}) {}",
-        placement
-            .gpu_pci
-            .map_or_else(|| "?".to_owned(), |p| p.to_string()),
-        placement.gpu_name.clone().unwrap_or_default()
-    ));
-    if !placement.pinning {
-        return Err("numa-gpu-alloc does not pin (see its stats)".into());
-    }
-    let host = placement.host_node;
-    // The thread that populates and drives the copies sits on the GPU's socket, as a loader would.
-    pin_thread_to(topo, host);
-    report.far_node = topo.farthest_node_from(host).filter(|&n| n != host);
-    let ctx = CudaContext::new(ordinal as usize)?;
-    let stream = ctx.default_stream();
-    let max = args.sizes.iter().copied().max().unwrap_or(0);
-    let mut dev = stream.alloc_zeros::<u8>(max)?;
-    let far_alloc = report
-        .far_node
-        // `bind`: the row is only reported if every page really is on the far node.
-        .map(|n| {
-            NumaGpuAlloc::new()
+    /// Host→device and device→host bandwidth for every size and kind of host memory.
+    fn bandwidth(&mut self, driver: &Driver) -> Res<()> {
+        let max = self.args.bw_sizes.iter().copied().max().unwrap_or(0);
+        let copier = driver.copier(max)?;
+        let ours = &self.ours;
+        // `bind`: every page really is on the far node, or the allocation fails.
+        let far = self.far.map(|n| {
+            let alloc = NumaGpuAlloc::new()
                 .node(n)
                 .policy(MemPolicy::Bind)
                 .pin(PinMode::Off)
+                .cache_limit(0);
+            (n, alloc)
         });
-
-    for &size in &args.sizes {
-        let gpu = GpuSide {
-            ctx: &ctx,
-            stream: &stream,
-            runs: args.runs,
-        };
-        let mut memories: Vec<(&'static str, Option<usize>, HostKind)> = vec![
-            ("pageable", None, HostKind::Pageable),
-            ("cuMemHostAlloc", None, HostKind::CudaHost),
-            ("ours", Some(host), HostKind::Ours(&ours)),
-        ];
-        if let (Some(far), Some(alloc)) = (report.far_node, far_alloc.as_ref()) {
-            memories.push(("ours-far", Some(far), HostKind::OursRegistered(alloc)));
+        for &size in &self.args.bw_sizes {
+            let copies = MIN_SAMPLE_BYTES.div_ceil(size).max(1);
+            let measure = |memory: &'static str, node: Option<usize>, host: &mut [u8]| {
+                let mut row = Row {
+                    test: "bandwidth",
+                    memory,
+                    node,
+                    bytes: size,
+                    note: format!(
+                        "{copies} cop{} per sample",
+                        if copies == 1 { "y" } else { "ies" }
+                    ),
+                    ..Row::default()
+                };
+                let mut rate = |direction| -> Res<f64> {
+                    copier.time(host, direction, 1)?; // warm-up
+                    let samples = (0..self.args.runs)
+                        .map(|_| copier.time(host, direction, copies))
+                        .collect::<Result<Vec<f64>, _>>()?;
+                    let gbps = samples.iter().map(|s| (size * copies) as f64 / s / 1e9);
+                    Ok(median(gbps.collect()))
+                };
+                match (rate(Direction::HtoD), rate(Direction::DtoH)) {
+                    (Ok(h2d), Ok(d2h)) => (row.h2d_gbps, row.d2h_gbps) = (Some(h2d), Some(d2h)),
+                    (Err(e), _) | (_, Err(e)) => row.note = format!("failed: {e}"),
+                }
+                row
+            };
+            let mut rows = Vec::new();
+            rows.push(measure("pageable", None, &mut vec![0x11u8; size]));
+            let mut pinned = driver.host_alloc(size)?;
+            rows.push(measure("cuMemHostAlloc", None, pinned.as_mut_slice()));
+            drop(pinned);
+            let (mut block, _) = OurBlock::new(ours, size)?;
+            rows.push(measure("ours", Some(self.host), block.filled(0x22)));
+            drop(block);
+            if let Some((node, alloc)) = &far {
+                let (mut block, _) = OurBlock::new(alloc, size)?;
+                let slice = block.filled(0x33);
+                let ptr = NonNull::new(slice.as_mut_ptr()).ok_or("null block")?;
+                // SAFETY: the block is mapped, not registered (its allocator does not pin),
+                // and outlives the guard, dropped at the end of this block.
+                let _registered = unsafe { driver.register(ptr, size) }?;
+                rows.push(measure("ours-far", Some(*node), slice));
+            }
+            self.rows.extend(rows);
         }
-        for (memory, node, kind) in memories {
-            let result = gpu.measure(kind, size, &mut dev);
-            report.rows.push(bandwidth_row(memory, node, size, result));
+        Ok(())
+    }
+
+    /// Without a GPU: memcpy bandwidth from a buffer on each node to one on `host`.
+    fn host_copies(&mut self, size: usize) -> Res<()> {
+        let dst_alloc = NumaGpuAlloc::new().node(self.host).pin(PinMode::Off);
+        let (mut dst, _) = OurBlock::new(&dst_alloc, size)?;
+        let dst = dst.filled(0);
+        for info in self.topo.nodes().iter().filter(|n| n.has_memory) {
+            let src_alloc = NumaGpuAlloc::new().node(info.id).pin(PinMode::Off);
+            let (mut src, _) = OurBlock::new(&src_alloc, size)?;
+            let src = src.filled(0xa5);
+            dst.copy_from_slice(src); // warm-up
+            let rates = (0..self.args.runs)
+                .map(|_| {
+                    let start = Instant::now();
+                    dst.copy_from_slice(src);
+                    std::hint::black_box(&dst[..]);
+                    size as f64 / start.elapsed().as_secs_f64() / 1e9
+                })
+                .collect();
+            self.rows.push(Row {
+                test: "host_copy",
+                memory: "ours",
+                node: Some(info.id),
+                bytes: size,
+                copy_gbps: Some(median(rates)),
+                note: format!("node {} -> node {}", info.id, self.host),
+                ..Row::default()
+            });
         }
+        Ok(())
     }
-    drop(dev);
-
-    // Cold cost of one pinned block, and its cached reuse.
-    let cold = args.cold_size;
-    ours.trim();
-    let before = ours.stats();
-    let (block, took) = OurBlock::new(&ours, cold)?;
-    let after = ours.stats();
-    let mut row = Row::new("cold", "ours", Some(host), cold);
-    row.ms = Some(ms(took));
-    row.note = format!(
-        "populate {:.1} ms + pin {:.1} ms",
-        ms(after
-            .populate_time
-            .total
-            .saturating_sub(before.populate_time.total)),
-        ms(after.pin_time.total.saturating_sub(before.pin_time.total))
-    );
-    report.rows.push(row);
-    drop(block);
-    let (block, took) = OurBlock::new(&ours, cold)?;
-    let mut row = Row::new("reuse", "ours", Some(host), cold);
-    row.ms = Some(ms(took));
-    row.note = "cached block, still placed and pinned".into();
-    report.rows.push(row);
-    drop(block);
-    ours.trim();
-
-    ctx.bind_to_thread()?;
-    let (block, took) = CudaHostBlock::new(cold)?;
-    let mut row = Row::new("cold", "cuMemHostAlloc", None, cold);
-    row.ms = Some(ms(took));
-    row.note = "pages on the calling thread's node".into();
-    report.rows.push(row);
-    drop(block);
-    Ok(())
 }
 
-fn opt_f(v: Option<f64>, prec: usize) -> String {
-    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.prec$}"))
-}
-
-fn opt_u(v: Option<usize>) -> String {
-    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
-}
-
-fn print_text(r: &Report) {
-    print!("{}", r.topology);
-    if let Some(local) = r.local_node {
-        println!("local node (this thread): {local}");
-    }
-    if r.cuda {
-        println!(
-            "GPU: {}\nGPU home node: {}   host node: {}   farthest node: {}",
-            r.gpu.as_deref().unwrap_or("-"),
-            opt_u(r.home_node),
-            opt_u(r.host_node),
-            opt_u(r.far_node)
-        );
-    }
-    let bw: Vec<&Row> = r.rows.iter().filter(|x| x.test == "bandwidth").collect();
-    if !bw.is_empty() {
-        println!("\nDMA bandwidth (GB/s, median)");
-        println!(
-            "{:>10}  {:<16} {:>5}  {:>8}  {:>8}  note",
-            "size", "memory", "node", "H2D", "D2H"
-        );
-        for x in bw {
+fn print_rows(rows: &[Row]) {
+    let Some(first) = rows.first() else { return };
+    match first.test {
+        "bandwidth" | "host_copy" => {
+            let (a, b) = match first.test {
+                "bandwidth" => ("H2D GB/s", "D2H GB/s"),
+                _ => ("GB/s", ""),
+            };
             println!(
-                "{:>10}  {:<16} {:>5}  {:>8}  {:>8}  {}",
-                mib(x.bytes),
-                x.memory,
-                opt_u(x.node),
-                opt_f(x.h2d_gbps, 2),
-                opt_f(x.d2h_gbps, 2),
-                x.note
+                "{:>10}  {:<16} {:>5}  {a:>8}  {b:>8}  note",
+                "size", "memory", "node"
             );
+            for r in rows {
+                let (a, b) = match r.copy_gbps {
+                    Some(copy) => (Some(copy), None),
+                    None => (r.h2d_gbps, r.d2h_gbps),
+                };
+                println!(
+                    "{:>10}  {:<16} {:>5}  {:>8}  {:>8}  {}",
+                    size_text(r.bytes),
+                    r.memory,
+                    opt_u(r.node),
+                    opt(a, 2),
+                    opt(b, 2),
+                    r.note
+                );
+            }
         }
-    }
-    let costs: Vec<&Row> = r
-        .rows
-        .iter()
-        .filter(|x| x.test == "cold" || x.test == "reuse")
-        .collect();
-    if !costs.is_empty() {
-        println!("\nAllocation cost (ms)");
-        println!(
-            "{:>10}  {:<6} {:<16} {:>5}  {:>10}  note",
-            "size", "test", "memory", "node", "ms"
-        );
-        for x in costs {
+        _ => {
             println!(
-                "{:>10}  {:<6} {:<16} {:>5}  {:>10}  {}",
-                mib(x.bytes),
-                x.test,
-                x.memory,
-                opt_u(x.node),
-                opt_f(x.ms, 3),
-                x.note
+                "{:>10}  {:<16} {:>5}  {:>7}  {:>10}  {:>11}  note",
+                "size", "memory", "node", "threads", "median ms", "register ms"
             );
+            for r in rows {
+                println!(
+                    "{:>10}  {:<16} {:>5}  {:>7}  {:>10}  {:>11}  {}",
+                    size_text(r.bytes),
+                    r.memory,
+                    opt_u(r.node),
+                    opt_u(r.threads),
+                    opt(r.ms, 1),
+                    opt(r.register_ms, 1),
+                    r.note
+                );
+            }
         }
-    }
-    let copies: Vec<&Row> = r.rows.iter().filter(|x| x.test == "host_copy").collect();
-    if !copies.is_empty() {
-        println!("\nHost copy bandwidth to the local node (GB/s, median)");
-        println!("{:>10}  {:>9}  {:>8}  note", "size", "from node", "GB/s");
-        for x in copies {
-            println!(
-                "{:>10}  {:>9}  {:>8}  {}",
-                mib(x.bytes),
-                opt_u(x.node),
-                opt_f(x.copy_gbps, 2),
-                x.note
-            );
-        }
-    }
-}
-
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_owned()
-    }
-}
-
-fn print_csv(r: &Report) {
-    println!("test,memory,node,bytes,h2d_gbps,d2h_gbps,copy_gbps,ms,note");
-    for x in &r.rows {
-        let f = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.4}"));
-        println!(
-            "{},{},{},{},{},{},{},{},{}",
-            x.test,
-            x.memory,
-            x.node.map_or_else(String::new, |n| n.to_string()),
-            x.bytes,
-            f(x.h2d_gbps),
-            f(x.d2h_gbps),
-            f(x.copy_gbps),
-            f(x.ms),
-            csv_field(&x.note)
-        );
     }
 }
 
@@ -748,98 +751,150 @@ fn json_usize(v: Option<usize>) -> String {
     v.map_or_else(|| "null".to_owned(), |v| v.to_string())
 }
 
-fn print_json(r: &Report) {
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        "{{\"cuda\":{},\"cuda_note\":{},\"gpu\":{},\"local_node\":{},\"home_node\":{},\
-         \"host_node\":{},\"far_node\":{},\"rows\":[",
-        r.cuda,
-        json_str(&r.cuda_note),
-        r.gpu.as_deref().map_or_else(|| "null".to_owned(), json_str),
-        json_usize(r.local_node),
-        json_usize(r.home_node),
-        json_usize(r.host_node),
-        json_usize(r.far_node)
-    );
-    for (i, x) in r.rows.iter().enumerate() {
+/// The run as one JSON object: what was found, then every row.
+fn to_json(header: &[(&str, String)], rows: &[Row]) -> String {
+    let mut s = String::from("{");
+    for (key, value) in header {
+        let _ = write!(s, "{}:{value},", json_str(key));
+    }
+    s.push_str("\"rows\":[");
+    for (i, r) in rows.iter().enumerate() {
         if i > 0 {
             s.push(',');
         }
         let _ = write!(
             s,
-            "{{\"test\":{},\"memory\":{},\"node\":{},\"bytes\":{},\"h2d_gbps\":{},\
-             \"d2h_gbps\":{},\"copy_gbps\":{},\"ms\":{},\"note\":{}}}",
-            json_str(x.test),
-            json_str(x.memory),
-            json_usize(x.node),
-            x.bytes,
-            json_num(x.h2d_gbps),
-            json_num(x.d2h_gbps),
-            json_num(x.copy_gbps),
-            json_num(x.ms),
-            json_str(&x.note)
+            "{{\"test\":{},\"memory\":{},\"node\":{},\"bytes\":{},\"threads\":{},\"ms\":{},\
+             \"register_ms\":{},\"h2d_gbps\":{},\"d2h_gbps\":{},\"copy_gbps\":{},\"note\":{}}}",
+            json_str(r.test),
+            json_str(r.memory),
+            json_usize(r.node),
+            r.bytes,
+            json_usize(r.threads),
+            json_num(r.ms),
+            json_num(r.register_ms),
+            json_num(r.h2d_gbps),
+            json_num(r.d2h_gbps),
+            json_num(r.copy_gbps),
+            json_str(&r.note)
         );
     }
-    s.push_str("]}");
-    println!("{s}");
+    s.push_str("]}\n");
+    s
 }
 
 fn main() -> Res<()> {
     let args = parse_args()?;
-    let note = |line: &str| {
-        if args.format == Format::Text {
-            println!("{line}");
-        } else {
-            eprintln!("{line}");
-        }
-    };
+    let started = Instant::now();
     let topo = NumaTopology::from_sysfs().unwrap_or_else(|e| {
-        note(&format!(
-            "cannot read the NUMA topology ({e}); assuming one node"
-        ));
+        println!("cannot read the NUMA topology ({e}); assuming one node");
         NumaTopology::single_node()
     });
+    println!("{}", describe_topology(&topo));
     let local = numa_gpu_alloc::sys::current_node()
         .ok()
         .filter(|&n| topo.contains(n))
-        .or_else(|| topo.node_ids().first().copied());
-    if let Some(local) = local {
-        pin_thread_to(&topo, local);
+        .or_else(|| topo.node_ids().first().copied())
+        .unwrap_or(0);
+    let unavailable = numa_gpu_alloc::cuda_unavailable_reason();
+    let mut header = vec![("cuda", (unavailable.is_none()).to_string())];
+    let mut host = local;
+    let mut driver = None;
+    match &unavailable {
+        Some(why) => {
+            println!("no CUDA driver: {why}");
+            println!("measuring host-side costs only (no pinning, no DMA)");
+            header.push(("cuda_unavailable", json_str(&why.to_string())));
+        }
+        None => {
+            let placement = NumaGpuAlloc::new()
+                .gpu(args.gpu)
+                .pin(PinMode::Strict)
+                .placement();
+            let ordinal = placement
+                .gpu_ordinal
+                .ok_or("the CUDA driver is usable but numa-gpu-alloc found no GPU")?;
+            let gpu = format!(
+                "{ordinal} ({}) {}",
+                placement
+                    .gpu_pci
+                    .map_or_else(|| "?".to_owned(), |p| p.to_string()),
+                placement.gpu_name.clone().unwrap_or_default()
+            );
+            host = placement.host_node;
+            println!(
+                "GPU {gpu}; home node {}, host node {host}",
+                opt_u(placement.home_node)
+            );
+            header.push(("gpu", json_str(&gpu)));
+            header.push(("home_node", json_usize(placement.home_node)));
+            driver = Some(Driver::open(ordinal)?);
+        }
     }
-    let cuda = numa_gpu_alloc::cuda_driver_present();
-    let mut report = Report {
-        cuda,
-        cuda_note: String::new(),
-        topology: describe_topology(&topo),
-        local_node: local,
-        host_node: None,
-        home_node: None,
-        far_node: None,
-        gpu: None,
+    // The thread that allocates and drives the copies sits on the host node, as a loader would.
+    pin_thread_to(&topo, host);
+    let far = topo.farthest_node_from(host).filter(|&n| n != host);
+    header.push(("host_node", host.to_string()));
+    header.push(("far_node", json_usize(far)));
+    let mut bench = Bench {
+        args: &args,
+        topo: &topo,
+        driver: driver.as_ref(),
+        host,
+        far,
+        started,
         rows: Vec::new(),
+        failed_sections: 0,
+        ours: ours_alloc(&args, driver.is_some(), host, 0),
+        cached: ours_alloc(
+            &args,
+            driver.is_some(),
+            host,
+            args.cold_sizes.first().map_or(0, |&s| s.saturating_mul(2)),
+        ),
     };
-    if cuda {
-        if let Err(e) = gpu_part(&mut report, &args, &topo) {
-            report.cuda_note = format!("GPU measurements stopped: {e}");
-            note(&report.cuda_note);
-        }
-    } else {
-        report.cuda_note =
-            "no CUDA driver (libcuda not found or cuInit failed): measuring host-side \
-                            costs only"
-                .to_owned();
-        note(&report.cuda_note);
-        let node = local.unwrap_or(0);
-        host_alloc_costs(&mut report, node, args.cold_size)?;
-        for &size in &args.sizes {
-            host_copies(&mut report, &topo, node, size, args.runs)?;
-        }
+    // The DMA table first: it is what a short run must not lose to the time budget.
+    if let Some(d) = driver.as_ref() {
+        bench.section("DMA bandwidth (CUDA events, median)", |b| b.bandwidth(d));
     }
-    match args.format {
-        Format::Text => print_text(&report),
-        Format::Csv => print_csv(&report),
-        Format::Json => print_json(&report),
+    for &size in &args.cold_sizes {
+        bench.section(&format!("cold cost, {}", size_text(size)), |b| b.cold(size));
+    }
+    if let Some(&size) = args.cold_sizes.first() {
+        bench.section("reuse from the cache", |b| b.reuse(size));
+    }
+    bench.section(
+        &format!("populate scaling, {}", size_text(args.scaling_size)),
+        Bench::scaling,
+    );
+    if driver.is_none() {
+        let size = args.bw_sizes.iter().copied().max().unwrap_or(64 * MIB);
+        bench.section("host copy bandwidth to the host node (GB/s, median)", |b| {
+            b.host_copies(size)
+        });
+    }
+    let last_pin_error = [&bench.ours, &bench.cached]
+        .iter()
+        .find_map(|alloc| alloc.stats().last_pin_error)
+        .map_or_else(|| "none".to_owned(), |e| e.to_string());
+    match &unavailable {
+        Some(why) => println!("\nmeasured host-side costs only: {why}"),
+        None => println!("\nlast registration error: {last_pin_error}"),
+    }
+    header.push(("last_pin_error", json_str(&last_pin_error)));
+    println!("total {:.1} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json_out {
+        header.push(("seconds", format!("{:.1}", started.elapsed().as_secs_f64())));
+        std::fs::write(path, to_json(&header, &bench.rows))
+            .map_err(|e| format!("cannot write {path}: {e}"))?;
+    }
+    let failed_rows = bench.rows.iter().filter(|r| r.note.starts_with("failed:"));
+    let failures = bench.failed_sections + failed_rows.count();
+    if failures > 0 {
+        return Err(format!(
+            "{failures} section(s) or row(s) failed (lines starting with failed:)"
+        )
+        .into());
     }
     Ok(())
 }

@@ -1,13 +1,19 @@
 //! `NumaGpuAlloc` as the global allocator: every large `Vec` lands on the GPU's host node (or,
-//! without a GPU, the node of the first thread that allocates large), pinned when CUDA is there.
+//! without a GPU, the node of the first thread that allocates large), here with pinning turned
+//! on, so that it is page-locked too when CUDA is there.
+//!
+//! Pinning is opt-in because it makes CUDA copies asynchronous: a program that copies these
+//! `Vec`s with cudarc must call `ALLOC.record_stream(v.as_ptr(), &stream)` after queueing a copy
+//! and synchronise the stream before reading a download — or copy through `PinnedBuf`, which
+//! does both. Without pinning (`NumaGpuAlloc::new()`), copies stay synchronous.
 //!
 //! Run: `cargo run --release --example global_allocator`
-//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on cargo run --release --example global_allocator`
+//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on,stats=exit cargo run --release --example global_allocator`
 
-use numa_gpu_alloc::NumaGpuAlloc;
+use numa_gpu_alloc::{NumaGpuAlloc, PinMode};
 
 #[global_allocator]
-static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
+static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
 
 fn main() {
     let placement = ALLOC.placement();

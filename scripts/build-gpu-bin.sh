@@ -2,13 +2,17 @@
 # Builds what scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain:
 #   gpu-bin/tests/<kind>-<name>   release test executables (unit tests and tests/*.rs)
 #   gpu-bin/bench-dma             the criterion DMA benchmark (benches/dma.rs)
+#   gpu-bin/bench-pinned          the pinned pipeline benchmark (benches/pinned.rs)
 #   gpu-bin/dma_bench             the DMA example
 #   gpu-bin/gpu-check.sh          the runner; gpu-bin/MANIFEST  what was built, from which commit
 #
 # usage: scripts/build-gpu-bin.sh [OUT_DIR]        (default: gpu-bin/ in the repository root)
 # Extra cargo arguments (e.g. --target x86_64-unknown-linux-gnu) may be given in $CARGO_ARGS.
-# Copy the folder to the GPU machine and run `gpu-bin/gpu-check.sh` there. The binaries load
-# libcuda at run time, so they need only glibc (no older than the build machine's) and the driver.
+# Copy the folder to the GPU machine and run `bash gpu-bin/gpu-check.sh --deadline 420` there
+# (with the project's device `run` tool: carry ["gpu-bin"]; the check writes its logs and
+# summary.json to $OUT). The binaries load libcuda at run time, so they need only glibc (no older
+# than the build machine's) and the driver. The folder must stay under the 64 MiB a device run
+# can carry: the script fails if it does not.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,8 +39,9 @@ n=0
 while read -r kind name exe; do
     case $kind in
         lib) dest="$out/tests/unit-$name" ;;
-        # These read fixture files from the source tree, which does not travel.
-        test) case $name in fixture_placement | topology_fixtures | fuzz_corpus) continue ;; esac
+        # These read fixture files from the source tree, which does not travel; `faults` holds
+        # no test without the fault-injection feature (CI runs it, host-side).
+        test) case $name in fixture_placement | topology_fixtures | fuzz_corpus | faults) continue ;; esac
               dest="$out/tests/test-$name" ;;
         *) continue ;; # examples are built (not as tests) by `cargo test`: not test binaries
     esac
@@ -45,11 +50,13 @@ while read -r kind name exe; do
 done < <(cargo test --release --no-run --message-format=json "${extra[@]}" | executables)
 [ "$n" -gt 0 ] || { echo "no test executables found" >&2; exit 1; }
 
-echo "building the dma bench..." >&2
+echo "building the dma and pinned benches..." >&2
 while read -r kind name exe; do
     [ "$kind" = bench ] && cp "$exe" "$out/bench-$name"
-done < <(cargo bench --no-run --bench dma --message-format=json "${extra[@]}" | executables)
-[ -x "$out/bench-dma" ] || { echo "the dma bench was not built" >&2; exit 1; }
+done < <(cargo bench --no-run --bench dma --bench pinned --message-format=json "${extra[@]}" | executables)
+for bench in dma pinned; do
+    [ -x "$out/bench-$bench" ] || { echo "the $bench bench was not built" >&2; exit 1; }
+done
 
 echo "building the dma_bench example..." >&2
 while read -r kind name exe; do
@@ -71,5 +78,10 @@ chmod +x "$out/gpu-check.sh"
     echo "files:"
     (cd "$out" && find . -type f ! -name MANIFEST | sort | sed 's/^/  /')
 } >"$out/MANIFEST"
-du -sh "$out" >&2
-echo "done: $out (run ./gpu-check.sh inside it on the GPU machine)" >&2
+size_kib=$(du -sk "$out" | cut -f1)
+echo "bundle: $((size_kib / 1024)) MiB in $out" >&2
+if [ "$size_kib" -gt $((64 * 1024)) ]; then
+    echo "the bundle is larger than the 64 MiB a device run can carry" >&2
+    exit 1
+fi
+echo "done: run \`bash $(basename "$out")/gpu-check.sh --deadline 420\` from the folder above it on the GPU machine" >&2

@@ -139,7 +139,7 @@ impl NumaGpuAlloc {
         self
     }
 
-    /// Page-locking mode (default [`PinMode::Fallback`]).
+    /// Page-locking mode (default [`PinMode::Off`]; see the README on what pinning changes).
     pub const fn pin(mut self, mode: PinMode) -> Self {
         self.config.pin = mode;
         self
@@ -199,6 +199,17 @@ impl NumaGpuAlloc {
         }
     }
 
+    /// Starts the peaks over, as PyTorch's `reset_peak_host_memory_stats` does: each node's
+    /// [`peak_live_bytes`](crate::NodeStats::peak_live_bytes) becomes its live bytes now, and the
+    /// longest populate and pin times become zero. Totals and counts are kept.
+    pub fn reset_peaks(&self) {
+        let _inside = Inside::enter();
+        if let Some(rt) = self.initialised() {
+            rt.arena.lock().reset_peak();
+            rt.counters.reset_peaks();
+        }
+    }
+
     /// Releases every cached block (unregistering and unmapping it). Live blocks are untouched,
     /// and so are freed blocks that GPU work recorded against them may still use: those stay
     /// pending (`trim` never waits, and never unmaps memory a DMA may still read).
@@ -213,13 +224,6 @@ impl NumaGpuAlloc {
     /// block is freed before `work` completed, it waits in the pending list instead of the cache.
     /// Gives `work` back when no live block of this allocator contains `ptr`, so that the caller
     /// can wait on it itself.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the CUDA side of stream-ordered reuse (issue 10) calls it"
-        )
-    )]
     pub(crate) fn record_in_flight(
         &self,
         ptr: *const u8,
@@ -253,7 +257,7 @@ impl NumaGpuAlloc {
             rt
         });
         if initialised_here {
-            rt.report_setup_errors();
+            rt.report_setup_errors(self);
         }
         rt
     }

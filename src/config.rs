@@ -45,16 +45,31 @@ pub enum Target {
 /// What to do about page-locking (`cuMemHostRegister`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PinMode {
-    /// Pin; when registration fails keep the block unpinned and count it.
-    Fallback,
+    /// Pin; when registration fails keep the block unpinned and count it (`pin=on`).
+    On,
     /// Pin; when registration fails the allocation fails.
     Strict,
-    /// Never pin.
+    /// Never pin (the default): copies from and to these blocks stay synchronous.
     Off,
 }
 
-/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+/// What an allocator prints about itself when the process exits (`stats=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StatsAtExit {
+    /// Nothing (the default).
+    Off,
+    /// The [`Stats`](crate::Stats) table, to stderr (`stats=exit`).
+    Table,
+    /// [`Stats::json`](crate::Stats::json) on one line, to stderr (`stats=json`).
+    Json,
+}
+
+/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+///
+/// Start from [`Config::DEFAULT`] (or `Config::default()`) and set fields: more may be added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// Requests of at least this many bytes take the large path.
     pub threshold: usize,
@@ -78,11 +93,13 @@ pub struct Config {
     pub populate_threads: usize,
     /// Root of sysfs (`/sys`); tests point it at fixture trees.
     pub sysfs_root: &'static str,
+    /// Whether the stats are printed at process exit, and how.
+    pub stats_at_exit: StatsAtExit,
 }
 
 impl Config {
     /// The defaults: 2 MiB threshold, default target, `preferred` policy, 4 GiB cache, huge
-    /// pages on, no verification, pinning with fallback (PORTABLE only), automatic threads.
+    /// pages on, no verification, no pinning, automatic threads.
     pub const DEFAULT: Config = Config {
         threshold: DEFAULT_THRESHOLD,
         target: Target::Default,
@@ -90,11 +107,12 @@ impl Config {
         cache_limit: DEFAULT_CACHE_LIMIT,
         huge_pages: true,
         verify: false,
-        pin: PinMode::Fallback,
+        pin: PinMode::Off,
         pin_devicemap: false,
         pin_read_only: false,
         populate_threads: 0,
         sysfs_root: "/sys",
+        stats_at_exit: StatsAtExit::Off,
     };
 
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
@@ -147,12 +165,13 @@ impl Config {
             "devicemap" => self.pin_devicemap = parse_switch(key, value)?,
             "readonly" => self.pin_read_only = parse_switch(key, value)?,
             "threads" => self.populate_threads = parse_threads(value)?,
+            "stats" => self.stats_at_exit = parse_stats(value)?,
             _ => {
                 return Err(config_error(
                     key,
                     value,
                     "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads",
+                     readonly, threads, stats",
                 ))
             }
         }
@@ -273,10 +292,11 @@ fn parse_policy(value: &str) -> Result<MemPolicy, Error> {
 
 fn parse_pin(value: &str) -> Result<PinMode, Error> {
     match value.to_ascii_lowercase().as_str() {
-        "fallback" => Ok(PinMode::Fallback),
+        // `fallback` was this mode's name before pinning became opt-in.
+        "on" | "fallback" => Ok(PinMode::On),
         "strict" => Ok(PinMode::Strict),
         "off" => Ok(PinMode::Off),
-        _ => Err(config_error("pin", value, "fallback, strict or off")),
+        _ => Err(config_error("pin", value, "on, strict or off")),
     }
 }
 
@@ -285,6 +305,19 @@ fn parse_switch(key: &str, value: &str) -> Result<bool, Error> {
         "on" | "true" | "1" | "yes" => Ok(true),
         "off" | "false" | "0" | "no" => Ok(false),
         _ => Err(config_error(key, value, "on or off")),
+    }
+}
+
+fn parse_stats(value: &str) -> Result<StatsAtExit, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "off" => Ok(StatsAtExit::Off),
+        "exit" => Ok(StatsAtExit::Table),
+        "json" => Ok(StatsAtExit::Json),
+        _ => Err(config_error(
+            "stats",
+            value,
+            "exit (the table at exit), json (JSON at exit) or off",
+        )),
     }
 }
 
@@ -367,6 +400,23 @@ mod tests {
         assert!(c.apply_settings("").is_empty());
         assert!(c.apply_settings(",,, ,").is_empty());
         assert_eq!(c.apply_settings("novalue").len(), 1);
+    }
+
+    #[test]
+    fn stats_at_exit() {
+        let mut c = Config::DEFAULT;
+        assert_eq!(c.stats_at_exit, StatsAtExit::Off);
+        assert!(c.apply_settings("stats=exit").is_empty());
+        assert_eq!(c.stats_at_exit, StatsAtExit::Table);
+        assert!(c.apply_settings("stats=JSON").is_empty());
+        assert_eq!(c.stats_at_exit, StatsAtExit::Json);
+        let errors = c.apply_settings("stats=on");
+        assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["stats"]);
+        assert_eq!(
+            c.stats_at_exit,
+            StatsAtExit::Json,
+            "a rejected value changes nothing"
+        );
     }
 
     #[test]

@@ -136,6 +136,15 @@ pub enum Error {
         /// How many devices are visible.
         device_count: usize,
     },
+    /// A buffer of this crate could not be allocated.
+    BufferAllocation {
+        /// Elements requested.
+        len: usize,
+        /// Bytes per element.
+        element_size: usize,
+        /// Why: `"size overflows usize"` or `"the allocator returned null"`.
+        reason: &'static str,
+    },
 }
 
 fn errno_text(errno: i32) -> String {
@@ -194,6 +203,14 @@ impl fmt::Display for Error {
                  a container seccomp profile or a kernel without NUMA support",
                 errno_text(*errno)
             ),
+            Error::BufferAllocation {
+                len,
+                element_size,
+                reason,
+            } => write!(
+                f,
+                "cannot allocate a buffer of {len} elements of {element_size} bytes: {reason}"
+            ),
             Error::Syscall { call, errno } => {
                 write!(f, "{call} failed: {} (errno {errno})", errno_text(*errno))
             }
@@ -211,7 +228,13 @@ impl fmt::Display for Error {
                 "numa-gpu-alloc: bad setting {key}={value:?}: expected {expected}"
             ),
             Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
-            Error::Cuda { call, code, name } => write!(f, "{call} failed: {name} ({code})"),
+            Error::Cuda { call, code, name } => {
+                write!(f, "{call} failed: {name} ({code})")?;
+                match crate::cuda::error_hint(call, *code) {
+                    Some(hint) => write!(f, ": {hint}"),
+                    None => Ok(()),
+                }
+            }
             Error::MemoryLimit {
                 cgroup,
                 limit,

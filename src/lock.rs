@@ -49,6 +49,17 @@ impl<T> Lock<T> {
         }
     }
 
+    /// The lock if it is free now, without waiting (the exit report must not block).
+    pub(crate) fn try_lock(&self) -> Option<Guard<'_, T>> {
+        self.state
+            .compare_exchange(UNLOCKED, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| Guard {
+                lock: self,
+                _not_send: std::marker::PhantomData,
+            })
+    }
+
     /// Waits for the lock without a guard (fork handlers hold locks across calls).
     pub(crate) fn acquire(&self) {
         if self

@@ -17,6 +17,7 @@ use crate::{Error, NumaTopology};
 
 /// Where an allocator places its blocks, as resolved at initialisation.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Placement {
     /// The node blocks are placed on (for `policy=interleave`: the node they are accounted to).
     pub host_node: usize,
@@ -88,6 +89,19 @@ impl Runtime {
             .and_then(Result::ok);
         let allowed = |node: usize| allowed.is_none_or(|mask| mask.contains(node));
         let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut setup_errors);
+        if config.pin_read_only
+            && target.device.as_ref().and_then(Device::read_only_register) == Some(false)
+        {
+            // Registering with READ_ONLY would fail for every block: register without it.
+            setup_errors.push(Error::Config {
+                key: "readonly".to_owned(),
+                value: "on".to_owned(),
+                expected: "off on this GPU: it reports \
+                           CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED (113) = 0; blocks \
+                           are registered without CU_MEMHOSTREGISTER_READ_ONLY",
+            });
+            config.pin_read_only = false;
+        }
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
@@ -118,13 +132,15 @@ impl Runtime {
         }
     }
 
-    /// Setup problems, printed once by the allocator after initialisation (not during it: stderr's
-    /// lock may be held by a thread waiting for this initialisation).
-    pub(crate) fn report_setup_errors(&self) {
+    /// Setup problems, printed once by `owner` after initialisation (not during it: stderr's
+    /// lock may be held by a thread waiting for this initialisation); then the report at exit
+    /// (`stats=`) is registered.
+    pub(crate) fn report_setup_errors(&self, owner: &crate::NumaGpuAlloc) {
         for e in &self.setup_errors {
             // One line each: a key may hold a newline.
             let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
         }
+        crate::stats_exit::register(self, owner);
     }
 
     /// Whether blocks are still placed with `mbind`.
@@ -142,12 +158,16 @@ impl Runtime {
 
     /// Why NUMA placement is off, if it is.
     fn numa_unavailable(&self) -> Option<Error> {
-        self.topology_error.clone().or_else(|| {
-            let errno = self.mbind_refused.load(Relaxed);
-            (errno != 0).then_some(Error::NumaUnavailable {
-                call: "mbind",
-                errno,
-            })
+        self.topology_error.clone().or_else(|| self.mbind_refusal())
+    }
+
+    /// The kernel's refusal of `mbind` after initialisation, if any (no heap data: the exit
+    /// report reads it).
+    pub(crate) fn mbind_refusal(&self) -> Option<Error> {
+        let errno = self.mbind_refused.load(Relaxed);
+        (errno != 0).then_some(Error::NumaUnavailable {
+            call: "mbind",
+            errno,
         })
     }
 
@@ -214,8 +234,8 @@ fn resolve_target(
     let selector = match config.target {
         Target::Node(_) => None,
         Target::Gpu(selector) => Some(selector),
-        // Without pinning, the driver (cuInit, a context) is not worth loading just to guess.
-        Target::Default => (pinning && cuda::driver_present()).then_some(GpuSelector::Auto),
+        // The driver (cuInit, no context unless pinning) tells which GPU and so which node.
+        Target::Default => cuda::driver_present().then_some(GpuSelector::Auto),
     };
     let target = selector.map_or_else(GpuTarget::default, |selector| {
         find_gpu(config, selector, pinning, errors)

@@ -44,10 +44,14 @@ impl Timer {
             max: Duration::from_nanos(self.max_ns.load(Relaxed)),
         }
     }
+    /// Forgets the maximum; the total stays.
+    fn reset_max(&self) {
+        self.max_ns.store(0, Relaxed);
+    }
 }
 
 /// How many distinct CUDA error codes are counted separately; the rest share the last slot.
-const ERROR_CODE_SLOTS: usize = 8;
+pub(crate) const ERROR_CODE_SLOTS: usize = 8;
 const FREE_SLOT: u32 = u32::MAX;
 
 /// Registration failures counted by CUDA error code, lock-free.
@@ -86,26 +90,25 @@ impl CodeCounts {
             }
         }
     }
-    fn snapshot(&self) -> Vec<CudaErrorCount> {
-        (0..ERROR_CODE_SLOTS)
-            .filter_map(|slot| {
-                let count = self.counts[slot].load(Relaxed);
-                let mixed = slot == ERROR_CODE_SLOTS - 1 && self.overflowed.load(Relaxed);
-                (count > 0).then(|| CudaErrorCount {
-                    code: if mixed {
-                        FREE_SLOT
-                    } else {
-                        self.codes[slot].load(Relaxed)
-                    },
-                    name: if mixed {
-                        "other"
-                    } else {
-                        self.names[slot].get().copied().unwrap_or("?")
-                    },
-                    count,
-                })
+    /// The codes counted so far, in slot order.
+    fn counts(&self) -> impl Iterator<Item = CudaErrorCount> + '_ {
+        (0..ERROR_CODE_SLOTS).filter_map(|slot| {
+            let count = self.counts[slot].load(Relaxed);
+            let mixed = slot == ERROR_CODE_SLOTS - 1 && self.overflowed.load(Relaxed);
+            (count > 0).then(|| CudaErrorCount {
+                code: if mixed {
+                    FREE_SLOT
+                } else {
+                    self.codes[slot].load(Relaxed)
+                },
+                name: if mixed {
+                    "other"
+                } else {
+                    self.names[slot].get().copied().unwrap_or("?")
+                },
+                count,
             })
-            .collect()
+        })
     }
 }
 
@@ -142,12 +145,16 @@ pub(crate) struct Counters {
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
     pub(crate) pin: Timer,
+    /// The latest registration or unregistration error (taken on failures and snapshots only; std's
+    /// futex mutex does not allocate).
+    pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
 }
 
 impl Counters {
     /// Counts a failed registration under its CUDA error code.
     pub(crate) fn record_pin_failure(&self, error: &Error) {
         self.pin_failures.incr();
+        self.set_last_pin_error(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -156,12 +163,32 @@ impl Counters {
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
     pub(crate) fn record_unregister_failure(&self, error: &Error) {
         self.unregister_failures.incr();
+        self.set_last_pin_error(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
     }
 
+    /// Starts the maxima over (see [`NumaGpuAlloc::reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    pub(crate) fn reset_peaks(&self) {
+        self.populate.reset_max();
+        self.pin.reset_max();
+    }
+
+    fn set_last_pin_error(&self, error: &Error) {
+        // Cloning a CUDA error copies numbers and static strings: no allocation.
+        *self
+            .last_pin_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(error.clone());
+    }
+
+    /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
+    /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
+        stats.last_pin_error = (self.last_pin_error.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         stats.large_allocations = self.large_allocations.get();
         stats.frees = self.frees.get();
         stats.cache_hits = self.cache_hits.get();
@@ -179,7 +206,10 @@ impl Counters {
         stats.pages_misplaced = self.pages_misplaced.get();
         stats.populate_time = self.populate.snapshot();
         stats.pin_time = self.pin.snapshot();
-        stats.pin_failures_by_code = self.pin_failure_codes.snapshot();
+        stats.pin_failures_by_code.clear();
+        stats
+            .pin_failures_by_code
+            .extend(self.pin_failure_codes.counts());
         stats.fallbacks = Fallbacks {
             unplaced_blocks: self.unplaced_blocks.get(),
             unpinned_blocks: self.unpinned_blocks.get(),
@@ -197,18 +227,24 @@ impl Counters {
     }
 }
 
-/// Total and longest time spent in one kind of step.
+/// Total and longest time spent in one kind of step (in JSON: nanoseconds).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct TimeStats {
     /// Sum over all blocks.
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
     pub total: Duration,
-    /// The longest single block.
+    /// The longest single block (since the last [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
     pub max: Duration,
 }
 
 /// Registration (and unregistration) failures with one CUDA error code; the last slot of the
 /// fixed table collects every further code, and is named `other` then.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct CudaErrorCount {
     /// The `CUresult` number (`u32::MAX` for the `other` row).
     pub code: u32,
@@ -220,6 +256,8 @@ pub struct CudaErrorCount {
 
 /// Degraded modes and failures, each counted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Fallbacks {
     /// Blocks mapped without NUMA placement: the kernel refuses NUMA calls (see
     /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave` policy
@@ -259,12 +297,15 @@ pub struct Fallbacks {
 
 /// Per-node byte and block counts.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct NodeStats {
     /// NUMA node id.
     pub node: usize,
     /// Bytes (block capacities) handed out and not yet freed.
     pub live_bytes: usize,
-    /// Highest `live_bytes` seen.
+    /// Highest `live_bytes` seen (since the last
+    /// [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
     pub peak_live_bytes: usize,
     /// Bytes of freed blocks kept for reuse.
     pub cached_bytes: usize,
@@ -282,7 +323,13 @@ pub struct NodeStats {
 }
 
 /// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
+///
+/// Each counter is read on its own (relaxed atomics), so figures read while other threads allocate
+/// may be a moment apart. `Display` gives a table, [`Stats::json`] one line of JSON, and with the
+/// `serde` feature the snapshot implements `Serialize` (the same JSON from `serde_json`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Stats {
     /// Whether the large path has been initialised (it is, lazily, on the first large request).
     pub initialized: bool,
@@ -337,10 +384,25 @@ pub struct Stats {
     pub fallbacks: Fallbacks,
     /// Registration failures by CUDA error.
     pub pin_failures_by_code: Vec<CudaErrorCount>,
-    /// Why NUMA placement is off, when the kernel refused it.
+    /// The latest failed registration or unregistration, with the CUDA call, code and name (in
+    /// JSON: the message).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::message")
+    )]
+    pub last_pin_error: Option<Error>,
+    /// Why NUMA placement is off, when the kernel refused it (in JSON: the message).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::message")
+    )]
     pub numa_unavailable: Option<Error>,
     /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems (each was also printed once to
-    /// stderr).
+    /// stderr; in JSON: the messages).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::messages")
+    )]
     pub config_errors: Vec<Error>,
 }
 
@@ -363,22 +425,38 @@ fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
 }
 
-/// `bytes` in the largest binary unit that keeps a whole or one-decimal number: `4 KiB`,
-/// `2.5 MiB`, `64 GiB` (the threshold ranges from 4 KiB to 64 GiB).
-fn size(bytes: usize) -> String {
-    let units = ["B", "KiB", "MiB", "GiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < units.len() {
-        value /= 1024.0;
-        unit += 1;
+/// A byte count in the largest binary unit that keeps a whole or one-decimal number: `4 KiB`,
+/// `2.5 MiB`, `64 GiB` (the threshold ranges from 4 KiB to 64 GiB). Without allocating.
+struct Size(usize);
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let units = ["B", "KiB", "MiB", "GiB"];
+        let mut value = self.0 as f64;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < units.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        let tenths = (value * 10.0).round();
+        if tenths % 10.0 == 0.0 {
+            write!(f, "{} {}", tenths / 10.0, units[unit])
+        } else {
+            write!(f, "{value:.1} {}", units[unit])
+        }
     }
-    let text = format!("{value:.1}");
-    format!("{} {}", text.trim_end_matches(".0"), units[unit])
 }
 
-fn opt(value: Option<usize>) -> String {
-    value.map_or_else(|| "-".to_owned(), |v| v.to_string())
+/// A node id, or `-` when unknown (without allocating: the exit report prints this).
+struct Opt(Option<usize>);
+
+impl fmt::Display for Opt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(v) => write!(f, "{v}"),
+            None => f.write_str("-"),
+        }
+    }
 }
 
 impl fmt::Display for Stats {
@@ -386,11 +464,11 @@ impl fmt::Display for Stats {
         writeln!(
             f,
             "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {}",
-            opt(self.host_node),
+            Opt(self.host_node),
             self.gpu.as_deref().unwrap_or("none"),
-            opt(self.home_node),
+            Opt(self.home_node),
             if self.pinning { "on" } else { "off" },
-            size(self.threshold)
+            Size(self.threshold)
         )?;
         writeln!(
             f,
@@ -474,6 +552,9 @@ impl fmt::Display for Stats {
         for c in &self.pin_failures_by_code {
             writeln!(f, "pin failure {} ({}): {}", c.name, c.code, c.count)?;
         }
+        if let Some(e) = &self.last_pin_error {
+            writeln!(f, "last pin failure: {e}")?;
+        }
         if let Some(e) = &self.numa_unavailable {
             writeln!(f, "NUMA unavailable: {e}")?;
         }
@@ -494,7 +575,7 @@ mod tests {
         counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
         counts.record(712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
         counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
-        let snap = counts.snapshot();
+        let snap: Vec<_> = counts.counts().collect();
         assert_eq!(snap.len(), 2);
         assert_eq!((snap[0].code, snap[0].count), (2, 2));
         assert_eq!((snap[1].code, snap[1].count), (712, 1));
@@ -506,7 +587,7 @@ mod tests {
         for code in 0..20 {
             counts.record(code, "X");
         }
-        let snapshot = counts.snapshot();
+        let snapshot: Vec<_> = counts.counts().collect();
         let total: u64 = snapshot.iter().map(|c| c.count).sum();
         assert_eq!(total, 20);
         assert_eq!(snapshot.last().map(|c| c.name), Some("other"));
@@ -528,7 +609,7 @@ mod tests {
         assert!(text.contains("host node 1"), "{text}");
         assert!(text.contains("threshold 2 MiB"), "{text}");
         assert_eq!(
-            [4096, 2_621_440, 64 << 30, 1000].map(size),
+            [4096, 2_621_440, 64 << 30, 1000].map(|b| Size(b).to_string()),
             ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
         );
         assert!(text.contains("   1          3.0"), "{text}");

@@ -38,7 +38,7 @@ fn layout(size: usize) -> Layout {
     Layout::from_size_align(size, 8).unwrap()
 }
 
-/// An allocator on node 0 (every Linux machine has it), pinning with fallback.
+/// An allocator on node 0 (every Linux machine has it), pinning off (the default).
 fn local() -> NumaGpuAlloc {
     NumaGpuAlloc::new().node(0)
 }
@@ -396,7 +396,7 @@ fn move_pages_einval_with_verify_fails_cleanly() {
 #[test]
 fn registration_failure_under_fallback_keeps_the_block_unpinned() {
     let _serial = serial();
-    let alloc = local().pin(PinMode::Fallback);
+    let alloc = local().pin(PinMode::On);
     fault::inject(FaultPoint::Register, 2, 1); // CUDA_ERROR_OUT_OF_MEMORY
     round_trip(&alloc, 4 * MIB, 11);
     let s = alloc.stats();
@@ -497,7 +497,7 @@ fn cached_blocks_skip_the_failing_steps() {
 #[test]
 fn every_fault_in_turn_under_load_keeps_exact_accounting() {
     let _serial = serial();
-    let alloc = local().verify(true).cache_limit(16 * MIB);
+    let alloc = local().verify(true).cache_limit(16 * MIB).pin(PinMode::On);
     let faults = [
         (FaultPoint::Mmap, libc::ENOMEM),
         (FaultPoint::Mbind, libc::EINVAL),

@@ -17,8 +17,7 @@ const MIB: usize = 1 << 20;
 /// skipped.
 fn gpu_or_skip(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
     let require = std::env::var_os("NUMA_GPU_ALLOC_REQUIRE_GPU").is_some_and(|v| v != "0");
-    if !numa_gpu_alloc::cuda_driver_present() {
-        let why = "no CUDA driver (libcuda not found, or cuInit failed)";
+    if let Some(why) = numa_gpu_alloc::cuda_unavailable_reason() {
         assert!(
             !require,
             "{test}: NUMA_GPU_ALLOC_REQUIRE_GPU is set but {why}"
@@ -57,6 +56,17 @@ fn round_trip(stream: &Arc<CudaStream>, src: &[u8], dst: &mut [u8]) {
     stream.synchronize().expect("synchronize");
 }
 
+/// An empty `Vec` in `alloc` with room for `len` bytes. A failed allocation fails the test with
+/// the allocator's stats (the registration's CUDA error among them); `with_capacity_in` would
+/// call `handle_alloc_error` and abort the whole binary without a word.
+fn pinned_vec(alloc: &NumaGpuAlloc, len: usize) -> AVec<u8, &NumaGpuAlloc> {
+    let mut v = AVec::new_in(alloc);
+    if let Err(e) = v.try_reserve_exact(len) {
+        panic!("allocating {len} bytes failed: {e:?}\n{}", alloc.stats());
+    }
+    v
+}
+
 fn strict_alloc() -> NumaGpuAlloc {
     NumaGpuAlloc::new()
         .gpu(GpuSelector::Auto)
@@ -77,9 +87,9 @@ fn register_copy_and_unregister() {
     );
     let len = 64 * MIB;
     {
-        let mut src: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        let mut src = pinned_vec(&alloc, len);
         src.extend(pattern(len, 7));
-        let mut dst: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        let mut dst = pinned_vec(&alloc, len);
         dst.resize(len, 0);
         round_trip(&stream, &src, &mut dst);
         assert!(src[..] == dst[..], "bytes differ after the round trip");
@@ -108,14 +118,14 @@ fn cached_block_stays_pinned() {
     let len = 32 * MIB;
     let mut host: Vec<u8> = vec![0; len];
     {
-        let v: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        let v = pinned_vec(&alloc, len);
         drop(v);
     }
     let before = alloc.stats();
     assert_eq!(before.registrations, 1, "{before}");
     assert!(before.cached_bytes() >= len, "{before}");
     {
-        let mut v: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+        let mut v = pinned_vec(&alloc, len);
         v.extend(pattern(len, 99));
         round_trip(&stream, &v, &mut host);
         assert!(v[..] == host[..], "bytes differ after the round trip");
@@ -142,7 +152,7 @@ fn device_to_pinned_host_matches_pageable() {
     stream
         .memcpy_htod(&src, &mut dev)
         .expect("host to device copy");
-    let mut pinned: AVec<u8, &NumaGpuAlloc> = AVec::with_capacity_in(len, &alloc);
+    let mut pinned = pinned_vec(&alloc, len);
     pinned.resize(len, 0);
     stream
         .memcpy_dtoh(&dev, &mut pinned[..])

@@ -199,6 +199,8 @@ impl Arena {
     ) -> Result<(), Box<dyn InFlight>> {
         match self.live.range_mut(..=addr).next_back() {
             Some((_, live)) if addr - live.block.addr < live.block.capacity => {
+                // A long-lived block recorded on every copy: keep only the work still running.
+                settle(&mut live.work);
                 live.work.push(work);
                 Ok(())
             }
@@ -324,6 +326,12 @@ impl Arena {
         if block.pinned {
             self.pinned_bytes = self.pinned_bytes.saturating_sub(block.capacity);
         }
+    }
+
+    /// Starts the peak over from the bytes live now (`reset_peaks()`). The cache budget keeps its
+    /// own high-water mark: a statistics call does not release cached blocks.
+    pub(crate) fn reset_peak(&mut self) {
+        self.peak_live_bytes = self.live_bytes();
     }
 
     fn live_bytes(&self) -> usize {

@@ -1,0 +1,226 @@
+//! [`Gpu`]: the primary context (retain, push/pop guards, capture-mode guard) and
+//! `cuMemHostRegister`/`cuMemHostUnregister`.
+
+use std::ffi::{c_uint, c_void};
+use std::ptr::NonNull;
+
+use super::device::Device;
+use super::driver::{
+    Api, CtxPopFn, CuContext, CuResult, ExchangeCaptureModeFn, CAPTURE_MODE_RELAXED,
+    HOST_MEMORY_NOT_REGISTERED, REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
+};
+use crate::{Error, Result};
+
+/// Why a forked child does not register memory.
+pub(super) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
+
+/// A CUDA device with its retained primary context, for page-locking.
+///
+/// Dropping it releases the primary context (the driver destroys the context when the last
+/// retain is released) — except in a forked child, where the context is the parent's.
+#[derive(Debug)]
+pub(crate) struct Gpu {
+    device: Device,
+    ctx: CuContext,
+    /// The process that retained the context: a child forked after [`Gpu::open`] must not use
+    /// it (the CUDA driver does not support use across `fork`).
+    pub(super) pid: u32,
+}
+
+// SAFETY: a CUcontext handle may be used from any thread (the driver API makes contexts current
+// per thread with push/pop, which is all this type does with it); the other fields are plain
+// data and function pointers. The handle is never freed while `Gpu` lives (released in Drop only).
+unsafe impl Send for Gpu {}
+// SAFETY: `&Gpu` only reads plain fields and pushes/pops the context on the calling thread's
+// own context stack, which the driver supports from several threads at once.
+unsafe impl Sync for Gpu {}
+
+/// Pops the context pushed by [`Gpu::push`] when dropped, restoring the thread's previous one.
+/// Not `Send`: it must drop on the thread that pushed.
+pub(super) struct CurrentGuard {
+    pop: CtxPopFn,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for CurrentGuard {
+    fn drop(&mut self) {
+        let mut popped: CuContext = std::ptr::null_mut();
+        // SAFETY: a guard exists only after a successful cuCtxPushCurrent_v2 on this thread
+        // (the guard is not Send), so the stack has our context on top; `pop` is
+        // cuCtxPopCurrent_v2 and `popped` a valid out-pointer. A failure cannot be reported from
+        // Drop and leaves nothing to undo.
+        let _ = unsafe { (self.pop)(&mut popped) };
+    }
+}
+
+/// Makes `ctx` current on this thread until the guard drops (which restores the previous one).
+///
+/// # Safety
+/// `ctx` is a live context of the driver whose table `api` is.
+pub(super) unsafe fn push_current(api: &Api, ctx: CuContext) -> Result<CurrentGuard> {
+    // SAFETY: `api` is the initialised driver's and `ctx` a live context (caller).
+    let res = unsafe { (api.ctx_push)(ctx) };
+    api.check("cuCtxPushCurrent_v2", res)?;
+    Ok(CurrentGuard {
+        pop: api.ctx_pop,
+        _not_send: std::marker::PhantomData,
+    })
+}
+
+/// Puts back the thread's stream capture mode saved by [`relaxed_capture`] when dropped.
+/// Not `Send`: the mode is per thread.
+pub(super) struct CaptureModeGuard {
+    exchange: ExchangeCaptureModeFn,
+    previous: c_uint,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for CaptureModeGuard {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: `exchange` is cuThreadExchangeStreamCaptureMode; `mode` holds the value the
+        // driver itself handed out on this thread (the guard is not Send) and is a valid
+        // in/out-pointer. A failure cannot be reported from Drop.
+        let _ = unsafe { (self.exchange)(&mut mode) };
+    }
+}
+
+/// Sets this thread's stream capture mode to relaxed until the guard drops, so that registering
+/// or unregistering memory does not invalidate a CUDA graph another thread is capturing in
+/// global mode.
+pub(super) fn relaxed_capture(api: &Api) -> Result<CaptureModeGuard> {
+    let mut mode = CAPTURE_MODE_RELAXED;
+    // SAFETY: `exchange_capture_mode` is cuThreadExchangeStreamCaptureMode from the initialised
+    // driver; `mode` is a valid in/out-pointer (the driver stores the previous mode in it).
+    let res = unsafe { (api.exchange_capture_mode)(&mut mode) };
+    api.check("cuThreadExchangeStreamCaptureMode", res)?;
+    Ok(CaptureModeGuard {
+        exchange: api.exchange_capture_mode,
+        previous: mode,
+        _not_send: std::marker::PhantomData,
+    })
+}
+
+/// What `cuMemHostUnregister` returning `res` means for the caller: 713
+/// (`CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`, e.g. after the program reset the device) says that
+/// the registration is already gone, so the range may be unmapped like a successful unregister.
+/// `check` maps every other result.
+pub(super) fn unregister_outcome(
+    check: impl FnOnce(CuResult) -> Result<()>,
+    res: CuResult,
+) -> Result<()> {
+    if res == HOST_MEMORY_NOT_REGISTERED {
+        return Ok(());
+    }
+    check(res)
+}
+
+impl Gpu {
+    /// Retains the device's primary context, for registering memory with it.
+    pub(crate) fn open(device: Device) -> Result<Gpu> {
+        let api = device.api;
+        let mut ctx: CuContext = std::ptr::null_mut();
+        // SAFETY: `api` is the initialised driver's (a `Device` exists only then), and
+        // `device.dev` is a valid handle from cuDeviceGet; `ctx` is a valid out-pointer.
+        // Balanced by the release in Drop.
+        let res = unsafe { (api.primary_ctx_retain)(&mut ctx, device.dev) };
+        api.check("cuDevicePrimaryCtxRetain", res)?;
+        Ok(Gpu {
+            device,
+            ctx,
+            pid: std::process::id(),
+        })
+    }
+
+    /// Whether this is a child forked after [`Gpu::open`]: the context belongs to the parent.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Makes the primary context current on this thread until the guard drops.
+    fn push(&self) -> Result<CurrentGuard> {
+        // SAFETY: `self.ctx` is a retained primary context, valid until Drop.
+        unsafe { push_current(self.device.api, self.ctx) }
+    }
+
+    /// Page-locks `ptr..ptr+len` with `cuMemHostRegister_v2` (PORTABLE, plus DEVICEMAP and
+    /// READ_ONLY when asked). The primary context is pushed current on the calling thread and
+    /// the thread's stream capture mode is set to relaxed for the call; both are restored
+    /// afterwards, whatever happens.
+    ///
+    /// In a child forked after [`Gpu::open`] nothing is registered: the error is
+    /// [`Error::CudaUnavailable`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr+len` must be a live mapping owned by the caller, not registered yet, and must
+    /// stay mapped until [`Gpu::unregister`] is called with the same `ptr`.
+    pub(crate) unsafe fn register(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        devicemap: bool,
+        read_only: bool,
+    ) -> Result<()> {
+        if self.forked() {
+            return Err(Error::CudaUnavailable {
+                reason: FORKED_REASON,
+            });
+        }
+        let mut flags: c_uint = REGISTER_PORTABLE;
+        if devicemap {
+            flags |= REGISTER_DEVICEMAP;
+        }
+        if read_only {
+            flags |= REGISTER_READ_ONLY;
+        }
+        let api = self.device.api;
+        // Dropped in reverse order: the capture mode is restored, then the context popped.
+        let _current = self.push()?;
+        let _relaxed = relaxed_capture(api)?;
+        // SAFETY: the caller guarantees the range is a live mapping it owns and that is not
+        // registered; `mem_host_register` is cuMemHostRegister_v2 and a context is current
+        // (pushed above).
+        let res = unsafe { (api.mem_host_register)(ptr.as_ptr().cast::<c_void>(), len, flags) };
+        api.check("cuMemHostRegister_v2", res)
+    }
+
+    /// Unregisters a range registered by [`Gpu::register`], with the primary context current
+    /// and the thread's stream capture mode relaxed (both restored afterwards).
+    ///
+    /// `Ok(())` means the range may be unmapped: the driver released it, or reported
+    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED` (the registration is already gone, e.g. after the
+    /// program reset the device), or this is a child forked after [`Gpu::open`] (the child's
+    /// copy of the pages was never registered; the driver is not called).
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be the base pointer passed to a successful [`Gpu::register`] on a `Gpu` of the
+    /// same device, not unregistered since, and the range must still be mapped.
+    pub(crate) unsafe fn unregister(&self, ptr: NonNull<u8>) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
+        let api = self.device.api;
+        // Dropped in reverse order: the capture mode is restored, then the context popped.
+        let _current = self.push()?;
+        let _relaxed = relaxed_capture(api)?;
+        // SAFETY: the caller guarantees `ptr` is a registered, still-mapped base pointer;
+        // `mem_host_unregister` is cuMemHostUnregister and a context is current.
+        let res = unsafe { (api.mem_host_unregister)(ptr.as_ptr().cast::<c_void>()) };
+        unregister_outcome(|res| api.check("cuMemHostUnregister", res), res)
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if self.forked() {
+            // The retain was the parent's; the child must not touch its context.
+            return;
+        }
+        // SAFETY: `self.device.dev` had its primary context retained in `open` by this process;
+        // `primary_ctx_release` is cuDevicePrimaryCtxRelease_v2, and this balances the retain.
+        // Errors cannot be reported from Drop.
+        let _ = unsafe { (self.device.api.primary_ctx_release)(self.device.dev) };
+    }
+}

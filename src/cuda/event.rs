@@ -1,0 +1,184 @@
+//! CUDA events for stream-ordered reuse: a process-wide pool of cudarc events, the non-blocking
+//! query through the crate's own `cuEventQuery` pointer, and [`RecordedEvent`], the record the
+//! arena keeps for a freed block until the GPU work that uses it has completed.
+//!
+//! Events are cudarc's [`CudaEvent`]s because cudarc's safe copies record them
+//! ([`cudarc::driver::SyncOnDrop::Record`]); queries and waits go through the C-typed table, so
+//! an unknown `CUresult` is a number here, never a misread enum.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use parking_lot::Mutex;
+
+use super::context::push_current;
+use super::driver::{require_driver, Api, NOT_READY, SUCCESS};
+use super::{cuda_error, driver_error};
+use crate::arena::InFlight;
+use crate::{NumaGpuAlloc, Result};
+
+/// Idle events kept for reuse. The pool's vector never grows past this (its buffer is
+/// reserved once, well below the allocator's smallest threshold): pushes may happen inside the
+/// allocator, where a growing vector would be served by the system allocator.
+const POOL_CAPACITY: usize = 64;
+
+/// Idle events of every context, so that a copy or a freed block does not create one each time.
+/// Each keeps its context (cudarc's `Arc<CudaContext>`) alive until the process exits.
+static POOL: Mutex<Vec<CudaEvent>> = parking_lot::const_mutex(Vec::new());
+
+/// An idle event of `ctx`: one from the pool, else a new one.
+pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
+    {
+        let mut pool = POOL.lock();
+        if let Some(i) = pool.iter().position(|e| Arc::ptr_eq(e.context(), ctx)) {
+            return Ok(pool.swap_remove(i));
+        }
+    }
+    ctx.new_event(None)
+        .map_err(|e| driver_error("cuEventCreate", e))
+}
+
+/// Returns an event whose recorded work has completed to the pool (destroys it when full).
+pub(crate) fn give_back(event: CudaEvent) {
+    let mut pool = POOL.lock();
+    if pool.capacity() == 0 {
+        pool.reserve_exact(POOL_CAPACITY);
+    }
+    if pool.len() < pool.capacity().min(POOL_CAPACITY) {
+        pool.push(event);
+    } else {
+        drop(pool);
+        destroy(event);
+    }
+}
+
+/// Destroys `event` without changing the calling thread's current context: cudarc's `Drop`
+/// makes the event's context current first, which a free on an unrelated thread must not do.
+pub(crate) fn destroy(event: CudaEvent) {
+    let guard = require_driver().and_then(|api| {
+        // SAFETY: the event's context is alive (the event holds it).
+        unsafe { push_current(api, event.context().cu_ctx().cast()) }
+    });
+    drop(event);
+    drop(guard);
+}
+
+/// Whether the work recorded on `event` has completed. Never blocks.
+pub(crate) fn is_complete(event: &CudaEvent) -> Result<bool> {
+    outcome(require_driver()?, event.cu_event().cast())
+}
+
+/// Blocks until the work recorded on `event` has completed.
+pub(crate) fn wait(event: &CudaEvent) -> Result<()> {
+    let api = require_driver()?;
+    // SAFETY: `event_synchronize` is cuEventSynchronize from the loaded driver; the handle is a
+    // live event (the `CudaEvent` owns it until dropped).
+    let res = unsafe { (api.event_synchronize)(event.cu_event().cast()) };
+    api.check("cuEventSynchronize", res)
+}
+
+/// `cuEventQuery`'s answer: done, still running, or an error.
+pub(super) fn outcome(api: &Api, event: *mut c_void) -> Result<bool> {
+    // SAFETY: `event_query` is cuEventQuery from the loaded driver (or the tests' fake); the
+    // handle is a live event of the caller.
+    match unsafe { (api.event_query)(event) } {
+        SUCCESS => Ok(true),
+        NOT_READY => Ok(false),
+        code => Err(cuda_error("cuEventQuery", code, |c| api.error_name(c))),
+    }
+}
+
+/// An event recorded on a stream after the copies that use a block: the block is reused only
+/// once it completed.
+pub(crate) struct RecordedEvent {
+    /// `None` once completed (the event went back to the pool).
+    event: Option<CudaEvent>,
+    /// The process that recorded it: in a child forked since, the GPU works on the parent's
+    /// pages, never on the child's copy, and no CUDA call may be made.
+    pid: u32,
+}
+
+impl RecordedEvent {
+    /// Records a pooled event of `stream`'s context on `stream`, after the work queued so far.
+    pub(crate) fn record(stream: &CudaStream) -> Result<RecordedEvent> {
+        let event = take_event(stream.context())?;
+        event
+            .record(stream)
+            .map_err(|e| driver_error("cuEventRecord", e))?;
+        Ok(RecordedEvent::new(event))
+    }
+
+    /// Wraps an event that is already recorded.
+    pub(crate) fn new(event: CudaEvent) -> RecordedEvent {
+        RecordedEvent {
+            event: Some(event),
+            pid: std::process::id(),
+        }
+    }
+
+    fn forked(&self) -> bool {
+        self.pid != std::process::id()
+    }
+}
+
+impl InFlight for RecordedEvent {
+    fn is_complete(&mut self) -> bool {
+        let Some(event) = &self.event else {
+            return true;
+        };
+        if self.forked() {
+            // Destroying it would call the driver in the child: keep its few bytes instead.
+            std::mem::forget(self.event.take());
+            return true;
+        }
+        match is_complete(event) {
+            Ok(true) => {
+                if let Some(event) = self.event.take() {
+                    give_back(event);
+                }
+                true
+            }
+            // An error (a context that died, say) does not tell that the DMA is over: the block
+            // stays pending, never reused and never unmapped.
+            Ok(false) | Err(_) => false,
+        }
+    }
+
+    fn wait(&mut self) {
+        if self.forked() {
+            return;
+        }
+        if let Some(event) = &self.event {
+            let _ = wait(event);
+        }
+    }
+}
+
+impl Drop for RecordedEvent {
+    fn drop(&mut self) {
+        if self.forked() {
+            std::mem::forget(self.event.take());
+        } else if let Some(event) = self.event.take() {
+            destroy(event);
+        }
+    }
+}
+
+impl NumaGpuAlloc {
+    /// Marks the large block that holds `ptr` as used by the work queued on `stream` so far (a
+    /// copy from or to a plain `Vec` or slice of this allocator, with pinning on): once freed,
+    /// the block is reused only after that work has completed. `Ok(false)` when `ptr` is not in
+    /// a large block of this allocator (small allocations are pageable: copies with them are
+    /// synchronous).
+    ///
+    /// This protects reuse only: reading a device-to-host destination still needs the stream
+    /// synchronised first. `PinnedBuf` (feature `pinned-buffer`) does both by itself.
+    pub fn record_stream<T>(&self, ptr: *const T, stream: &CudaStream) -> Result<bool> {
+        let recorded = RecordedEvent::record(stream)?;
+        // Not ours: dropping the record destroys its event, which CUDA allows while it runs.
+        Ok(self
+            .record_in_flight(ptr.cast(), Box::new(recorded))
+            .is_ok())
+    }
+}
