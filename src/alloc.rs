@@ -5,12 +5,13 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, InFlight};
+use crate::arena::{class_size, Block, Fit, InFlight, NODES};
 use crate::config::{Config, GpuSelector, PinMode, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
 use crate::process;
-use crate::runtime::{Placement, Runtime};
+use crate::route;
+use crate::runtime::{Placement, Resolved, Runtime};
 use crate::stats::Stats;
 use crate::sys::MemPolicy;
 
@@ -20,10 +21,14 @@ use crate::sys::MemPolicy;
 /// Larger ones get blocks placed on the host node nearest the configured GPU, populated up front,
 /// page-locked with CUDA when a driver is present, and cached for reuse when freed.
 ///
-/// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
-/// a `static`, as long as memory it handed out is in use. A block freed through another value
-/// than the one that handed it out goes back to its own value (found among the live ones, counted
-/// in `foreign_frees`); that is the caller's mistake, forgiven, not a way to move blocks.
+/// ## Arenas are the process's
+///
+/// Every value shares the process's arenas, one per NUMA node: a freed block goes back to its
+/// node's arena, whichever value or thread frees it, and serves later requests of any value
+/// routed to that node with the same policy and pinning. A value holds only its settings and
+/// counters; dropping it releases no block (cached blocks stay for the other values; see
+/// [`trim`](Self::trim)). Per-thread routing ([`bind_thread`](crate::bind_thread)) sends a
+/// thread's blocks to its GPU's or its node's arena.
 ///
 /// ## Fork
 ///
@@ -187,7 +192,9 @@ impl NumaGpuAlloc {
         self.runtime().placement()
     }
 
-    /// A snapshot of the counters. Before initialisation only `threshold` is filled in.
+    /// A snapshot of this value's counters, and of the process's per-node arenas (shared by every
+    /// value: their rows count every value's blocks). Before initialisation only `threshold` is
+    /// filled in.
     pub fn stats(&self) -> Stats {
         let _inside = Inside::enter();
         match self.initialised() {
@@ -205,12 +212,15 @@ impl NumaGpuAlloc {
     pub fn reset_peaks(&self) {
         let _inside = Inside::enter();
         if let Some(rt) = self.initialised() {
-            rt.arena.lock().reset_peak();
+            for arena in NODES.arenas() {
+                arena.lock().reset_peak();
+            }
             rt.counters.reset_peaks();
         }
     }
 
-    /// Releases every cached block (unregistering and unmapping it). Live blocks are untouched,
+    /// Releases every cached block of every node's arena, whichever value cached it
+    /// (unregistering and unmapping it). Live blocks are untouched,
     /// and so are freed blocks that GPU work recorded against them may still use: those stay
     /// pending (`trim` never waits, and never unmaps memory a DMA may still read).
     pub fn trim(&self) {
@@ -222,8 +232,8 @@ impl NumaGpuAlloc {
 
     /// Attaches `work` to the live large block containing `ptr` (anywhere inside it): when the
     /// block is freed before `work` completed, it waits in the pending list instead of the cache.
-    /// Gives `work` back when no live block of this allocator contains `ptr`, so that the caller
-    /// can wait on it itself.
+    /// Gives `work` back when no live large block contains `ptr`, so that the caller can wait on
+    /// it itself.
     pub(crate) fn record_in_flight(
         &self,
         ptr: *const u8,
@@ -232,9 +242,23 @@ impl NumaGpuAlloc {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return Err(work);
         };
-        rt.arena.lock().record_in_flight(ptr as usize, work)?;
-        rt.counters.in_flight_recorded.incr();
-        Ok(())
+        let mut work = Some(work);
+        let recorded = NODES.find_map(rt.default.host_node, |arena| {
+            match arena.record_in_flight(ptr as usize, work.take()?) {
+                Ok(()) => Some(()),
+                Err(back) => {
+                    work = Some(back);
+                    None
+                }
+            }
+        });
+        match (recorded, work) {
+            (None, Some(work)) => Err(work),
+            _ => {
+                rt.counters.in_flight_recorded.incr();
+                Ok(())
+            }
+        }
     }
 
     /// The runtime, once the large path has initialised.
@@ -299,9 +323,10 @@ impl NumaGpuAlloc {
     }
 
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
-        let (capacity, fit) = Self::fit(rt, layout)?;
+        let target = route::target(rt);
+        let (capacity, fit) = Self::fit(rt, layout, &target)?;
         rt.counters.large_allocations.incr();
-        let block = match Self::take_cached(rt, fit) {
+        let block = match Self::take_cached(rt, fit, target.host_node) {
             Some(block) => {
                 if zeroed {
                     // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
@@ -310,24 +335,25 @@ impl NumaGpuAlloc {
                 block
             }
             // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
-            None => Self::create(rt, capacity, fit.align)?,
+            None => Self::create(rt, capacity, fit.align, &target)?,
         };
         NonNull::new(block.addr as *mut u8)
     }
 
-    /// The capacity a request gets, and the cached blocks that may serve it.
-    fn fit(rt: &Runtime, layout: Layout) -> Option<(usize, Fit)> {
+    /// The capacity a request for `target` gets, and the cached blocks that may serve it.
+    fn fit(rt: &Runtime, layout: Layout, target: &Resolved) -> Option<(usize, Fit)> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
-        Some((capacity, Fit::new(layout.size(), capacity, align)))
+        let kind = rt.kind(target);
+        Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
     }
 
-    /// A cached block for `fit`, now live (a cache hit), once pending blocks that are ready
-    /// joined the cache.
-    fn take_cached(rt: &Runtime, fit: Fit) -> Option<Block> {
+    /// A cached block for `fit` from `node`'s arena, now live (a cache hit), once pending blocks
+    /// that are ready joined the cache.
+    fn take_cached(rt: &Runtime, fit: Fit, node: usize) -> Option<Block> {
         let mut evicted = Vec::new();
         let hit = {
-            let mut arena = rt.arena.lock();
+            let mut arena = rt.arena(node)?;
             arena.settle_pending(rt.config.cache_limit, &mut evicted);
             let hit = arena.take_cached(fit);
             match hit {
@@ -345,10 +371,10 @@ impl NumaGpuAlloc {
         hit
     }
 
-    /// A new live block (a cache miss).
-    fn create(rt: &Runtime, capacity: usize, align: usize) -> Option<Block> {
+    /// A new live block for `target` (a cache miss).
+    fn create(rt: &Runtime, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
         rt.counters.cache_misses.incr();
-        let block = rt.create_block(capacity, align).ok()?;
+        let block = rt.create_block(capacity, align, target).ok()?;
         rt.record_created(None, block);
         Some(block)
     }
@@ -376,19 +402,12 @@ impl NumaGpuAlloc {
         // Already inside: this thread is running allocator code, which frees only what it
         // allocated itself while inside, i.e. system-allocator memory, never a block of ours.
         if let Some(_inside) = Inside::enter() {
-            let rt = self.initialised();
-            if rt.is_some_and(|rt| rt.free_block(ptr as usize)) {
+            // Whichever value allocated the block, it goes back to its node's arena.
+            let rt = self.runtime();
+            if rt.free_block(ptr as usize) {
                 return;
             }
-            let own = rt.map_or(ptr::null(), ptr::from_ref);
-            if let Some(rt) = rt {
-                rt.counters.foreign_frees.incr();
-            }
-            // Another allocator value's block, freed through this one (the caller's mistake, but
-            // the block goes back where it belongs instead of crashing the system allocator).
-            if process::free_elsewhere(own, ptr as usize) {
-                return;
-            }
+            rt.counters.foreign_frees.incr();
         }
         // Not ours: served by the system allocator while inside the allocator or before
         // initialisation changed the threshold.
@@ -428,15 +447,17 @@ impl NumaGpuAlloc {
     /// Grows a large block when no cached block fits the new size: its pages move into a larger
     /// mapping whose tail is placed and populated (see `Runtime::grow_block`), so a growing `Vec`
     /// leaves no smaller blocks behind and is never copied. Only for unpinned blocks without GPU
-    /// work recorded (a registration is tied to the address). `None`: move by copying instead
-    /// (also when a cached block fits: reuse comes first).
+    /// work recorded (a registration is tied to the address), already where the calling thread's
+    /// blocks go. `None`: move by copying instead (also when a cached block fits: reuse comes
+    /// first).
     fn grow_without_copy(&self, ptr: *mut u8, new: Layout) -> Option<NonNull<u8>> {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return None;
         };
-        let (capacity, fit) = Self::fit(rt, new)?;
+        let target = route::target(rt);
+        let (capacity, fit) = Self::fit(rt, new, &target)?;
         let old = {
-            let arena = rt.arena.lock();
+            let arena = rt.arena(target.host_node)?;
             if arena.holds_fit(fit) {
                 return None;
             }
@@ -444,7 +465,7 @@ impl NumaGpuAlloc {
         };
         // SAFETY: `old` is live, unpinned, without recorded GPU work, and the caller owns it
         // (reallocating it) while this runs.
-        let grown = unsafe { rt.grow_block(old, capacity, fit.align) }.ok()?;
+        let grown = unsafe { rt.grow_block(old, capacity, fit.align, &target.nodes) }.ok()?;
         // Counted as a move: a new block (a miss) and the old one freed.
         for counter in [
             &rt.counters.large_allocations,
@@ -463,7 +484,7 @@ impl NumaGpuAlloc {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return false;
         };
-        let block: Option<Block> = rt.arena.lock().live_block(ptr as usize);
+        let block = NODES.find_map(rt.default.host_node, |arena| arena.live_block(ptr as usize));
         let fits = block.is_some_and(|b| {
             new.size() <= b.capacity && new.size() >= b.capacity / 2 && b.addr % new.align() == 0
         });
@@ -490,20 +511,16 @@ impl std::fmt::Debug for NumaGpuAlloc {
 }
 
 impl Drop for NumaGpuAlloc {
-    /// Releases the cache, waits for the GPU work of pending blocks and releases them, then frees
-    /// the runtime.
+    /// Frees the runtime. Its blocks stay in the process's arenas: live ones may still be freed
+    /// through any value, cached and pending ones serve other values.
     fn drop(&mut self) {
         let runtime = std::mem::replace(self.runtime.get_mut(), ptr::null_mut());
         if runtime.is_null() {
             return;
         }
         let _inside = Inside::enter();
-        process::forget(runtime);
-        // SAFETY: boxed by `process::initialise`; no longer listed, and `&mut self` means nobody
-        // else uses it.
-        let rt = unsafe { Box::from_raw(runtime) };
-        rt.trim();
-        rt.release_pending_waiting();
+        // SAFETY: boxed by `process::initialise`; `&mut self` means nobody else uses it.
+        drop(unsafe { Box::from_raw(runtime) });
     }
 }
 
@@ -528,13 +545,18 @@ mod tests {
 
     const BLOCK: usize = 256 << 10;
 
-    /// Serialises these tests: one switches stream-ordered reuse off process-wide
-    /// (`fault-injection`), one compares runtime addresses, which another test could reuse.
+    /// Serialises these tests, which share the process's arenas (one switches stream-ordered
+    /// reuse off process-wide under `fault-injection`), and releases what earlier ones cached.
+    /// Each test frees what it allocates and completes the work it records.
     fn serial() -> std::sync::MutexGuard<'static, ()> {
         static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        SWITCH
+        let guard = SWITCH
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let alloc = allocator();
+        let _ = alloc.placement();
+        alloc.trim();
+        guard
     }
 
     /// An allocator whose large path starts at 64 KiB, never pinning.
@@ -546,46 +568,54 @@ mod tests {
         Layout::from_size_align(size, 8).unwrap()
     }
 
-    /// Frees a block with unfinished work, then allocates the same size: the address it gets.
-    fn reuse_while_in_flight(alloc: &NumaGpuAlloc) -> (*mut u8, *mut u8) {
+    fn pending_blocks(alloc: &NumaGpuAlloc) -> usize {
+        alloc.stats().nodes.iter().map(|n| n.pending_blocks).sum()
+    }
+
+    /// Frees a block with unfinished work, then allocates the same size: the address it gets,
+    /// and the switch that finishes the work.
+    fn reuse_while_in_flight(
+        alloc: &NumaGpuAlloc,
+    ) -> (
+        *mut u8,
+        *mut u8,
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) {
         let first = alloc.allocate(layout(BLOCK), false);
         assert!(!first.is_null());
-        let (work, _never_done) = Flag::unfinished();
+        let (work, done) = Flag::unfinished();
         // A pointer into the middle, as `record_stream` on a sub-slice passes.
         assert!(alloc
             .record_in_flight(first.wrapping_add(1000), work)
             .is_ok());
         // SAFETY: allocated above with this layout, not used afterwards.
         unsafe { alloc.deallocate(first, layout(BLOCK)) };
-        (first, alloc.allocate(layout(BLOCK), false))
+        (first, alloc.allocate(layout(BLOCK), false), done)
     }
 
     #[test]
     fn a_block_with_gpu_work_is_reused_only_after_it_completed() {
         let _serial = serial();
         let alloc = allocator();
-        let first = alloc.allocate(layout(BLOCK), false);
-        let (work, done) = Flag::unfinished();
-        assert!(alloc.record_in_flight(first, work).is_ok());
-        // SAFETY: allocated above with this layout, not used afterwards.
-        unsafe { alloc.deallocate(first, layout(BLOCK)) };
-        let second = alloc.allocate(layout(BLOCK), false);
+        let (first, second, done) = reuse_while_in_flight(&alloc);
         assert_ne!(second, first, "reused while the GPU may still use it");
         let stats = alloc.stats();
         assert_eq!((stats.in_flight_recorded, stats.reuse_deferred), (1, 1));
-        assert_eq!(
-            stats.nodes.iter().map(|n| n.pending_blocks).sum::<usize>(),
-            1
-        );
+        assert_eq!(pending_blocks(&alloc), 1);
 
         done.store(true, Ordering::Release);
-        assert_eq!(alloc.allocate(layout(BLOCK), false), first);
+        let third = alloc.allocate(layout(BLOCK), false);
+        assert_eq!(third, first);
         let stats = alloc.stats();
         assert_eq!(
             stats.nodes.iter().map(|n| n.pending_bytes).sum::<usize>(),
             0
         );
         assert_eq!(stats.cache_hits, 1);
+        for ptr in [second, third] {
+            // SAFETY: live blocks of this layout, freed once.
+            unsafe { alloc.deallocate(ptr, layout(BLOCK)) };
+        }
     }
 
     #[test]
@@ -598,9 +628,17 @@ mod tests {
         // SAFETY: `old` is live with this layout; 4× does not fit in place.
         let moved = unsafe { alloc.reallocate(old, layout(BLOCK), layout(4 * BLOCK)) };
         assert!(!moved.is_null() && moved != old);
-        assert_ne!(alloc.allocate(layout(BLOCK), false), old);
+        let other = alloc.allocate(layout(BLOCK), false);
+        assert_ne!(other, old);
         done.store(true, Ordering::Release);
-        assert_eq!(alloc.allocate(layout(BLOCK), false), old);
+        let again = alloc.allocate(layout(BLOCK), false);
+        assert_eq!(again, old);
+        // SAFETY: live blocks of these layouts, freed once.
+        unsafe {
+            alloc.deallocate(moved, layout(4 * BLOCK));
+            alloc.deallocate(other, layout(BLOCK));
+            alloc.deallocate(again, layout(BLOCK));
+        }
     }
 
     #[test]
@@ -613,34 +651,43 @@ mod tests {
             .expect_err("not initialised");
         let live = alloc.allocate(layout(BLOCK), false);
         let outside = live.wrapping_add(class_size(BLOCK, 4096).unwrap());
+        // Nothing else is live (the tests are serial and free what they allocate).
         assert!(alloc.record_in_flight(outside, work).is_err());
         assert_eq!(alloc.stats().in_flight_recorded, 0);
+        // SAFETY: a live block of this layout.
+        unsafe { alloc.deallocate(live, layout(BLOCK)) };
     }
 
     #[test]
-    fn dropping_the_allocator_waits_for_pending_blocks() {
+    fn a_dropped_value_leaves_its_blocks_to_the_others() {
         let _serial = serial();
-        let alloc = allocator();
-        let (first, second) = reuse_while_in_flight(&alloc);
-        assert_ne!(first, second);
-        let stats = alloc.stats();
-        assert_eq!(
-            stats.nodes.iter().map(|n| n.pending_blocks).sum::<usize>(),
-            1
-        );
-        alloc.trim();
-        let after_trim = alloc.stats();
-        assert_eq!(after_trim.nodes, stats.nodes, "trim skips pending blocks");
-        let (work, done) = Flag::unfinished();
-        assert!(alloc.record_in_flight(second, work).is_ok());
-        // SAFETY: allocated by `reuse_while_in_flight` with this layout.
-        unsafe { alloc.deallocate(second, layout(BLOCK)) };
-        drop(alloc);
-        assert!(done.load(Ordering::Acquire), "Drop waited on the work");
+        let (owner, other) = (allocator(), allocator());
+        let _ = other.placement();
+        let (first, second, done) = reuse_while_in_flight(&owner);
+        let live = owner.allocate(layout(4 * BLOCK), false);
+        drop(owner);
+        assert_eq!(pending_blocks(&other), 1, "still pending, not waited for");
+        // SAFETY: live blocks of the dropped value, freed once through another one.
+        unsafe {
+            other.deallocate(second, layout(BLOCK));
+            other.deallocate(live, layout(4 * BLOCK));
+        }
+        let stats = other.stats();
+        assert_eq!((stats.frees, stats.live_bytes()), (2, 0));
+        assert_eq!(stats.fallbacks.foreign_frees, 0);
+        done.store(true, Ordering::Release);
+        let reused = [BLOCK, BLOCK, 4 * BLOCK].map(|size| other.allocate(layout(size), false));
+        assert!(reused.contains(&first) && reused.contains(&second) && reused.contains(&live));
+        assert_eq!(other.stats().cache_hits, 3);
+        for (ptr, size) in reused.into_iter().zip([BLOCK, BLOCK, 4 * BLOCK]) {
+            // SAFETY: live blocks of these layouts, freed once.
+            unsafe { other.deallocate(ptr, layout(size)) };
+        }
     }
 
     #[test]
     fn growing_an_unpinned_block_moves_its_pages_and_leaves_nothing_behind() {
+        let _serial = serial();
         let alloc = allocator();
         let small = alloc.allocate(layout(BLOCK), false);
         // SAFETY: a live block of BLOCK bytes.
@@ -669,38 +716,64 @@ mod tests {
         let again = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
         assert_eq!(again, grown, "the cached block");
         assert_eq!(alloc.stats().grown_without_copy, 1);
+        // SAFETY: live with this layout.
+        unsafe { alloc.deallocate(again, layout(4 * BLOCK)) };
     }
 
     #[test]
-    fn a_block_freed_through_another_allocator_goes_back_to_its_own() {
+    fn a_block_freed_through_any_value_returns_to_its_nodes_arena() {
         let _serial = serial();
         let (owner, other, fresh) = (allocator(), allocator(), allocator());
         let _ = other.placement();
         for through in [&other, &fresh] {
             let block = owner.allocate(layout(BLOCK), false);
-            // SAFETY: a live block of `owner`, freed once (through the wrong value).
+            // SAFETY: a live block of `owner`, freed once (through another value).
             unsafe { through.deallocate(block, layout(BLOCK)) };
+            let stats = owner.stats();
+            assert_eq!(stats.live_bytes(), 0);
+            assert_eq!(stats.cached_bytes(), class_size(BLOCK, 4096).unwrap());
+            // The cached block serves the other value's request.
+            let again = through.allocate(layout(BLOCK), false);
+            assert_eq!(again, block);
+            // SAFETY: live with this layout.
+            unsafe { owner.deallocate(again, layout(BLOCK)) };
         }
-        let stats = owner.stats();
-        assert_eq!((stats.frees, stats.live_bytes()), (2, 0));
-        assert_eq!(stats.cached_bytes(), class_size(BLOCK, 4096).unwrap());
-        assert_eq!(other.stats().fallbacks.foreign_frees, 1);
-        assert!(
-            !fresh.stats().initialized,
-            "a value never used stays uninitialised"
-        );
+        assert_eq!((other.stats().frees, fresh.stats().frees), (1, 1));
+        assert_eq!(owner.stats().frees, 2);
+        assert_eq!(other.stats().fallbacks.foreign_frees, 0);
     }
 
     #[test]
-    fn only_live_allocators_are_listed_for_the_fork_handlers() {
+    fn a_thread_bound_to_a_node_uses_that_nodes_arena() {
         let _serial = serial();
         let alloc = allocator();
-        assert!(alloc.initialised().is_none());
-        let _ = alloc.placement();
-        let runtime = alloc.runtime.load(Acquire).cast_const();
-        assert!(process::listed(runtime));
-        drop(alloc);
-        assert!(!process::listed(runtime));
+        let host = alloc.placement().host_node;
+        let explicit = allocator().node(host);
+        let bound = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _bound = crate::bind_thread(crate::Route::Node(host));
+                assert_eq!(crate::thread_route(), Some(crate::Route::Node(host)));
+                let ptr = alloc.allocate(layout(BLOCK), false);
+                let row = alloc.stats().nodes.into_iter().find(|n| n.node == host);
+                assert_eq!(row.map(|r| r.live_blocks), Some(1));
+                ptr as usize
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(
+            crate::thread_route(),
+            None,
+            "bound on the other thread only"
+        );
+        // Freed on this (unbound) thread, through a value with an explicit target: back to the
+        // node's arena, where the explicit value finds it.
+        // SAFETY: live with this layout.
+        unsafe { explicit.deallocate(bound as *mut u8, layout(BLOCK)) };
+        let again = explicit.allocate(layout(BLOCK), false);
+        assert_eq!(again as usize, bound);
+        // SAFETY: live with this layout.
+        unsafe { alloc.deallocate(again, layout(BLOCK)) };
     }
 
     /// The switch the simulator tests use: with it, the same sequence reuses the block at once.
@@ -710,8 +783,10 @@ mod tests {
         let _serial = serial();
         let alloc = allocator();
         crate::sys::fault::ignore_in_flight(true);
-        let (first, second) = reuse_while_in_flight(&alloc);
+        let (first, second, _) = reuse_while_in_flight(&alloc);
         crate::sys::fault::ignore_in_flight(false);
         assert_eq!(first, second);
+        // SAFETY: live with this layout.
+        unsafe { alloc.deallocate(second, layout(BLOCK)) };
     }
 }

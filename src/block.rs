@@ -4,11 +4,12 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::{Block, Work};
+use crate::arena::{Block, Kind, Work, NODES};
 use crate::config::PinMode;
+use crate::cuda::Gpu;
 use crate::guard::Inside;
-use crate::runtime::Runtime;
-use crate::sys::{self, MbindFlags, MemPolicy};
+use crate::runtime::{Resolved, Runtime};
+use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
 
 /// Blocks of at least this size get 2 MiB alignment and `MADV_HUGEPAGE` (when enabled).
@@ -50,12 +51,18 @@ fn bind_exhausted() -> Error {
 }
 
 impl Runtime {
-    /// Creates a placed, populated and (when configured) pinned block of `capacity` bytes whose
-    /// address is a multiple of `align`. When that fails for want of memory, gives cached blocks
-    /// back and retries: first the oldest ones, only as many bytes as the block needs, then, if
-    /// it fails again, all of them. Blocks pending on GPU work stay.
-    pub(crate) fn create_block(&self, capacity: usize, align: usize) -> Result<Block, Error> {
-        let mut created = self.try_create_block(capacity, align);
+    /// Creates a block of `capacity` bytes for `target`, placed, populated and (when configured)
+    /// pinned, whose address is a multiple of `align`. When that fails for want of memory, gives
+    /// the target node's cached blocks back and retries: first the oldest ones, only as many
+    /// bytes as the block needs, then, if it fails again, all of them. Blocks pending on GPU work
+    /// stay.
+    pub(crate) fn create_block(
+        &self,
+        capacity: usize,
+        align: usize,
+        target: &Resolved,
+    ) -> Result<Block, Error> {
+        let mut created = self.try_create_block(capacity, align, target);
         for everything in [false, true] {
             let needed = match &created {
                 Ok(_) => break,
@@ -70,10 +77,10 @@ impl Runtime {
                 )) => requested - available,
                 Err(_) => capacity,
             };
-            let released =
-                self.arena
-                    .lock()
-                    .release_oldest(if everything { usize::MAX } else { needed });
+            let released = self
+                .arena(target.host_node)
+                .map(|mut arena| arena.release_oldest(if everything { usize::MAX } else { needed }))
+                .unwrap_or_default();
             if released.is_empty() {
                 break;
             }
@@ -81,7 +88,7 @@ impl Runtime {
             // SAFETY: released blocks left the cache and are handed out to nobody.
             unsafe { self.release_blocks(released) };
             self.counters.pressure_retries.incr();
-            created = self.try_create_block(capacity, align);
+            created = self.try_create_block(capacity, align, target);
         }
         created.map_err(|(cause, e)| {
             let counter = match cause {
@@ -96,12 +103,11 @@ impl Runtime {
         })
     }
 
-    /// Records a block just created as live (after `old`, which it replaces when grown from it),
-    /// and releases what the cache may no longer hold.
+    /// Records a block just created as live in its node's arena (after `old`, on the same node,
+    /// which it replaces when grown from it), and releases what the cache may no longer hold.
     pub(crate) fn record_created(&self, old: Option<Block>, block: Block) {
         let mut evicted = Vec::new();
-        {
-            let mut arena = self.arena.lock();
+        if let Some(mut arena) = self.arena(block.node) {
             if let Some(old) = old {
                 // The old block's pages are the new block's now: it just leaves the live set.
                 let _ = arena.remove_live(old.addr);
@@ -113,7 +119,12 @@ impl Runtime {
     }
 
     /// One attempt of [`Self::create_block`].
-    fn try_create_block(&self, capacity: usize, align: usize) -> Result<Block, (Cause, Error)> {
+    fn try_create_block(
+        &self,
+        capacity: usize,
+        align: usize,
+        target: &Resolved,
+    ) -> Result<Block, (Cause, Error)> {
         // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
         self.memory_limits
             .check(capacity)
@@ -127,11 +138,13 @@ impl Runtime {
             let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
         }
         // SAFETY: the mapping is ours and not yet shared with anyone.
-        match unsafe { self.place_and_pin(ptr, capacity) } {
-            Ok(pinned) => Ok(Block {
+        match unsafe { self.place_and_pin(ptr, capacity, target) } {
+            Ok(kind) => Ok(Block {
                 addr: ptr.as_ptr() as usize,
                 capacity,
-                pinned,
+                node: target.host_node,
+                kind,
+                gpu: target.gpu.filter(|_| kind.pinned).map(Gpu::ordinal),
             }),
             Err(e) => {
                 // SAFETY: the mapping is ours; nothing registered it (pinning is the last step).
@@ -142,18 +155,30 @@ impl Runtime {
         }
     }
 
-    /// Places, populates, checks and pins; returns whether the block is pinned.
+    /// Places, populates, checks and pins for `target`; returns what the block was made with.
     ///
     /// # Safety
     /// `ptr..ptr+len` must be a fresh private mapping of this crate, used by nobody else.
-    unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, (Cause, Error)> {
+    unsafe fn place_and_pin(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        target: &Resolved,
+    ) -> Result<Kind, (Cause, Error)> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.place_and_populate(ptr, len) }?;
+        let placed = unsafe { self.place_and_populate(ptr, len, &target.nodes) }?;
         // SAFETY: forwarded from the caller.
-        unsafe { self.pin(ptr, len) }.map_err(|e| (Cause::Other, e))
+        let pinned = unsafe { self.pin(ptr, len, target.gpu) }.map_err(|e| (Cause::Other, e))?;
+        Ok(Kind {
+            policy: placed.then_some(self.config.policy),
+            pinned,
+            devicemap: pinned && self.config.pin_devicemap,
+            read_only: pinned && self.config.pin_read_only,
+        })
     }
 
-    /// Places, populates and checks (steps 2–4 of the pipeline).
+    /// Places on `nodes`, populates and checks (steps 2–4 of the pipeline); returns whether the
+    /// range was placed.
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
@@ -161,9 +186,10 @@ impl Runtime {
         &self,
         ptr: NonNull<u8>,
         len: usize,
-    ) -> Result<(), (Cause, Error)> {
+        nodes: &NodeMask,
+    ) -> Result<bool, (Cause, Error)> {
         // SAFETY: forwarded from the caller.
-        let placed = unsafe { self.place(ptr, len) }.map_err(|e| (Cause::Other, e))?;
+        let placed = unsafe { self.place(ptr, len, nodes) }.map_err(|e| (Cause::Other, e))?;
         let start = Instant::now();
         // SAFETY: forwarded from the caller.
         let populated = unsafe { self.populate(ptr, len) };
@@ -171,7 +197,7 @@ impl Runtime {
         populated.map_err(|e| (Cause::Populate, e))?;
         if placed {
             // SAFETY: forwarded from the caller.
-            unsafe { self.check_placement(ptr, len) }.map_err(|e| {
+            unsafe { self.check_placement(ptr, len, nodes) }.map_err(|e| {
                 let cause = if e == bind_exhausted() {
                     Cause::BindExhausted
                 } else {
@@ -180,11 +206,12 @@ impl Runtime {
                 (cause, e)
             })?;
         }
-        Ok(())
+        Ok(placed)
     }
 
     /// Grows an unpinned block to `capacity` without copying: a new mapping of that size (aligned
-    /// to `align`) gets its tail placed and populated, then the block's pages move onto its head
+    /// to `align`) gets its tail placed on the block's node (`nodes`, the policy's nodes there)
+    /// and populated, then the block's pages move onto its head
     /// (`mremap`). Nothing is left behind to cache, and only the tail is populated. On failure the
     /// block is untouched (the caller then moves it by copying).
     ///
@@ -196,6 +223,7 @@ impl Runtime {
         block: Block,
         capacity: usize,
         align: usize,
+        nodes: &NodeMask,
     ) -> Result<Block, Error> {
         let tail_len = capacity - block.capacity;
         let old = NonNull::new(block.addr as *mut u8).ok_or(Error::InvalidRange {
@@ -216,15 +244,15 @@ impl Runtime {
         // SAFETY: the tail is part of the fresh mapping, used by nobody; then the caller's block
         // (unused while this runs) moves onto the region's head, which nobody uses either.
         let grown = unsafe {
-            self.place_and_populate(tail, tail_len)
+            self.place_and_populate(tail, tail_len, nodes)
                 .map_err(|(_, e)| e)
-                .and_then(|()| sys::move_mapping(old, region, block.capacity))
+                .and_then(|_| sys::move_mapping(old, region, block.capacity))
         };
         match grown {
             Ok(()) => Ok(Block {
                 addr: region.as_ptr() as usize,
                 capacity,
-                pinned: false,
+                ..block
             }),
             Err(e) => {
                 // SAFETY: the region is ours; the block did not move (move_mapping is last).
@@ -242,7 +270,7 @@ impl Runtime {
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
-    unsafe fn place(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+    unsafe fn place(&self, ptr: NonNull<u8>, len: usize, nodes: &NodeMask) -> Result<bool, Error> {
         if !self.numa_placement() {
             self.counters.unplaced_blocks.incr();
             return Ok(false);
@@ -252,7 +280,7 @@ impl Runtime {
             other => other,
         };
         // SAFETY: forwarded from the caller.
-        match unsafe { sys::bind(ptr, len, policy, &self.nodes, MbindFlags::default()) } {
+        match unsafe { sys::bind(ptr, len, policy, nodes, MbindFlags::default()) } {
             Ok(()) => Ok(true),
             Err(Error::NumaUnavailable { errno, .. }) => {
                 self.refuse_mbind(errno);
@@ -280,7 +308,12 @@ impl Runtime {
     ///
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
-    unsafe fn check_placement(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+    unsafe fn check_placement(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        nodes: &NodeMask,
+    ) -> Result<(), Error> {
         let bind = self.config.policy == MemPolicy::Bind;
         if !(bind || self.config.verify) {
             return Ok(());
@@ -290,7 +323,7 @@ impl Runtime {
         let counted = unsafe {
             sys::page_nodes(ptr, len, |_, node| {
                 checked += 1;
-                let on_policy_node = usize::try_from(node).is_ok_and(|n| self.nodes.contains(n));
+                let on_policy_node = usize::try_from(node).is_ok_and(|n| nodes.contains(n));
                 misplaced += u64::from(!on_policy_node);
             })
         };
@@ -325,7 +358,7 @@ impl Runtime {
                 move_existing: false,
             };
             // SAFETY: forwarded from the caller.
-            match unsafe { sys::bind(ptr, len, MemPolicy::Bind, &self.nodes, flags) } {
+            match unsafe { sys::bind(ptr, len, MemPolicy::Bind, nodes, flags) } {
                 Err(Error::Syscall { errno, .. }) if strict && errno == libc::EIO => {
                     return Err(bind_exhausted());
                 }
@@ -385,11 +418,17 @@ impl Runtime {
         })
     }
 
-    /// Registers the block with CUDA when pinning is on; returns whether it is pinned.
+    /// Registers the block through `gpu`'s context when pinning is on; returns whether it is
+    /// pinned.
     ///
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
-    unsafe fn pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+    unsafe fn pin(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        gpu: Option<&'static Gpu>,
+    ) -> Result<bool, Error> {
         // Tests simulate a failed registration, GPU or not (never compiled without the feature).
         #[cfg(feature = "fault-injection")]
         if self.config.pin != crate::PinMode::Off {
@@ -397,7 +436,7 @@ impl Runtime {
                 return self.registered(Err(crate::cuda::simulated_register_error(code as u32)));
             }
         }
-        let Some(gpu) = &self.gpu else {
+        let Some(gpu) = gpu else {
             if self.config.pin == PinMode::Strict {
                 // Strict means pinned or nothing; the reason is in the setup errors.
                 return Err(Error::CudaUnavailable {
@@ -439,16 +478,13 @@ impl Runtime {
         }
     }
 
-    /// Takes back the live block at `addr`: pending while GPU work recorded against it runs, else
-    /// cached; releases what the cache no longer holds. False when no live block of this runtime
-    /// starts at `addr`.
+    /// Takes back the live block at `addr`, whichever value or thread allocated it: pending while
+    /// GPU work recorded against it runs, else cached in its node's arena; releases what the
+    /// cache no longer holds. False when no arena holds a live block starting at `addr`.
     pub(crate) fn free_block(&self, addr: usize) -> bool {
         let mut evicted = Vec::new();
-        {
-            let mut arena = self.arena.lock();
-            let Some((block, work)) = arena.remove_live(addr) else {
-                return false;
-            };
+        let found = NODES.find_map(self.default.host_node, |arena| {
+            let (block, work) = arena.remove_live(addr)?;
             // The switch tests use to show that they catch reuse during GPU work.
             let work = if sys::fault::in_flight_ignored() {
                 Work::new()
@@ -456,6 +492,10 @@ impl Runtime {
                 work
             };
             arena.free(block, work, self.config.cache_limit, &mut evicted);
+            Some(())
+        });
+        if found.is_none() {
+            return false;
         }
         self.counters.frees.incr();
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
@@ -463,22 +503,13 @@ impl Runtime {
         true
     }
 
-    /// Releases every cached block, and every pending one whose GPU work has completed.
+    /// Releases every cached block of every node, and every pending one whose GPU work has
+    /// completed.
     pub(crate) fn trim(&self) {
-        let cached = self.arena.lock().drain_cached();
-        // SAFETY: drained blocks are no longer cached or handed out.
-        unsafe { self.release_blocks(cached) };
-    }
-
-    /// Waits for the GPU work of every pending block, then releases them (for `Drop` only).
-    pub(crate) fn release_pending_waiting(&self) {
-        let pending = self.arena.lock().drain_pending();
-        for mut p in pending {
-            for work in &mut p.work {
-                work.wait();
-            }
-            // SAFETY: the block left the pending list, and no GPU work uses it any more.
-            unsafe { self.release_block(p.block) };
+        for arena in NODES.arenas() {
+            let cached = arena.lock().drain_cached();
+            // SAFETY: drained blocks are no longer cached or handed out.
+            unsafe { self.release_blocks(cached) };
         }
     }
 
@@ -502,7 +533,8 @@ impl Runtime {
         let Some(ptr) = NonNull::new(block.addr as *mut u8) else {
             return;
         };
-        if let (true, Some(gpu)) = (block.pinned, &self.gpu) {
+        // Through the process's context of the device that registered it.
+        if let Some(gpu) = block.gpu.and_then(Gpu::by_ordinal) {
             // SAFETY: the block was registered by `pin` and is still mapped.
             if let Err(e) = unsafe { gpu.unregister(ptr) } {
                 // Unmapping a range the driver still holds would make a later mapping at this

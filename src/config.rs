@@ -40,6 +40,10 @@ pub enum Target {
     Gpu(GpuSelector),
     /// This NUMA node id, no GPU.
     Node(usize),
+    /// The node of the CPU the allocating thread runs on, at each allocation (`node=local`, as
+    /// tcmalloc's NUMA mode), no GPU. Threads bound with [`bind_thread`](crate::bind_thread)
+    /// follow their route instead.
+    LocalNode,
 }
 
 /// What to do about page-locking (`cuMemHostRegister`).
@@ -152,6 +156,7 @@ impl Config {
     pub fn apply(&mut self, key: &str, value: &str) -> Result<(), Error> {
         match key {
             "threshold" => self.threshold = parse_threshold(value)?,
+            "node" if value == "local" => self.target = Target::LocalNode,
             "node" => self.target = Target::Node(parse_node(value)?),
             "gpu" => self.target = Target::Gpu(parse_gpu(value)?),
             "policy" => self.policy = parse_policy(value)?,
@@ -233,7 +238,7 @@ fn parse_node(value: &str) -> Result<usize, Error> {
         _ => Err(config_error(
             "node",
             value,
-            "a NUMA node id from 0 to 1023 (an online node of this machine)",
+            "a NUMA node id from 0 to 1023 (an online node of this machine), or local",
         )),
     }
 }

@@ -43,4 +43,6 @@ pub use sys::MemPolicy;
 mod alloc;
 mod api2;
 mod global;
+mod route;
 pub use alloc::NumaGpuAlloc;
+pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};

@@ -91,16 +91,6 @@ impl<T> Lock<T> {
         }
     }
 
-    /// The value, for a thread that holds the lock through [`Self::acquire`].
-    ///
-    /// # Safety
-    /// The calling thread holds the lock through [`Self::acquire`], and drops the reference
-    /// before releasing it; it does not take a guard meanwhile.
-    pub(crate) unsafe fn held(&self) -> &T {
-        // SAFETY: the caller holds the lock, so nobody else reaches the value.
-        unsafe { &*self.value.get() }
-    }
-
     /// Releases a lock taken with [`Self::acquire`].
     ///
     /// # Safety

@@ -1,16 +1,18 @@
-//! The large path's state, built once on the first large request: settings (builder + environment),
-//! topology, the target GPU and its host node, the arena and the counters.
+//! The large path's state of one allocator value, built once on the first large request: settings
+//! (builder + environment), topology, the target GPU and its host node, the targets of threads'
+//! routes, and the counters. Blocks live in the process's per-node arenas (`arena/nodes.rs`).
 
 use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
-use crate::arena::Arena;
+use crate::arena::{Arena, Kind, NODES};
 use crate::cgroup::MemoryLimits;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR};
 use crate::cuda::{self, Device, Gpu};
-use crate::lock::Lock;
+use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
+use crate::route::Route;
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::{Error, NumaTopology};
@@ -41,19 +43,35 @@ const _: () = {
     shared_between_threads::<Runtime>()
 };
 
+/// Where one request's block goes: its node, the policy's nodes, and the context that pins it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Resolved {
+    /// The node whose arena the block belongs to.
+    pub(crate) host_node: usize,
+    /// Nodes the policy names: the host node, or every node with memory for interleave.
+    pub(crate) nodes: NodeMask,
+    /// The process's retained context of the GPU, when blocks are pinned.
+    pub(crate) gpu: Option<&'static Gpu>,
+}
+
 pub(crate) struct Runtime {
+    /// Tells runtimes apart in threads' caches of resolved routes (an address may be reused).
+    pub(crate) id: u64,
     pub(crate) config: Config,
     pub(crate) page_size: usize,
     pub(crate) topology: NumaTopology,
-    pub(crate) host_node: usize,
+    /// Where blocks go for threads without a route (and for every thread when the allocator
+    /// names its own target).
+    pub(crate) default: Resolved,
     pub(crate) home_node: Option<usize>,
     /// The targeted GPU, when CUDA found it.
     device: Option<Device>,
-    /// Its retained context, when blocks are pinned.
-    pub(crate) gpu: Option<Gpu>,
     gpu_pci: Option<PciAddress>,
-    /// Nodes the policy names: the host node, or every node with memory for interleave.
-    pub(crate) nodes: NodeMask,
+    /// Memory nodes this process's cpuset allows (`None`: all).
+    allowed: Option<NodeMask>,
+    /// Routes resolved so far, and the problems met resolving them. Taken only under the
+    /// initialisation lock (`process::INIT`), which a fork handler holds: never held at a fork.
+    routes: Lock<Routes>,
     /// Why the topology could not be read (then blocks go unplaced).
     topology_error: Option<Error>,
     /// The errno with which the kernel refused `mbind` (0: never); then blocks go unplaced. An
@@ -63,9 +81,15 @@ pub(crate) struct Runtime {
     pub(crate) populate_threads: usize,
     /// The cgroup memory limits a new block is checked against.
     pub(crate) memory_limits: MemoryLimits,
-    pub(crate) arena: Lock<Arena>,
     pub(crate) counters: Counters,
     setup_errors: Vec<Error>,
+}
+
+/// Routes a runtime resolved, with the errors met (reported in the stats).
+#[derive(Default)]
+struct Routes {
+    resolved: Vec<(Route, Resolved)>,
+    errors: Vec<Error>,
 }
 
 impl Runtime {
@@ -84,10 +108,10 @@ impl Runtime {
         // The cpuset describes this kernel's nodes, not a fixture tree's. EPERM under seccomp:
         // then mbind is refused too, and every node is as good as another.
         let own_kernel = config.sysfs_root == Config::DEFAULT.sysfs_root;
-        let allowed = own_kernel
+        let allowed_mask = own_kernel
             .then(sys::allowed_memory_nodes)
             .and_then(Result::ok);
-        let allowed = |node: usize| allowed.is_none_or(|mask| mask.contains(node));
+        let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
         let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut setup_errors);
         if config.pin_read_only
             && target.device.as_ref().and_then(Device::read_only_register) == Some(false)
@@ -112,15 +136,20 @@ impl Runtime {
             .as_ref()
             .map(Device::pci_address)
             .or(target.gpu_pci);
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Runtime {
+            id: IDS.fetch_add(1, Relaxed),
             page_size: sys::page_size(),
-            arena: Lock::new(Arena::new(&topology, host_node)),
-            host_node,
+            default: Resolved {
+                host_node,
+                nodes,
+                gpu: target.gpu,
+            },
             home_node: target.home_node,
             device: target.device,
-            gpu: target.gpu,
             gpu_pci,
-            nodes,
+            allowed: allowed_mask,
+            routes: Lock::new(Routes::default()),
             topology_error,
             mbind_refused: AtomicI32::new(0),
             populate_threads,
@@ -173,12 +202,12 @@ impl Runtime {
 
     pub(crate) fn placement(&self) -> Placement {
         Placement {
-            host_node: self.host_node,
+            host_node: self.default.host_node,
             home_node: self.home_node,
             gpu_ordinal: self.device.as_ref().map(Device::ordinal),
             gpu_pci: self.gpu_pci,
             gpu_name: self.device.as_ref().map(Device::name),
-            pinning: self.gpu.is_some(),
+            pinning: self.default.gpu.is_some(),
             numa_placement: self.numa_placement(),
         }
     }
@@ -187,13 +216,13 @@ impl Runtime {
         let mut stats = Stats {
             initialized: true,
             threshold: self.config.threshold,
-            host_node: Some(self.host_node),
+            host_node: Some(self.default.host_node),
             home_node: self.home_node,
             gpu: self
                 .device
                 .as_ref()
                 .map(|d| format!("{} ({}) {}", d.ordinal(), d.pci_address(), d.name())),
-            pinning: self.gpu.is_some(),
+            pinning: self.default.gpu.is_some(),
             nodes: self
                 .topology
                 .node_ids()
@@ -207,9 +236,71 @@ impl Runtime {
             config_errors: self.setup_errors.clone(),
             ..Stats::default()
         };
-        self.arena.lock().fill(&mut stats.nodes);
+        stats
+            .config_errors
+            .extend(self.routes.try_lock().iter().flat_map(|r| r.errors.clone()));
+        for row in &mut stats.nodes {
+            if let Some(arena) = NODES.lock(row.node, &self.topology) {
+                arena.fill(row);
+            }
+        }
         self.counters.fill(&mut stats);
         stats
+    }
+
+    /// The arena of `node` (see [`crate::arena::NodeTable::lock`]); `None` only for a node id no
+    /// topology holds.
+    pub(crate) fn arena(&self, node: usize) -> Option<Guard<'_, Arena>> {
+        NODES.lock(node, &self.topology)
+    }
+
+    /// What the blocks made for `target` are made with (see [`Kind`]).
+    pub(crate) fn kind(&self, target: &Resolved) -> Kind {
+        let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
+        Kind {
+            policy: self.numa_placement().then_some(self.config.policy),
+            pinned,
+            devicemap: pinned && self.config.pin_devicemap,
+            read_only: pinned && self.config.pin_read_only,
+        }
+    }
+
+    /// Where a thread bound to `route` places blocks; resolved once per route and runtime (under
+    /// the initialisation lock: GPU lookups may be slow, and a fork must not copy a half-done one). Never fails: problems are
+    /// recorded (see [`Stats::config_errors`]) and the same fallbacks as at initialisation
+    /// taken.
+    pub(crate) fn resolve(&self, route: Route) -> Resolved {
+        let _init = crate::process::INIT.lock();
+        let mut routes = self.routes.lock();
+        if let Some((_, resolved)) = routes.resolved.iter().find(|(r, _)| *r == route) {
+            return *resolved;
+        }
+        let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
+        let mut errors = Vec::new();
+        let (host_node, gpu) = match route {
+            Route::Node(node) => (
+                explicit_node(&self.topology, node, &allowed, &mut errors),
+                None,
+            ),
+            Route::LocalNode => (calling_thread_node(&self.topology, &allowed), None),
+            Route::Gpu(selector) => {
+                let pinning = self.config.pin != PinMode::Off;
+                let target = find_gpu(&self.config, selector, pinning, &mut errors);
+                let host = target
+                    .home_node
+                    .and_then(|home| host_node(&self.topology, home, &allowed, &mut errors))
+                    .unwrap_or(self.default.host_node);
+                (host, target.gpu)
+            }
+        };
+        let resolved = Resolved {
+            host_node,
+            nodes: policy_nodes(&self.config, &self.topology, &allowed, host_node),
+            gpu,
+        };
+        routes.resolved.push((route, resolved));
+        routes.errors.extend(errors);
+        resolved
     }
 }
 
@@ -218,7 +309,7 @@ impl Runtime {
 struct GpuTarget {
     home_node: Option<usize>,
     device: Option<Device>,
-    gpu: Option<Gpu>,
+    gpu: Option<&'static Gpu>,
     gpu_pci: Option<PciAddress>,
 }
 
@@ -232,7 +323,7 @@ fn resolve_target(
 ) -> (usize, GpuTarget) {
     let pinning = config.pin != PinMode::Off;
     let selector = match config.target {
-        Target::Node(_) => None,
+        Target::Node(_) | Target::LocalNode => None,
         Target::Gpu(selector) => Some(selector),
         // The driver (cuInit, no context unless pinning) tells which GPU and so which node.
         Target::Default => cuda::driver_present().then_some(GpuSelector::Auto),
@@ -272,7 +363,7 @@ fn find_gpu(
                 None
             });
             if pinning {
-                target.gpu = Gpu::open(device.clone()).map_err(|e| errors.push(e)).ok();
+                target.gpu = Gpu::shared(device.clone()).map_err(|e| errors.push(e)).ok();
             }
             target.device = Some(device);
         }

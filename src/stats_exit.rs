@@ -27,6 +27,7 @@ use std::sync::atomic::AtomicPtr;
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
 use std::time::Duration;
 
+use crate::arena::NODES;
 use crate::config::StatsAtExit;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
@@ -145,7 +146,7 @@ fn write_report(
         // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.
         stats.numa_unavailable = rt.mbind_refusal();
     }
-    let nodes_fresh = fill_nodes(rt, stats);
+    let nodes_fresh = fill_nodes(stats);
     if format == StatsAtExit::Json {
         writeln!(out, "{}", stats.json())?;
     } else {
@@ -154,24 +155,31 @@ fn write_report(
     if !nodes_fresh {
         writeln!(
             out,
-            "numa-gpu-alloc: the arena stayed busy at exit; node rows left out"
+            "numa-gpu-alloc: an arena stayed busy at exit; node rows left out"
         )?;
     }
     Ok(())
 }
 
-/// Refreshes the node rows under the arena lock, if it can be had within [`ARENA_TRIES`]
-/// milliseconds; otherwise empties them (without freeing) and returns `false`.
-fn fill_nodes(rt: &Runtime, stats: &mut Stats) -> bool {
-    for _ in 0..ARENA_TRIES {
-        if let Some(arena) = rt.arena.try_lock() {
-            arena.fill(&mut stats.nodes);
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
+/// Refreshes the node rows under each node's arena lock, if each can be had within
+/// [`ARENA_TRIES`] milliseconds; otherwise empties them (without freeing) and returns `false`.
+fn fill_nodes(stats: &mut Stats) -> bool {
+    for row in &mut stats.nodes {
+        let Some(arena) = NODES.existing(row.node) else {
+            continue;
+        };
+        let Some(locked) = (0..ARENA_TRIES).find_map(|_| {
+            arena.try_lock().or_else(|| {
+                std::thread::sleep(Duration::from_millis(1));
+                None
+            })
+        }) else {
+            stats.nodes.clear();
+            return false;
+        };
+        locked.fill(row);
     }
-    stats.nodes.clear();
-    false
+    true
 }
 
 /// Text for fd 2, gathered in a buffer on the stack and written with `write(2)`.

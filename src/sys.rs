@@ -126,7 +126,7 @@ impl std::fmt::Debug for NodeMask {
 }
 
 /// The `mbind` mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MemPolicy {
     /// `MPOL_PREFERRED`: allocate on the (first) node of the mask, fall back to others when it is
     /// full.

@@ -1,6 +1,10 @@
 //! `NumaGpuAlloc` through allocator-api2 (0.4 and hashbrown's 0.2), with local instances.
+//!
+//! The instances share the process's per-node arenas, whose rows the stats show: each test holds
+//! [`serial`] and frees what it allocates.
 
 use std::alloc::Layout;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use allocator_api2::alloc::Allocator;
 use allocator_api2::boxed::Box;
@@ -9,8 +13,20 @@ use numa_gpu_alloc::{MemPolicy, NumaGpuAlloc};
 
 const MIB: usize = 1 << 20;
 
+/// Runs the tests one at a time, each starting with empty caches and peaks at what is live.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let guard = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let alloc = NumaGpuAlloc::new();
+    let _ = alloc.placement();
+    alloc.trim();
+    alloc.reset_peaks();
+    guard
+}
+
 #[test]
 fn vec_grows_and_shrinks_across_the_threshold() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new().node(0);
     let mut v: Vec<u64, _> = Vec::new_in(&alloc);
     for i in 0..(1u64 << 20) {
@@ -29,6 +45,7 @@ fn vec_grows_and_shrinks_across_the_threshold() {
 
 #[test]
 fn boxes_zero_sizes_and_huge_alignment() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new();
     let small = Box::new_in(42u32, &alloc);
     assert_eq!(*small, 42);
@@ -54,6 +71,7 @@ fn boxes_zero_sizes_and_huge_alignment() {
 
 #[test]
 fn zeroed_reuse_of_a_dirty_cached_block_is_zero() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new();
     let layout = Layout::from_size_align(6 * MIB, 8).unwrap();
     let p = alloc.allocate(layout).unwrap().cast::<u8>();
@@ -74,6 +92,7 @@ fn zeroed_reuse_of_a_dirty_cached_block_is_zero() {
 
 #[test]
 fn grow_in_place_within_capacity_and_move_beyond() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new();
     let old = Layout::from_size_align(2 * MIB + 1, 8).unwrap(); // capacity 2.25 MiB
     let p = alloc.allocate(old).unwrap().cast::<u8>();
@@ -99,6 +118,7 @@ fn grow_in_place_within_capacity_and_move_beyond() {
 
 #[test]
 fn cache_limit_releases_oldest_and_trim_releases_all() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new().cache_limit(8 * MIB);
     let blocks: std::vec::Vec<Vec<u8, &NumaGpuAlloc>> = (0..3)
         .map(|_| {
@@ -119,6 +139,7 @@ fn cache_limit_releases_oldest_and_trim_releases_all() {
 
 #[test]
 fn reset_peaks_starts_over_from_what_is_live() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new().node(0);
     alloc.reset_peaks(); // before initialisation: nothing to reset
     let kept: Vec<u8, _> = Vec::with_capacity_in(8 * MIB, &alloc);
@@ -141,6 +162,7 @@ fn reset_peaks_starts_over_from_what_is_live() {
 
 #[test]
 fn verify_and_bind_on_node_zero() {
+    let _serial = serial();
     for policy in [MemPolicy::Preferred, MemPolicy::Bind, MemPolicy::Interleave] {
         let alloc = NumaGpuAlloc::new().node(0).verify(true).policy(policy);
         let mut v: Vec<u8, _> = Vec::with_capacity_in(8 * MIB, &alloc);
@@ -155,6 +177,7 @@ fn verify_and_bind_on_node_zero() {
 
 #[test]
 fn hashbrown_map_in_our_allocator() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new();
     let mut map = hashbrown::HashMap::new_in(&alloc);
     for i in 0..300_000u64 {
@@ -170,15 +193,19 @@ fn hashbrown_map_in_our_allocator() {
 }
 
 #[test]
-fn two_allocators_keep_their_blocks_apart() {
+fn two_allocators_share_their_nodes_arena() {
+    let _serial = serial();
     let a = NumaGpuAlloc::new().node(0);
     let b = NumaGpuAlloc::new().node(0);
     let va: Vec<u8, _> = Vec::with_capacity_in(4 * MIB, &a);
     let vb: Vec<u8, _> = Vec::with_capacity_in(4 * MIB, &b);
-    assert_eq!(a.stats().live_bytes(), 4 * MIB);
-    assert_eq!(b.stats().live_bytes(), 4 * MIB);
+    let freed = va.as_ptr();
+    assert_eq!(a.stats().live_bytes(), 8 * MIB, "node 0's row: both values");
+    assert_eq!(b.stats().live_bytes(), 8 * MIB);
     drop(va);
-    assert_eq!(a.stats().cached_bytes(), 4 * MIB);
-    assert_eq!(b.stats().cached_bytes(), 0);
-    drop(vb);
+    assert_eq!(b.stats().cached_bytes(), 4 * MIB);
+    let reused: Vec<u8, _> = Vec::with_capacity_in(4 * MIB, &b);
+    assert_eq!(reused.as_ptr(), freed, "a's freed block serves b");
+    assert_eq!((a.stats().cache_hits, b.stats().cache_hits), (0, 1));
+    drop((vb, reused));
 }

@@ -17,7 +17,9 @@ const MIB: usize = 1 << 20;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// Holds the lock and clears every fault on entry and exit (also when a test fails).
+/// Holds the lock and clears every fault on entry and exit (also when a test fails); on entry,
+/// also empties the process's caches, which every allocator value shares, and starts the peaks
+/// over.
 struct Serial(#[allow(dead_code)] MutexGuard<'static, ()>);
 
 impl Drop for Serial {
@@ -31,6 +33,10 @@ fn serial() -> Serial {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     fault::clear();
+    let alloc = local();
+    let _ = alloc.placement();
+    alloc.trim();
+    alloc.reset_peaks();
     Serial(guard)
 }
 

@@ -330,8 +330,12 @@ fn without_the_pending_list_test_c_fails() {
         !passed,
         "test (c) passed with the pending list off:\n{output}"
     );
+    // Either symptom of the bug: the block handed out again, or (the node's arena being shared
+    // with the global allocator, whose frees push the cached block out) released, i.e.
+    // unregistered, while the copy still reads it.
     assert!(
-        output.contains("was reused while its copy was still running"),
+        output.contains("was reused while its copy was still running")
+            || output.contains("while a queued copy still uses the range"),
         "{output}"
     );
     eprintln!("{output}");

@@ -5,7 +5,7 @@
 
 use std::alloc::Layout;
 use std::cell::RefCell;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, Mutex, PoisonError};
 
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::{NumaGpuAlloc, ENV_VAR};
@@ -18,6 +18,9 @@ mod common {
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(64 << 20);
 
 const MIB: usize = 1 << 20;
+
+/// Held by the tests that read the process's node rows (shared by every allocator value).
+static ROWS: Mutex<()> = Mutex::new(());
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_TEARDOWN_CHILD";
 
 /// Frees its blocks when the thread's locals are destroyed, i.e. during thread exit.
@@ -40,6 +43,10 @@ thread_local! {
 
 #[test]
 fn threads_exit_holding_live_and_cached_blocks() {
+    let _rows = ROWS.lock().unwrap_or_else(PoisonError::into_inner);
+    // Another test frees a block of another value through ALLOC: count from here.
+    let before = ALLOC.stats();
+    let frees = before.frees.wrapping_sub(before.large_allocations);
     let threads = 8;
     let barrier = Arc::new(Barrier::new(threads));
     let workers: Vec<_> = (0..threads)
@@ -63,29 +70,33 @@ fn threads_exit_holding_live_and_cached_blocks() {
     let s = ALLOC.stats();
     assert_eq!(s.fallbacks.failed_allocations, 0, "{s}");
     assert_eq!(s.cache_hits + s.cache_misses, s.large_allocations, "{s}");
-    // Other tests of this binary run child processes only; this one owns the counters.
     assert_eq!(s.live_bytes(), 0, "{s}");
-    assert_eq!(s.frees, s.large_allocations, "{s}");
+    assert_eq!(s.frees.wrapping_sub(s.large_allocations), frees, "{s}");
     ALLOC.trim();
     assert_eq!(ALLOC.stats().cached_bytes(), 0);
 }
 
 #[test]
 fn dropping_an_allocator_with_blocks_outstanding() {
+    let _rows = ROWS.lock().unwrap_or_else(PoisonError::into_inner);
     let layout = Layout::from_size_align(4 * MIB, 4096).unwrap();
-    let leaked;
+    let live;
     {
         let alloc = NumaGpuAlloc::new().node(0);
         let cached = alloc.allocate(layout).unwrap();
-        leaked = alloc.allocate(layout).unwrap().cast::<u8>();
+        live = alloc.allocate(layout).unwrap().cast::<u8>();
         // SAFETY: allocated above with this layout.
         unsafe { alloc.deallocate(cached.cast(), layout) };
-        assert_eq!(alloc.stats().cached_bytes(), 4 * MIB);
-        // Dropped here: the cached block is released, the live one stays mapped.
+        assert!(alloc.stats().cached_bytes() >= 4 * MIB);
+        // Dropped here: its blocks stay in node 0's arena, shared by every value.
     }
-    // The live block outlives its allocator (a leak, by design, not a crash): still writable.
-    // SAFETY: the mapping was never unmapped.
-    unsafe { std::ptr::write_bytes(leaked.as_ptr(), 1, layout.size()) };
+    // The live block outlives its allocator: still writable, and freed through another value.
+    // SAFETY: the block is live and this long.
+    unsafe { std::ptr::write_bytes(live.as_ptr(), 1, layout.size()) };
+    let frees = ALLOC.stats().frees;
+    // SAFETY: live with this layout, freed once.
+    unsafe { ALLOC.deallocate(live, layout) };
+    assert_eq!(ALLOC.stats().frees, frees + 1);
 }
 
 /// What the child does before it exits.
@@ -177,9 +188,11 @@ fn check_exit_reports(stats: &str, stderr: &str) {
             assert_eq!((tables, json.len(), notes), (0, 2, 1), "{stderr}");
             let local = json.iter().find(|r| r["large_allocations"] == 2);
             let local = local.unwrap_or_else(|| panic!("LOCAL's report: {stderr}"));
-            assert_eq!(
-                (&local["frees"], &local["nodes"][0]["live_blocks"]),
-                (&1.into(), &1.into())
+            assert_eq!(local["frees"], 1);
+            // The node rows are the process's: the global allocator's blocks are there too.
+            assert!(
+                local["nodes"][0]["live_blocks"].as_u64() >= Some(1),
+                "{local}"
             );
             assert!(
                 local["pages_checked"].as_u64() > Some(0),

@@ -7,16 +7,16 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use super::{Block, Fit};
+use super::{Block, Fit, Kind};
 
-/// Cached blocks by capacity, with their age order.
+/// Cached blocks by kind and capacity, with their age order.
 #[derive(Default)]
 pub(crate) struct CacheIndex {
-    /// Capacity → blocks of that capacity, oldest first, each with its sequence number. Empty
-    /// queues are removed, so a range of capacities holds only hits.
-    by_capacity: BTreeMap<usize, VecDeque<(u64, Block)>>,
-    /// Sequence number → capacity, the oldest first: the eviction order.
-    by_age: BTreeMap<u64, usize>,
+    /// (Kind, capacity) → blocks of that kind and capacity, oldest first, each with its sequence
+    /// number. Empty queues are removed, so a range of capacities of one kind holds only hits.
+    by_capacity: BTreeMap<(Kind, usize), VecDeque<(u64, Block)>>,
+    /// Sequence number → key, the oldest first: the eviction order.
+    by_age: BTreeMap<u64, (Kind, usize)>,
     next_seq: u64,
     bytes: usize,
 }
@@ -26,24 +26,25 @@ impl CacheIndex {
     pub(crate) fn insert(&mut self, block: Block) {
         let seq = self.next_seq;
         self.next_seq += 1;
+        let key = (block.kind, block.capacity);
         self.by_capacity
-            .entry(block.capacity)
+            .entry(key)
             .or_default()
             .push_back((seq, block));
-        self.by_age.insert(seq, block.capacity);
+        self.by_age.insert(seq, key);
         self.bytes += block.capacity;
     }
 
-    /// Takes the newest block of the smallest capacity that `fit` admits. Only the newest block
+    /// Takes the newest block of `fit`'s kind and of the smallest capacity that `fit` admits. Only the newest block
     /// of each capacity is looked at: a request with a stricter alignment than that block's misses
     /// rather than searching the queue (blocks are page-aligned, and 2 MiB-aligned from 2 MiB
     /// with huge pages, so this is rare).
     pub(crate) fn take(&mut self, fit: Fit) -> Option<Block> {
-        let capacity = self.find(fit)?;
-        let queue = self.by_capacity.get_mut(&capacity)?;
+        let key = self.find(fit)?;
+        let queue = self.by_capacity.get_mut(&key)?;
         let (seq, block) = queue.pop_back()?;
         if queue.is_empty() {
-            self.by_capacity.remove(&capacity);
+            self.by_capacity.remove(&key);
         }
         self.by_age.remove(&seq);
         self.bytes -= block.capacity;
@@ -55,22 +56,22 @@ impl CacheIndex {
         self.find(fit).is_some()
     }
 
-    /// The smallest capacity whose newest block `fit` admits.
-    fn find(&self, fit: Fit) -> Option<usize> {
+    /// The key of the smallest capacity of `fit`'s kind whose newest block `fit` admits.
+    fn find(&self, fit: Fit) -> Option<(Kind, usize)> {
         self.by_capacity
-            .range(fit.least..=fit.most)
+            .range((fit.kind, fit.least)..=(fit.kind, fit.most))
             .find(|(_, queue)| queue.back().is_some_and(|(_, b)| fit.admits(b)))
-            .map(|(&capacity, _)| capacity)
+            .map(|(&key, _)| key)
     }
 
     /// Removes the block cached longest ago.
     pub(crate) fn pop_oldest(&mut self) -> Option<Block> {
-        let (_, capacity) = self.by_age.pop_first()?;
-        let queue = self.by_capacity.get_mut(&capacity)?;
-        // The oldest block overall is the oldest of its capacity: the front of its queue.
+        let (_, key) = self.by_age.pop_first()?;
+        let queue = self.by_capacity.get_mut(&key)?;
+        // The oldest block overall is the oldest of its key: the front of its queue.
         let (_, block) = queue.pop_front()?;
         if queue.is_empty() {
-            self.by_capacity.remove(&capacity);
+            self.by_capacity.remove(&key);
         }
         self.bytes -= block.capacity;
         Some(block)
@@ -106,13 +107,20 @@ mod tests {
         Block {
             addr,
             capacity,
-            pinned: false,
+            node: 0,
+            kind: Kind::default(),
+            gpu: None,
         }
     }
 
     /// Capacities `least..=most`, addresses aligned to `align`.
     fn fit(least: usize, most: usize, align: usize) -> Fit {
-        Fit { least, most, align }
+        Fit {
+            least,
+            most,
+            align,
+            kind: Kind::default(),
+        }
     }
 
     #[test]

@@ -1,23 +1,27 @@
 //! The per-node arena: live blocks, the cache of freed blocks (`index.rs`), blocks waiting for GPU
 //! work (`pending.rs`), and per-node accounting.
 //!
-//! An arena is only touched under its lock (`lock.rs`), from inside the re-entrancy guard
+//! There is one arena per NUMA node for the whole process (`nodes.rs`), shared by every allocator
+//! value. An arena is only touched under its lock (`lock.rs`), from inside the re-entrancy guard
 //! (its maps allocate through the system allocator). Slow work — mapping, populating, pinning,
 //! unmapping — happens outside the lock; the arena only moves [`Block`] records around.
 
 use std::collections::BTreeMap;
 
 mod index;
+mod nodes;
 mod pending;
 
 use index::CacheIndex;
+pub(crate) use nodes::NODES;
 #[cfg(test)]
 pub(crate) use pending::double as pending_double;
 use pending::PendingList;
-pub(crate) use pending::{settle, InFlight, PendingBlock, Work};
+pub(crate) use pending::{settle, InFlight, Work};
 
 use crate::buffer::{NumaAllocTracker, NumaBuffer};
 use crate::stats::NodeStats;
+use crate::sys::MemPolicy;
 use crate::NumaTopology;
 
 /// Size classes per power of two: with 8, rounding wastes at most 1/8 = 12.5% of a request.
@@ -33,6 +37,19 @@ pub(crate) fn class_size(size: usize, page_size: usize) -> Option<usize> {
     size.checked_next_multiple_of(step)
 }
 
+/// What a block was made with, beyond its node and size: a cached block serves only requests
+/// that ask for the same. The GPU whose context registered a block is not part of it: blocks are
+/// registered PORTABLE, so every GPU's context may use them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Kind {
+    /// `mbind` policy (`None`: left unplaced).
+    pub(crate) policy: Option<MemPolicy>,
+    /// Registered with CUDA, with `CU_MEMHOSTREGISTER_DEVICEMAP` and `_READ_ONLY` as given.
+    pub(crate) pinned: bool,
+    pub(crate) devicemap: bool,
+    pub(crate) read_only: bool,
+}
+
 /// One mapping made by the large path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
@@ -40,8 +57,12 @@ pub(crate) struct Block {
     pub(crate) addr: usize,
     /// Mapped bytes.
     pub(crate) capacity: usize,
-    /// Registered with CUDA.
-    pub(crate) pinned: bool,
+    /// The node whose arena it belongs to.
+    pub(crate) node: usize,
+    /// What it was made with (see [`Kind`]).
+    pub(crate) kind: Kind,
+    /// CUDA ordinal of the device whose context registered it (for unregistering).
+    pub(crate) gpu: Option<u32>,
 }
 
 /// The cached blocks that may serve one request.
@@ -54,22 +75,27 @@ pub(crate) struct Fit {
     pub(crate) most: usize,
     /// The address must be a multiple of this.
     pub(crate) align: usize,
+    /// What the block must have been made with.
+    pub(crate) kind: Kind,
 }
 
 impl Fit {
-    /// For a request of `size` bytes whose class is `capacity`.
-    pub(crate) fn new(size: usize, capacity: usize, align: usize) -> Fit {
+    /// For a request of `size` bytes whose class is `capacity`, served by blocks of `kind`.
+    pub(crate) fn new(size: usize, capacity: usize, align: usize, kind: Kind) -> Fit {
         let most = size.saturating_add(size / CLASSES_PER_DOUBLING as usize);
         Fit {
             least: capacity,
             most: most.max(capacity),
             align,
+            kind,
         }
     }
 
     /// Whether `block` may serve the request.
     pub(crate) fn admits(&self, block: &Block) -> bool {
-        (self.least..=self.most).contains(&block.capacity) && block.addr.is_multiple_of(self.align)
+        (self.least..=self.most).contains(&block.capacity)
+            && block.addr.is_multiple_of(self.align)
+            && block.kind == self.kind
     }
 }
 
@@ -131,7 +157,7 @@ impl Arena {
         if self.pinned_cache_stale {
             self.pinned_cache_stale = false;
             for block in self.cached.drain() {
-                if block.pinned {
+                if block.kind.pinned {
                     self.forget_pinned(&block);
                     evicted.push(block);
                 } else {
@@ -164,7 +190,7 @@ impl Arena {
     pub(crate) fn growable(&self, addr: usize) -> Option<Block> {
         self.live
             .get(&addr)
-            .filter(|live| !live.block.pinned && live.work.is_empty())
+            .filter(|live| !live.block.kind.pinned && live.work.is_empty())
             .map(|live| live.block)
     }
 
@@ -240,7 +266,7 @@ impl Arena {
     /// the cache, and so is a page-locked block in a forked child. Pending blocks are never
     /// evicted: GPU work may still use them.
     pub(crate) fn cache(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
-        if block.capacity > limit || (block.pinned && self.in_child) {
+        if block.capacity > limit || (block.kind.pinned && self.in_child) {
             self.forget_pinned(&block);
             evicted.push(block);
             return;
@@ -259,7 +285,7 @@ impl Arena {
 
     /// Pinned bytes include live, pending and cached blocks.
     fn note_created(&mut self, block: &Block) {
-        if block.pinned {
+        if block.kind.pinned {
             self.pinned_bytes += block.capacity;
         }
     }
@@ -313,17 +339,8 @@ impl Arena {
         released
     }
 
-    /// Removes every pending block with its work (for the allocator's `Drop`, which waits).
-    pub(crate) fn drain_pending(&mut self) -> Vec<PendingBlock> {
-        let drained = self.pending.drain();
-        for p in &drained {
-            self.forget_pinned(&p.block);
-        }
-        drained
-    }
-
     fn forget_pinned(&mut self, block: &Block) {
-        if block.pinned {
+        if block.kind.pinned {
             self.pinned_bytes = self.pinned_bytes.saturating_sub(block.capacity);
         }
     }
@@ -338,20 +355,16 @@ impl Arena {
         self.tracker.total_bytes()
     }
 
-    /// Adds this arena's figures to the per-node rows.
-    pub(crate) fn fill(&self, nodes: &mut [NodeStats]) {
-        for row in nodes.iter_mut() {
-            row.live_bytes = self.tracker.bytes_on_node(row.node).unwrap_or(0);
-            if row.node == self.node {
-                row.peak_live_bytes = self.peak_live_bytes;
-                row.cached_bytes = self.cached.bytes();
-                row.pinned_bytes = self.pinned_bytes;
-                row.live_blocks = self.live.len();
-                row.cached_blocks = self.cached.len();
-                row.pending_bytes = self.pending.bytes();
-                row.pending_blocks = self.pending.len();
-            }
-        }
+    /// Fills in this node's row.
+    pub(crate) fn fill(&self, row: &mut NodeStats) {
+        row.live_bytes = self.tracker.bytes_on_node(self.node).unwrap_or(0);
+        row.peak_live_bytes = self.peak_live_bytes;
+        row.cached_bytes = self.cached.bytes();
+        row.pinned_bytes = self.pinned_bytes;
+        row.live_blocks = self.live.len();
+        row.cached_blocks = self.cached.len();
+        row.pending_bytes = self.pending.bytes();
+        row.pending_blocks = self.pending.len();
     }
 }
 

@@ -1,8 +1,7 @@
 //! Stream-ordered reuse: freed blocks that GPU work may still read or write wait here, out of the
 //! cache, until every recorded use has completed.
 //!
-//! Completion is only ever polled ([`InFlight::is_complete`]) on the allocation path, O(pending);
-//! the one blocking wait ([`InFlight::wait`]) is in the allocator's `Drop`.
+//! Completion is only ever polled ([`InFlight::is_complete`]) on the allocation path, O(pending).
 
 use super::{Block, Fit};
 
@@ -29,9 +28,9 @@ pub(crate) fn settle(work: &mut Work) -> bool {
 }
 
 /// A freed block and the work that still uses it.
-pub(crate) struct PendingBlock {
-    pub(crate) block: Block,
-    pub(crate) work: Work,
+struct PendingBlock {
+    block: Block,
+    work: Work,
 }
 
 /// Freed blocks with work in flight, in no particular order.
@@ -65,12 +64,6 @@ impl PendingList {
     /// Whether a pending block fits (a miss that stream-ordered reuse deferred). O(pending).
     pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
         self.blocks.iter().any(|p| fit.admits(&p.block))
-    }
-
-    /// Removes every pending block with its work (for the allocator's `Drop`, which waits).
-    pub(crate) fn drain(&mut self) -> Vec<PendingBlock> {
-        self.bytes = 0;
-        std::mem::take(&mut self.blocks)
     }
 
     /// Number of pending blocks.
@@ -119,6 +112,7 @@ mod tests {
 
     use super::double::Flag;
     use super::*;
+    use crate::arena::Kind;
 
     const MIB: usize = 1 << 20;
 
@@ -126,9 +120,18 @@ mod tests {
         Block {
             addr,
             capacity: 4 * MIB,
-            pinned: true,
+            node: 0,
+            kind: PINNED,
+            gpu: Some(0),
         }
     }
+
+    const PINNED: Kind = Kind {
+        policy: None,
+        pinned: true,
+        devicemap: false,
+        read_only: false,
+    };
 
     #[test]
     fn a_block_is_ready_only_when_all_its_work_completed() {
@@ -139,8 +142,8 @@ mod tests {
         let (other, other_done) = Flag::unfinished();
         list.push(block(0x2000), vec![other]);
         assert_eq!((list.len(), list.bytes()), (2, 8 * MIB));
-        assert!(list.holds_fit(Fit::new(4 * MIB, 4 * MIB, 4096)));
-        assert!(!list.holds_fit(Fit::new(5 * MIB, 5 * MIB, 4096)));
+        assert!(list.holds_fit(Fit::new(4 * MIB, 4 * MIB, 4096, PINNED)));
+        assert!(!list.holds_fit(Fit::new(5 * MIB, 5 * MIB, 4096, PINNED)));
 
         let mut ready = Vec::new();
         first_done.store(true, Ordering::Release);

@@ -35,7 +35,12 @@ fn block(addr: usize, capacity: usize, pinned: bool) -> Block {
     Block {
         addr,
         capacity,
-        pinned,
+        node: 0,
+        kind: Kind {
+            pinned,
+            ..Kind::default()
+        },
+        gpu: pinned.then_some(0),
     }
 }
 
@@ -47,9 +52,22 @@ fn arena_that_held(peak: usize) -> Arena {
     arena
 }
 
-/// The fit of a request of `size` bytes, as the allocator computes it.
+/// The fit of a request of `size` bytes for unpinned blocks, as the allocator computes it.
 fn fit(size: usize, align: usize) -> Fit {
-    Fit::new(size, class_size(size, PAGE).unwrap(), align)
+    Fit::new(
+        size,
+        class_size(size, PAGE).unwrap(),
+        align,
+        Kind::default(),
+    )
+}
+
+/// The fit of a request of `size` bytes for page-locked blocks.
+fn pinned_fit(size: usize) -> Fit {
+    Fit {
+        kind: block(0, 0, true).kind,
+        ..fit(size, PAGE)
+    }
 }
 
 #[test]
@@ -100,8 +118,8 @@ fn cache_limit_evicts_oldest_first() {
         arena.cache(b, 8 * MIB, &mut evicted);
     }
     assert_eq!(evicted, [block(0x1000_0000, 4 * MIB, true)]);
-    let mut nodes = vec![NodeStats::default()];
-    arena.fill(&mut nodes);
+    let mut nodes = [NodeStats::default()];
+    arena.fill(&mut nodes[0]);
     assert_eq!(nodes[0].cached_bytes, 8 * MIB);
     assert_eq!(nodes[0].pinned_bytes, 8 * MIB);
     assert_eq!(nodes[0].cached_blocks, 2);
@@ -114,13 +132,13 @@ fn cache_limit_evicts_oldest_first() {
         [big],
         "a block over the limit leaves the others cached"
     );
-    arena.fill(&mut nodes);
+    arena.fill(&mut nodes[0]);
     assert_eq!(
         (nodes[0].cached_blocks, nodes[0].pinned_bytes),
         (2, 8 * MIB)
     );
     assert_eq!(arena.drain_cached().len(), 2);
-    arena.fill(&mut nodes);
+    arena.fill(&mut nodes[0]);
     assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
 }
 
@@ -136,8 +154,8 @@ fn memory_is_given_back_oldest_first_and_only_as_much_as_asked() {
     assert_eq!(arena.release_oldest(5 * MIB), blocks[..2]);
     assert_eq!(arena.release_oldest(0), []);
     assert_eq!(arena.release_oldest(usize::MAX), blocks[2..]);
-    let mut nodes = vec![NodeStats::default()];
-    arena.fill(&mut nodes);
+    let mut nodes = [NodeStats::default()];
+    arena.fill(&mut nodes[0]);
     assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
 }
 
@@ -160,13 +178,13 @@ fn a_freed_block_in_use_is_not_reused_before_its_work_completed() {
     arena.free(block, work, usize::MAX, &mut evicted);
     arena.settle_pending(usize::MAX, &mut evicted);
     assert_eq!(
-        arena.take_cached(fit(4 * MIB, PAGE)),
+        arena.take_cached(pinned_fit(4 * MIB)),
         None,
         "reused while in flight"
     );
-    assert!(arena.pending_fits(fit(4 * MIB, PAGE)));
-    let mut nodes = vec![NodeStats::default()];
-    arena.fill(&mut nodes);
+    assert!(arena.pending_fits(pinned_fit(4 * MIB)));
+    let mut nodes = [NodeStats::default()];
+    arena.fill(&mut nodes[0]);
     assert_eq!(
         (nodes[0].pending_blocks, nodes[0].pending_bytes),
         (1, 4 * MIB)
@@ -175,7 +193,7 @@ fn a_freed_block_in_use_is_not_reused_before_its_work_completed() {
 
     done.store(true, Ordering::Release);
     arena.settle_pending(usize::MAX, &mut evicted);
-    assert_eq!(arena.take_cached(fit(4 * MIB, PAGE)), Some(block));
+    assert_eq!(arena.take_cached(pinned_fit(4 * MIB)), Some(block));
     assert!(evicted.is_empty());
 }
 
@@ -214,15 +232,19 @@ fn pending_bytes_count_against_the_limit_and_are_never_evicted() {
     assert_eq!(arena.drain_cached(), [], "trim skips blocks in flight");
     first.store(true, Ordering::Release);
     assert_eq!(arena.drain_cached(), [block(0x2000_0000, 4 * MIB, true)]);
-    let pending = arena.drain_pending();
-    assert_eq!(pending.len(), 1);
-    assert!(
-        !second.load(Ordering::Acquire),
-        "draining does not wait: the caller does"
+    let mut nodes = [NodeStats::default()];
+    arena.fill(&mut nodes[0]);
+    assert_eq!(
+        (nodes[0].pending_bytes, nodes[0].pinned_bytes),
+        (4 * MIB, 4 * MIB)
     );
-    let mut nodes = vec![NodeStats::default()];
-    arena.fill(&mut nodes);
-    assert_eq!((nodes[0].pending_bytes, nodes[0].pinned_bytes), (0, 0));
+    second.store(true, Ordering::Release);
+    arena.settle_pending(8 * MIB, &mut evicted);
+    arena.fill(&mut nodes[0]);
+    assert_eq!(
+        (nodes[0].pending_bytes, nodes[0].cached_bytes),
+        (0, 4 * MIB)
+    );
 }
 
 #[test]
@@ -264,8 +286,8 @@ fn a_forked_child_releases_page_locked_blocks_instead_of_reusing_them() {
         [pinned, live],
         "freed in the child: released, not cached"
     );
-    let mut nodes = vec![NodeStats::default()];
-    arena.fill(&mut nodes);
+    let mut nodes = [NodeStats::default()];
+    arena.fill(&mut nodes[0]);
     assert_eq!((nodes[0].cached_blocks, nodes[0].pinned_bytes), (0, 0));
 }
 
@@ -307,7 +329,7 @@ fn live_accounting_and_peak() {
         Some(4 * MIB)
     );
     assert!(arena.remove_live(0x1000).is_none());
-    let mut nodes = vec![
+    let mut nodes = [
         NodeStats {
             node: 0,
             ..NodeStats::default()
@@ -317,9 +339,31 @@ fn live_accounting_and_peak() {
             ..NodeStats::default()
         },
     ];
-    arena.fill(&mut nodes);
+    arena.fill(&mut nodes[1]);
     assert_eq!(nodes[0].live_bytes, 0);
     assert_eq!(nodes[1].live_bytes, 2 * MIB);
     assert_eq!(nodes[1].peak_live_bytes, 6 * MIB);
     assert_eq!(nodes[1].live_blocks, 1);
+}
+
+#[test]
+fn a_cached_block_serves_only_requests_of_its_kind() {
+    let mut arena = arena_that_held(1 << 40);
+    let mut evicted = Vec::new();
+    let pinned = block(0x40_0000, 4 * MIB, true);
+    arena.cache(pinned, usize::MAX, &mut evicted);
+    assert_eq!(
+        arena.take_cached(fit(4 * MIB, PAGE)),
+        None,
+        "unpinned asked"
+    );
+    let interleaved = Fit {
+        kind: Kind {
+            policy: Some(MemPolicy::Interleave),
+            ..pinned.kind
+        },
+        ..pinned_fit(4 * MIB)
+    };
+    assert_eq!(arena.take_cached(interleaved), None, "another policy");
+    assert_eq!(arena.take_cached(pinned_fit(4 * MIB)), Some(pinned));
 }

@@ -2,7 +2,8 @@
 //! `cuMemHostRegister`/`cuMemHostUnregister`.
 
 use std::ffi::{c_uint, c_void};
-use std::ptr::NonNull;
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::device::Device;
 use super::driver::{
@@ -115,7 +116,64 @@ pub(super) fn unregister_outcome(
     check(res)
 }
 
+/// Devices with an ordinal below this share one [`Gpu`] per process ([`Gpu::shared`]).
+const SHARED_GPUS: usize = 256;
+
+/// One retained primary context per device, kept for the life of the process: blocks registered
+/// through it sit in the process-wide arenas and may be released by any allocator value, after
+/// the one that registered them is gone. A slot array, not a locked list: a forked child looks
+/// blocks' devices up without a lock another thread may have held at the fork.
+static SHARED: [AtomicPtr<Gpu>; SHARED_GPUS] =
+    [const { AtomicPtr::new(ptr::null_mut()) }; SHARED_GPUS];
+
 impl Gpu {
+    /// The process's `Gpu` for `device`, opened now if it is the first use (see [`SHARED`]).
+    pub(crate) fn shared(device: Device) -> Result<&'static Gpu> {
+        let slot = usize::try_from(device.ordinal())
+            .ok()
+            .and_then(|i| SHARED.get(i))
+            .ok_or(Error::CudaUnavailable {
+                reason: "a CUDA device ordinal beyond the 256 this crate registers memory with",
+            })?;
+        if let Some(gpu) = Gpu::in_slot(slot) {
+            return Ok(gpu);
+        }
+        let opened = Box::into_raw(Box::new(Gpu::open(device)?));
+        if let Err(winner) =
+            slot.compare_exchange(ptr::null_mut(), opened, Ordering::AcqRel, Ordering::Acquire)
+        {
+            // Another thread opened it first: balance this retain, use theirs.
+            // SAFETY: boxed just above, never shared.
+            drop(unsafe { Box::from_raw(opened) });
+            // SAFETY: slots hold leaked boxes, never freed.
+            return unsafe { winner.as_ref() }.ok_or(Error::CudaUnavailable {
+                reason: "a shared CUDA context slot was emptied",
+            });
+        }
+        // SAFETY: leaked into the slot above, never freed.
+        Ok(unsafe { &*opened })
+    }
+
+    /// The shared `Gpu` of the device with this ordinal, once [`Gpu::shared`] opened it.
+    pub(crate) fn by_ordinal(ordinal: u32) -> Option<&'static Gpu> {
+        Gpu::in_slot(SHARED.get(usize::try_from(ordinal).ok()?)?)
+    }
+
+    fn in_slot(slot: &AtomicPtr<Gpu>) -> Option<&'static Gpu> {
+        // SAFETY: slots hold null or a leaked box, never freed.
+        unsafe { slot.load(Ordering::Acquire).as_ref() }
+    }
+
+    /// Whether blocks can be registered through it: not in a child forked after it was opened.
+    pub(crate) fn usable(&self) -> bool {
+        !self.forked()
+    }
+
+    /// CUDA ordinal of the device.
+    pub(crate) fn ordinal(&self) -> u32 {
+        self.device.ordinal()
+    }
+
     /// Retains the device's primary context, for registering memory with it.
     pub(crate) fn open(device: Device) -> Result<Gpu> {
         let api = device.api;
