@@ -503,8 +503,11 @@ impl Runtime {
             return;
         };
         if let (true, Some(gpu)) = (block.pinned, &self.gpu) {
+            let start = Instant::now();
             // SAFETY: the block was registered by `pin` and is still mapped.
-            if let Err(e) = unsafe { gpu.unregister(ptr) } {
+            let unregistered = unsafe { gpu.unregister(ptr) };
+            self.counters.unpin.record(start.elapsed());
+            if let Err(e) = unregistered {
                 // Unmapping a range the driver still holds would make a later mapping at this
                 // address fail to register (712): leak it instead, counted.
                 self.counters.record_unregister_failure(&e);
