@@ -4,7 +4,7 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::{Block, Work};
+use crate::arena::{settle, Block, Work};
 use crate::config::PinMode;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
@@ -477,8 +477,12 @@ impl Runtime {
             for work in &mut p.work {
                 work.wait();
             }
-            // SAFETY: the block left the pending list, and no GPU work uses it any more.
-            unsafe { self.release_block(p.block) };
+            // A wait that failed (a broken context) proves nothing: such a block is leaked,
+            // never unmapped under a DMA that may still run.
+            if settle(&mut p.work) {
+                // SAFETY: the block left the pending list, and no GPU work uses it any more.
+                unsafe { self.release_block(p.block) };
+            }
         }
     }
 
