@@ -326,6 +326,7 @@ impl NumaGpuAlloc {
         let target = route::target(rt);
         let (capacity, fit) = Self::fit(rt, layout, &target)?;
         rt.counters.large_allocations.incr();
+        rt.counters.record_request(layout.size());
         let block = match Self::take_cached(rt, fit, target.host_node) {
             Some(block) => {
                 if zeroed {

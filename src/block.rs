@@ -535,8 +535,11 @@ impl Runtime {
         };
         // Through the process's context of the device that registered it.
         if let Some(gpu) = block.gpu.and_then(Gpu::by_ordinal) {
+            let start = Instant::now();
             // SAFETY: the block was registered by `pin` and is still mapped.
-            if let Err(e) = unsafe { gpu.unregister(ptr) } {
+            let unregistered = unsafe { gpu.unregister(ptr) };
+            self.counters.unpin.record(start.elapsed());
+            if let Err(e) = unregistered {
                 // Unmapping a range the driver still holds would make a later mapping at this
                 // address fail to register (712): leak it instead, counted.
                 self.counters.record_unregister_failure(&e);
