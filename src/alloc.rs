@@ -327,7 +327,7 @@ impl NumaGpuAlloc {
         let (capacity, fit) = Self::fit(rt, layout, &target)?;
         rt.counters.large_allocations.incr();
         rt.counters.record_request(layout.size());
-        let block = match Self::take_cached(rt, fit, target.host_node) {
+        let block = match Self::take_cached(rt, fit, &target) {
             Some(block) => {
                 if zeroed {
                     // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
@@ -349,14 +349,17 @@ impl NumaGpuAlloc {
         Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
     }
 
-    /// A cached block for `fit` from `node`'s arena, now live (a cache hit), once pending blocks
-    /// that are ready joined the cache.
-    fn take_cached(rt: &Runtime, fit: Fit, node: usize) -> Option<Block> {
+    /// A cached block for `fit` from the target node's arena, now live (a cache hit) for the
+    /// target's GPU, once pending blocks that are ready joined the cache.
+    fn take_cached(rt: &Runtime, fit: Fit, target: &Resolved) -> Option<Block> {
         let mut evicted = Vec::new();
         let hit = {
-            let mut arena = rt.arena(node)?;
+            let mut arena = rt.arena(target.host_node)?;
             arena.settle_pending(rt.config.cache_limit, &mut evicted);
-            let hit = arena.take_cached(fit);
+            let hit = arena.take_cached(fit).map(|block| Block {
+                for_gpu: target.ordinal,
+                ..block
+            });
             match hit {
                 Some(block) => arena.insert_live(block),
                 None if arena.pending_fits(fit) => rt.counters.reuse_deferred.incr(),

@@ -145,6 +145,7 @@ impl Runtime {
                 node: target.host_node,
                 kind,
                 gpu: target.gpu.filter(|_| kind.pinned).map(Gpu::ordinal),
+                for_gpu: target.ordinal,
             }),
             Err(e) => {
                 // SAFETY: the mapping is ours; nothing registered it (pinning is the last step).
@@ -166,19 +167,18 @@ impl Runtime {
         target: &Resolved,
     ) -> Result<Kind, (Cause, Error)> {
         // SAFETY: forwarded from the caller.
-        let placed = unsafe { self.place_and_populate(ptr, len, &target.nodes) }?;
+        unsafe { self.place_and_populate(ptr, len, &target.nodes) }?;
         // SAFETY: forwarded from the caller.
         let pinned = unsafe { self.pin(ptr, len, target.gpu) }.map_err(|e| (Cause::Other, e))?;
         Ok(Kind {
-            policy: placed.then_some(self.config.policy),
+            policy: self.config.policy,
             pinned,
             devicemap: pinned && self.config.pin_devicemap,
             read_only: pinned && self.config.pin_read_only,
         })
     }
 
-    /// Places on `nodes`, populates and checks (steps 2–4 of the pipeline); returns whether the
-    /// range was placed.
+    /// Places on `nodes`, populates and checks (steps 2–4 of the pipeline).
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
@@ -187,7 +187,7 @@ impl Runtime {
         ptr: NonNull<u8>,
         len: usize,
         nodes: &NodeMask,
-    ) -> Result<bool, (Cause, Error)> {
+    ) -> Result<(), (Cause, Error)> {
         // SAFETY: forwarded from the caller.
         let placed = unsafe { self.place(ptr, len, nodes) }.map_err(|e| (Cause::Other, e))?;
         let start = Instant::now();
@@ -206,7 +206,7 @@ impl Runtime {
                 (cause, e)
             })?;
         }
-        Ok(placed)
+        Ok(())
     }
 
     /// Grows an unpinned block to `capacity` without copying: a new mapping of that size (aligned
@@ -246,7 +246,7 @@ impl Runtime {
         let grown = unsafe {
             self.place_and_populate(tail, tail_len, nodes)
                 .map_err(|(_, e)| e)
-                .and_then(|_| sys::move_mapping(old, region, block.capacity))
+                .and_then(|()| sys::move_mapping(old, region, block.capacity))
         };
         match grown {
             Ok(()) => Ok(Block {

@@ -37,7 +37,7 @@ mod stats_exit;
 mod stats_json;
 pub use config::{parse_size, Config, GpuSelector, PinMode, StatsAtExit, Target, ENV_VAR};
 pub use runtime::Placement;
-pub use stats::{CudaErrorCount, Fallbacks, NodeStats, Stats, TimeStats};
+pub use stats::{CudaErrorCount, Fallbacks, GpuStats, NodeStats, Stats, TimeStats};
 pub use sys::MemPolicy;
 
 mod alloc;

@@ -52,6 +52,8 @@ pub(crate) struct Resolved {
     pub(crate) nodes: NodeMask,
     /// The process's retained context of the GPU, when blocks are pinned.
     pub(crate) gpu: Option<&'static Gpu>,
+    /// CUDA ordinal of the GPU, when the driver knows it (pinning or not).
+    pub(crate) ordinal: Option<u32>,
 }
 
 pub(crate) struct Runtime {
@@ -144,6 +146,7 @@ impl Runtime {
                 host_node,
                 nodes,
                 gpu: target.gpu,
+                ordinal: target.device.as_ref().map(Device::ordinal),
             },
             home_node: target.home_node,
             device: target.device,
@@ -242,6 +245,7 @@ impl Runtime {
         for row in &mut stats.nodes {
             if let Some(arena) = NODES.lock(row.node, &self.topology) {
                 arena.fill(row);
+                stats.gpus.extend_from_slice(arena.gpus());
             }
         }
         self.counters.fill(&mut stats);
@@ -258,7 +262,7 @@ impl Runtime {
     pub(crate) fn kind(&self, target: &Resolved) -> Kind {
         let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
         Kind {
-            policy: self.numa_placement().then_some(self.config.policy),
+            policy: self.config.policy,
             pinned,
             devicemap: pinned && self.config.pin_devicemap,
             read_only: pinned && self.config.pin_read_only,
@@ -277,12 +281,13 @@ impl Runtime {
         }
         let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
         let mut errors = Vec::new();
-        let (host_node, gpu) = match route {
+        let (host_node, gpu, ordinal) = match route {
             Route::Node(node) => (
                 explicit_node(&self.topology, node, &allowed, &mut errors),
                 None,
+                None,
             ),
-            Route::LocalNode => (calling_thread_node(&self.topology, &allowed), None),
+            Route::LocalNode => (calling_thread_node(&self.topology, &allowed), None, None),
             Route::Gpu(selector) => {
                 let pinning = self.config.pin != PinMode::Off;
                 let target = find_gpu(&self.config, selector, pinning, &mut errors);
@@ -290,13 +295,18 @@ impl Runtime {
                     .home_node
                     .and_then(|home| host_node(&self.topology, home, &allowed, &mut errors))
                     .unwrap_or(self.default.host_node);
-                (host, target.gpu)
+                (
+                    host,
+                    target.gpu,
+                    target.device.as_ref().map(Device::ordinal),
+                )
             }
         };
         let resolved = Resolved {
             host_node,
             nodes: policy_nodes(&self.config, &self.topology, &allowed, host_node),
             gpu,
+            ordinal,
         };
         routes.resolved.push((route, resolved));
         routes.errors.extend(errors);

@@ -349,6 +349,28 @@ pub struct NodeStats {
     pub pending_bytes: usize,
 }
 
+/// The blocks one node's arena handed out for requests routed to one GPU: which GPUs each node
+/// serves, and how much. Cached blocks are the node's (any GPU may reuse them, see
+/// [`NodeStats`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct GpuStats {
+    /// CUDA device ordinal.
+    pub ordinal: u32,
+    /// NUMA node id of the arena.
+    pub node: usize,
+    /// Bytes handed out for this GPU and not yet freed.
+    pub live_bytes: usize,
+    /// Highest `live_bytes` seen (since the last
+    /// [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    pub peak_live_bytes: usize,
+    /// The page-locked part of `live_bytes`.
+    pub pinned_bytes: usize,
+    /// Blocks handed out for this GPU and not yet freed.
+    pub live_blocks: usize,
+}
+
 /// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
 ///
 /// Each counter is read on its own (relaxed atomics), so figures read while other threads allocate
@@ -370,8 +392,12 @@ pub struct Stats {
     pub gpu: Option<String>,
     /// Whether blocks are page-locked with CUDA.
     pub pinning: bool,
-    /// Per node.
+    /// Per node: the process's arenas, shared by every allocator value.
     pub nodes: Vec<NodeStats>,
+    /// Per GPU and node, for requests routed to a GPU the CUDA driver knows (by the allocator's
+    /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the report
+    /// at exit.
+    pub gpus: Vec<GpuStats>,
     /// Large requests handled (cache hits + misses; failed ones included, see `fallbacks`).
     pub large_allocations: u64,
     /// Large blocks freed by the user.
@@ -524,6 +550,18 @@ impl fmt::Display for Stats {
                 mib(n.pinned_bytes),
                 n.live_blocks,
                 n.cached_blocks
+            )?;
+        }
+        for g in &self.gpus {
+            writeln!(
+                f,
+                "gpu {} on node {}: live {:.1} MiB ({} blocks, {:.1} MiB pinned), peak {:.1} MiB",
+                g.ordinal,
+                g.node,
+                mib(g.live_bytes),
+                g.live_blocks,
+                mib(g.pinned_bytes),
+                mib(g.peak_live_bytes)
             )?;
         }
         writeln!(

@@ -6,7 +6,7 @@
 use std::fmt::{self, Write};
 use std::time::Duration;
 
-use crate::stats::{CudaErrorCount, Fallbacks, NodeStats, Stats, TimeStats};
+use crate::stats::{CudaErrorCount, Fallbacks, GpuStats, NodeStats, Stats, TimeStats};
 use crate::Error;
 
 impl Stats {
@@ -192,6 +192,14 @@ json_object! {
         pending_blocks,
         pending_bytes,
     }
+    GpuStats {
+        ordinal,
+        node,
+        live_bytes,
+        peak_live_bytes,
+        pinned_bytes,
+        live_blocks,
+    }
     Stats {
         initialized,
         threshold,
@@ -200,6 +208,7 @@ json_object! {
         gpu,
         pinning,
         nodes,
+        gpus,
         large_allocations,
         frees,
         cache_hits,

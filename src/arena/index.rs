@@ -110,6 +110,7 @@ mod tests {
             node: 0,
             kind: Kind::default(),
             gpu: None,
+            for_gpu: None,
         }
     }
 

@@ -20,7 +20,7 @@ use pending::PendingList;
 pub(crate) use pending::{settle, InFlight, Work};
 
 use crate::buffer::{NumaAllocTracker, NumaBuffer};
-use crate::stats::NodeStats;
+use crate::stats::{GpuStats, NodeStats};
 use crate::sys::MemPolicy;
 use crate::NumaTopology;
 
@@ -40,14 +40,27 @@ pub(crate) fn class_size(size: usize, page_size: usize) -> Option<usize> {
 /// What a block was made with, beyond its node and size: a cached block serves only requests
 /// that ask for the same. The GPU whose context registered a block is not part of it: blocks are
 /// registered PORTABLE, so every GPU's context may use them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Kind {
-    /// `mbind` policy (`None`: left unplaced).
-    pub(crate) policy: Option<MemPolicy>,
+    /// The `mbind` policy asked for (a block left unplaced, which is counted, keeps it: it
+    /// serves the same requests as a placed one would).
+    pub(crate) policy: MemPolicy,
     /// Registered with CUDA, with `CU_MEMHOSTREGISTER_DEVICEMAP` and `_READ_ONLY` as given.
     pub(crate) pinned: bool,
     pub(crate) devicemap: bool,
     pub(crate) read_only: bool,
+}
+
+impl Default for Kind {
+    /// An unpinned block under the default policy.
+    fn default() -> Self {
+        Kind {
+            policy: MemPolicy::Preferred,
+            pinned: false,
+            devicemap: false,
+            read_only: false,
+        }
+    }
 }
 
 /// One mapping made by the large path.
@@ -63,6 +76,8 @@ pub(crate) struct Block {
     pub(crate) kind: Kind,
     /// CUDA ordinal of the device whose context registered it (for unregistering).
     pub(crate) gpu: Option<u32>,
+    /// CUDA ordinal of the GPU the request it is live for was routed to (per-GPU stats).
+    pub(crate) for_gpu: Option<u32>,
 }
 
 /// The cached blocks that may serve one request.
@@ -119,6 +134,8 @@ pub(crate) struct Arena {
     /// at once, which bounds the cache (see [`Self::budget`]).
     peak_in_use: usize,
     tracker: NumaAllocTracker,
+    /// Live blocks per GPU they were handed out for, in ordinal order.
+    gpus: Vec<GpuStats>,
     /// In a forked child: page-locked blocks are not reused (the child's copy is not registered,
     /// and a driver may keep registered ranges out of the child altogether), only released.
     in_child: bool,
@@ -139,6 +156,7 @@ impl Arena {
             peak_live_bytes: 0,
             peak_in_use: 0,
             tracker: NumaAllocTracker::new(topology),
+            gpus: Vec::new(),
             in_child: false,
             pinned_cache_stale: false,
         }
@@ -205,6 +223,12 @@ impl Arena {
             // Cannot fail: the tracker was built from the topology that contains `self.node`.
             let _ = self.tracker.record(&buffer);
         }
+        if let Some(row) = self.gpu_row(block.for_gpu) {
+            row.live_bytes += block.capacity;
+            row.live_blocks += 1;
+            row.pinned_bytes += if block.kind.pinned { block.capacity } else { 0 };
+            row.peak_live_bytes = row.peak_live_bytes.max(row.live_bytes);
+        }
         let work = Work::new();
         self.live.insert(block.addr, Live { block, work });
         let live = self.live_bytes();
@@ -241,7 +265,30 @@ impl Arena {
         if let Ok(buffer) = NumaBuffer::on_node(&self.topology, self.node, block.capacity) {
             let _ = self.tracker.release(&buffer);
         }
+        if let Some(row) = self.gpu_row(block.for_gpu) {
+            row.live_bytes -= block.capacity;
+            row.live_blocks -= 1;
+            row.pinned_bytes -= if block.kind.pinned { block.capacity } else { 0 };
+        }
         Some((block, work))
+    }
+
+    /// The row of GPU `ordinal`, added if it is new.
+    fn gpu_row(&mut self, ordinal: Option<u32>) -> Option<&mut GpuStats> {
+        let ordinal = ordinal?;
+        let at = match self.gpus.binary_search_by_key(&ordinal, |row| row.ordinal) {
+            Ok(at) => at,
+            Err(at) => {
+                let row = GpuStats {
+                    ordinal,
+                    node: self.node,
+                    ..GpuStats::default()
+                };
+                self.gpus.insert(at, row);
+                at
+            }
+        };
+        self.gpus.get_mut(at)
     }
 
     /// Takes back a freed block: pending while any of `work` is not complete, else cached (see
@@ -349,10 +396,18 @@ impl Arena {
     /// own high-water mark: a statistics call does not release cached blocks.
     pub(crate) fn reset_peak(&mut self) {
         self.peak_live_bytes = self.live_bytes();
+        for row in &mut self.gpus {
+            row.peak_live_bytes = row.live_bytes;
+        }
     }
 
     fn live_bytes(&self) -> usize {
         self.tracker.total_bytes()
+    }
+
+    /// The rows of the GPUs this node's arena has served.
+    pub(crate) fn gpus(&self) -> &[GpuStats] {
+        &self.gpus
     }
 
     /// Fills in this node's row.

@@ -123,11 +123,12 @@ mod tests {
             node: 0,
             kind: PINNED,
             gpu: Some(0),
+            for_gpu: None,
         }
     }
 
     const PINNED: Kind = Kind {
-        policy: None,
+        policy: crate::MemPolicy::Preferred,
         pinned: true,
         devicemap: false,
         read_only: false,

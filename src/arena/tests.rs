@@ -41,6 +41,7 @@ fn block(addr: usize, capacity: usize, pinned: bool) -> Block {
             ..Kind::default()
         },
         gpu: pinned.then_some(0),
+        for_gpu: None,
     }
 }
 
@@ -359,11 +360,42 @@ fn a_cached_block_serves_only_requests_of_its_kind() {
     );
     let interleaved = Fit {
         kind: Kind {
-            policy: Some(MemPolicy::Interleave),
+            policy: MemPolicy::Interleave,
             ..pinned.kind
         },
         ..pinned_fit(4 * MIB)
     };
     assert_eq!(arena.take_cached(interleaved), None, "another policy");
     assert_eq!(arena.take_cached(pinned_fit(4 * MIB)), Some(pinned));
+}
+
+#[test]
+fn live_blocks_are_counted_per_gpu_they_were_handed_out_for() {
+    let mut arena = Arena::new(&NumaTopology::single_node(), 0);
+    let for_gpu = |addr, gpu, pinned| Block {
+        for_gpu: gpu,
+        ..block(addr, 4 * MIB, pinned)
+    };
+    arena.insert_live(for_gpu(0x100_0000, Some(3), true));
+    arena.insert_live(for_gpu(0x200_0000, Some(1), false));
+    arena.insert_live(for_gpu(0x300_0000, Some(3), false));
+    arena.insert_live(for_gpu(0x400_0000, None, false));
+    let _ = arena.remove_live(0x300_0000);
+    let rows: Vec<_> = arena
+        .gpus()
+        .iter()
+        .map(|g| {
+            (
+                g.ordinal,
+                g.node,
+                g.live_blocks,
+                g.live_bytes,
+                g.pinned_bytes,
+            )
+        })
+        .collect();
+    assert_eq!(rows, [(1, 0, 1, 4 * MIB, 0), (3, 0, 1, 4 * MIB, 4 * MIB)]);
+    assert_eq!(arena.gpus()[1].peak_live_bytes, 8 * MIB);
+    arena.reset_peak();
+    assert_eq!(arena.gpus()[1].peak_live_bytes, 4 * MIB);
 }
