@@ -13,8 +13,11 @@
 //! - `cold_placement_1GiB`: one fresh 1 GiB block placed and populated — ours with one populate
 //!   thread, ours with the default threads, libnuma plus a single-threaded touch.
 //! - `growth_vec_256MiB`: an allocator-api2 `Vec<u8>` extended to 256 MiB — ours vs `System`.
-//! - `arena_contention_4MiB_2threads`: two threads allocating and freeing 4 MiB blocks on one
-//!   allocator (one arena) vs one allocator each (two arenas).
+//! - `arena_contention_4MiB_4threads`: 4 MiB alloc/free pairs (cache hits) through one
+//!   allocator on a 4-node machine's topology (the `amd-nps4` fixture; blocks for nodes this
+//!   machine lacks stay unplaced, which changes nothing for cache hits): four threads each bound
+//!   to its own node's arena, four threads bound to node 0's, and one thread. Each thread's CPU
+//!   time, as for the small path (a 2-core machine has fewer cores than threads).
 //! - `rounding_waste` (computed, not timed): bytes reserved / bytes requested for 1000
 //!   log-uniform sizes in 2 MiB..512 MiB — ours (from `stats()`) vs power-of-two rounding.
 //! - `cache_index_misses` (timed outside criterion, medians written to `rows.json`): 2,000 cache
@@ -34,7 +37,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::Allocator;
 use criterion::{Criterion, SamplingMode};
 use mimalloc::MiMalloc;
-use numa_gpu_alloc::NumaGpuAlloc;
+use numa_gpu_alloc::{bind_thread, NumaGpuAlloc, Route};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -48,9 +51,8 @@ static MIMALLOC: MiMalloc = MiMalloc;
 /// Cold placement: nothing cached, so every allocation places and populates a fresh block.
 static COLD_ONE_THREAD: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(0).populate_threads(1);
 static COLD_PARALLEL: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(0);
-/// Arena contention: one allocator shared by two threads, or one each.
-static SHARED_ARENA: NumaGpuAlloc = NumaGpuAlloc::new();
-static OWN_ARENA: [NumaGpuAlloc; 2] = [NumaGpuAlloc::new(), NumaGpuAlloc::new()];
+/// Arena contention: threads bound to nodes of a 4-node topology.
+static FOUR_NODES: NumaGpuAlloc = NumaGpuAlloc::new().sysfs_root("tests/fixtures/amd-nps4");
 
 // ---------------------------------------------------------------------------------------------
 // Peers reached through the C ABI.
@@ -136,16 +138,6 @@ fn touch_pages(ptr: *mut u8, len: usize) {
 // ---------------------------------------------------------------------------------------------
 // Helpers.
 
-/// Which clock a multi-threaded measurement reads.
-#[derive(Clone, Copy)]
-enum Clock {
-    /// Elapsed time: includes waiting for locks, and for CPUs other processes hold.
-    Wall,
-    /// The thread's own CPU time (`CLOCK_THREAD_CPUTIME_ID`): what the work itself costs, not
-    /// counting time other processes on this shared 2-core machine held the CPU.
-    ThreadCpu,
-}
-
 fn thread_cpu_time() -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -157,30 +149,19 @@ fn thread_cpu_time() -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
-/// Times `work(thread index, iters)` on `threads` fresh threads started together; the result is
-/// the slowest thread's time.
+/// Times `work(thread index, iters)` on `threads` fresh threads started together, each on its
+/// own CPU time (`CLOCK_THREAD_CPUTIME_ID`: what the work itself costs, not counting time other
+/// processes on this shared 2-core machine held the CPU); the result is the slowest thread's.
 ///
 /// Fresh threads even for one: glibc serves each thread from its own arena, so the work does not
 /// run in the main arena, whose state criterion's own analysis changes between benchmarks (a
 /// 4 KiB pair costs ~28 ns or ~50 ns there depending on whether the freed chunk borders the top
 /// chunk, which would hand one peer or the other an unearned advantage).
-fn on_threads<F: Fn(usize, u64) + Sync>(
-    threads: usize,
-    iters: u64,
-    clock: Clock,
-    work: F,
-) -> Duration {
-    let timed = |index: usize| match clock {
-        Clock::Wall => {
-            let start = Instant::now();
-            work(index, iters);
-            start.elapsed()
-        }
-        Clock::ThreadCpu => {
-            let start = thread_cpu_time();
-            work(index, iters);
-            thread_cpu_time().saturating_sub(start)
-        }
+fn on_threads<F: Fn(usize, u64) + Sync>(threads: usize, iters: u64, work: F) -> Duration {
+    let timed = |index: usize| {
+        let start = thread_cpu_time();
+        work(index, iters);
+        thread_cpu_time().saturating_sub(start)
     };
     let barrier = Barrier::new(threads);
     std::thread::scope(|scope| {
@@ -238,21 +219,21 @@ fn small_path(c: &mut Criterion) {
                 .measurement_time(Duration::from_secs(2));
             group.bench_function("ours", |b| {
                 b.iter_custom(|iters| {
-                    on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
+                    on_threads(threads, iters, |_, n| {
                         (0..n).for_each(|_| pair(&OURS, layout))
                     })
                 })
             });
             group.bench_function("system_glibc", |b| {
                 b.iter_custom(|iters| {
-                    on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
+                    on_threads(threads, iters, |_, n| {
                         (0..n).for_each(|_| pair(&System, layout))
                     })
                 })
             });
             group.bench_function("mimalloc", |b| {
                 b.iter_custom(|iters| {
-                    on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
+                    on_threads(threads, iters, |_, n| {
                         (0..n).for_each(|_| pair(&MIMALLOC, layout))
                     })
                 })
@@ -497,36 +478,32 @@ fn rounding_waste(count: usize) {
 fn arena_contention(c: &mut Criterion) {
     const LEN: usize = 4 * MIB;
     let layout = page_layout(LEN);
-
-    // Warm both setups so every allocation in the timed loops is a cache hit.
-    // SAFETY: non-zero layouts, each freed with its own layout.
-    unsafe {
-        let (a, b) = (SHARED_ARENA.alloc(layout), SHARED_ARENA.alloc(layout));
-        SHARED_ARENA.dealloc(a, layout);
-        SHARED_ARENA.dealloc(b, layout);
-        for alloc in &OWN_ARENA {
-            alloc.dealloc(alloc.alloc(layout), layout);
+    // Thread `index` bound to node `node(index)`: a node of its own, or node 0 for all.
+    let bound = |node: fn(usize) -> usize| {
+        move |index: usize, n: u64| {
+            let _bound = bind_thread(Route::Node(node(index)));
+            (0..n).for_each(|_| pair(&FOUR_NODES, layout))
         }
-    }
+    };
+    let own_node: fn(usize) -> usize = |index| index;
+    let node_zero: fn(usize) -> usize = |_| 0;
 
-    let mut group = c.benchmark_group("arena_contention_4MiB_2threads");
+    // Warm every node's arena so every allocation in the timed loops is a cache hit.
+    on_threads(4, 1, bound(own_node));
+
+    let mut group = c.benchmark_group("arena_contention_4MiB_4threads");
     group
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    group.bench_function("one_arena", |b| {
-        b.iter_custom(|iters| {
-            on_threads(2, iters, Clock::Wall, |_, n| {
-                (0..n).for_each(|_| pair(&SHARED_ARENA, layout))
-            })
-        })
+    group.bench_function("one_thread", |b| {
+        b.iter_custom(|iters| on_threads(1, iters, bound(node_zero)))
     });
-    group.bench_function("two_arenas", |b| {
-        b.iter_custom(|iters| {
-            on_threads(2, iters, Clock::Wall, |index, n| {
-                (0..n).for_each(|_| pair(&OWN_ARENA[index], layout))
-            })
-        })
+    group.bench_function("four_nodes", |b| {
+        b.iter_custom(|iters| on_threads(4, iters, bound(own_node)))
+    });
+    group.bench_function("one_node", |b| {
+        b.iter_custom(|iters| on_threads(4, iters, bound(node_zero)))
     });
     group.finish();
 }

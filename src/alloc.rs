@@ -243,7 +243,7 @@ impl NumaGpuAlloc {
             return Err(work);
         };
         let mut work = Some(work);
-        let recorded = NODES.find_map(rt.default.host_node, |arena| {
+        let recorded = NODES.find_map(route::target(rt).host_node, |arena| {
             match arena.record_in_flight(ptr as usize, work.take()?) {
                 Ok(()) => Some(()),
                 Err(back) => {
@@ -488,7 +488,9 @@ impl NumaGpuAlloc {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return false;
         };
-        let block = NODES.find_map(rt.default.host_node, |arena| arena.live_block(ptr as usize));
+        let block = NODES.find_map(route::target(rt).host_node, |arena| {
+            arena.live_block(ptr as usize)
+        });
         let fits = block.is_some_and(|b| {
             new.size() <= b.capacity && new.size() >= b.capacity / 2 && b.addr % new.align() == 0
         });

@@ -8,6 +8,7 @@ use crate::arena::{Block, Kind, Work, NODES};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::guard::Inside;
+use crate::route;
 use crate::runtime::{Resolved, Runtime};
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
@@ -483,7 +484,8 @@ impl Runtime {
     /// cache no longer holds. False when no arena holds a live block starting at `addr`.
     pub(crate) fn free_block(&self, addr: usize) -> bool {
         let mut evicted = Vec::new();
-        let found = NODES.find_map(self.default.host_node, |arena| {
+        // The calling thread's node first: a block is most often freed where it was allocated.
+        let found = NODES.find_map(route::target(self).host_node, |arena| {
             let (block, work) = arena.remove_live(addr)?;
             // The switch tests use to show that they catch reuse during GPU work.
             let work = if sys::fault::in_flight_ignored() {
