@@ -32,7 +32,7 @@ use crate::sys::MemPolicy;
 ///
 /// ## Fork
 ///
-/// `fork()` is safe from any thread: fork handlers hold every allocator's locks across the fork
+/// `fork()` is safe from any thread: fork handlers hold every node's arena lock across the fork
 /// (it waits for an initialisation or a short arena operation in progress on another thread), so
 /// the child can allocate. The child never calls CUDA; page-locked blocks cached by the parent are
 /// released there at the child's first large allocation instead of being reused, and blocks it
