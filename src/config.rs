@@ -32,6 +32,10 @@ pub enum GpuSelector {
     /// CUDA device UUID (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, or `MIG-…` for a MIG
     /// instance).
     Uuid([u8; 16]),
+    /// The device of the allocating thread's current CUDA context (`gpu=current`), read at each
+    /// large allocation (`cuCtxGetCurrent`; the device is looked up once per context). A thread
+    /// without a current context gets what the default target gives.
+    Current,
 }
 
 /// Where large blocks go.
@@ -247,15 +251,17 @@ fn parse_node(value: &str) -> Result<usize, Error> {
     }
 }
 
-/// Parses a `gpu=` selector: `auto`, an ordinal (`0`), `pci:0000:81:00.0`, or a UUID as
-/// `nvidia-smi -L` prints it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, or `MIG-…` for a MIG
+/// Parses a `gpu=` selector: `auto`, `current`, an ordinal (`0`), `pci:0000:81:00.0`, or a UUID
+/// as `nvidia-smi -L` prints it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, or `MIG-…` for a MIG
 /// instance).
 pub fn parse_gpu(value: &str) -> Result<GpuSelector, Error> {
-    const EXPECTED: &str = "auto, a device ordinal (0), pci:DOMAIN:BUS:DEV.FN (pci:0000:81:00.0) \
-                            or a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)";
+    const EXPECTED: &str = "auto, current, a device ordinal (0), pci:DOMAIN:BUS:DEV.FN \
+                            (pci:0000:81:00.0) or a UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)";
     let bad = || config_error("gpu", value, EXPECTED);
     if value.eq_ignore_ascii_case("auto") {
         Ok(GpuSelector::Auto)
+    } else if value.eq_ignore_ascii_case("current") {
+        Ok(GpuSelector::Current)
     } else if let Some(addr) = value.strip_prefix("pci:") {
         addr.parse().map(GpuSelector::Pci).map_err(|_| bad())
     } else if let Some(uuid) =
@@ -431,6 +437,7 @@ mod tests {
     #[test]
     fn gpu_selectors() {
         assert_eq!(parse_gpu("auto"), Ok(GpuSelector::Auto));
+        assert_eq!(parse_gpu("current"), Ok(GpuSelector::Current));
         assert_eq!(parse_gpu("3"), Ok(GpuSelector::Ordinal(3)));
         let uuid = parse_gpu("GPU-00112233-4455-6677-8899-aabbccddeeff").unwrap();
         assert_eq!(

@@ -14,7 +14,7 @@
 //! not delay a fork). The child never calls CUDA (see `cuda/`); each arena is told it is in a
 //! child, so that page-locked blocks are not reused there.
 
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::arena::NODES;
 use crate::guard::Inside;
@@ -77,9 +77,18 @@ unsafe extern "C" fn parent() {
     unsafe { INIT.release() };
 }
 
+/// Set in a forked child: CUDA is not called there (`gpu=current` is not followed).
+static IN_CHILD: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process is a child forked from one that loaded this crate.
+pub(crate) fn in_child() -> bool {
+    IN_CHILD.load(Ordering::Relaxed)
+}
+
 /// Resets what [`prepare`] took (the parent's other threads do not exist here) and tells each
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
+    IN_CHILD.store(true, Ordering::Relaxed);
     let _inside = Inside::enter();
     for arena in NODES.arenas().rev() {
         // SAFETY: `prepare` took this arena lock before the fork, and the child has no other

@@ -7,7 +7,7 @@ use std::marker::PhantomData;
 
 use crate::config::{GpuSelector, Target};
 use crate::runtime::{Resolved, Runtime};
-use crate::sys;
+use crate::{cuda, process, sys};
 
 /// Where a bound thread's large allocations go (see [`bind_thread`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,7 +37,7 @@ thread_local! {
 /// # Precedence
 ///
 /// A binding applies to allocator values whose target is the default one ([`Target::Default`],
-/// `NumaGpuAlloc::new()`) or `node=local`; a value built with an explicit
+/// `NumaGpuAlloc::new()`), `node=local` or `gpu=current`; a value built with an explicit
 /// [`node`](crate::NumaGpuAlloc::node) or [`gpu`](crate::NumaGpuAlloc::gpu) target, in code or
 /// through `NUMA_GPU_ALLOC`, keeps it whatever the thread's binding: what a value names
 /// explicitly is never overridden from elsewhere. Unbound threads keep the value's target.
@@ -115,16 +115,26 @@ impl Drop for RouteGuard {
 /// thread's route (see [`bind_thread`] on precedence). Must be called inside the re-entrancy
 /// guard (a route's first use resolves it, which allocates).
 pub(crate) fn target(rt: &Runtime) -> Resolved {
-    let route = match (rt.config.target, thread_route()) {
-        (Target::Node(_) | Target::Gpu(_), _) | (Target::Default, None) => return rt.default,
-        (_, Some(route)) => route,
-        (Target::LocalNode, None) => Route::LocalNode,
+    // What the value does on unbound threads: its own target, or follow the thread.
+    let own = match rt.config.target {
+        Target::Default => None,
+        Target::LocalNode => Some(Route::LocalNode),
+        Target::Gpu(GpuSelector::Current) => Some(Route::Gpu(GpuSelector::Current)),
+        Target::Node(_) | Target::Gpu(_) => return rt.default,
+    };
+    let Some(route) = thread_route().or(own) else {
+        return rt.default;
     };
     let route = match route {
         // Unknown (getcpu refused): the node chosen at initialisation.
         Route::LocalNode => match sys::current_node() {
             Ok(node) => Route::Node(node),
             Err(_) => return rt.default,
+        },
+        // No current context (or a forked child, which never calls CUDA): the default.
+        Route::Gpu(GpuSelector::Current) => match cuda::current_ordinal() {
+            Some(ordinal) if !process::in_child() => Route::Gpu(GpuSelector::Ordinal(ordinal)),
+            _ => return rt.default,
         },
         other => other,
     };

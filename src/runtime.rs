@@ -334,9 +334,12 @@ fn resolve_target(
     let pinning = config.pin != PinMode::Off;
     let selector = match config.target {
         Target::Node(_) | Target::LocalNode => None,
+        // The driver (cuInit, no context unless pinning) tells which GPU and so which node; so
+        // for `gpu=current`, on threads without a current context.
+        Target::Default | Target::Gpu(GpuSelector::Current) => {
+            cuda::driver_present().then_some(GpuSelector::Auto)
+        }
         Target::Gpu(selector) => Some(selector),
-        // The driver (cuInit, no context unless pinning) tells which GPU and so which node.
-        Target::Default => cuda::driver_present().then_some(GpuSelector::Auto),
     };
     let target = selector.map_or_else(GpuTarget::default, |selector| {
         find_gpu(config, selector, pinning, errors)

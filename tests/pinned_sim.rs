@@ -11,9 +11,11 @@ mod common {
 
 use std::sync::Arc;
 
+use allocator_api2::alloc::Allocator;
+
 use common::sim::{self, Sim};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use numa_gpu_alloc::{NumaGpuAlloc, PinMode, PinnedBuf};
+use numa_gpu_alloc::{GpuSelector, NumaGpuAlloc, PinMode, PinnedBuf};
 
 #[global_allocator]
 static GLOBAL: NumaGpuAlloc = NumaGpuAlloc::new();
@@ -496,5 +498,64 @@ sim_test!(
             "the child read its buffer although a download was queued at the fork: {status}"
         );
         assert_eq!(wrong_bytes(&buf, &expected), 0);
+    }
+);
+
+/// `gpu=current` on the 4-node `amd-nps4` topology: blocks follow the device of the context
+/// cudarc's `bind_to_thread` made current on each thread, with three devices whose host nodes are
+/// 1, 2 and 3; each block is registered once (PORTABLE) and freed by the main thread back to its
+/// node's arena, where the next request routed there reuses it.
+static CURRENT: NumaGpuAlloc = NumaGpuAlloc::new()
+    .gpu(GpuSelector::Current)
+    .pin(PinMode::On)
+    .sysfs_root(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/amd-nps4"
+    ));
+
+sim_test!(
+    gpu_current_follows_each_threads_context,
+    env: [("CUDA_SIM_DEVICES", "3"), ("CUDA_SIM_HOST_NUMA_ID", "1,2,3")],
+    {
+        if sim::real_driver() {
+            eprintln!("skipped against the real driver: needs the simulator's three devices");
+            return;
+        }
+        let layout = std::alloc::Layout::from_size_align(4 * MIB, 4096).unwrap();
+        let on_device = |ordinal: usize| {
+            let ctx = CudaContext::new(ordinal).expect("a context");
+            ctx.bind_to_thread().expect("bind_to_thread");
+            CURRENT.allocate(layout).expect("4 MiB").as_ptr().cast::<u8>() as usize
+        };
+        let blocks: Vec<usize> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..3).map(|d| s.spawn(move || on_device(d))).collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let stats = CURRENT.stats();
+        let rows: Vec<_> = stats
+            .gpus
+            .iter()
+            .map(|g| (g.ordinal, g.node, g.live_blocks, g.pinned_bytes))
+            .collect();
+        assert_eq!(
+            rows,
+            [(0, 1, 1, 4 * MIB), (1, 2, 1, 4 * MIB), (2, 3, 1, 4 * MIB)],
+            "{stats}"
+        );
+        assert_eq!(stats.registrations, 3, "{stats}");
+        for &block in &blocks {
+            let ptr = std::ptr::NonNull::new(block as *mut u8).unwrap();
+            // SAFETY: live blocks of CURRENT with this layout, freed once (on another thread).
+            unsafe { CURRENT.deallocate(ptr, layout) };
+        }
+        let cached: Vec<_> = CURRENT.stats().nodes.iter().map(|n| n.cached_blocks).collect();
+        assert_eq!(&cached[..4], [0, 1, 1, 1], "each back in its node's arena");
+        // The same device again, on a new thread: its node's cached block, no new registration.
+        let again = std::thread::scope(|s| s.spawn(|| on_device(1)).join().unwrap());
+        assert_eq!(again, blocks[1]);
+        assert_eq!(CURRENT.stats().registrations, 3);
+        let ptr = std::ptr::NonNull::new(again as *mut u8).unwrap();
+        // SAFETY: live with this layout.
+        unsafe { CURRENT.deallocate(ptr, layout) };
     }
 );

@@ -1,9 +1,10 @@
 //! Finding a device: by ordinal, PCI address, UUID, or automatically from the local rank.
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint};
 
 use super::driver::{
-    require_driver, Api, CuDevice, CuUuid, ATTRIBUTE_HOST_NUMA_ID,
+    require_driver, Api, CuContext, CuDevice, CuUuid, ATTRIBUTE_HOST_NUMA_ID,
     ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, SUCCESS,
 };
 use crate::config::GpuSelector;
@@ -42,7 +43,49 @@ pub(super) fn selector_text(selector: &GpuSelector) -> String {
         GpuSelector::Ordinal(n) => n.to_string(),
         GpuSelector::Pci(addr) => format!("pci:{addr}"),
         GpuSelector::Uuid(bytes) => uuid_text(bytes),
+        GpuSelector::Current => "current".to_owned(),
     }
+}
+
+thread_local! {
+    /// The calling thread's last current context (its address; 0: none yet) and the ordinal of
+    /// its device. Const-initialised without `Drop`: readable on the allocation path.
+    static CURRENT: Cell<(usize, u32)> = const { Cell::new((0, 0)) };
+}
+
+/// The ordinal of the device of the calling thread's current CUDA context: one
+/// `cuCtxGetCurrent`, and `cuCtxGetDevice` only when the context changed since the last call on
+/// this thread. `None` without a usable driver or a current context. Allocates only on a
+/// context's first use (the driver probe); never panics.
+pub(crate) fn current_ordinal() -> Option<u32> {
+    current_ordinal_in(require_driver().ok()?)
+}
+
+/// [`current_ordinal`] through `api`.
+pub(super) fn current_ordinal_in(api: &Api) -> Option<u32> {
+    let mut ctx: CuContext = std::ptr::null_mut();
+    // SAFETY: cuCtxGetCurrent from the initialised driver; `ctx` is a valid out-pointer.
+    let res = unsafe { (api.ctx_get_current)(&mut ctx) };
+    if res != SUCCESS || ctx.is_null() {
+        return None;
+    }
+    let (seen, ordinal) = CURRENT.try_with(Cell::get).ok()?;
+    if seen == ctx as usize {
+        return Some(ordinal);
+    }
+    let mut dev: CuDevice = 0;
+    // SAFETY: cuCtxGetDevice from the initialised driver (a context is current); `dev` is a
+    // valid out-pointer.
+    let res = unsafe { (api.ctx_get_device)(&mut dev) };
+    if res != SUCCESS {
+        return None;
+    }
+    // The handle is not promised to be the ordinal: find the ordinal whose handle it is.
+    let count = raw::device_count(api).ok()?;
+    let ordinal = (0..count).find(|&i| raw::device(api, i).ok() == Some(dev))?;
+    let ordinal = u32::try_from(ordinal).ok()?;
+    let _ = CURRENT.try_with(|c| c.set((ctx as usize, ordinal)));
+    Some(ordinal)
 }
 
 /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
@@ -195,6 +238,9 @@ impl Device {
         };
         let ordinal = match selector {
             GpuSelector::Auto => auto_ordinal(|v| std::env::var(v).ok(), count),
+            GpuSelector::Current => current_ordinal()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(not_found)?,
             GpuSelector::Ordinal(n) => match usize::try_from(n) {
                 Ok(n) if n < count => n,
                 _ => return Err(not_found()),

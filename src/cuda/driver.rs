@@ -71,6 +71,10 @@ pub(super) type PrimaryCtxReleaseFn = unsafe extern "C" fn(CuDevice) -> CuResult
 pub(super) type CtxPushFn = unsafe extern "C" fn(CuContext) -> CuResult;
 /// `CUresult cuCtxPopCurrent_v2(CUcontext *pctx)`.
 pub(super) type CtxPopFn = unsafe extern "C" fn(*mut CuContext) -> CuResult;
+/// `CUresult cuCtxGetCurrent(CUcontext *pctx)`.
+pub(super) type CtxGetCurrentFn = unsafe extern "C" fn(*mut CuContext) -> CuResult;
+/// `CUresult cuCtxGetDevice(CUdevice *device)`.
+pub(super) type CtxGetDeviceFn = unsafe extern "C" fn(*mut CuDevice) -> CuResult;
 /// `CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)`.
 pub(super) type MemHostRegisterFn = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult;
 /// `CUresult cuMemHostUnregister(void *p)`.
@@ -131,6 +135,10 @@ pub(super) struct Api {
     pub(super) ctx_push: CtxPushFn,
     /// `cuCtxPopCurrent_v2`.
     pub(super) ctx_pop: CtxPopFn,
+    /// `cuCtxGetCurrent`.
+    pub(super) ctx_get_current: CtxGetCurrentFn,
+    /// `cuCtxGetDevice`.
+    pub(super) ctx_get_device: CtxGetDeviceFn,
     /// `cuMemHostRegister_v2`.
     pub(super) mem_host_register: MemHostRegisterFn,
     /// `cuMemHostUnregister`.
@@ -213,6 +221,8 @@ pub(super) unsafe fn load_api() -> Option<Api> {
             primary_ctx_release: symbol::<PrimaryCtxReleaseFn>(c"cuDevicePrimaryCtxRelease_v2")?,
             ctx_push: symbol::<CtxPushFn>(c"cuCtxPushCurrent_v2")?,
             ctx_pop: symbol::<CtxPopFn>(c"cuCtxPopCurrent_v2")?,
+            ctx_get_current: symbol::<CtxGetCurrentFn>(c"cuCtxGetCurrent")?,
+            ctx_get_device: symbol::<CtxGetDeviceFn>(c"cuCtxGetDevice")?,
             mem_host_register: symbol::<MemHostRegisterFn>(c"cuMemHostRegister_v2")?,
             mem_host_unregister: symbol::<MemHostUnregisterFn>(c"cuMemHostUnregister")?,
             exchange_capture_mode: symbol::<ExchangeCaptureModeFn>(

@@ -32,7 +32,7 @@ mod pinned;
 mod tests;
 
 pub(crate) use context::Gpu;
-pub(crate) use device::Device;
+pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
 use names::known_error_name;
 #[cfg(feature = "pinned-buffer")]

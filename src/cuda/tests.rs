@@ -236,6 +236,23 @@ fn unregister_713_means_already_gone() {
     ));
 }
 
+#[test]
+fn the_current_contexts_device_is_looked_up_once_per_context() {
+    let api = fake::api(true, true);
+    fake::CURRENT_CTX.with(|c| c.set(0));
+    assert_eq!(current_ordinal_in(api), None, "no current context");
+    for ctx in [0x1000, 0x1000, 0x2000, 0x2000] {
+        fake::CURRENT_CTX.with(|c| c.set(ctx));
+        assert_eq!(current_ordinal_in(api), Some(0));
+    }
+    let lookups = fake::take_log();
+    assert_eq!(
+        lookups,
+        ["ctx_get_device", "ctx_get_device"],
+        "one per context"
+    );
+}
+
 /// A driver made of Rust functions, recording calls per thread, to exercise [`Gpu`] without
 /// libcuda.
 mod fake {
@@ -254,6 +271,8 @@ mod fake {
         pub(super) static UNREGISTER_RC: Cell<u32> = const { Cell::new(0) };
         /// What cuThreadExchangeStreamCaptureMode returns.
         pub(super) static EXCHANGE_RC: Cell<u32> = const { Cell::new(0) };
+        /// This thread's current context (its address; 0: none).
+        pub(super) static CURRENT_CTX: Cell<usize> = const { Cell::new(0) };
     }
 
     fn log(call: String) {
@@ -318,6 +337,18 @@ mod fake {
         log("pop".into());
         0
     }
+    extern "C" fn ctx_get_current(c: *mut CuContext) -> u32 {
+        // SAFETY: callers pass a valid out-pointer.
+        unsafe { *c = CURRENT_CTX.with(Cell::get) as CuContext };
+        0
+    }
+    /// The one fake device's handle.
+    extern "C" fn ctx_get_device(d: *mut CuDevice) -> u32 {
+        log("ctx_get_device".into());
+        // SAFETY: callers pass a valid out-pointer.
+        unsafe { *d = 0 };
+        0
+    }
     extern "C" fn register(_: *mut c_void, _: usize, flags: c_uint) -> u32 {
         let (depth, mode) = (DEPTH.with(Cell::get), MODE.with(Cell::get));
         log(format!("register flags={flags} depth={depth} mode={mode}"));
@@ -372,6 +403,8 @@ mod fake {
             primary_ctx_release: release,
             ctx_push: push,
             ctx_pop: pop,
+            ctx_get_current,
+            ctx_get_device,
             mem_host_register: register,
             mem_host_unregister: unregister,
             exchange_capture_mode: exchange,
