@@ -25,11 +25,14 @@
 //! the kernel's OOM killer never runs (`memory.events`).
 
 use std::process::ExitCode;
-use std::ptr::NonNull;
 
 use allocator_api2::vec::Vec as AVec;
-use numa_gpu_alloc::sys::{self, PageCensus};
+use numa_gpu_alloc::sys;
 use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, Stats, ENV_VAR};
+
+#[path = "support/report.rs"]
+mod report;
+use report::Report;
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
@@ -41,60 +44,6 @@ const THRESHOLD: usize = 2 * MIB;
 const BOX_LEN: usize = 3_300_000;
 /// At least 64 MiB: populated by several threads.
 const BIG: usize = 96 * MIB;
-
-/// Prints the check lines as they happen, so that a crash still leaves the earlier ones.
-struct Report {
-    /// `global` or `limit`: the first part of each check's name.
-    prefix: &'static str,
-    passed: usize,
-    failed: usize,
-}
-
-impl Report {
-    fn check(&mut self, name: &str, ok: bool, expected: impl FnOnce() -> String, got: String) {
-        let prefix = self.prefix;
-        if ok {
-            self.passed += 1;
-            println!("PASS {prefix}.{name}");
-        } else {
-            self.failed += 1;
-            println!("FAIL {prefix}.{name}: expected {}, got {got}", expected());
-        }
-    }
-
-    fn eq<T: PartialEq + std::fmt::Debug>(&mut self, name: &str, expected: T, got: T) {
-        let ok = expected == got;
-        self.check(name, ok, || format!("{expected:?}"), format!("{got:?}"));
-    }
-
-    /// All pages of `ptr..ptr+len` are present on `node`.
-    fn on_node(&mut self, name: &str, ptr: *const u8, len: usize, node: usize) {
-        let pages = len.div_ceil(sys::page_size());
-        let expected = || format!("{pages} pages on node {node}");
-        match census(ptr, len, node) {
-            Ok(c) => {
-                let ok = c.pages == pages && c.on_node == pages;
-                self.check(name, ok, expected, describe(&c));
-            }
-            Err(e) => self.check(name, false, expected, e),
-        }
-    }
-}
-
-/// Where the pages of a live allocation of this process are.
-fn census(ptr: *const u8, len: usize, node: usize) -> Result<PageCensus, String> {
-    let ptr = NonNull::new(ptr.cast_mut()).ok_or("a null pointer")?;
-    // SAFETY: `ptr..ptr+len` lies in a live large block of this process (page-aligned, mapped);
-    // move_pages without target nodes only reads the page tables.
-    unsafe { sys::census(ptr, len, node) }.map_err(|e| format!("census: {e}"))
-}
-
-fn describe(c: &PageCensus) -> String {
-    format!(
-        "{} of {} pages there, {} elsewhere, {} absent",
-        c.on_node, c.pages, c.elsewhere, c.absent
-    )
-}
 
 /// The crate's capacity for a request of `size` bytes: 8 size classes per power of two, whole
 /// pages (as `class_size` in src/arena/mod.rs).
@@ -201,11 +150,7 @@ fn main() -> ExitCode {
         Ok(a) if a.limit => "limit",
         _ => "global",
     };
-    let mut r = Report {
-        prefix,
-        passed: 0,
-        failed: 0,
-    };
+    let mut r = Report::new(prefix);
     match parsed {
         Ok(args) if args.limit => run_limit(&mut r, args.memory_max),
         Ok(args) => run(&mut r, &args),
@@ -216,12 +161,7 @@ fn main() -> ExitCode {
             e,
         ),
     }
-    println!("{prefix}: {} passed, {} failed", r.passed, r.failed);
-    if r.failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    r.finish()
 }
 
 fn run(r: &mut Report, args: &Args) {

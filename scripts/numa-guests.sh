@@ -2,7 +2,8 @@
 # Multi-node NUMA tests: boots real Linux kernels under QEMU (TCG, no KVM needed) with the
 # topologies in guest/topologies/*.topo and runs examples/guest_alloc.rs (the allocator as the
 # #[global_allocator]; again inside a cgroup with a memory.max where the topology sets
-# MEMORY_MAX) and examples/guest_check.rs inside each guest.
+# MEMORY_MAX), examples/guest_routes.rs (threads bound to devices on several nodes, where the
+# topology sets ROUTES) and examples/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -186,16 +187,18 @@ NUMACTL=$(command -v numactl) || die "numactl not found"
 # --- 2. Guest program and initramfs --------------------------------------------------------
 
 T0=$(now)
-log "building examples/guest_check and examples/guest_alloc (release)"
-(cd "$ROOT" && cargo build --release --quiet --example guest_check --example guest_alloc) || {
-    log "error: cargo build --release --example guest_check --example guest_alloc failed"
+log "building examples/guest_check, guest_alloc and guest_routes (release)"
+(cd "$ROOT" && cargo build --release --quiet --example guest_check --example guest_alloc \
+    --example guest_routes) || {
+    log "error: cargo build --release of the guest examples failed"
     exit 2
 }
 TARGET_DIR=${CARGO_TARGET_DIR:-target}
 [[ "$TARGET_DIR" == /* ]] || TARGET_DIR="$ROOT/$TARGET_DIR"
 GUEST_CHECK="$TARGET_DIR/release/examples/guest_check"
 GUEST_ALLOC="$TARGET_DIR/release/examples/guest_alloc"
-for bin in "$GUEST_CHECK" "$GUEST_ALLOC"; do
+GUEST_ROUTES="$TARGET_DIR/release/examples/guest_routes"
+for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES"; do
     [ -x "$bin" ] || die "built binary not found at $bin"
 done
 
@@ -207,9 +210,10 @@ install -m 0755 "$BUSYBOX" "$RD/bin/busybox"
 install -m 0755 "$NUMACTL" "$RD/bin/numactl"
 install -m 0755 "$GUEST_CHECK" "$RD/guest_check"
 install -m 0755 "$GUEST_ALLOC" "$RD/guest_alloc"
+install -m 0755 "$GUEST_ROUTES" "$RD/guest_routes"
 # Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
 # directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
-for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC"; do
+for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES"; do
     { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
 done | sort -u | while read -r lib; do
     mkdir -p "$RD$(dirname "$lib")"
@@ -228,6 +232,7 @@ log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel 
 load_topology() {
     local file=$1 name=$2 spec id cpus mem c pair nodes=()
     DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST="" MEMORY_MAX=""
+    ROUTES=""
     # shellcheck source=/dev/null
     . "$file"
     if [ -z "$SMP" ] || [ -z "$NODES" ] || [ -z "$DEVICE_NODE" ]; then
@@ -257,14 +262,23 @@ load_topology() {
         local a=${pair%%-*} rest=${pair#*-}
         QEMU_ARGS+=(-numa "dist,src=$a,dst=${rest%%:*},val=${pair##*:}")
     done
-    QEMU_ARGS+=(
-        -device "pxb-pcie,id=pxb1,bus_nr=0x80,numa_node=$DEVICE_NODE,bus=pcie.0"
-        -device "pcie-root-port,id=rp1,bus=pxb1,chassis=1"
-        -device "$DEVICE_MODEL,bus=rp1"
-    )
+    # The device on DEVICE_NODE, then one more on each other node ROUTES names (NODE:HOST pairs),
+    # each behind its own expander bus.
+    local device_nodes=("$DEVICE_NODE") route i
+    for route in $ROUTES; do
+        [ "${route%%:*}" = "$DEVICE_NODE" ] || device_nodes+=("${route%%:*}")
+    done
+    for i in "${!device_nodes[@]}"; do
+        QEMU_ARGS+=(
+            -device "pxb-pcie,id=pxb$((i + 1)),bus_nr=$((0x80 + 16 * i)),numa_node=${device_nodes[$i]},bus=pcie.0"
+            -device "pcie-root-port,id=rp$((i + 1)),bus=pxb$((i + 1)),chassis=$((i + 1))"
+            -device "$DEVICE_MODEL,bus=rp$((i + 1))"
+        )
+    done
     APPEND="console=ttyS0 quiet panic=-1 numa_balancing=disable GUEST_TOPOLOGY=$name"
     APPEND+=" GUEST_DEVICE_ID=$DEVICE_ID GUEST_EXPECT_HOME=$EXPECT_HOME GUEST_EXPECT_HOST=$EXPECT_HOST"
     if [ -n "$MEMORY_MAX" ]; then APPEND+=" GUEST_MEMORY_MAX=$MEMORY_MAX"; fi
+    if [ -n "$ROUTES" ]; then APPEND+=" GUEST_ROUTES=${ROUTES// /,}"; fi
 }
 
 # Turns a serial log into the lines compared with guest/expected/<name>.txt: the topology as
