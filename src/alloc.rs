@@ -350,7 +350,7 @@ impl NumaGpuAlloc {
     fn create(rt: &Runtime, capacity: usize, align: usize) -> Option<Block> {
         rt.counters.cache_misses.incr();
         let block = rt.create_block(capacity, align).ok()?;
-        rt.record_created(None, block);
+        rt.record_created(block);
         Some(block)
     }
 
@@ -437,15 +437,23 @@ impl NumaGpuAlloc {
         };
         let (capacity, fit) = Self::fit(rt, new)?;
         let old = {
-            let arena = rt.arena.lock();
+            let mut arena = rt.arena.lock();
             if arena.holds_fit(fit) {
                 return None;
             }
-            arena.growable(ptr as usize)?
+            let old = arena.growable(ptr as usize)?;
+            // Out of the live set before its pages move: once `mremap` has moved them, another
+            // thread may map a new block at this address and record it live.
+            arena.remove_live(old.addr);
+            old
         };
-        // SAFETY: `old` is live, unpinned, without recorded GPU work, and the caller owns it
+        // SAFETY: `old` was live, unpinned, without recorded GPU work, and the caller owns it
         // (reallocating it) while this runs.
-        let grown = unsafe { rt.grow_block(old, capacity, fit.align) }.ok()?;
+        let Ok(grown) = (unsafe { rt.grow_block(old, capacity, fit.align) }) else {
+            // Still mapped where it was (a failed grow moves nothing).
+            rt.arena.lock().insert_live(old);
+            return None;
+        };
         // Counted as a move: a new block (a miss) and the old one freed.
         for counter in [
             &rt.counters.large_allocations,
@@ -455,7 +463,7 @@ impl NumaGpuAlloc {
         ] {
             counter.incr();
         }
-        rt.record_created(Some(old), grown);
+        rt.record_created(grown);
         NonNull::new(grown.addr as *mut u8)
     }
 
