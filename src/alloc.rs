@@ -379,7 +379,7 @@ impl NumaGpuAlloc {
     fn create(rt: &Runtime, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
         rt.counters.cache_misses.incr();
         let block = rt.create_block(capacity, align, target).ok()?;
-        rt.record_created(None, block);
+        rt.record_created(block);
         Some(block)
     }
 
@@ -461,15 +461,25 @@ impl NumaGpuAlloc {
         let target = route::target(rt);
         let (capacity, fit) = Self::fit(rt, new, &target)?;
         let old = {
-            let arena = rt.arena(target.host_node)?;
+            let mut arena = rt.arena(target.host_node)?;
             if arena.holds_fit(fit) {
                 return None;
             }
-            arena.growable(ptr as usize)?
+            let old = arena.growable(ptr as usize)?;
+            // Out of the live set before its pages move: once `mremap` has moved them, another
+            // thread may map a new block at this address and record it live.
+            arena.remove_live(old.addr);
+            old
         };
-        // SAFETY: `old` is live, unpinned, without recorded GPU work, and the caller owns it
+        // SAFETY: `old` was live, unpinned, without recorded GPU work, and the caller owns it
         // (reallocating it) while this runs.
-        let grown = unsafe { rt.grow_block(old, capacity, fit.align, &target.nodes) }.ok()?;
+        let Ok(grown) = (unsafe { rt.grow_block(old, capacity, fit.align, &target.nodes) }) else {
+            // Still mapped where it was (a failed grow moves nothing).
+            if let Some(mut arena) = rt.arena(old.node) {
+                arena.insert_live(old);
+            }
+            return None;
+        };
         // Counted as a move: a new block (a miss) and the old one freed.
         for counter in [
             &rt.counters.large_allocations,
@@ -479,7 +489,7 @@ impl NumaGpuAlloc {
         ] {
             counter.incr();
         }
-        rt.record_created(Some(old), grown);
+        rt.record_created(grown);
         NonNull::new(grown.addr as *mut u8)
     }
 
