@@ -239,9 +239,12 @@ impl Runtime {
             config_errors: self.setup_errors.clone(),
             ..Stats::default()
         };
-        stats
-            .config_errors
-            .extend(self.routes.try_lock().iter().flat_map(|r| r.errors.clone()));
+        {
+            // The routes lock is only taken under the initialisation lock (see `routes`).
+            let _init = crate::process::INIT.lock();
+            let routes = self.routes.lock();
+            stats.config_errors.extend(routes.errors.iter().cloned());
+        }
         for row in &mut stats.nodes {
             if let Some(arena) = NODES.lock(row.node, &self.topology) {
                 arena.fill(row);

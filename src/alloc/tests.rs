@@ -1,0 +1,254 @@
+//! Unit tests of the front end over the process's arenas: stream-ordered reuse, growth, frees
+//! through any value, per-thread routes.
+
+use std::sync::atomic::Ordering;
+
+use super::*;
+use crate::arena::pending_double::Flag;
+
+const BLOCK: usize = 256 << 10;
+
+/// Serialises these tests, which share the process's arenas (one switches stream-ordered
+/// reuse off process-wide under `fault-injection`), and releases what earlier ones cached.
+/// Each test frees what it allocates and completes the work it records.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = SWITCH
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let alloc = allocator();
+    let _ = alloc.placement();
+    alloc.trim();
+    guard
+}
+
+/// An allocator whose large path starts at 64 KiB, never pinning.
+fn allocator() -> NumaGpuAlloc {
+    NumaGpuAlloc::new().threshold(64 << 10).pin(PinMode::Off)
+}
+
+fn layout(size: usize) -> Layout {
+    Layout::from_size_align(size, 8).unwrap()
+}
+
+fn pending_blocks(alloc: &NumaGpuAlloc) -> usize {
+    alloc.stats().nodes.iter().map(|n| n.pending_blocks).sum()
+}
+
+/// Frees a block with unfinished work, then allocates the same size: the address it gets,
+/// and the switch that finishes the work.
+fn reuse_while_in_flight(
+    alloc: &NumaGpuAlloc,
+) -> (
+    *mut u8,
+    *mut u8,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    let first = alloc.allocate(layout(BLOCK), false);
+    assert!(!first.is_null());
+    let (work, done) = Flag::unfinished();
+    // A pointer into the middle, as `record_stream` on a sub-slice passes.
+    assert!(alloc
+        .record_in_flight(first.wrapping_add(1000), work)
+        .is_ok());
+    // SAFETY: allocated above with this layout, not used afterwards.
+    unsafe { alloc.deallocate(first, layout(BLOCK)) };
+    (first, alloc.allocate(layout(BLOCK), false), done)
+}
+
+#[test]
+fn a_block_with_gpu_work_is_reused_only_after_it_completed() {
+    let _serial = serial();
+    let alloc = allocator();
+    let (first, second, done) = reuse_while_in_flight(&alloc);
+    assert_ne!(second, first, "reused while the GPU may still use it");
+    let stats = alloc.stats();
+    assert_eq!((stats.in_flight_recorded, stats.reuse_deferred), (1, 1));
+    assert_eq!(pending_blocks(&alloc), 1);
+
+    done.store(true, Ordering::Release);
+    let third = alloc.allocate(layout(BLOCK), false);
+    assert_eq!(third, first);
+    let stats = alloc.stats();
+    assert_eq!(
+        stats.nodes.iter().map(|n| n.pending_bytes).sum::<usize>(),
+        0
+    );
+    assert_eq!(stats.cache_hits, 1);
+    for ptr in [second, third] {
+        // SAFETY: live blocks of this layout, freed once.
+        unsafe { alloc.deallocate(ptr, layout(BLOCK)) };
+    }
+}
+
+#[test]
+fn a_realloc_that_moves_leaves_the_old_block_pending() {
+    let _serial = serial();
+    let alloc = allocator();
+    let old = alloc.allocate(layout(BLOCK), false);
+    let (work, done) = Flag::unfinished();
+    assert!(alloc.record_in_flight(old, work).is_ok());
+    // SAFETY: `old` is live with this layout; 4× does not fit in place.
+    let moved = unsafe { alloc.reallocate(old, layout(BLOCK), layout(4 * BLOCK)) };
+    assert!(!moved.is_null() && moved != old);
+    let other = alloc.allocate(layout(BLOCK), false);
+    assert_ne!(other, old);
+    done.store(true, Ordering::Release);
+    let again = alloc.allocate(layout(BLOCK), false);
+    assert_eq!(again, old);
+    // SAFETY: live blocks of these layouts, freed once.
+    unsafe {
+        alloc.deallocate(moved, layout(4 * BLOCK));
+        alloc.deallocate(other, layout(BLOCK));
+        alloc.deallocate(again, layout(BLOCK));
+    }
+}
+
+#[test]
+fn work_outside_every_live_block_is_given_back() {
+    let _serial = serial();
+    let alloc = allocator();
+    let (work, _) = Flag::unfinished();
+    let work = alloc
+        .record_in_flight(ptr::null(), work)
+        .expect_err("not initialised");
+    let live = alloc.allocate(layout(BLOCK), false);
+    let outside = live.wrapping_add(class_size(BLOCK, 4096).unwrap());
+    // Nothing else is live (the tests are serial and free what they allocate).
+    assert!(alloc.record_in_flight(outside, work).is_err());
+    assert_eq!(alloc.stats().in_flight_recorded, 0);
+    // SAFETY: a live block of this layout.
+    unsafe { alloc.deallocate(live, layout(BLOCK)) };
+}
+
+#[test]
+fn a_dropped_value_leaves_its_blocks_to_the_others() {
+    let _serial = serial();
+    let (owner, other) = (allocator(), allocator());
+    let _ = other.placement();
+    let (first, second, done) = reuse_while_in_flight(&owner);
+    let live = owner.allocate(layout(4 * BLOCK), false);
+    drop(owner);
+    assert_eq!(pending_blocks(&other), 1, "still pending, not waited for");
+    // SAFETY: live blocks of the dropped value, freed once through another one.
+    unsafe {
+        other.deallocate(second, layout(BLOCK));
+        other.deallocate(live, layout(4 * BLOCK));
+    }
+    let stats = other.stats();
+    assert_eq!((stats.frees, stats.live_bytes()), (2, 0));
+    assert_eq!(stats.fallbacks.foreign_frees, 0);
+    done.store(true, Ordering::Release);
+    let reused = [BLOCK, BLOCK, 4 * BLOCK].map(|size| other.allocate(layout(size), false));
+    assert!(reused.contains(&first) && reused.contains(&second) && reused.contains(&live));
+    assert_eq!(other.stats().cache_hits, 3);
+    for (ptr, size) in reused.into_iter().zip([BLOCK, BLOCK, 4 * BLOCK]) {
+        // SAFETY: live blocks of these layouts, freed once.
+        unsafe { other.deallocate(ptr, layout(size)) };
+    }
+}
+
+#[test]
+fn growing_an_unpinned_block_moves_its_pages_and_leaves_nothing_behind() {
+    let _serial = serial();
+    let alloc = allocator();
+    let small = alloc.allocate(layout(BLOCK), false);
+    // SAFETY: a live block of BLOCK bytes.
+    unsafe { ptr::write_bytes(small, 0xa5, BLOCK) };
+    // SAFETY: `small` is live with this layout; 4× does not fit in place.
+    let grown = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
+    assert!(!grown.is_null());
+    // SAFETY: the grown block is 4 × BLOCK long; its head holds the old bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(grown, 4 * BLOCK) };
+    assert!(bytes[..BLOCK].iter().all(|&b| b == 0xa5));
+    assert!(
+        bytes[BLOCK..].iter().all(|&b| b == 0),
+        "a fresh, zeroed tail"
+    );
+    let stats = alloc.stats();
+    assert_eq!(stats.grown_without_copy, 1);
+    assert_eq!(
+        (stats.cached_bytes(), stats.live_bytes()),
+        (0, class_size(4 * BLOCK, 4096).unwrap())
+    );
+    // A cached block that fits comes first: growing next to it copies into it.
+    let small = alloc.allocate(layout(BLOCK), false);
+    // SAFETY: `grown` is live with this layout.
+    unsafe { alloc.deallocate(grown, layout(4 * BLOCK)) };
+    // SAFETY: `small` is live with this layout.
+    let again = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
+    assert_eq!(again, grown, "the cached block");
+    assert_eq!(alloc.stats().grown_without_copy, 1);
+    // SAFETY: live with this layout.
+    unsafe { alloc.deallocate(again, layout(4 * BLOCK)) };
+}
+
+#[test]
+fn a_block_freed_through_any_value_returns_to_its_nodes_arena() {
+    let _serial = serial();
+    let (owner, other, fresh) = (allocator(), allocator(), allocator());
+    let _ = other.placement();
+    for through in [&other, &fresh] {
+        let block = owner.allocate(layout(BLOCK), false);
+        // SAFETY: a live block of `owner`, freed once (through another value).
+        unsafe { through.deallocate(block, layout(BLOCK)) };
+        let stats = owner.stats();
+        assert_eq!(stats.live_bytes(), 0);
+        assert_eq!(stats.cached_bytes(), class_size(BLOCK, 4096).unwrap());
+        // The cached block serves the other value's request.
+        let again = through.allocate(layout(BLOCK), false);
+        assert_eq!(again, block);
+        // SAFETY: live with this layout.
+        unsafe { owner.deallocate(again, layout(BLOCK)) };
+    }
+    assert_eq!((other.stats().frees, fresh.stats().frees), (1, 1));
+    assert_eq!(owner.stats().frees, 2);
+    assert_eq!(other.stats().fallbacks.foreign_frees, 0);
+}
+
+#[test]
+fn a_thread_bound_to_a_node_uses_that_nodes_arena() {
+    let _serial = serial();
+    let alloc = allocator();
+    let host = alloc.placement().host_node;
+    let explicit = allocator().node(host);
+    let bound = std::thread::scope(|s| {
+        s.spawn(|| {
+            let _bound = crate::bind_thread(crate::Route::Node(host));
+            assert_eq!(crate::thread_route(), Some(crate::Route::Node(host)));
+            let ptr = alloc.allocate(layout(BLOCK), false);
+            let row = alloc.stats().nodes.into_iter().find(|n| n.node == host);
+            assert_eq!(row.map(|r| r.live_blocks), Some(1));
+            ptr as usize
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(
+        crate::thread_route(),
+        None,
+        "bound on the other thread only"
+    );
+    // Freed on this (unbound) thread, through a value with an explicit target: back to the
+    // node's arena, where the explicit value finds it.
+    // SAFETY: live with this layout.
+    unsafe { explicit.deallocate(bound as *mut u8, layout(BLOCK)) };
+    let again = explicit.allocate(layout(BLOCK), false);
+    assert_eq!(again as usize, bound);
+    // SAFETY: live with this layout.
+    unsafe { alloc.deallocate(again, layout(BLOCK)) };
+}
+
+/// The switch the simulator tests use: with it, the same sequence reuses the block at once.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn ignoring_in_flight_work_reuses_early() {
+    let _serial = serial();
+    let alloc = allocator();
+    crate::sys::fault::ignore_in_flight(true);
+    let (first, second, _) = reuse_while_in_flight(&alloc);
+    crate::sys::fault::ignore_in_flight(false);
+    assert_eq!(first, second);
+    // SAFETY: live with this layout.
+    unsafe { alloc.deallocate(second, layout(BLOCK)) };
+}
