@@ -74,7 +74,7 @@ fn round(r: &mut Report, name: &str, devices: &[(PciAddress, usize)]) -> Vec<Buf
     buffers
 }
 
-/// (live bytes, cached bytes) of each node, from the process's arenas.
+/// (node, live bytes, cached bytes) of each node, from the process's arenas.
 fn rows(stats: &Stats) -> Vec<(usize, usize, usize)> {
     stats
         .nodes
@@ -83,13 +83,10 @@ fn rows(stats: &Stats) -> Vec<(usize, usize, usize)> {
         .collect()
 }
 
-/// What `rows` must say: each host node holds one device's buffers, live or cached.
-fn expected_rows(
-    stats: &Stats,
-    devices: &[(PciAddress, usize)],
-    live: bool,
-) -> Vec<(usize, usize, usize)> {
-    stats
+/// Checks the node rows: each host node holds its devices' buffers, live or cached.
+fn check_rows(r: &mut Report, name: &str, devices: &[(PciAddress, usize)], live: bool) {
+    let stats = ALLOC.stats();
+    let expected: Vec<_> = stats
         .nodes
         .iter()
         .map(|n| {
@@ -101,56 +98,43 @@ fn expected_rows(
                 (n.node, 0, bytes)
             }
         })
+        .collect();
+    r.eq(&format!("{name}.node_rows"), expected, rows(&stats));
+}
+
+/// The blocks' addresses.
+fn addresses(buffers: &[Buffers]) -> Vec<(*const u8, *const u8)> {
+    buffers
+        .iter()
+        .map(|(g, h)| (g.as_ptr(), h.as_ptr()))
         .collect()
 }
 
 fn run(r: &mut Report, devices: &[(PciAddress, usize)]) {
     let first = round(r, "first", devices);
-    let stats = ALLOC.stats();
-    r.eq(
-        "first.node_rows",
-        expected_rows(&stats, devices, true),
-        rows(&stats),
-    );
+    check_rows(r, "first", devices, true);
     r.eq(
         "first.same_rows_through_the_handle",
-        rows(&stats),
+        rows(&ALLOC.stats()),
         rows(&HANDLE.stats()),
     );
-    let addresses: Vec<_> = first
-        .iter()
-        .map(|(g, h)| (g.as_ptr(), h.as_ptr()))
-        .collect();
+    let freed = addresses(&first);
     drop(first); // by this (unbound) thread
-    let stats = ALLOC.stats();
-    r.eq(
-        "freed.node_rows",
-        expected_rows(&stats, devices, false),
-        rows(&stats),
-    );
+    check_rows(r, "freed", devices, false);
     let hits = (ALLOC.stats().cache_hits, HANDLE.stats().cache_hits);
     let second = round(r, "second", devices);
-    let again: Vec<_> = second
-        .iter()
-        .map(|(g, h)| (g.as_ptr(), h.as_ptr()))
-        .collect();
-    r.eq("second.same_blocks", addresses, again);
+    r.eq("second.same_blocks", freed, addresses(&second));
     let n = devices.len() as u64;
     r.eq(
         "second.cache_hits",
         (hits.0 + n, hits.1 + n),
         (ALLOC.stats().cache_hits, HANDLE.stats().cache_hits),
     );
-    let stats = ALLOC.stats();
-    r.eq(
-        "second.node_rows",
-        expected_rows(&stats, devices, true),
-        rows(&stats),
-    );
+    check_rows(r, "second", devices, true);
     r.eq(
         "unplaced",
         0,
-        stats.fallbacks.unplaced_blocks + HANDLE.stats().fallbacks.unplaced_blocks,
+        ALLOC.stats().fallbacks.unplaced_blocks + HANDLE.stats().fallbacks.unplaced_blocks,
     );
 }
 
