@@ -4,7 +4,7 @@
 
 use std::sync::Barrier;
 
-use numa_gpu_alloc::NumaGpuAlloc;
+use numa_gpu_alloc::{bind_thread, Error, NumaGpuAlloc, Route};
 
 mod common {
     pub mod pattern;
@@ -86,15 +86,31 @@ fn threads_mixed_sizes_reallocs_and_contention() {
         }
     });
 
+    // Threads bound to routes contend too: node 0, the local node, and a node id no machine has
+    // (the nearest node with memory instead, reported once in `config_errors`).
+    let routes = [Route::Node(0), Route::LocalNode, Route::Node(1023)];
+    let barrier = Barrier::new(6);
+    std::thread::scope(|s| {
+        for t in 0..6 {
+            let (barrier, route) = (&barrier, routes[t % 3]);
+            s.spawn(move || {
+                let _bound = bind_thread(route);
+                contended_reuse(barrier);
+            });
+        }
+    });
+
     let stats = ALLOC.stats();
     println!("{stats}");
+    let unknown = |e: &Error| matches!(e, Error::UnknownNode { node: 1023, .. });
+    assert_eq!(stats.config_errors.iter().filter(|e| unknown(e)).count(), 1);
     assert!(stats.initialized);
     assert_eq!(stats.live_bytes(), 0, "every large block was freed");
     assert_eq!(
         stats.cache_hits + stats.cache_misses,
         stats.large_allocations
     );
-    assert!(stats.large_allocations >= 8 * 200);
+    assert!(stats.large_allocations >= 14 * 200);
     assert!(
         stats.cache_hits > stats.cache_misses,
         "freed blocks are reused"
