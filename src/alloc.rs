@@ -206,7 +206,8 @@ impl NumaGpuAlloc {
         }
     }
 
-    /// Starts the peaks over, as PyTorch's `reset_peak_host_memory_stats` does: each node's
+    /// Starts the peaks over, as PyTorch's `reset_peak_host_memory_stats` does: each node's (and
+    /// each GPU's row of each node; the arenas are the process's)
     /// [`peak_live_bytes`](crate::NodeStats::peak_live_bytes) becomes its live bytes now, and the
     /// longest populate and pin times become zero. Totals and counts are kept.
     pub fn reset_peaks(&self) {

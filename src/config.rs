@@ -376,6 +376,15 @@ mod tests {
     }
 
     #[test]
+    fn targets_that_follow_the_thread() {
+        let mut c = Config::DEFAULT;
+        assert!(c.apply_settings("node=local").is_empty());
+        assert_eq!(c.target, Target::LocalNode);
+        assert!(c.apply_settings("gpu=current").is_empty());
+        assert_eq!(c.target, Target::Gpu(GpuSelector::Current));
+    }
+
+    #[test]
     fn full_example_applies() {
         let mut c = Config::DEFAULT;
         let errors =
