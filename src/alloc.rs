@@ -16,9 +16,28 @@ use crate::sys::{self, MemPolicy};
 
 /// A NUMA- and GPU-aware allocator.
 ///
-/// Requests smaller than the threshold (2 MiB by default) go straight to the system allocator.
-/// Larger ones get blocks placed on the host node nearest the configured GPU, populated up front,
-/// page-locked with CUDA when a driver is present, and cached for reuse when freed.
+/// Requests smaller than the threshold (2 MiB by default) go straight to the inner allocator `A`
+/// (the system allocator unless built with [`with_inner`](Self::with_inner)). Larger ones get
+/// blocks placed on the host node nearest the configured GPU, populated up front, page-locked with
+/// CUDA when a driver is present, and cached for reuse when freed.
+///
+/// ## The inner allocator
+///
+/// Every pointer that is not one of the large path's blocks belongs to `A`: small requests,
+/// requests the allocator makes while it runs (re-entrant ones, large or not), and any free of a
+/// pointer the arena does not know. `A` must not allocate through this allocator (as the global
+/// allocator, it must not use the global allocator): mimalloc, jemalloc and `System` do not.
+///
+/// ```
+/// use mimalloc::MiMalloc;
+/// use numa_gpu_alloc::NumaGpuAlloc;
+///
+/// #[global_allocator]
+/// static ALLOC: NumaGpuAlloc<MiMalloc> = NumaGpuAlloc::with_inner(MiMalloc);
+///
+/// let small = vec![1u8; 100]; // served by mimalloc
+/// assert_eq!(small[99], 1);
+/// ```
 ///
 /// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
 /// a `static`, as long as memory it handed out is in use.
@@ -32,11 +51,13 @@ use crate::sys::{self, MemPolicy};
 /// let big = vec![1u8; 8 << 20];
 /// assert_eq!(big[12345], 1);
 /// ```
-pub struct NumaGpuAlloc {
+pub struct NumaGpuAlloc<A = System> {
     /// The effective threshold; the environment may change the builder's value at initialisation.
     threshold: Threshold,
     config: Config,
     runtime: OnceLock<Runtime>,
+    /// Serves everything that is not a block of the large path.
+    inner: A,
 }
 
 /// The one value the small path reads, on a cache line of its own so that writes to the
@@ -56,19 +77,39 @@ const fn clamp_threshold(bytes: usize) -> usize {
 }
 
 impl NumaGpuAlloc {
-    /// An allocator with the default [`Config`].
+    /// An allocator with the default [`Config`] over the system allocator.
     pub const fn new() -> Self {
         Self::with_config(Config::DEFAULT)
     }
 
-    /// An allocator with the given settings (a threshold outside 4 KiB..=64 GiB is clamped).
-    pub const fn with_config(mut config: Config) -> Self {
+    /// An allocator with the given settings over the system allocator (a threshold outside
+    /// 4 KiB..=64 GiB is clamped).
+    pub const fn with_config(config: Config) -> Self {
+        Self::with_inner_config(System, config)
+    }
+}
+
+impl<A> NumaGpuAlloc<A> {
+    /// An allocator with the default [`Config`] whose small requests go to `inner`.
+    pub const fn with_inner(inner: A) -> Self {
+        Self::with_inner_config(inner, Config::DEFAULT)
+    }
+
+    /// An allocator with the given settings whose small requests go to `inner` (a threshold
+    /// outside 4 KiB..=64 GiB is clamped).
+    pub const fn with_inner_config(inner: A, mut config: Config) -> Self {
         config.threshold = clamp_threshold(config.threshold);
         NumaGpuAlloc {
             threshold: Threshold(AtomicUsize::new(config.threshold)),
             config,
             runtime: OnceLock::new(),
+            inner,
         }
+    }
+
+    /// The allocator that serves everything but the large path's blocks.
+    pub const fn inner(&self) -> &A {
+        &self.inner
     }
 
     /// Requests of at least `bytes` take the large path (default 2 MiB). Values outside
@@ -229,7 +270,9 @@ impl NumaGpuAlloc {
         }
         rt
     }
+}
 
+impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// Whether a request of `size` bytes takes the large path. The small path's only cost.
     #[inline(always)]
     pub(crate) fn is_large(&self, size: usize) -> bool {
@@ -242,7 +285,7 @@ impl NumaGpuAlloc {
         if self.is_large(layout.size()) {
             self.allocate_large_path(layout, zeroed)
         } else {
-            system_alloc(layout, zeroed)
+            self.inner_alloc(layout, zeroed)
         }
     }
 
@@ -250,12 +293,12 @@ impl NumaGpuAlloc {
     #[inline(never)]
     fn allocate_large_path(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let Some(_inside) = Inside::enter() else {
-            return system_alloc(layout, zeroed);
+            return self.inner_alloc(layout, zeroed);
         };
         let rt = self.runtime();
         // The environment may have raised the threshold during initialisation.
         if !self.is_large(layout.size()) {
-            return system_alloc(layout, zeroed);
+            return self.inner_alloc(layout, zeroed);
         }
         match self.allocate_large(rt, layout, zeroed) {
             Some(ptr) => ptr.as_ptr(),
@@ -317,8 +360,8 @@ impl NumaGpuAlloc {
             // SAFETY: forwarded from the caller.
             unsafe { self.deallocate_large_path(ptr, layout) }
         } else {
-            // SAFETY: small requests were served by the system allocator with this layout.
-            unsafe { System.dealloc(ptr, layout) }
+            // SAFETY: small requests were served by the inner allocator with this layout.
+            unsafe { self.inner.dealloc(ptr, layout) }
         }
     }
 
@@ -329,7 +372,7 @@ impl NumaGpuAlloc {
     unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
         let rt = self.runtime.get();
         // Already inside (None): this thread is running allocator code, which frees only what it
-        // allocated itself while inside, i.e. system-allocator memory, never a block of ours.
+        // allocated itself while inside, i.e. the inner allocator's memory, never a block of ours.
         let inside = Inside::enter();
         let mut evicted = Vec::new();
         let freed = match (rt, &inside) {
@@ -351,13 +394,13 @@ impl NumaGpuAlloc {
             _ => false,
         };
         let Some(rt) = rt.filter(|_| freed) else {
-            // Not ours: served by the system allocator while inside the allocator or before
+            // Not ours: served by the inner allocator while inside the allocator or before
             // initialisation changed the threshold.
             if let Some(rt) = rt {
                 rt.counters.foreign_frees.incr();
             }
-            // SAFETY: the system allocator served this pointer with this layout.
-            return unsafe { System.dealloc(ptr, layout) };
+            // SAFETY: the inner allocator served this pointer with this layout.
+            return unsafe { self.inner.dealloc(ptr, layout) };
         };
         rt.counters.frees.incr();
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
@@ -372,8 +415,8 @@ impl NumaGpuAlloc {
     pub(crate) unsafe fn reallocate(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
         let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
         if !old_large && !new_large && old.align() == new.align() {
-            // SAFETY: both sizes are small, so the system allocator owns `ptr` with layout `old`.
-            return unsafe { System.realloc(ptr, old, new.size()) };
+            // SAFETY: both sizes are small, so the inner allocator owns `ptr` with layout `old`.
+            return unsafe { self.inner.realloc(ptr, old, new.size()) };
         }
         if old_large && new_large && self.resize_in_place(ptr, new) {
             return ptr;
@@ -386,6 +429,19 @@ impl NumaGpuAlloc {
             unsafe { self.deallocate(ptr, old) };
         }
         moved
+    }
+
+    /// Allocates from the inner allocator.
+    #[inline(always)]
+    fn inner_alloc(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        // SAFETY: callers pass layouts of non-zero size.
+        unsafe {
+            if zeroed {
+                self.inner.alloc_zeroed(layout)
+            } else {
+                self.inner.alloc(layout)
+            }
+        }
     }
 
     /// Keeps a live block when `new` fits its capacity without wasting more than half of it.
@@ -404,22 +460,23 @@ impl NumaGpuAlloc {
     }
 }
 
-impl Default for NumaGpuAlloc {
+impl<A: Default> Default for NumaGpuAlloc<A> {
     fn default() -> Self {
-        Self::new()
+        Self::with_inner(A::default())
     }
 }
 
-impl std::fmt::Debug for NumaGpuAlloc {
+impl<A> std::fmt::Debug for NumaGpuAlloc<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NumaGpuAlloc")
+            .field("inner", &std::any::type_name::<A>())
             .field("config", &self.config())
             .field("initialized", &self.runtime.get().is_some())
             .finish()
     }
 }
 
-impl Drop for NumaGpuAlloc {
+impl<A> Drop for NumaGpuAlloc<A> {
     /// Releases the cache, then waits for the GPU work of pending blocks and releases them.
     fn drop(&mut self) {
         self.trim();
@@ -433,18 +490,6 @@ impl Drop for NumaGpuAlloc {
                 // SAFETY: the block left the pending list, and no GPU work uses it any more.
                 unsafe { rt.release_block(p.block) };
             }
-        }
-    }
-}
-
-#[inline]
-fn system_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
-    // SAFETY: callers pass layouts of non-zero size.
-    unsafe {
-        if zeroed {
-            System.alloc_zeroed(layout)
-        } else {
-            System.alloc(layout)
         }
     }
 }

@@ -256,8 +256,9 @@ pub struct Fallbacks {
     /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
     /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
     pub unverified_blocks: u64,
-    /// Large frees of pointers this allocator did not hand out (made while inside the
-    /// allocator, so served by the system allocator); passed on to the system allocator.
+    /// Large frees of pointers the arena did not hand out (served by the inner allocator while
+    /// inside the allocator, or before initialisation lowered the threshold); passed on to the
+    /// inner allocator.
     pub foreign_frees: u64,
 }
 

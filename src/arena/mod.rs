@@ -2,7 +2,7 @@
 //! work (`pending.rs`), and per-node accounting.
 //!
 //! An arena is only touched under its `parking_lot::Mutex`, from inside the re-entrancy guard
-//! (its maps allocate through the system allocator). Slow work — mapping, populating, pinning,
+//! (its maps allocate through the inner allocator). Slow work — mapping, populating, pinning,
 //! unmapping — happens outside the lock; the arena only moves [`Block`] records around.
 
 use std::collections::BTreeMap;

@@ -3,7 +3,7 @@
 //! buffer's earlier uses and records an event after itself; host access waits for that event;
 //! dropping hands the event to the arena, which reuses the block only once it completed.
 
-use std::alloc::Layout;
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -31,11 +31,11 @@ use crate::{Error, NumaGpuAlloc, Result};
 ///
 /// The allocator must pin (`.pin(PinMode::On)` or `NUMA_GPU_ALLOC=pin=on`). A buffer takes at
 /// least the allocator's threshold, so that it is always a block of the large path.
-pub struct PinnedBuf<'a, T> {
+pub struct PinnedBuf<'a, T, A: GlobalAlloc = System> {
     ptr: NonNull<T>,
     len: usize,
     layout: Layout,
-    alloc: &'a NumaGpuAlloc,
+    alloc: &'a NumaGpuAlloc<A>,
     /// Created on the first copy, in that stream's context.
     event: OnceLock<CudaEvent>,
     /// A copy recorded the event since the host last waited for it.
@@ -46,22 +46,23 @@ pub struct PinnedBuf<'a, T> {
 }
 
 // SAFETY: the buffer owns its elements like a `Box<[T]>`; the event and the allocator reference
-// are `Send + Sync` (cudarc's events are; `NumaGpuAlloc` is shared by design).
-unsafe impl<T: Send> Send for PinnedBuf<'_, T> {}
+// are `Send + Sync` (cudarc's events are; `NumaGpuAlloc` is shared by design when its inner
+// allocator is `Sync`).
+unsafe impl<T: Send, A: GlobalAlloc + Sync> Send for PinnedBuf<'_, T, A> {}
 // SAFETY: shared access hands out `&[T]` only after waiting, and copies through `&self` only
 // read the elements; `in_flight` is atomic and the event is set once.
-unsafe impl<T: Sync> Sync for PinnedBuf<'_, T> {}
+unsafe impl<T: Sync, A: GlobalAlloc + Sync> Sync for PinnedBuf<'_, T, A> {}
 
-impl<'a, T: DeviceRepr + ValidAsZeroBits> PinnedBuf<'a, T> {
+impl<'a, T: DeviceRepr + ValidAsZeroBits, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// `len` zeroed elements from `alloc`.
-    pub fn zeroed(alloc: &'a NumaGpuAlloc, len: usize) -> Result<Self> {
+    pub fn zeroed(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {
         Self::allocate(alloc, len)
     }
 }
 
-impl<'a, T: DeviceRepr + Copy> PinnedBuf<'a, T> {
+impl<'a, T: DeviceRepr + Copy, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// A copy of `data` in a buffer from `alloc`.
-    pub fn from_slice(alloc: &'a NumaGpuAlloc, data: &[T]) -> Result<Self> {
+    pub fn from_slice(alloc: &'a NumaGpuAlloc<A>, data: &[T]) -> Result<Self> {
         let mut buf = Self::allocate(alloc, data.len())?;
         // Nothing was copied yet: no wait.
         buf.elements_mut().copy_from_slice(data);
@@ -69,10 +70,10 @@ impl<'a, T: DeviceRepr + Copy> PinnedBuf<'a, T> {
     }
 }
 
-impl<'a, T> PinnedBuf<'a, T> {
+impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// Allocates `len` zero bytes' worth of elements (callers guarantee that zero bits are a
     /// valid `T`, or overwrite them before any read).
-    fn allocate(alloc: &'a NumaGpuAlloc, len: usize) -> Result<Self> {
+    fn allocate(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {
         let placement = alloc.placement();
         if !placement.pinning {
             return Err(Error::CudaUnavailable {
@@ -187,7 +188,7 @@ impl<'a, T> PinnedBuf<'a, T> {
     }
 }
 
-impl<T> HostSlice<T> for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> HostSlice<T> for PinnedBuf<'_, T, A> {
     fn len(&self) -> usize {
         self.len
     }
@@ -213,7 +214,7 @@ impl<T> HostSlice<T> for PinnedBuf<'_, T> {
     }
 }
 
-impl<T> std::ops::Deref for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> std::ops::Deref for PinnedBuf<'_, T, A> {
     type Target = [T];
 
     /// # Panics
@@ -227,7 +228,7 @@ impl<T> std::ops::Deref for PinnedBuf<'_, T> {
     }
 }
 
-impl<T> std::ops::DerefMut for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> std::ops::DerefMut for PinnedBuf<'_, T, A> {
     /// # Panics
     /// As [`Deref`](std::ops::Deref).
     fn deref_mut(&mut self) -> &mut [T] {
@@ -238,7 +239,7 @@ impl<T> std::ops::DerefMut for PinnedBuf<'_, T> {
     }
 }
 
-impl<'b, T> IntoIterator for &'b PinnedBuf<'_, T> {
+impl<'b, T, A: GlobalAlloc> IntoIterator for &'b PinnedBuf<'_, T, A> {
     type Item = &'b T;
     type IntoIter = std::slice::Iter<'b, T>;
 
@@ -247,7 +248,7 @@ impl<'b, T> IntoIterator for &'b PinnedBuf<'_, T> {
     }
 }
 
-impl<T: std::fmt::Debug> std::fmt::Debug for PinnedBuf<'_, T> {
+impl<T: std::fmt::Debug, A: GlobalAlloc> std::fmt::Debug for PinnedBuf<'_, T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinnedBuf")
             .field("len", &self.len)
@@ -256,7 +257,7 @@ impl<T: std::fmt::Debug> std::fmt::Debug for PinnedBuf<'_, T> {
     }
 }
 
-impl<T> Drop for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> Drop for PinnedBuf<'_, T, A> {
     fn drop(&mut self) {
         if self.forked() {
             std::mem::forget(self.event.take());
