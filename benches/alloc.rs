@@ -7,7 +7,8 @@
 //! Groups (each function id names the peer):
 //! - `small_{64B,4KiB}_{1,2}thread`: alloc/free pairs below the threshold — ours (a `static`
 //!   `NumaGpuAlloc` called through `GlobalAlloc`, not installed as the global allocator) vs
-//!   `std::alloc::System` (glibc) vs mimalloc.
+//!   `std::alloc::System` (glibc) vs mimalloc, and ours over mimalloc (`NumaGpuAlloc<MiMalloc>`)
+//!   vs mimalloc.
 //! - `large_reuse_64MiB`: allocate 64 MiB, write every page, free — ours (cache warm) vs glibc
 //!   `malloc`/`free` vs libnuma `numa_alloc_onnode`/`numa_free` vs `mmap`/`munmap`.
 //! - `cold_placement_1GiB`: one fresh 1 GiB block placed and populated — ours with one populate
@@ -29,7 +30,8 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
-use criterion::{Criterion, SamplingMode};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, SamplingMode};
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::NumaGpuAlloc;
 
@@ -42,6 +44,8 @@ const PAGE: usize = 4 * KIB;
 /// Ours on the small path and in the large-reuse and growth groups (default settings).
 static OURS: NumaGpuAlloc = NumaGpuAlloc::new();
 static MIMALLOC: MiMalloc = MiMalloc;
+/// Ours wrapping mimalloc: the small path's requests go to mimalloc.
+static OURS_MIMALLOC: NumaGpuAlloc<MiMalloc> = NumaGpuAlloc::with_inner(MiMalloc);
 /// Cold placement: nothing cached, so every allocation places and populates a fresh block.
 static COLD_ONE_THREAD: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(0).populate_threads(1);
 static COLD_PARALLEL: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(0);
@@ -231,6 +235,23 @@ fn criterion_dir() -> PathBuf {
 // ---------------------------------------------------------------------------------------------
 // 1. Small path.
 
+/// Times alloc/free pairs of `layout` on `alloc`, on `threads` threads, as function `id`.
+fn small_pairs<A: GlobalAlloc + Sync>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    id: &str,
+    alloc: &A,
+    threads: usize,
+    layout: Layout,
+) {
+    group.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
+                (0..n).for_each(|_| pair(alloc, layout))
+            })
+        })
+    });
+}
+
 fn small_path(c: &mut Criterion) {
     for (label, size) in [("64B", 64), ("4KiB", 4 * KIB)] {
         let layout = layout(size);
@@ -244,27 +265,16 @@ fn small_path(c: &mut Criterion) {
                 .sample_size(30)
                 .warm_up_time(Duration::from_millis(500))
                 .measurement_time(Duration::from_secs(2));
-            group.bench_function("ours", |b| {
-                b.iter_custom(|iters| {
-                    on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
-                        (0..n).for_each(|_| pair(&OURS, layout))
-                    })
-                })
-            });
-            group.bench_function("system_glibc", |b| {
-                b.iter_custom(|iters| {
-                    on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
-                        (0..n).for_each(|_| pair(&System, layout))
-                    })
-                })
-            });
-            group.bench_function("mimalloc", |b| {
-                b.iter_custom(|iters| {
-                    on_threads(threads, iters, Clock::ThreadCpu, |_, n| {
-                        (0..n).for_each(|_| pair(&MIMALLOC, layout))
-                    })
-                })
-            });
+            small_pairs(&mut group, "ours", &OURS, threads, layout);
+            small_pairs(&mut group, "system_glibc", &System, threads, layout);
+            small_pairs(&mut group, "mimalloc", &MIMALLOC, threads, layout);
+            small_pairs(
+                &mut group,
+                "ours_over_mimalloc",
+                &OURS_MIMALLOC,
+                threads,
+                layout,
+            );
             group.finish();
         }
     }

@@ -276,7 +276,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// Whether a request of `size` bytes takes the large path. The small path's only cost.
     #[inline(always)]
     pub(crate) fn is_large(&self, size: usize) -> bool {
-        size >= self.threshold.0.load(Relaxed)
+        // The threshold is never below the minimum: a smaller size needs no load, and a size
+        // known at compile time (`Box<T>`, a map's nodes) needs no test at all.
+        size >= crate::config::MIN_THRESHOLD && size >= self.threshold.0.load(Relaxed)
     }
 
     /// Allocates `layout` (non-zero size). Null on failure.
