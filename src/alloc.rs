@@ -7,12 +7,13 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
 
 use crate::arena::{class_size, Block, Fit, InFlight, Work};
-use crate::config::{Config, GpuSelector, PinMode, Target};
+use crate::config::{Config, GpuSelector, PinMode, Reserve, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
 use crate::runtime::{Placement, Runtime};
 use crate::stats::Stats;
 use crate::sys::{self, MemPolicy};
+use crate::Error;
 
 /// A NUMA- and GPU-aware allocator.
 ///
@@ -190,6 +191,13 @@ impl<A> NumaGpuAlloc<A> {
         self
     }
 
+    /// Places `blocks` blocks of `block_size` bytes into the cache at initialisation (see
+    /// [`reserve`](Self::reserve); default none).
+    pub const fn reserve_at_init(mut self, blocks: usize, block_size: usize) -> Self {
+        self.config.reserve = Reserve { blocks, block_size };
+        self
+    }
+
     /// Root of sysfs (default `/sys`), for tests against fixture trees. Another root describes
     /// another machine, so this process's cpuset (allowed memory nodes) is then not applied.
     pub const fn sysfs_root(mut self, root: &'static str) -> Self {
@@ -240,6 +248,25 @@ impl<A> NumaGpuAlloc<A> {
         }
     }
 
+    /// Places `blocks` blocks of `block_size` bytes, populated and (when pinning) page-locked,
+    /// into the cache now, initialising the large path if needed: the next requests of about
+    /// that size (up to a ninth smaller) are cache hits instead of paying for placement and
+    /// pinning. Reserved blocks are ordinary cached blocks: they count against the cache limit
+    /// (older cached blocks make room for them) and [`trim`](Self::trim) releases them.
+    ///
+    /// Takes as long as allocating the blocks; call it at start-up, or on a thread of its own.
+    /// `NUMA_GPU_ALLOC=reserve=COUNTxSIZE` (or [`reserve_at_init`](Self::reserve_at_init)) does
+    /// the same at initialisation, on the thread that initialises.
+    ///
+    /// # Errors
+    /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
+    /// the cache limit; the placement or pinning error of a block that could not be made (the
+    /// blocks made before it stay cached).
+    pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
+        let _inside = Inside::enter();
+        self.runtime().reserve(blocks, block_size)
+    }
+
     /// Attaches `work` to the live large block containing `ptr` (anywhere inside it): when the
     /// block is freed before `work` completed, it waits in the pending list instead of the cache.
     /// Gives `work` back when no live block of this allocator contains `ptr`, so that the caller
@@ -267,6 +294,7 @@ impl<A> NumaGpuAlloc<A> {
         });
         if initialised_here {
             rt.report_setup_errors();
+            rt.reserve_configured();
         }
         rt
     }
