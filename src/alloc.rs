@@ -442,12 +442,24 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     ///
     /// # Safety
     /// `ptr` was returned by this allocator for `old` (non-zero size), `new` has a non-zero size.
+    #[inline]
     pub(crate) unsafe fn reallocate(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
-        let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
-        if !old_large && !new_large && old.align() == new.align() {
+        if !self.is_large(old.size()) && !self.is_large(new.size()) && old.align() == new.align() {
             // SAFETY: both sizes are small, so the inner allocator owns `ptr` with layout `old`.
             return unsafe { self.inner.realloc(ptr, old, new.size()) };
         }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.reallocate_large_path(ptr, old, new) }
+    }
+
+    /// Out of line, so that the small path above saves no registers.
+    ///
+    /// # Safety
+    /// As [`Self::reallocate`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn reallocate_large_path(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
+        let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
         if old_large && new_large && self.resize_in_place(ptr, new) {
             return ptr;
         }
