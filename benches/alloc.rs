@@ -22,6 +22,9 @@
 //! libnuma is opened at run time with `dlopen("libnuma.so.1")`, so nothing links it; without it
 //! the libnuma peers are skipped (and say so).
 
+#[path = "../examples/support/measure.rs"]
+mod measure;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::{c_int, c_void};
 use std::hint::black_box;
@@ -32,6 +35,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::Allocator;
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode};
+use measure::{cpu_time, splitmix64};
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::NumaGpuAlloc;
 
@@ -147,17 +151,6 @@ enum Clock {
     ThreadCpu,
 }
 
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; this clock exists on every Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
 /// Times `work(thread index, iters)` on `threads` fresh threads started together; the result is
 /// the slowest thread's time.
 ///
@@ -178,9 +171,9 @@ fn on_threads<F: Fn(usize, u64) + Sync>(
             start.elapsed()
         }
         Clock::ThreadCpu => {
-            let start = thread_cpu_time();
+            let start = cpu_time(libc::CLOCK_THREAD_CPUTIME_ID);
             work(index, iters);
-            thread_cpu_time().saturating_sub(start)
+            cpu_time(libc::CLOCK_THREAD_CPUTIME_ID).saturating_sub(start)
         }
     };
     let barrier = Barrier::new(threads);
@@ -435,15 +428,6 @@ fn growth(c: &mut Criterion) {
 
 // ---------------------------------------------------------------------------------------------
 // 5. Rounding waste (computed).
-
-/// splitmix64: a fixed, dependency-free sequence.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
 
 /// `count` request sizes, log-uniform over `[low, high]`, from a fixed seed.
 fn log_uniform_sizes(count: usize, low: usize, high: usize, seed: u64) -> Vec<usize> {

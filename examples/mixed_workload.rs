@@ -12,6 +12,9 @@
 //! process's CPU time over a round (both threads, user and system: page faults included; time
 //! other processes on a shared machine hold the CPUs is not), wall time beside it.
 
+#[path = "support/measure.rs"]
+mod measure;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -20,6 +23,7 @@ use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use measure::{cpu_time, splitmix64};
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::NumaGpuAlloc;
 use serde_json::{json, Value};
@@ -127,14 +131,6 @@ static GLOBAL: Chosen = Chosen;
 // ---------------------------------------------------------------------------------------------
 // The workload.
 
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 const WORDS: [&str; 12] = [
     "alpha", "beta", "gamma", "delta", "tensor", "batch", "stream", "node", "cuda", "numa", "page",
     "block",
@@ -197,14 +193,7 @@ fn workload(thread: usize, round: usize) -> u64 {
 }
 
 fn process_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; this clock exists on every Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_PROCESS_CPUTIME_ID) failed");
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID)
 }
 
 /// One round on [`THREADS`] threads started together: (CPU time, wall time, checksum).

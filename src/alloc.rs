@@ -22,6 +22,19 @@ use crate::Error;
 /// blocks placed on the host node nearest the configured GPU, populated up front, page-locked with
 /// CUDA when a driver is present, and cached for reuse when freed.
 ///
+/// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
+/// a `static`, as long as memory it handed out is in use.
+///
+/// ```
+/// use numa_gpu_alloc::NumaGpuAlloc;
+///
+/// #[global_allocator]
+/// static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().threshold(4 << 20);
+///
+/// let big = vec![1u8; 8 << 20];
+/// assert_eq!(big[12345], 1);
+/// ```
+///
 /// ## The inner allocator
 ///
 /// Every pointer that is not one of the large path's blocks belongs to `A`: small requests,
@@ -38,19 +51,6 @@ use crate::Error;
 ///
 /// let small = vec![1u8; 100]; // served by mimalloc
 /// assert_eq!(small[99], 1);
-/// ```
-///
-/// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
-/// a `static`, as long as memory it handed out is in use.
-///
-/// ```
-/// use numa_gpu_alloc::NumaGpuAlloc;
-///
-/// #[global_allocator]
-/// static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().threshold(4 << 20);
-///
-/// let big = vec![1u8; 8 << 20];
-/// assert_eq!(big[12345], 1);
 /// ```
 pub struct NumaGpuAlloc<A = System> {
     /// The effective threshold; the environment may change the builder's value at initialisation.
