@@ -8,7 +8,7 @@
 //! does both. Without pinning (`NumaGpuAlloc::new()`), copies stay synchronous.
 //!
 //! Run: `cargo run --release --example global_allocator`
-//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on cargo run --release --example global_allocator`
+//! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on,stats=exit cargo run --release --example global_allocator`
 
 use numa_gpu_alloc::{NumaGpuAlloc, PinMode};
 

@@ -234,6 +234,17 @@ impl<A> NumaGpuAlloc<A> {
         }
     }
 
+    /// Starts the peaks over, as PyTorch's `reset_peak_host_memory_stats` does: each node's
+    /// [`peak_live_bytes`](crate::NodeStats::peak_live_bytes) becomes its live bytes now, and the
+    /// longest populate and pin times become zero. Totals and counts are kept.
+    pub fn reset_peaks(&self) {
+        let _inside = Inside::enter();
+        if let Some(rt) = self.runtime.get() {
+            rt.arena.lock().reset_peak();
+            rt.counters.reset_peaks();
+        }
+    }
+
     /// Releases every cached block (unregistering and unmapping it). Live blocks are untouched,
     /// and so are freed blocks that GPU work recorded against them may still use: those stay
     /// pending (`trim` never waits, and never unmaps memory a DMA may still read).

@@ -71,8 +71,23 @@ impl Reserve {
     };
 }
 
-/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+/// What an allocator prints about itself when the process exits (`stats=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StatsAtExit {
+    /// Nothing (the default).
+    Off,
+    /// The [`Stats`](crate::Stats) table, to stderr (`stats=exit`).
+    Table,
+    /// [`Stats::json`](crate::Stats::json) on one line, to stderr (`stats=json`).
+    Json,
+}
+
+/// All settings of a [`NumaGpuAlloc`](crate::NumaGpuAlloc).
+///
+/// Start from [`Config::DEFAULT`] (or `Config::default()`) and set fields: more may be added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// Requests of at least this many bytes take the large path.
     pub threshold: usize,
@@ -96,6 +111,8 @@ pub struct Config {
     pub populate_threads: usize,
     /// Root of sysfs (`/sys`); tests point it at fixture trees.
     pub sysfs_root: &'static str,
+    /// Whether the stats are printed at process exit, and how.
+    pub stats_at_exit: StatsAtExit,
     /// Blocks placed into the cache at initialisation.
     pub reserve: Reserve,
 }
@@ -115,6 +132,7 @@ impl Config {
         pin_read_only: false,
         populate_threads: 0,
         sysfs_root: "/sys",
+        stats_at_exit: StatsAtExit::Off,
         reserve: Reserve::NONE,
     };
 
@@ -168,13 +186,14 @@ impl Config {
             "devicemap" => self.pin_devicemap = parse_switch(key, value)?,
             "readonly" => self.pin_read_only = parse_switch(key, value)?,
             "threads" => self.populate_threads = parse_threads(value)?,
+            "stats" => self.stats_at_exit = parse_stats(value)?,
             "reserve" => self.reserve = parse_reserve(value)?,
             _ => {
                 return Err(config_error(
                     key,
                     value,
                     "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads, reserve",
+                     readonly, threads, stats, reserve",
                 ))
             }
         }
@@ -311,6 +330,19 @@ fn parse_switch(key: &str, value: &str) -> Result<bool, Error> {
     }
 }
 
+fn parse_stats(value: &str) -> Result<StatsAtExit, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "off" => Ok(StatsAtExit::Off),
+        "exit" => Ok(StatsAtExit::Table),
+        "json" => Ok(StatsAtExit::Json),
+        _ => Err(config_error(
+            "stats",
+            value,
+            "exit (the table at exit), json (JSON at exit) or off",
+        )),
+    }
+}
+
 /// Parses a `reserve=` value: `COUNTxSIZE` (`8x64MiB`), `SIZE` (one block) or `0` (none).
 fn parse_reserve(value: &str) -> Result<Reserve, Error> {
     let (blocks, size) = match value.split_once(['x', 'X']) {
@@ -407,6 +439,23 @@ mod tests {
         assert!(c.apply_settings("").is_empty());
         assert!(c.apply_settings(",,, ,").is_empty());
         assert_eq!(c.apply_settings("novalue").len(), 1);
+    }
+
+    #[test]
+    fn stats_at_exit() {
+        let mut c = Config::DEFAULT;
+        assert_eq!(c.stats_at_exit, StatsAtExit::Off);
+        assert!(c.apply_settings("stats=exit").is_empty());
+        assert_eq!(c.stats_at_exit, StatsAtExit::Table);
+        assert!(c.apply_settings("stats=JSON").is_empty());
+        assert_eq!(c.stats_at_exit, StatsAtExit::Json);
+        let errors = c.apply_settings("stats=on");
+        assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["stats"]);
+        assert_eq!(
+            c.stats_at_exit,
+            StatsAtExit::Json,
+            "a rejected value changes nothing"
+        );
     }
 
     #[test]

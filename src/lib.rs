@@ -19,10 +19,10 @@ pub mod pci;
 
 mod cuda;
 pub mod sys;
+pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
-pub use cuda::PinnedBuf;
-pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
+pub use cuda::{PinnedBuf, PinnedSliceMut};
 
 mod arena;
 mod block;
@@ -31,7 +31,9 @@ mod guard;
 mod reserve;
 mod runtime;
 mod stats;
-pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, Target, ENV_VAR};
+mod stats_exit;
+mod stats_json;
+pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
 pub use runtime::Placement;
 pub use stats::{CudaErrorCount, Fallbacks, NodeStats, Stats, TimeStats};
 pub use sys::MemPolicy;

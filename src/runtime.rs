@@ -17,6 +17,7 @@ use crate::{Error, NumaTopology};
 
 /// Where an allocator places its blocks, as resolved at initialisation.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Placement {
     /// The node blocks are placed on (for `policy=interleave`: the node they are accounted to).
     pub host_node: usize,
@@ -119,12 +120,14 @@ impl Runtime {
     }
 
     /// Setup problems, printed once by the allocator after initialisation (not during it: stderr's
-    /// lock may be held by a thread waiting for this initialisation).
+    /// lock may be held by a thread waiting for this initialisation); then the report at exit
+    /// (`stats=`) is registered, now that the runtime is at its final address.
     pub(crate) fn report_setup_errors(&self) {
         for e in &self.setup_errors {
             // One line each: a key may hold a newline.
             let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
         }
+        crate::stats_exit::register(self);
     }
 
     /// Whether blocks are still placed with `mbind`.

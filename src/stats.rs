@@ -44,10 +44,14 @@ impl Timer {
             max: Duration::from_nanos(self.max_ns.load(Relaxed)),
         }
     }
+    /// Forgets the maximum; the total stays.
+    fn reset_max(&self) {
+        self.max_ns.store(0, Relaxed);
+    }
 }
 
 /// How many distinct CUDA error codes are counted separately; the rest share the last slot.
-const ERROR_CODE_SLOTS: usize = 8;
+pub(crate) const ERROR_CODE_SLOTS: usize = 8;
 const FREE_SLOT: u32 = u32::MAX;
 
 /// Registration failures counted by CUDA error code, lock-free.
@@ -86,26 +90,25 @@ impl CodeCounts {
             }
         }
     }
-    fn snapshot(&self) -> Vec<CudaErrorCount> {
-        (0..ERROR_CODE_SLOTS)
-            .filter_map(|slot| {
-                let count = self.counts[slot].load(Relaxed);
-                let mixed = slot == ERROR_CODE_SLOTS - 1 && self.overflowed.load(Relaxed);
-                (count > 0).then(|| CudaErrorCount {
-                    code: if mixed {
-                        FREE_SLOT
-                    } else {
-                        self.codes[slot].load(Relaxed)
-                    },
-                    name: if mixed {
-                        "other"
-                    } else {
-                        self.names[slot].get().copied().unwrap_or("?")
-                    },
-                    count,
-                })
+    /// The codes counted so far, in slot order.
+    fn counts(&self) -> impl Iterator<Item = CudaErrorCount> + '_ {
+        (0..ERROR_CODE_SLOTS).filter_map(|slot| {
+            let count = self.counts[slot].load(Relaxed);
+            let mixed = slot == ERROR_CODE_SLOTS - 1 && self.overflowed.load(Relaxed);
+            (count > 0).then(|| CudaErrorCount {
+                code: if mixed {
+                    FREE_SLOT
+                } else {
+                    self.codes[slot].load(Relaxed)
+                },
+                name: if mixed {
+                    "other"
+                } else {
+                    self.names[slot].get().copied().unwrap_or("?")
+                },
+                count,
             })
-            .collect()
+        })
     }
 }
 
@@ -162,6 +165,12 @@ impl Counters {
         }
     }
 
+    /// Starts the maxima over (see [`NumaGpuAlloc::reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    pub(crate) fn reset_peaks(&self) {
+        self.populate.reset_max();
+        self.pin.reset_max();
+    }
+
     fn set_last_pin_error(&self, error: &Error) {
         // Cloning a CUDA error copies numbers and static strings: no allocation.
         *self
@@ -170,6 +179,8 @@ impl Counters {
             .unwrap_or_else(|e| e.into_inner()) = Some(error.clone());
     }
 
+    /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
+    /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
         stats.last_pin_error = (self.last_pin_error.lock())
             .unwrap_or_else(|e| e.into_inner())
@@ -188,7 +199,10 @@ impl Counters {
         stats.pages_misplaced = self.pages_misplaced.get();
         stats.populate_time = self.populate.snapshot();
         stats.pin_time = self.pin.snapshot();
-        stats.pin_failures_by_code = self.pin_failure_codes.snapshot();
+        stats.pin_failures_by_code.clear();
+        stats
+            .pin_failures_by_code
+            .extend(self.pin_failure_codes.counts());
         stats.fallbacks = Fallbacks {
             unplaced_blocks: self.unplaced_blocks.get(),
             unpinned_blocks: self.unpinned_blocks.get(),
@@ -205,18 +219,24 @@ impl Counters {
     }
 }
 
-/// Total and longest time spent in one kind of step.
+/// Total and longest time spent in one kind of step (in JSON: nanoseconds).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct TimeStats {
     /// Sum over all blocks.
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
     pub total: Duration,
-    /// The longest single block.
+    /// The longest single block (since the last [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
     pub max: Duration,
 }
 
 /// Registration (and unregistration) failures with one CUDA error code; the last slot of the
 /// fixed table collects every further code, and is named `other` then.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct CudaErrorCount {
     /// The `CUresult` number (`u32::MAX` for the `other` row).
     pub code: u32,
@@ -228,6 +248,8 @@ pub struct CudaErrorCount {
 
 /// Degraded modes and failures, each counted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Fallbacks {
     /// Blocks mapped without NUMA placement: the kernel refuses NUMA calls (see
     /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave` policy
@@ -264,12 +286,15 @@ pub struct Fallbacks {
 
 /// Per-node byte and block counts.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct NodeStats {
     /// NUMA node id.
     pub node: usize,
     /// Bytes (block capacities) handed out and not yet freed.
     pub live_bytes: usize,
-    /// Highest `live_bytes` seen.
+    /// Highest `live_bytes` seen (since the last
+    /// [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
     pub peak_live_bytes: usize,
     /// Bytes of freed blocks kept for reuse.
     pub cached_bytes: usize,
@@ -287,7 +312,13 @@ pub struct NodeStats {
 }
 
 /// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
+///
+/// Each counter is read on its own (relaxed atomics), so figures read while other threads allocate
+/// may be a moment apart. `Display` gives a table, [`Stats::json`] one line of JSON, and with the
+/// `serde` feature the snapshot implements `Serialize` (the same JSON from `serde_json`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Stats {
     /// Whether the large path has been initialised (it is, lazily, on the first large request).
     pub initialized: bool,
@@ -335,12 +366,25 @@ pub struct Stats {
     pub fallbacks: Fallbacks,
     /// Registration failures by CUDA error.
     pub pin_failures_by_code: Vec<CudaErrorCount>,
-    /// The latest failed registration or unregistration, with the CUDA call, code and name.
+    /// The latest failed registration or unregistration, with the CUDA call, code and name (in
+    /// JSON: the message).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::message")
+    )]
     pub last_pin_error: Option<Error>,
-    /// Why NUMA placement is off, when the kernel refused it.
+    /// Why NUMA placement is off, when the kernel refused it (in JSON: the message).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::message")
+    )]
     pub numa_unavailable: Option<Error>,
     /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems (each was also printed once to
-    /// stderr).
+    /// stderr; in JSON: the messages).
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::stats_json::messages")
+    )]
     pub config_errors: Vec<Error>,
 }
 
@@ -363,8 +407,16 @@ fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
 }
 
-fn opt(value: Option<usize>) -> String {
-    value.map_or_else(|| "-".to_owned(), |v| v.to_string())
+/// A node id, or `-` when unknown (without allocating: the exit report prints this).
+struct Opt(Option<usize>);
+
+impl fmt::Display for Opt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(v) => write!(f, "{v}"),
+            None => f.write_str("-"),
+        }
+    }
 }
 
 impl fmt::Display for Stats {
@@ -372,9 +424,9 @@ impl fmt::Display for Stats {
         writeln!(
             f,
             "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {:.1} MiB",
-            opt(self.host_node),
+            Opt(self.host_node),
             self.gpu.as_deref().unwrap_or("none"),
-            opt(self.home_node),
+            Opt(self.home_node),
             if self.pinning { "on" } else { "off" },
             mib(self.threshold)
         )?;
@@ -477,7 +529,7 @@ mod tests {
         counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
         counts.record(712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
         counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
-        let snap = counts.snapshot();
+        let snap: Vec<_> = counts.counts().collect();
         assert_eq!(snap.len(), 2);
         assert_eq!((snap[0].code, snap[0].count), (2, 2));
         assert_eq!((snap[1].code, snap[1].count), (712, 1));
@@ -489,7 +541,7 @@ mod tests {
         for code in 0..20 {
             counts.record(code, "X");
         }
-        let snapshot = counts.snapshot();
+        let snapshot: Vec<_> = counts.counts().collect();
         let total: u64 = snapshot.iter().map(|c| c.count).sum();
         assert_eq!(total, 20);
         assert_eq!(snapshot.last().map(|c| c.name), Some("other"));

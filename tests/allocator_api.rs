@@ -118,6 +118,28 @@ fn cache_limit_releases_oldest_and_trim_releases_all() {
 }
 
 #[test]
+fn reset_peaks_starts_over_from_what_is_live() {
+    let alloc = NumaGpuAlloc::new().node(0);
+    alloc.reset_peaks(); // before initialisation: nothing to reset
+    let kept: Vec<u8, _> = Vec::with_capacity_in(8 * MIB, &alloc);
+    drop(Vec::<u8, _>::with_capacity_in(16 * MIB, &alloc));
+    let before = alloc.stats();
+    assert_eq!(before.nodes[0].peak_live_bytes, 24 * MIB);
+    assert!(before.populate_time.max > std::time::Duration::ZERO);
+
+    alloc.reset_peaks();
+    let after = alloc.stats();
+    assert_eq!(after.nodes[0].peak_live_bytes, 8 * MIB, "what is live now");
+    assert_eq!(after.populate_time.max, std::time::Duration::ZERO);
+    assert_eq!(
+        after.populate_time.total, before.populate_time.total,
+        "totals kept"
+    );
+    assert_eq!(after.large_allocations, 2, "counts kept");
+    drop(kept);
+}
+
+#[test]
 fn verify_and_bind_on_node_zero() {
     for policy in [MemPolicy::Preferred, MemPolicy::Bind, MemPolicy::Interleave] {
         let alloc = NumaGpuAlloc::new().node(0).verify(true).policy(policy);

@@ -173,7 +173,11 @@ fn address_space_exhaustion_fails_cleanly() {
     if common::child::mode(CHILD_VAR).is_some() {
         return child();
     }
-    let (stdout, stderr) =
-        common::child::run("address_space_exhaustion_fails_cleanly", CHILD_VAR, "1");
+    let (stdout, stderr) = common::child::run(
+        "address_space_exhaustion_fails_cleanly",
+        CHILD_VAR,
+        "1",
+        &[],
+    );
     assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
 }

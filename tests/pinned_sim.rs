@@ -120,28 +120,53 @@ sim_test!(
     }
 );
 
+/// Upload, drop, a second buffer at once, download into a third: what (b) checks on `stream`.
+fn buffer_round(stream: &Arc<CudaStream>, round: u8) {
+    let expected = pattern(4 * MIB, round);
+    let src = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
+    let dev = stream.clone_htod(&src).expect("clone_htod");
+    drop(src);
+    let _other = PinnedBuf::from_slice(&PINNING, &pattern(4 * MIB, !round)).unwrap();
+    let mut back = PinnedBuf::<u8>::zeroed(&PINNING, 4 * MIB).expect("PinnedBuf");
+    stream.memcpy_dtoh(&dev, &mut back).expect("memcpy_dtoh");
+    assert_eq!(wrong_bytes(&back, &expected), 0, "round {round}");
+    // A part at an offset, through the tracked view.
+    let mut part = PinnedBuf::<u8>::zeroed(&PINNING, 8 * MIB).expect("PinnedBuf");
+    stream
+        .memcpy_dtoh(&dev, &mut part.slice_mut(4 * MIB..8 * MIB))
+        .expect("memcpy_dtoh into a part");
+    assert_eq!(
+        wrong_bytes(&part[4 * MIB..], &expected),
+        0,
+        "round {round}, part"
+    );
+    let mut dev2 = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
+    stream.memcpy_htod(&back, &mut dev2).expect("memcpy_htod");
+    back.as_mut_slice().expect("host access").fill(0);
+    let again = stream.clone_dtoh(&dev2).expect("clone_dtoh");
+    assert_eq!(
+        wrong_bytes(&again, &expected),
+        0,
+        "round {round}, second copy"
+    );
+}
+
 sim_test!(
-    /// (b) With pinning on and `PinnedBuf`, the same loops are correct without synchronising.
+    /// (b) With pinning on and `PinnedBuf`, the same loops are correct without synchronising:
+    /// first on the default stream alone (cudarc tracks no events: each copy synchronises),
+    /// then once a stream of its own exists (events).
     pinned_buffer_keeps_copy_loops_correct,
     env: [("CUDA_SIM_DELAY_US", "2000")],
     {
         let ctx = context();
-        for stream in [ctx.default_stream(), ctx.new_stream().expect("a stream")] {
-            for round in 0..6u8 {
-                let expected = pattern(4 * MIB, round);
-                let src = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
-                let dev = stream.clone_htod(&src).expect("clone_htod");
-                drop(src);
-                let _other = PinnedBuf::from_slice(&PINNING, &pattern(4 * MIB, !round)).unwrap();
-                let mut back = PinnedBuf::<u8>::zeroed(&PINNING, 4 * MIB).expect("PinnedBuf");
-                stream.memcpy_dtoh(&dev, &mut back).expect("memcpy_dtoh");
-                assert_eq!(wrong_bytes(&back, &expected), 0, "round {round}");
-                let mut dev2 = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
-                stream.memcpy_htod(&back, &mut dev2).expect("memcpy_htod");
-                back.as_mut_slice().expect("host access").fill(0);
-                let again = stream.clone_dtoh(&dev2).expect("clone_dtoh");
-                assert_eq!(wrong_bytes(&again, &expected), 0, "round {round}, second copy");
-            }
+        let default = ctx.default_stream();
+        for round in 0..3u8 {
+            buffer_round(&default, round);
+        }
+        let own = ctx.new_stream().expect("a stream");
+        for round in 3..6u8 {
+            buffer_round(&own, round);
+            buffer_round(&default, round);
         }
         let stats = PINNING.stats();
         assert!(stats.pinning, "{stats}");
@@ -224,10 +249,30 @@ sim_test!(
     }
 );
 
+/// Against the simulator: page-locked copies stay queued until [`release`] (the test decides
+/// when the DMA completes). On the real driver: nothing (copies run at the GPU's pace).
+fn hold() -> Option<Sim> {
+    let sim = (!sim::real_driver()).then(Sim::get);
+    if let Some(sim) = &sim {
+        sim.hold(true);
+    }
+    sim
+}
+
+fn pending_blocks(stats: &numa_gpu_alloc::Stats) -> usize {
+    stats.nodes.iter().map(|n| n.pending_blocks).sum()
+}
+
+fn release(sim: &Option<Sim>) {
+    if let Some(sim) = sim {
+        sim.hold(false);
+    }
+}
+
 sim_test!(
     /// (c) A block freed while a copy still reads it is not reused before the copy completed.
     freed_block_is_not_reused_before_its_copy_completed,
-    env: [("CUDA_SIM_DELAY_US", "300000")],
+    env: [],
     {
         #[cfg(feature = "fault-injection")]
         if std::env::var_os(IGNORE_IN_FLIGHT_VAR).is_some() {
@@ -235,32 +280,86 @@ sim_test!(
         }
         let ctx = context();
         let stream = ctx.new_stream().expect("a stream");
-        let mut wrong = 0;
+        let (mut wrong, mut reused_early) = (0, 0);
         for round in 0..4u8 {
             let expected = pattern(4 * MIB, round);
             let upload = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
             let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
+            let sim = hold();
             stream.memcpy_htod(&upload, &mut dev).expect("memcpy_htod");
+            let freed_at = upload.as_ptr();
             drop(upload);
             // The same size at once: the freed block must not be handed out while the copy reads.
             let next = PinnedBuf::from_slice(&PINNING, &pattern(4 * MIB, !round)).unwrap();
+            // With the copy held, the freed block must still be pending.
+            reused_early += usize::from(sim.is_some() && next.as_ptr() == freed_at);
+            release(&sim);
             let back = stream.clone_dtoh(&dev).expect("clone_dtoh");
             wrong += wrong_bytes(&back, &expected);
             drop(next);
         }
         let stats = PINNING.stats();
-        eprintln!("{wrong} bytes reached the device wrong; {stats}");
-        assert_eq!(wrong, 0, "a freed block was reused while its copy was still running");
+        eprintln!(
+            "{wrong} bytes reached the device wrong, freed block handed out again during its \
+             copy in {reused_early} of 4 rounds; {stats}"
+        );
+        assert_eq!(
+            (wrong, reused_early),
+            (0, 0),
+            "a freed block was reused while its copy was still running"
+        );
         if !sim::real_driver() {
             assert!(stats.reuse_deferred >= 1, "{stats}");
         }
     }
 );
 
+/// (d) The simulator catches the bug that section 3 prevents: with the pending list switched
+/// off, test (c) fails.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn without_the_pending_list_test_c_fails() {
+    if sim::in_body() {
+        return;
+    }
+    let (passed, output) = sim::run_child(
+        "freed_block_is_not_reused_before_its_copy_completed",
+        &[(IGNORE_IN_FLIGHT_VAR, "1")],
+    );
+    assert!(
+        !passed,
+        "test (c) passed with the pending list off:\n{output}"
+    );
+    assert!(
+        output.contains("was reused while its copy was still running"),
+        "{output}"
+    );
+    eprintln!("{output}");
+}
+
+/// The simulator's other tooth: with the pending list off, `trim()` unregisters a block whose
+/// copy is queued, and the simulator stops the process.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn without_the_pending_list_trim_unregisters_memory_in_use() {
+    if sim::in_body() {
+        return;
+    }
+    let (passed, output) = sim::run_child(
+        "trim_skips_blocks_in_flight",
+        &[(IGNORE_IN_FLIGHT_VAR, "1")],
+    );
+    assert!(!passed, "trim passed with the pending list off:\n{output}");
+    assert!(
+        output.contains("cuMemHostUnregister") && output.contains("queued copy"),
+        "{output}"
+    );
+}
+
 sim_test!(
     /// `record_stream` gives plain `Vec`s of a pinning allocator the same stream-ordered reuse.
     record_stream_defers_reuse_of_a_plain_vec,
-    env: [("CUDA_SIM_DELAY_US", "300000")],
+    env: [],
     {
         let ctx = context();
         let stream = ctx.new_stream().expect("a stream");
@@ -270,11 +369,13 @@ sim_test!(
             let mut upload = allocator_api2::vec::Vec::with_capacity_in(4 * MIB, &PINNING);
             upload.extend_from_slice(&expected);
             let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
+            let sim = hold();
             stream.memcpy_htod(&upload[..], &mut dev).expect("memcpy_htod");
             assert!(PINNING.record_stream(upload.as_ptr(), &stream).expect("record_stream"));
             drop(upload);
             let mut next = allocator_api2::vec::Vec::with_capacity_in(4 * MIB, &PINNING);
             next.extend_from_slice(&pattern(4 * MIB, !round));
+            release(&sim);
             let back = stream.clone_dtoh(&dev).expect("clone_dtoh");
             assert_eq!(wrong_bytes(&back, &expected), 0, "round {round}");
         }
@@ -282,6 +383,39 @@ sim_test!(
         assert!(!PINNING.record_stream(small.as_ptr(), &stream).unwrap());
         let stats = PINNING.stats();
         assert!(stats.in_flight_recorded >= recorded_before + 3, "{stats}");
+    }
+);
+
+sim_test!(
+    /// `trim()` leaves a block whose copy is queued alone (the simulator aborts the process if a
+    /// range a queued copy uses is unregistered); it is released by a later trim.
+    trim_skips_blocks_in_flight,
+    env: [],
+    {
+        #[cfg(feature = "fault-injection")]
+        if std::env::var_os(IGNORE_IN_FLIGHT_VAR).is_some() {
+            numa_gpu_alloc::sys::fault::ignore_in_flight(true);
+        }
+        let alloc = NumaGpuAlloc::new().pin(PinMode::On);
+        let ctx = context();
+        let stream = ctx.new_stream().expect("a stream");
+        let expected = pattern(4 * MIB, 9);
+        let upload = PinnedBuf::from_slice(&alloc, &expected).expect("PinnedBuf");
+        let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
+        let sim = hold();
+        stream.memcpy_htod(&upload, &mut dev).expect("memcpy_htod");
+        drop(upload);
+        alloc.trim();
+        let during = alloc.stats();
+        release(&sim);
+        let back = stream.clone_dtoh(&dev).expect("clone_dtoh");
+        assert_eq!(wrong_bytes(&back, &expected), 0);
+        if sim.is_some() {
+            assert_eq!(pending_blocks(&during), 1, "{during}");
+        }
+        alloc.trim();
+        let after = alloc.stats();
+        assert_eq!((pending_blocks(&after), after.cached_bytes()), (0, 0), "{after}");
     }
 );
 
@@ -311,52 +445,31 @@ sim_test!(
     }
 );
 
-/// (d) The simulator catches the bug that section 3 prevents: with the pending list switched
-/// off, test (c) fails.
-#[cfg(feature = "fault-injection")]
-#[test]
-fn without_the_pending_list_test_c_fails() {
-    if sim::in_body() {
-        return;
-    }
-    let (passed, output) = sim::run_child(
-        "freed_block_is_not_reused_before_its_copy_completed",
-        &[("CUDA_SIM_DELAY_US", "300000"), (IGNORE_IN_FLIGHT_VAR, "1")],
-    );
-    assert!(
-        !passed,
-        "test (c) passed with the pending list off:\n{output}"
-    );
-    assert!(
-        output.contains("was reused while its copy was still running"),
-        "{output}"
-    );
-    eprintln!("{output}");
-}
-
 sim_test!(
-    /// A child forked while a copy runs makes no CUDA call: host access and drop of the parent's
-    /// `PinnedBuf` return at once there (against the simulator, a driver call in the child
-    /// would wait forever for a worker thread that was not forked).
+    /// A child forked while a copy runs makes no CUDA call: host access reports the fork
+    /// (the download lands in the parent's pages, not the child's) and drop returns at once
+    /// (against the simulator, a driver call in the child would wait forever for a worker
+    /// thread that was not forked).
     forked_child_makes_no_cuda_call,
-    env: [("CUDA_SIM_DELAY_US", "200000")],
+    env: [],
     {
         let ctx = context();
         let stream = ctx.new_stream().expect("a stream");
         let expected = pattern(4 * MIB, 3);
-        let mut buf = PinnedBuf::from_slice(&PINNING, &expected).expect("PinnedBuf");
-        let mut dev = stream.alloc_zeros::<u8>(4 * MIB).expect("alloc_zeros");
-        stream.memcpy_htod(&buf, &mut dev).expect("memcpy_htod");
+        let dev = stream.clone_htod(&expected).expect("clone_htod");
+        let mut buf = PinnedBuf::<u8>::zeroed(&PINNING, 4 * MIB).expect("PinnedBuf");
+        let sim = hold();
         stream.memcpy_dtoh(&dev, &mut buf).expect("memcpy_dtoh");
         // SAFETY: the child only touches `buf` and then leaves with `_exit`.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
-            let ok = buf.as_slice().is_ok();
+            let refused = buf.as_slice().is_err();
             drop(buf);
             // SAFETY: ends the child without running the parent's exit handlers.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+            unsafe { libc::_exit(if refused { 0 } else { 1 }) };
         }
+        release(&sim);
         let mut status = 0;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         loop {
@@ -372,7 +485,10 @@ sim_test!(
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child read its buffer although a download was queued at the fork: {status}"
+        );
         assert_eq!(wrong_bytes(&buf, &expected), 0);
     }
 );

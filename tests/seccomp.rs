@@ -210,6 +210,7 @@ fn docker_like_seccomp_profile_falls_back_to_unplaced_blocks() {
         "docker_like_seccomp_profile_falls_back_to_unplaced_blocks",
         CHILD_VAR,
         "1",
+        &[],
     );
     if stdout.contains(CHILD_SKIP) {
         eprintln!("{stdout}");

@@ -1,13 +1,14 @@
 //! Teardown: threads that exit holding live or cached blocks (freed by thread-local destructors,
 //! during thread teardown), allocators dropped with blocks outstanding, and processes that exit
-//! with blocks live, cached, or in the middle of being allocated. Nothing may crash.
+//! with blocks live, cached, or in the middle of being allocated. Nothing may crash, and with
+//! `stats=exit`/`stats=json` every allocator in a static reports once, without hanging.
 
 use std::alloc::Layout;
 use std::cell::RefCell;
 use std::sync::{Arc, Barrier};
 
 use allocator_api2::alloc::Allocator;
-use numa_gpu_alloc::NumaGpuAlloc;
+use numa_gpu_alloc::{NumaGpuAlloc, ENV_VAR};
 
 mod common {
     pub mod child;
@@ -99,6 +100,8 @@ fn child(mode: &str) {
     let freed = LOCAL.allocate(layout).unwrap();
     // SAFETY: allocated above with this layout.
     unsafe { LOCAL.deallocate(freed.cast(), layout) };
+    // Not in a static: with `stats=` set, it says that it will not report at exit.
+    let _ = NumaGpuAlloc::new().placement();
     // Threads that are allocating, freeing or holding blocks when the process goes away.
     let barrier = Arc::new(Barrier::new(5));
     for t in 0..4 {
@@ -137,11 +140,52 @@ fn processes_exit_with_blocks_outstanding() {
         return child(&mode);
     }
     for mode in ["exit", "exit-from-thread", "return"] {
-        let (stdout, stderr) =
-            common::child::run("processes_exit_with_blocks_outstanding", CHILD_VAR, mode);
-        assert!(
-            stdout.contains(&format!("child {mode}: exiting")),
-            "{stdout}\n{stderr}"
-        );
+        for stats in ["off", "exit", "json"] {
+            let (stdout, stderr) = common::child::run(
+                "processes_exit_with_blocks_outstanding",
+                CHILD_VAR,
+                mode,
+                &[(ENV_VAR, &format!("stats={stats}"))],
+            );
+            assert!(
+                stdout.contains(&format!("child {mode}: exiting")),
+                "{stdout}\n{stderr}"
+            );
+            check_exit_reports(stats, &stderr);
+        }
     }
+}
+
+/// The reports the child's two static allocators print at exit: none, two tables or two JSON
+/// lines; `LOCAL`'s with its exact counts. Threads were allocating, so the global one's vary.
+fn check_exit_reports(stats: &str, stderr: &str) {
+    let tables = stderr.matches("numa-gpu-alloc: host node").count();
+    let json: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let notes = stderr.matches("for allocators in a static only").count();
+    let local = "large allocations 2 (cache hits 0, misses 2), frees 1,";
+    match stats {
+        "off" => assert_eq!((tables, json.len(), notes), (0, 0, 0), "{stderr}"),
+        "exit" => {
+            assert_eq!((tables, json.len(), notes), (2, 0, 1), "{stderr}");
+            assert_eq!(stderr.matches(local).count(), 1, "{stderr}");
+        }
+        _ => {
+            assert_eq!((tables, json.len(), notes), (0, 2, 1), "{stderr}");
+            let local = json.iter().find(|r| r["large_allocations"] == 2);
+            let local = local.unwrap_or_else(|| panic!("LOCAL's report: {stderr}"));
+            assert_eq!(
+                (&local["frees"], &local["nodes"][0]["live_blocks"]),
+                (&1.into(), &1.into())
+            );
+            assert!(
+                local["pages_checked"].as_u64() > Some(0),
+                "verify on: {local}"
+            );
+        }
+    }
+    assert!(!stderr.contains("busy at exit"), "node rows read: {stderr}");
 }

@@ -162,6 +162,8 @@ impl Arena {
     ) -> Result<(), Box<dyn InFlight>> {
         match self.live.range_mut(..=addr).next_back() {
             Some((_, live)) if addr - live.block.addr < live.block.capacity => {
+                // A long-lived block recorded on every copy: keep only the work still running.
+                settle(&mut live.work);
                 live.work.push(work);
                 Ok(())
             }
@@ -243,6 +245,11 @@ impl Arena {
         if block.pinned {
             self.pinned_bytes = self.pinned_bytes.saturating_sub(block.capacity);
         }
+    }
+
+    /// Starts the peak over from the bytes live now (`reset_peaks()`).
+    pub(crate) fn reset_peak(&mut self) {
+        self.peak_live_bytes = self.live_bytes();
     }
 
     fn live_bytes(&self) -> usize {

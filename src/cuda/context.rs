@@ -53,6 +53,20 @@ impl Drop for CurrentGuard {
     }
 }
 
+/// Makes `ctx` current on this thread until the guard drops (which restores the previous one).
+///
+/// # Safety
+/// `ctx` is a live context of the driver whose table `api` is.
+pub(super) unsafe fn push_current(api: &Api, ctx: CuContext) -> Result<CurrentGuard> {
+    // SAFETY: `api` is the initialised driver's and `ctx` a live context (caller).
+    let res = unsafe { (api.ctx_push)(ctx) };
+    api.check("cuCtxPushCurrent_v2", res)?;
+    Ok(CurrentGuard {
+        pop: api.ctx_pop,
+        _not_send: std::marker::PhantomData,
+    })
+}
+
 /// Puts back the thread's stream capture mode saved by [`relaxed_capture`] when dropped.
 /// Not `Send`: the mode is per thread.
 pub(super) struct CaptureModeGuard {
@@ -125,15 +139,8 @@ impl Gpu {
 
     /// Makes the primary context current on this thread until the guard drops.
     fn push(&self) -> Result<CurrentGuard> {
-        let api = self.device.api;
-        // SAFETY: `api` is the initialised driver's (a Gpu exists only then) and `self.ctx` is a
-        // retained primary context, valid until Drop.
-        let res = unsafe { (api.ctx_push)(self.ctx) };
-        api.check("cuCtxPushCurrent_v2", res)?;
-        Ok(CurrentGuard {
-            pop: api.ctx_pop,
-            _not_send: std::marker::PhantomData,
-        })
+        // SAFETY: `self.ctx` is a retained primary context, valid until Drop.
+        unsafe { push_current(self.device.api, self.ctx) }
     }
 
     /// Page-locks `ptr..ptr+len` with `cuMemHostRegister_v2` (PORTABLE, plus DEVICEMAP and

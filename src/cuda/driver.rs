@@ -1,14 +1,14 @@
 //! Loading libcuda and the C-typed entry-point table [`Api`].
 //!
-//! cudarc is used as the loader only (`sys::is_culib_present`, `sys::culib`). To call another
+//! libcuda is opened here with libloading, not through cudarc's loader: `sys::culib` exists only
+//! under cudarc's `dynamic-loading`, and a user's `dynamic-linking` or `static-linking` removes it
+//! (when libcuda is linked, opening it again returns the copy already mapped). To call another
 //! driver function: add its prototype as a type alias below, a field to [`Api`], its symbol to
 //! [`load_api`] (and to [`REQUIRED_SYMBOLS`] unless it is optional), and an entry to the fake
 //! driver in `tests.rs`.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
-
-use cudarc::driver::sys;
 
 use super::cuda_error;
 use crate::{Error, Result};
@@ -168,21 +168,33 @@ pub(super) fn driver_state() -> &'static DriverState {
 ///
 /// # Safety
 ///
-/// libcuda must be loadable (`sys::is_culib_present()` returned `true`), and `F` must be an
-/// `unsafe extern "C" fn` type matching the C prototype of the symbol `name`.
+/// `F` must be an `unsafe extern "C" fn` type matching the C prototype of the symbol `name`.
 pub(super) unsafe fn symbol<F: Copy>(name: &CStr) -> Option<F> {
-    // SAFETY: libcuda loads (caller), so `culib` opens it without reaching its panic, and keeps
-    // it loaded for the life of the process (in a static). The caller guarantees that `F` is the
-    // symbol's function pointer type; the pointer is copied out of the `Symbol` and stays valid
-    // because the library is never unloaded.
-    unsafe { sys::culib().get::<F>(name) }.ok().map(|sym| *sym)
+    // SAFETY: the caller guarantees that `F` is the symbol's function pointer type; the pointer
+    // is copied out of the `Symbol` and stays valid because the library is held in a static and
+    // never unloaded.
+    unsafe { libcuda()?.get::<F>(name) }.ok().map(|sym| *sym)
+}
+
+/// libcuda, opened once: `libcuda.so` first (as cudarc does, so `LD_LIBRARY_PATH` can point at
+/// the simulator), then the driver's soname.
+fn libcuda() -> Option<&'static libloading::Library> {
+    static LIB: OnceLock<Option<libloading::Library>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        ["libcuda.so", "libcuda.so.1"].into_iter().find_map(|name| {
+            // SAFETY: loading libcuda runs its initialisers, which take no arguments; the
+            // handle is kept for the life of the process.
+            unsafe { libloading::Library::new(name) }.ok()
+        })
+    })
+    .as_ref()
 }
 
 /// Resolves every entry point of [`Api`]; `None` when a required one is missing.
 ///
 /// # Safety
 ///
-/// libcuda must be loadable (`sys::is_culib_present()` returned `true`).
+/// libcuda must be loaded ([`libcuda`] returned it).
 pub(super) unsafe fn load_api() -> Option<Api> {
     // SAFETY: libcuda loads (caller); each type passed to `symbol` is the C prototype of the
     // symbol named, as spelt out on the type aliases above (checked against cudarc's bindings,
@@ -217,10 +229,7 @@ pub(super) fn probe_driver() -> DriverState {
     const TOO_OLD: Error = Error::CudaUnavailable {
         reason: "libcuda lacks a required driver function (the driver is too old)",
     };
-    // SAFETY: `is_culib_present` only tries to open the library by its candidate names with
-    // libloading (running libcuda's initialisers, which is what loading it means); it does not
-    // panic when none is found.
-    if !unsafe { sys::is_culib_present() } {
+    if libcuda().is_none() {
         return Err(Error::CudaUnavailable {
             reason: "libcuda.so could not be loaded (no NVIDIA driver on this machine)",
         });

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
+use super::context::push_current;
 use super::driver::{require_driver, Api, NOT_READY, SUCCESS};
 use super::{cuda_error, driver_error};
 use crate::arena::InFlight;
@@ -23,6 +24,7 @@ use crate::{NumaGpuAlloc, Result};
 const POOL_CAPACITY: usize = 64;
 
 /// Idle events of every context, so that a copy or a freed block does not create one each time.
+/// Each keeps its context (cudarc's `Arc<CudaContext>`) alive until the process exits.
 static POOL: Mutex<Vec<CudaEvent>> = parking_lot::const_mutex(Vec::new());
 
 /// An idle event of `ctx`: one from the pool, else a new one.
@@ -47,8 +49,19 @@ pub(crate) fn give_back(event: CudaEvent) {
         pool.push(event);
     } else {
         drop(pool);
-        drop(event);
+        destroy(event);
     }
+}
+
+/// Destroys `event` without changing the calling thread's current context: cudarc's `Drop`
+/// makes the event's context current first, which a free on an unrelated thread must not do.
+pub(crate) fn destroy(event: CudaEvent) {
+    let guard = require_driver().and_then(|api| {
+        // SAFETY: the event's context is alive (the event holds it).
+        unsafe { push_current(api, event.context().cu_ctx().cast()) }
+    });
+    drop(event);
+    drop(guard);
 }
 
 /// Whether the work recorded on `event` has completed. Never blocks.
@@ -146,6 +159,8 @@ impl Drop for RecordedEvent {
     fn drop(&mut self) {
         if self.forked() {
             std::mem::forget(self.event.take());
+        } else if let Some(event) = self.event.take() {
+            destroy(event);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The only module that talks to the CUDA driver.
 //!
-//! cudarc is used as the loader only (`sys::is_culib_present`, `sys::culib`): every driver
+//! libcuda is opened with libloading (`driver.rs`), whatever linking mode cudarc has: every driver
 //! function this module calls is resolved once, in the driver probe, as a function pointer with
 //! C types, and its `CUresult` is read as a plain `u32`. cudarc's own `sys::cu*` wrappers are not
 //! called: they return `CUresult` as a Rust enum, and a driver newer than cudarc's bindings can
@@ -36,7 +36,7 @@ pub(crate) use device::Device;
 pub(crate) use driver::driver_present;
 use names::known_error_name;
 #[cfg(feature = "pinned-buffer")]
-pub use pinned::PinnedBuf;
+pub use pinned::{PinnedBuf, PinnedSliceMut};
 
 use crate::Error;
 

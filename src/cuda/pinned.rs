@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaEvent, CudaStream, DeviceRepr, HostSlice, SyncOnDrop, ValidAsZeroBits};
 
+use super::context::FORKED_REASON;
 use super::event::{self, RecordedEvent};
 use crate::{Error, NumaGpuAlloc, Result};
 
@@ -17,20 +18,38 @@ use crate::{Error, NumaGpuAlloc, Result};
 /// (`memcpy_htod`, `memcpy_dtoh`, `clone_htod`) without blocking and without races.
 ///
 /// ## Synchronisation
-/// - A copy (`stream.memcpy_htod(&buf, ..)`, `memcpy_dtoh(.., &mut buf)`, `clone_htod(&buf)`)
-///   first makes `stream` wait for the buffer's earlier copies on other streams, then records
-///   the buffer's event after itself; it does not block the host.
+/// - A copy (`stream.memcpy_htod(&buf, ..)`, `memcpy_dtoh(.., &mut buf)`, `clone_htod(&buf)`,
+///   or with a part: `memcpy_dtoh(.., &mut buf.slice_mut(a..b))`) first makes `stream` wait for
+///   the buffer's earlier copies on other streams, then records the buffer's event after
+///   itself; it does not block the host.
 /// - Host access ([`Deref`](std::ops::Deref), [`DerefMut`](std::ops::DerefMut),
 ///   [`as_slice`](Self::as_slice), [`as_mut_slice`](Self::as_mut_slice), iteration) first waits
 ///   for that event: the host never reads a copy's destination early nor changes a source a copy
 ///   still reads.
-/// - Dropping never blocks: the block goes to the allocator's pending list and is reused only
-///   once the event completed (`cuEventQuery` on the allocation path).
-/// - When cudarc does not track events (one stream only, or event tracking turned off), a copy
-///   synchronises its stream before returning, as cudarc does for pageable memory.
+/// - Dropping never waits for copies: the block goes to the allocator's pending list and is
+///   reused only once the event completed (`cuEventQuery` on the allocation path).
+/// - On the default or per-thread stream, or when cudarc does not track events (no stream of
+///   its own created, or event tracking turned off), a copy synchronises its stream before
+///   returning, as cudarc does for pageable memory. A stream wrapped with cudarc's
+///   `wrap_borrowed_stream` is not supported while no other stream exists.
+///
+/// ## Never hand a plain slice to cudarc
+/// `&buf[..]`, `buf.as_slice()` and the like are `[T]`, which cudarc treats as pageable: a copy
+/// with one is asynchronous (the memory is page-locked) and nobody waits for it. Copy with the
+/// buffer itself or with [`slice_mut`](Self::slice_mut).
+///
+/// ## Threads
+/// `Send`, not `Sync`: one thread at a time queues copies and touches the elements, so that each
+/// copy's wait and record pair up with the host's waits.
+///
+/// ```compile_fail
+/// fn shared_between_threads<T: Sync>() {}
+/// shared_between_threads::<numa_gpu_alloc::PinnedBuf<'static, u8>>();
+/// ```
 ///
 /// The allocator must pin (`.pin(PinMode::On)` or `NUMA_GPU_ALLOC=pin=on`). A buffer takes at
-/// least the allocator's threshold, so that it is always a block of the large path.
+/// least the allocator's threshold (2 MiB by default), even for no element, so that it is always
+/// a block of the large path.
 pub struct PinnedBuf<'a, T, A: GlobalAlloc = System> {
     ptr: NonNull<T>,
     len: usize,
@@ -47,33 +66,33 @@ pub struct PinnedBuf<'a, T, A: GlobalAlloc = System> {
 
 // SAFETY: the buffer owns its elements like a `Box<[T]>`; the event and the allocator reference
 // are `Send + Sync` (cudarc's events are; `NumaGpuAlloc` is shared by design when its inner
-// allocator is `Sync`).
+// allocator is `Sync`). It is not `Sync`
+// (the `OnceLock` and `Cell`-like flag stay on one thread at a time): two threads queueing copies
+// through `&buf` could interleave one copy's wait with another's record.
 unsafe impl<T: Send, A: GlobalAlloc + Sync> Send for PinnedBuf<'_, T, A> {}
-// SAFETY: shared access hands out `&[T]` only after waiting, and copies through `&self` only
-// read the elements; `in_flight` is atomic and the event is set once.
-unsafe impl<T: Sync, A: GlobalAlloc + Sync> Sync for PinnedBuf<'_, T, A> {}
 
 impl<'a, T: DeviceRepr + ValidAsZeroBits, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// `len` zeroed elements from `alloc`.
     pub fn zeroed(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {
-        Self::allocate(alloc, len)
+        Self::allocate(alloc, len, true)
     }
 }
 
 impl<'a, T: DeviceRepr + Copy, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// A copy of `data` in a buffer from `alloc`.
     pub fn from_slice(alloc: &'a NumaGpuAlloc<A>, data: &[T]) -> Result<Self> {
-        let mut buf = Self::allocate(alloc, data.len())?;
-        // Nothing was copied yet: no wait.
-        buf.elements_mut().copy_from_slice(data);
+        let buf = Self::allocate(alloc, data.len(), false)?;
+        // SAFETY: the block holds room for `data.len()` elements, is ours alone, and does not
+        // overlap `data`; from here every element is initialised.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr.as_ptr(), data.len()) };
         Ok(buf)
     }
 }
 
 impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
-    /// Allocates `len` zero bytes' worth of elements (callers guarantee that zero bits are a
-    /// valid `T`, or overwrite them before any read).
-    fn allocate(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {
+    /// Allocates room for `len` elements, zeroed when `zeroed` (callers guarantee that zero bits
+    /// are a valid `T`, or initialise every element before any read).
+    fn allocate(alloc: &'a NumaGpuAlloc<A>, len: usize, zeroed: bool) -> Result<Self> {
         let placement = alloc.placement();
         if !placement.pinning {
             return Err(Error::CudaUnavailable {
@@ -92,7 +111,7 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
         let size = bytes.max(alloc.config().threshold);
         let layout = Layout::from_size_align(size, align_of::<T>())
             .map_err(|_| failed("size overflows usize"))?;
-        let ptr = NonNull::new(alloc.allocate(layout, true))
+        let ptr = NonNull::new(alloc.allocate(layout, zeroed))
             .ok_or_else(|| failed("the allocator returned null"))?
             .cast::<T>();
         Ok(PinnedBuf {
@@ -106,6 +125,12 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
         })
     }
 
+    /// The elements' address, without waiting for copies (reading through it is the caller's
+    /// business).
+    pub fn as_ptr(&self) -> *const T {
+        self.ptr.as_ptr()
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
@@ -116,7 +141,8 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
         self.len == 0
     }
 
-    /// The elements, after waiting for the copies recorded on the buffer.
+    /// The elements, after waiting for the copies recorded on the buffer. In a child forked
+    /// while copies were queued, an error: what they wrote is not in the child's memory.
     pub fn as_slice(&self) -> Result<&[T]> {
         self.wait_for_copies()?;
         Ok(self.elements())
@@ -138,13 +164,32 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     }
 
     fn wait_for_copies(&self) -> Result<()> {
-        if self.in_flight.load(Ordering::Acquire) && !self.forked() {
+        if self.in_flight.load(Ordering::Acquire) {
+            if self.forked() {
+                return Err(Error::CudaUnavailable {
+                    reason: FORKED_REASON,
+                });
+            }
             if let Some(event) = self.event.get() {
                 event::wait(event)?;
             }
             self.in_flight.store(false, Ordering::Release);
         }
         Ok(())
+    }
+
+    /// A part of the buffer that cudarc's copies track like the whole buffer (for a copy to or
+    /// from an offset).
+    ///
+    /// # Panics
+    /// When `range` is out of bounds, as slicing does.
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> PinnedSliceMut<'_, 'a, T, A> {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "PinnedBuf::slice_mut: range {range:?} out of bounds for length {}",
+            self.len
+        );
+        PinnedSliceMut { buf: self, range }
     }
 
     fn elements(&self) -> &[T] {
@@ -162,7 +207,10 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// copy it is about to queue.
     fn before_copy<'b>(&'b self, stream: &'b CudaStream) -> SyncOnDrop<'b> {
         let ctx = stream.context();
-        if !ctx.is_managing_stream_synchronization() {
+        // The default and per-thread streams do not count as cudarc's streams: the mode could
+        // change before cudarc records the event.
+        let shared_stream = matches!(stream.cu_stream() as usize, 0 | 2);
+        if shared_stream || !ctx.is_managing_stream_synchronization() {
             // cudarc would not record the event: synchronise the stream after the copy.
             let _ = self.wait_for_copies();
             return SyncOnDrop::Sync(Some(stream));
@@ -211,6 +259,38 @@ impl<T, A: GlobalAlloc> HostSlice<T> for PinnedBuf<'_, T, A> {
         // elements; the copy the caller queues is ordered by `sync`.
         let elements = unsafe { std::slice::from_raw_parts_mut(this.ptr.as_ptr(), this.len) };
         (elements, sync)
+    }
+}
+
+/// A part of a [`PinnedBuf`] for cudarc's copies, tracked with the whole buffer's event (from
+/// [`PinnedBuf::slice_mut`]).
+pub struct PinnedSliceMut<'b, 'a, T, A: GlobalAlloc = System> {
+    buf: &'b mut PinnedBuf<'a, T, A>,
+    range: std::ops::Range<usize>,
+}
+
+impl<T, A: GlobalAlloc> HostSlice<T> for PinnedSliceMut<'_, '_, T, A> {
+    fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    unsafe fn stream_synced_slice<'c>(
+        &'c self,
+        stream: &'c CudaStream,
+    ) -> (&'c [T], SyncOnDrop<'c>) {
+        // SAFETY: forwarded from the caller (the slice is used with `stream` only).
+        let (all, sync) = unsafe { self.buf.stream_synced_slice(stream) };
+        (&all[self.range.clone()], sync)
+    }
+
+    unsafe fn stream_synced_mut_slice<'c>(
+        &'c mut self,
+        stream: &'c CudaStream,
+    ) -> (&'c mut [T], SyncOnDrop<'c>) {
+        let range = self.range.clone();
+        // SAFETY: forwarded from the caller (the slice is used with `stream` only).
+        let (all, sync) = unsafe { self.buf.stream_synced_mut_slice(stream) };
+        (&mut all[range], sync)
     }
 }
 

@@ -8,14 +8,20 @@
 //!     if child::mode(CHILD_VAR).is_some() {
 //!         return in_the_child();
 //!     }
-//!     let (stdout, stderr) = child::run("the_test", CHILD_VAR, "1");
+//!     let (stdout, stderr) = child::run("the_test", CHILD_VAR, "1", &[]);
 //!     // checks of what the child printed
 //! }
 //! ```
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use numa_gpu_alloc::ENV_VAR;
+
+/// How long a child may run: one that hangs (a deadlock at exit, say) fails the test instead.
+const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The value of `var` when this process is a child started by [`run`], `None` in the parent.
 pub fn mode(var: &str) -> Option<String> {
@@ -23,21 +29,49 @@ pub fn mode(var: &str) -> Option<String> {
 }
 
 /// Runs this test binary again with only `test` selected (one thread, output not captured),
-/// `var=mode` set and `NUMA_GPU_ALLOC` removed, asserts that the child exited successfully, and
-/// returns its stdout and stderr.
-pub fn run(test: &str, var: &str, mode: &str) -> (String, String) {
-    let out = Command::new(std::env::current_exe().unwrap())
+/// `var=mode` set, `NUMA_GPU_ALLOC` removed and then `env` set (so `env` may set it again),
+/// asserts that the child exited successfully, and returns its stdout and stderr. A child still
+/// running after two minutes is killed and the test fails.
+pub fn run(test: &str, var: &str, mode: &str, env: &[(&str, &str)]) -> (String, String) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(var, mode)
         .env_remove(ENV_VAR)
-        .output()
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("re-executing the test binary");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    let deadline = Instant::now() + TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the child") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("child {var}={mode} {env:?} still running after {TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stdout = stdout.join().unwrap();
+    let stderr = stderr.join().unwrap();
     assert!(
-        out.status.success(),
-        "child {var}={mode} failed: {}\n{stdout}\n{stderr}",
-        out.status
+        status.success(),
+        "child {var}={mode} {env:?} failed: {status}\n{stdout}\n{stderr}"
     );
     (stdout, stderr)
+}
+
+/// Reads a child's pipe to its end on a thread of its own, so the child never blocks on it.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
 }

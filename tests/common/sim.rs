@@ -152,6 +152,17 @@ impl Sim {
         stats
     }
 
+    /// While `on`, page-locked copies stay queued: the test decides when they complete.
+    pub fn hold(&self, on: bool) {
+        // SAFETY: `void cuSimHold(int)` in the C source.
+        unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn(i32)>(b"cuSimHold")
+                .unwrap())(i32::from(on))
+        }
+    }
+
     /// Makes the call `name` fail with `code` after `skip` good calls, `count` times.
     pub fn fail(&self, name: &str, code: u32, skip: u32, count: u32) {
         let name = std::ffi::CString::new(name).unwrap();

@@ -20,6 +20,9 @@
  *     time too, and cuSimHostWork adds modelled host work. cuSimStats reports the busy time
  *     (copies and host work) and the span, whose ratio is the overlap, independent of the test
  *     machine's speed.
+ *   - cuSimHold(1) keeps page-locked copies queued until cuSimHold(0), so that tests decide when
+ *     a DMA completes; unregistering or freeing page-locked memory that a queued copy still uses
+ *     aborts the process, as it would corrupt memory with a real driver.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
  *
@@ -70,6 +73,7 @@ static int device_count = 1;
 static int numa_ids[MAX_DEVICES];
 static char pci_ids[MAX_DEVICES][32];
 static unsigned delay_us = 3000;
+static int held; /* cuSimHold: page-locked copies wait until released */
 
 struct sim_ctx {
     int device;
@@ -179,6 +183,10 @@ struct sim_event {
 };
 static struct sim_event *events_created;
 
+/* Every stream created and not finished: destroyed ones stay until their worker drained them. */
+static struct sim_stream *streams[1024];
+static int stream_count;
+
 static struct sim_stream null_stream;
 static int null_stream_started;
 
@@ -200,6 +208,7 @@ static void *worker_main(void *arg) {
         } else if (op->kind == OP_RECORD) {
             if (op->event->completed < op->generation) op->event->completed = op->generation;
         } else {
+            while (held && op->delayed) pthread_cond_wait(&changed, &lock);
             pthread_mutex_unlock(&lock);
             if (op->delayed) sleep_us(delay_us);
             if (op->kind == OP_COPY)
@@ -213,6 +222,14 @@ static void *worker_main(void *arg) {
         s->completed++;
         free(op);
         pthread_cond_broadcast(&changed);
+    }
+    if (s != &null_stream) {
+        for (int i = 0; i < stream_count; i++) {
+            if (streams[i] == s) {
+                streams[i] = streams[--stream_count];
+                break;
+            }
+        }
     }
     pthread_mutex_unlock(&lock);
     if (s != &null_stream) free(s);
@@ -532,10 +549,7 @@ CUresult cuThreadExchangeStreamCaptureMode(unsigned *mode) {
     return SUCCESS;
 }
 
-/* Waits for every stream: the null stream and the others, which each keep an enqueued count. */
-static struct sim_stream *streams[1024];
-static int stream_count;
-
+/* Waits for every stream. */
 CUresult cuCtxSynchronize(void) {
     REQUIRE_INIT();
     if (!current) return INVALID_CONTEXT;
@@ -580,13 +594,8 @@ CUresult cuStreamDestroy_v2(CUstream h) {
     if (!h) return INVALID_HANDLE;
     pthread_mutex_lock(&lock);
     int found = 0;
-    for (int i = 0; i < stream_count; i++) {
-        if (streams[i] == h) {
-            streams[i] = streams[--stream_count];
-            found = 1;
-            break;
-        }
-    }
+    for (int i = 0; i < stream_count; i++)
+        found |= streams[i] == h && !h->destroyed;
     if (found) {
         /* Like CUDA: returns at once; the worker finishes the queued work, then frees it. */
         h->destroyed = 1;
@@ -766,6 +775,29 @@ static CUresult add_range_locked(void *p, size_t len, int host_alloc) {
     return SUCCESS;
 }
 
+/* A real driver cannot take back memory a queued DMA still uses: the simulator stops the process,
+ * so that a test catches an allocator that unregisters or frees such a block. */
+static int queued_use(const struct sim_stream *s, uintptr_t base, size_t len) {
+    for (const struct op *op = s->head; op; op = op->next) {
+        if (op->kind != OP_COPY && op->kind != OP_SET) continue;
+        uintptr_t a = (uintptr_t)op->dst, b = (uintptr_t)op->src;
+        if ((a < base + len && base < a + op->len) || (b && b < base + len && base < b + op->len))
+            return 1;
+    }
+    return 0;
+}
+
+static void refuse_if_in_use_locked(const char *call, int i) {
+    int used = null_stream_started && queued_use(&null_stream, ranges[i].base, ranges[i].len);
+    for (int k = 0; k < stream_count && !used; k++)
+        used = queued_use(streams[k], ranges[i].base, ranges[i].len);
+    if (used) {
+        fprintf(stderr, "cuda_sim: %s(%p) while a queued copy still uses the range\n", call,
+                (void *)ranges[i].base);
+        abort();
+    }
+}
+
 static int find_range_locked(void *p, int host_alloc) {
     for (int i = 0; i < range_count; i++)
         if (ranges[i].base == (uintptr_t)p && ranges[i].host_alloc == host_alloc) return i;
@@ -789,7 +821,10 @@ CUresult cuMemHostUnregister(void *p) {
     INJECT("cuMemHostUnregister");
     pthread_mutex_lock(&lock);
     int i = find_range_locked(p, 0);
-    if (i >= 0) ranges[i] = ranges[--range_count];
+    if (i >= 0) {
+        refuse_if_in_use_locked("cuMemHostUnregister", i);
+        ranges[i] = ranges[--range_count];
+    }
     pthread_mutex_unlock(&lock);
     return i >= 0 ? SUCCESS : NOT_REGISTERED;
 }
@@ -817,7 +852,10 @@ CUresult cuMemFreeHost(void *p) {
     REQUIRE_INIT();
     pthread_mutex_lock(&lock);
     int i = find_range_locked(p, 1);
-    if (i >= 0) ranges[i] = ranges[--range_count];
+    if (i >= 0) {
+        refuse_if_in_use_locked("cuMemFreeHost", i);
+        ranges[i] = ranges[--range_count];
+    }
     pthread_mutex_unlock(&lock);
     if (i < 0) return INVALID_VALUE;
     free(p);
@@ -866,8 +904,11 @@ void cuSimHostWork(double us) {
     pthread_mutex_unlock(&lock);
 }
 
-void cuSimSetDelayUs(unsigned us) {
+/* While on, page-locked copies stay queued (their stream stops there): a test decides when
+ * in-flight DMA completes, whatever the machine's speed. */
+void cuSimHold(int on) {
     pthread_mutex_lock(&lock);
-    delay_us = us;
+    held = on;
+    pthread_cond_broadcast(&changed);
     pthread_mutex_unlock(&lock);
 }

@@ -1,0 +1,220 @@
+//! `NUMA_GPU_ALLOC=stats=exit` (or `stats=json`): each allocator's stats on stderr when the
+//! process exits, as `MIMALLOC_SHOW_STATS` does.
+//!
+//! An allocator registers when it initialises; the first registration installs a `libc::atexit`
+//! handler. Other threads may still be allocating when it runs, or hold the arena lock, and the
+//! exiting thread may itself have been inside the allocator, so the handler:
+//! - allocates nothing: it refreshes, in place, a snapshot built at registration (node rows, GPU
+//!   name and setup errors already there, room for every error code), formats into a buffer on
+//!   its stack and writes that to fd 2 with `write(2)` (no stderr lock). It runs marked as inside
+//!   the allocator, so anything below it that does allocate (an errno's text) gets the system
+//!   allocator, never our arena;
+//! - never blocks on the arena: it tries the lock for a bounded time, then prints the counters
+//!   without the node rows and says so (the counters' one lock, the last pin error's, is held
+//!   only to copy that error);
+//! - prints each report once, however often `exit` runs.
+//!
+//! Only allocators that live in a static (the `#[global_allocator]`, any `static`) are reported:
+//! the handler reads them after `main` has returned, and only a static is sure to be neither moved
+//! nor dropped by then. `dladdr` tells whether the allocator lies in a loaded object's image.
+
+use std::cell::UnsafeCell;
+use std::fmt::{self, Write};
+use std::io::Write as _;
+use std::ptr;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicPtr;
+use std::sync::atomic::Ordering::{AcqRel, Acquire};
+use std::time::Duration;
+
+use crate::config::StatsAtExit;
+use crate::guard::Inside;
+use crate::runtime::Runtime;
+use crate::stats::{Stats, ERROR_CODE_SLOTS};
+
+/// One allocator to report on at exit.
+struct Report {
+    runtime: &'static Runtime,
+    format: StatsAtExit,
+    /// Built at registration, refreshed and printed by the handler, which alone touches it.
+    stats: UnsafeCell<Stats>,
+    /// The report registered before this one.
+    next: *const Report,
+}
+
+/// Registered reports, newest first. Pushed with compare-exchange, never removed or freed.
+static REPORTS: AtomicPtr<Report> = AtomicPtr::new(ptr::null_mut());
+/// Set once the atexit handler is installed.
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// Set by the handler's first run.
+static PRINTED: AtomicBool = AtomicBool::new(false);
+
+/// How often, a millisecond apart, the handler tries the arena lock before giving up on node rows.
+const ARENA_TRIES: u32 = 100;
+
+/// Registers `rt` for a report at exit when its settings ask for one. Called once per allocator,
+/// right after initialisation, inside the allocator (so its own allocations go to the system).
+pub(crate) fn register(rt: &Runtime) {
+    if rt.config.stats_at_exit == StatsAtExit::Off {
+        return;
+    }
+    let Some(runtime) = as_static(rt) else {
+        note("stats at exit are printed for allocators in a static only; read stats() instead");
+        return;
+    };
+    let mut stats = runtime.stats();
+    stats.pin_failures_by_code.reserve(ERROR_CODE_SLOTS);
+    let report = Box::into_raw(Box::new(Report {
+        runtime,
+        format: runtime.config.stats_at_exit,
+        stats: UnsafeCell::new(stats),
+        next: ptr::null(),
+    }));
+    let mut head = REPORTS.load(Acquire);
+    loop {
+        // SAFETY: `report` came from `Box::into_raw` above and is not shared until the exchange
+        // below publishes it.
+        unsafe { (*report).next = head };
+        match REPORTS.compare_exchange_weak(head, report, AcqRel, Acquire) {
+            Ok(_) => break,
+            Err(current) => head = current,
+        }
+    }
+    if !INSTALLED.swap(true, AcqRel) {
+        // SAFETY: `print_reports` is a C-ABI function without arguments, as atexit expects; it
+        // stays valid until exit (glibc runs a library's handlers when that library is unloaded).
+        if unsafe { libc::atexit(print_reports) } != 0 {
+            note("stats at exit: atexit refused the handler; nothing will be printed");
+        }
+    }
+}
+
+/// `rt` as `'static` when it lies in the image of a loaded object (the executable or a shared
+/// library), that is inside a static, which is never moved or dropped.
+fn as_static(rt: &Runtime) -> Option<&'static Runtime> {
+    let addr: *const Runtime = rt;
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    // SAFETY: dladdr reads the loader's list of loaded objects and writes only `info`.
+    let in_image = unsafe { libc::dladdr(addr.cast(), info.as_mut_ptr()) } != 0;
+    // SAFETY: a static lives until the process exits, or until its library is unloaded, which
+    // first runs that library's atexit handlers (the only reader of the reference).
+    in_image.then(|| unsafe { &*addr })
+}
+
+/// One line on stderr at registration time (allocating is fine there).
+fn note(text: &str) {
+    let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: {text}");
+}
+
+/// The atexit handler: prints every registered report, once.
+extern "C" fn print_reports() {
+    if PRINTED.swap(true, AcqRel) {
+        return;
+    }
+    // `None` when this thread was already inside the allocator: the flag is set either way.
+    let _inside = Inside::enter();
+    let mut out = Fd2::default();
+    let mut next = REPORTS.load(Acquire).cast_const();
+    while !next.is_null() {
+        // SAFETY: reports are leaked at registration, never freed, and published complete by
+        // the release exchange that `Acquire` above pairs with.
+        let report = unsafe { &*next };
+        // SAFETY: only this handler touches the snapshot, and it runs once (`PRINTED`).
+        let stats = unsafe { &mut *report.stats.get() };
+        // A failed write to stderr leaves nothing better to do.
+        let _ = write_report(report.runtime, report.format, stats, &mut out);
+        next = report.next;
+    }
+    out.flush();
+}
+
+/// Refreshes `stats` from `rt` without allocating or blocking, then writes it in `format`.
+fn write_report(
+    rt: &Runtime,
+    format: StatsAtExit,
+    stats: &mut Stats,
+    out: &mut dyn Write,
+) -> fmt::Result {
+    rt.counters.fill(stats);
+    if stats.numa_unavailable.is_none() {
+        // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.
+        stats.numa_unavailable = rt.numa_unavailable.get().cloned();
+    }
+    let nodes_fresh = fill_nodes(rt, stats);
+    if format == StatsAtExit::Json {
+        writeln!(out, "{}", stats.json())?;
+    } else {
+        write!(out, "{stats}")?;
+    }
+    if !nodes_fresh {
+        writeln!(
+            out,
+            "numa-gpu-alloc: the arena stayed busy at exit; node rows left out"
+        )?;
+    }
+    Ok(())
+}
+
+/// Refreshes the node rows under the arena lock, if it can be had within [`ARENA_TRIES`]
+/// milliseconds; otherwise empties them (without freeing) and returns `false`.
+fn fill_nodes(rt: &Runtime, stats: &mut Stats) -> bool {
+    for _ in 0..ARENA_TRIES {
+        if let Some(arena) = rt.arena.try_lock() {
+            arena.fill(&mut stats.nodes);
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stats.nodes.clear();
+    false
+}
+
+/// Text for fd 2, gathered in a buffer on the stack and written with `write(2)`.
+struct Fd2 {
+    buf: [u8; 8192],
+    len: usize,
+}
+
+impl Default for Fd2 {
+    fn default() -> Self {
+        Fd2 {
+            buf: [0; 8192],
+            len: 0,
+        }
+    }
+}
+
+impl Fd2 {
+    fn flush(&mut self) {
+        let mut rest = &self.buf[..self.len];
+        while !rest.is_empty() {
+            // SAFETY: `rest` is valid for reads of `rest.len()` bytes.
+            let written =
+                unsafe { libc::write(libc::STDERR_FILENO, rest.as_ptr().cast(), rest.len()) };
+            if written < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            match usize::try_from(written) {
+                Ok(n) if n > 0 => rest = &rest[n.min(rest.len())..],
+                _ => break,
+            }
+        }
+        self.len = 0;
+    }
+}
+
+impl Write for Fd2 {
+    fn write_str(&mut self, text: &str) -> fmt::Result {
+        let mut text = text.as_bytes();
+        while !text.is_empty() {
+            if self.len == self.buf.len() {
+                self.flush();
+            }
+            let n = text.len().min(self.buf.len() - self.len);
+            self.buf[self.len..self.len + n].copy_from_slice(&text[..n]);
+            self.len += n;
+            text = &text[n..];
+        }
+        Ok(())
+    }
+}
