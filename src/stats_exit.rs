@@ -7,7 +7,7 @@
 //! - allocates nothing: it refreshes, in place, a snapshot built at registration (node rows, GPU
 //!   name and setup errors already there, room for every error code), formats into a buffer on
 //!   its stack and writes that to fd 2 with `write(2)` (no stderr lock). It runs marked as inside
-//!   the allocator, so anything below it that does allocate (an errno's text) gets the system
+//!   the allocator, so anything below it that does allocate (an errno's text) gets the inner
 //!   allocator, never our arena;
 //! - never blocks on the arena: it tries the lock for a bounded time, then prints the counters
 //!   without the node rows and says so (the counters' one lock, the last pin error's, is held
@@ -53,7 +53,7 @@ static PRINTED: AtomicBool = AtomicBool::new(false);
 const ARENA_TRIES: u32 = 100;
 
 /// Registers `rt` for a report at exit when its settings ask for one. Called once per allocator,
-/// right after initialisation, inside the allocator (so its own allocations go to the system).
+/// right after initialisation, inside the allocator (so its own allocations go to the inner one).
 pub(crate) fn register(rt: &Runtime) {
     if rt.config.stats_at_exit == StatsAtExit::Off {
         return;
