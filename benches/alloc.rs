@@ -18,6 +18,10 @@
 //!   allocator (one arena) vs one allocator each (two arenas).
 //! - `rounding_waste` (computed, not timed): bytes reserved / bytes requested for 1000
 //!   log-uniform sizes in 2 MiB..512 MiB — ours (from `stats()`) vs power-of-two rounding.
+//! - `cache_index_misses` (timed outside criterion, medians written to `rows.json`): 2,000 cache
+//!   misses of 100 KiB on an allocator with 70,000 cached 8 KiB blocks vs one with an empty
+//!   cache (`threshold=4KiB`); each repetition builds its allocators afresh, since misses held
+//!   and freed would turn into hits.
 //!
 //! libnuma is opened at run time with `dlopen("libnuma.so.1")`, so nothing links it; without it
 //! the libnuma peers are skipped (and say so).
@@ -28,7 +32,6 @@ mod measure;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::{c_int, c_void};
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -212,17 +215,6 @@ fn layout(size: usize) -> Layout {
 
 fn page_layout(size: usize) -> Layout {
     Layout::from_size_align(size, PAGE).expect("valid layout")
-}
-
-/// Where criterion writes its results (same lookup order, short of asking `cargo metadata`).
-fn criterion_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("CRITERION_HOME") {
-        return PathBuf::from(home);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
-    target.join("criterion")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -474,7 +466,7 @@ fn rounding_waste(count: usize) {
         if ours_ratio <= 1.125 { "met" } else { "MISSED" },
         start.elapsed().as_secs_f64()
     );
-    let dir = criterion_dir().join("rounding_waste");
+    let dir = rows::criterion_dir().join("rounding_waste");
     let json = format!(
         "{{\"sizes\": {count}, \"seed\": {SEED}, \"low\": {}, \"high\": {}, \
          \"requested_bytes\": {requested}, \"ours_reserved_bytes\": {reserved}, \
@@ -531,6 +523,75 @@ fn arena_contention(c: &mut Criterion) {
         })
     });
     group.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Cache index: misses next to many cached blocks.
+
+/// The median of `values` (not empty).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Milliseconds to allocate `count` blocks of `size` bytes, each a cache miss, on an allocator
+/// holding `cached` freed 8 KiB blocks. The blocks are held until the allocator is dropped.
+fn time_misses(cached: usize, count: usize, size: usize) -> f64 {
+    // The cache limit keeps every block; a first 1 GiB block lifts the allocator's live high-water
+    // mark, so that the cache policy never evicts during the timed misses either.
+    let alloc = NumaGpuAlloc::new().threshold(4 * KIB).cache_limit(4 * GIB);
+    let free = |ptr: *mut u8, len: usize| {
+        // SAFETY: allocated below from `alloc` with `layout(len)`.
+        unsafe { alloc.dealloc(ptr, layout(len)) }
+    };
+    // SAFETY: non-zero layout.
+    free(unsafe { alloc.alloc(layout(GIB)) }, GIB);
+    alloc.trim();
+    // SAFETY: non-zero layouts.
+    let small: Vec<*mut u8> = (0..cached)
+        .map(|_| unsafe { alloc.alloc(layout(8 * KIB)) })
+        .collect();
+    assert!(small.iter().all(|p| !p.is_null()), "8 KiB blocks");
+    small.into_iter().for_each(|p| free(p, 8 * KIB));
+    assert_eq!(alloc.stats().cached_bytes(), cached * 8 * KIB);
+    let start = Instant::now();
+    // SAFETY: non-zero layouts.
+    let held: Vec<*mut u8> = (0..count)
+        .map(|_| unsafe { alloc.alloc(layout(size)) })
+        .collect();
+    let elapsed = start.elapsed();
+    assert!(held.iter().all(|p| !p.is_null()), "misses");
+    assert_eq!(alloc.stats().cache_misses as usize, cached + count + 1);
+    elapsed.as_secs_f64() * 1e3
+}
+
+fn cache_index_misses(repetitions: usize) {
+    const CACHED: usize = 70_000;
+    const MISSES: usize = 2_000;
+    const SIZE: usize = 100 * KIB;
+    let (mut full, mut empty) = (Vec::new(), Vec::new());
+    for _ in 0..repetitions {
+        full.push(time_misses(CACHED, MISSES, SIZE));
+        empty.push(time_misses(0, MISSES, SIZE));
+    }
+    let (full, empty) = (median(&mut full), median(&mut empty));
+    println!(
+        "cache_index_misses: {MISSES} misses of 100 KiB, median of {repetitions}: {full:.1} ms \
+         with {CACHED} cached 8 KiB blocks, {empty:.1} ms with an empty cache: {:.3}x (target \
+         <= 1.2x)",
+        full / empty
+    );
+    rows::write(
+        "cache_index_misses",
+        &[rows::row(
+            "2,000 cache misses of 100 KiB (threshold 4 KiB) with 70,000 cached 8 KiB blocks",
+            full,
+            "empty cache",
+            empty,
+            "ms",
+            Some(1.2),
+        )],
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -595,5 +656,11 @@ fn main() {
     if selected("rounding_waste") {
         rounding_waste(if bench_mode { 1000 } else { 16 });
     }
+    if selected("cache_index_misses") {
+        cache_index_misses(if bench_mode { 9 } else { 1 });
+    }
     c.final_summary();
 }
+
+#[path = "common/rows.rs"]
+mod rows;

@@ -10,6 +10,7 @@
 //! ```text
 //! NUMA_GPU_ALLOC=gpu=pci:DDDD:BB:DD.F guest_alloc --device DDDD:BB:DD.F
 //!     --expect-home NODE --expect-host NODE
+//! guest_alloc --mode limit --memory-max BYTES
 //! ```
 //!
 //! What it checks: large `Vec`s, a boxed slice and a `Vec` reallocated across the threshold
@@ -17,12 +18,18 @@
 //! per-node live bytes equal the capacities (size classes) of the live blocks; freed blocks come
 //! back as cache hits, still on the node, and zeroed when asked for zeroed memory; `trim()` empties
 //! the cache; a block populated by several threads (spawned from inside the allocator) is placed.
+//!
+//! `--mode limit` (lines `limit.<name>`) runs inside a cgroup whose `memory.max` is `BYTES`: an
+//! idle cached block is given back when a block of another size class fits only then, with the
+//! global allocator and with `policy=bind`; blocks beyond the limit fail cleanly (counted), and
+//! the kernel's OOM killer never runs (`memory.events`).
 
 use std::process::ExitCode;
 use std::ptr::NonNull;
 
+use allocator_api2::vec::Vec as AVec;
 use numa_gpu_alloc::sys::{self, PageCensus};
-use numa_gpu_alloc::{Error, NumaGpuAlloc, Stats, ENV_VAR};
+use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, Stats, ENV_VAR};
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
@@ -36,20 +43,22 @@ const BOX_LEN: usize = 3_300_000;
 const BIG: usize = 96 * MIB;
 
 /// Prints the check lines as they happen, so that a crash still leaves the earlier ones.
-#[derive(Default)]
 struct Report {
+    /// `global` or `limit`: the first part of each check's name.
+    prefix: &'static str,
     passed: usize,
     failed: usize,
 }
 
 impl Report {
     fn check(&mut self, name: &str, ok: bool, expected: impl FnOnce() -> String, got: String) {
+        let prefix = self.prefix;
         if ok {
             self.passed += 1;
-            println!("PASS global.{name}");
+            println!("PASS {prefix}.{name}");
         } else {
             self.failed += 1;
-            println!("FAIL global.{name}: expected {}, got {got}", expected());
+            println!("FAIL {prefix}.{name}: expected {}, got {got}", expected());
         }
     }
 
@@ -88,7 +97,7 @@ fn describe(c: &PageCensus) -> String {
 }
 
 /// The crate's capacity for a request of `size` bytes: 8 size classes per power of two, whole
-/// pages (as `class_size` in src/arena.rs).
+/// pages (as `class_size` in src/arena/mod.rs).
 fn class_size(size: usize) -> usize {
     let size = size.max(1);
     let octave = usize::BITS - 1 - size.leading_zeros();
@@ -142,6 +151,9 @@ struct Args {
     device: String,
     expect_home: Option<usize>,
     expect_host: Option<usize>,
+    /// `--mode limit`: the checks under a memory limit instead.
+    limit: bool,
+    memory_max: Option<usize>,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
@@ -149,42 +161,62 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         device: String::new(),
         expect_home: None,
         expect_host: None,
+        limit: false,
+        memory_max: None,
     };
     let node = |v: String| match v.as_str() {
         "none" | "" => Ok(None),
         _ => v.parse().map(Some).map_err(|_| format!("node id {v:?}")),
     };
+    const FLAGS: &[&str] = &[
+        "--device",
+        "--expect-home",
+        "--expect-host",
+        "--mode",
+        "--memory-max",
+    ];
     while let Some(flag) = it.next() {
-        if !["--device", "--expect-home", "--expect-host"].contains(&flag.as_str()) {
+        if !FLAGS.contains(&flag.as_str()) {
             return Err(format!("unknown argument {flag:?}"));
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--device" => args.device = value,
             "--expect-home" => args.expect_home = node(value)?,
-            _ => args.expect_host = node(value)?,
+            "--expect-host" => args.expect_host = node(value)?,
+            "--mode" if value == "limit" => args.limit = true,
+            "--memory-max" => {
+                let bytes = value.parse().map_err(|_| format!("byte count {value:?}"))?;
+                args.memory_max = Some(bytes);
+            }
+            _ => return Err(format!("{flag} {value:?}")),
         }
     }
     Ok(args)
 }
 
 fn main() -> ExitCode {
-    let mut r = Report::default();
-    let args = match parse_args(std::env::args().skip(1)) {
-        Ok(a) => a,
-        Err(e) => {
-            r.check(
-                "args",
-                false,
-                || "the arguments in the module docs".into(),
-                e,
-            );
-            println!("global: 0 passed, 1 failed");
-            return ExitCode::FAILURE;
-        }
+    let parsed = parse_args(std::env::args().skip(1));
+    let prefix = match &parsed {
+        Ok(a) if a.limit => "limit",
+        _ => "global",
     };
-    run(&mut r, &args);
-    println!("global: {} passed, {} failed", r.passed, r.failed);
+    let mut r = Report {
+        prefix,
+        passed: 0,
+        failed: 0,
+    };
+    match parsed {
+        Ok(args) if args.limit => run_limit(&mut r, args.memory_max),
+        Ok(args) => run(&mut r, &args),
+        Err(e) => r.check(
+            "args",
+            false,
+            || "the arguments in the module docs".into(),
+            e,
+        ),
+    }
+    println!("{prefix}: {} passed, {} failed", r.passed, r.failed);
     if r.failed == 0 {
         ExitCode::SUCCESS
     } else {
@@ -424,6 +456,136 @@ fn run(r: &mut Report, args: &Args) {
             f.unplaced_blocks,
             f.populate_failures,
             f.foreign_frees,
+        ),
+    );
+}
+
+/// Sizes of the memory-limit checks: each fits under the limit alone, the first two together do
+/// not, and the last never does.
+const LIMIT_FIRST: usize = 96 * MIB;
+const LIMIT_SECOND: usize = 120 * MIB;
+const LIMIT_TOO_BIG: usize = 256 * MIB;
+
+/// A `Vec` of `len` bytes equal to `byte`, or `None` when the allocator says no (a `vec!` would
+/// abort instead).
+fn filled(len: usize, byte: u8) -> Option<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).ok()?;
+    v.resize(len, byte);
+    Some(v)
+}
+
+/// This process's cgroup directory (cgroup v2, mounted at /sys/fs/cgroup by `guest/init`).
+fn own_cgroup() -> String {
+    let text = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let path = text
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or("/");
+    format!("/sys/fs/cgroup{}", path.trim())
+}
+
+/// A `key value` line of a cgroup file such as `memory.events`.
+fn cgroup_value(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("{}/{file}", own_cgroup())).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// (retries, blocks given back, failed allocations, refused for the memory limit, bind exhausted)
+fn pressure(s: &Stats) -> (u64, u64, u64, u64, u64) {
+    let f = &s.fallbacks;
+    (
+        s.pressure_retries,
+        s.pressure_released_blocks,
+        f.failed_allocations,
+        f.memory_limited,
+        f.bind_exhausted,
+    )
+}
+
+fn run_limit(r: &mut Report, memory_max: Option<usize>) {
+    let path = format!("{}/memory.max", own_cgroup());
+    let max = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| t.trim().parse().ok());
+    r.eq("cgroup.memory_max", memory_max, max);
+    let node = ALLOC.placement().host_node;
+
+    // --- The global allocator: a freed 96 MiB block stays cached; 120 MiB fit only once it is
+    // given back. ---------------------------------------------------------------------------
+    drop(filled(LIMIT_FIRST, 1));
+    r.eq("global.cached", LIMIT_FIRST, ALLOC.stats().cached_bytes());
+    match filled(LIMIT_SECOND, 2) {
+        Some(second) => {
+            r.on_node(
+                "global.given_back.pages",
+                second.as_ptr(),
+                second.len(),
+                node,
+            );
+            r.eq(
+                "global.given_back.data",
+                true,
+                second.iter().all(|&b| b == 2),
+            );
+        }
+        None => r.check(
+            "global.given_back",
+            false,
+            || format!("{LIMIT_SECOND} bytes after giving back the cache"),
+            "AllocError".into(),
+        ),
+    }
+    let s = ALLOC.stats();
+    r.eq("global.given_back.counters", (1, 1, 0, 0, 0), pressure(&s));
+    ALLOC.trim();
+
+    // --- policy=bind, same steps; then a block beyond the limit fails cleanly, after its
+    // allocator gave back what it had cached. -------------------------------------------------
+    let bind = NumaGpuAlloc::new().node(node).policy(MemPolicy::Bind);
+    let mut first: AVec<u8, _> = AVec::new_in(&bind);
+    let first_ok = first.try_reserve_exact(LIMIT_FIRST).is_ok();
+    drop(first);
+    let mut second: AVec<u8, _> = AVec::new_in(&bind);
+    let second_ok = second.try_reserve_exact(LIMIT_SECOND).is_ok();
+    if second_ok {
+        second.resize(LIMIT_SECOND, 3);
+    }
+    r.eq("bind.given_back", (true, true), (first_ok, second_ok));
+    r.on_node("bind.given_back.pages", second.as_ptr(), second.len(), node);
+    drop(second);
+    let mut too_big: AVec<u8, _> = AVec::new_in(&bind);
+    r.eq(
+        "bind.too_big.fails",
+        true,
+        too_big.try_reserve_exact(LIMIT_TOO_BIG).is_err(),
+    );
+    // Retries: one for the second block, one for the too-big one after giving back the second.
+    r.eq("bind.counters", (2, 2, 1, 1, 0), pressure(&bind.stats()));
+    eprintln!("{}", bind.stats());
+
+    // --- The default policy beyond the limit: the same clean failure. ------------------------
+    let preferred = NumaGpuAlloc::new().node(node);
+    let mut too_big: AVec<u8, _> = AVec::new_in(&preferred);
+    r.eq(
+        "preferred.too_big.fails",
+        true,
+        too_big.try_reserve_exact(LIMIT_TOO_BIG).is_err(),
+    );
+    r.eq(
+        "preferred.counters",
+        (0, 0, 1, 1, 0),
+        pressure(&preferred.stats()),
+    );
+
+    // --- The kernel never had to kill anything. --------------------------------------------
+    r.eq(
+        "no_oom_kill",
+        (Some(0), Some(0)),
+        (
+            cgroup_value("memory.events", "oom"),
+            cgroup_value("memory.events", "oom_kill"),
         ),
     );
 }

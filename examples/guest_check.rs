@@ -8,7 +8,7 @@
 //! ```text
 //! guest_check --topology NAME --numactl FILE --device DDDD:BB:DD.F
 //!             --expect-home NODE --expect-host NODE [--unknown-device DDDD:BB:DD.F]
-//!             [--alloc-report FILE] [--sysfs /sys]
+//!             [--alloc-report FILE] [--limit-report FILE] [--sysfs /sys]
 //! ```
 //!
 //! * `--numactl`: the saved `numactl --hardware` output, the reference for node ids, CPUs,
@@ -20,7 +20,9 @@
 //!   domain), for which the crate must report no node;
 //! * `--alloc-report`: what `examples/guest_alloc.rs` (the allocator as `#[global_allocator]`,
 //!   run by `guest/init` with `NUMA_GPU_ALLOC=gpu=pci:<device>`) printed, followed by the line
-//!   `exit rc=N`; its `PASS`/`FAIL` lines join this table.
+//!   `exit rc=N`; its `PASS`/`FAIL` lines join this table;
+//! * `--limit-report`: the same for `guest_alloc --mode limit`, run by `guest/init` inside a
+//!   cgroup with a `memory.max` (topologies that set `MEMORY_MAX`).
 //!
 //! The allocator checks make their own `NumaGpuAlloc` values (`.node(N)`, `.policy(..)`) and use
 //! them through allocator-api2: one per node with memory, an interleaved block, two handles on
@@ -108,6 +110,7 @@ struct Args {
     expect_host: Option<usize>,
     unknown_device: Option<String>,
     alloc_report: Option<PathBuf>,
+    limit_report: Option<PathBuf>,
     sysfs: PathBuf,
 }
 
@@ -197,6 +200,7 @@ const GROUPS: &[Group] = &[
     host_node,
     placement,
     global_allocator,
+    memory_limit,
     node_allocators,
     interleave,
     two_handles,
@@ -395,14 +399,28 @@ fn place_on(node: usize) -> Result<sys::PageCensus, String> {
 /// The allocator as `#[global_allocator]`: the lines `guest_alloc` printed, and its exit status
 /// (`exit rc=N`, appended by `guest/init`). Nothing when `--alloc-report` was not given.
 fn global_allocator(cx: &Ctx) -> Vec<Check> {
-    let Some(path) = &cx.args.alloc_report else {
-        return Vec::new();
-    };
+    cx.args
+        .alloc_report
+        .as_deref()
+        .map_or_else(Vec::new, |path| report(path, "global"))
+}
+
+/// The same under a cgroup memory limit (`guest_alloc --mode limit`, `--limit-report`).
+fn memory_limit(cx: &Ctx) -> Vec<Check> {
+    cx.args
+        .limit_report
+        .as_deref()
+        .map_or_else(Vec::new, |path| report(path, "limit"))
+}
+
+/// The checks of one `guest_alloc` run: its lines, whether it printed its `<prefix>: ` summary,
+/// and its exit status.
+fn report(path: &Path, prefix: &str) -> Vec<Check> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) => {
             let got = format!("{}: {e}", path.display());
-            return vec![Check::fail("global", "guest_alloc's report", got)];
+            return vec![Check::fail(prefix, "guest_alloc's report", got)];
         }
     };
     let (mut out, mut summary, mut rc) = (Vec::new(), false, None);
@@ -415,14 +433,21 @@ fn global_allocator(cx: &Ctx) -> Vec<Check> {
             let detail = detail.strip_prefix("expected ").unwrap_or(detail);
             let (expected, got) = detail.split_once(", got ").unwrap_or((detail, "?"));
             out.push(Check::fail(name, expected, got));
-        } else if line.starts_with("global: ") {
+        } else if line
+            .strip_prefix(prefix)
+            .is_some_and(|l| l.starts_with(": "))
+        {
             summary = true;
         } else if let Some(code) = line.strip_prefix("exit rc=") {
             rc = Some(code.trim().to_owned());
         }
     }
-    out.push(Check::eq("global.completed", true, summary));
-    out.push(Check::eq("global.exit", Some("0".to_owned()), rc));
+    out.push(Check::eq(format!("{prefix}.completed"), true, summary));
+    out.push(Check::eq(
+        format!("{prefix}.exit"),
+        Some("0".to_owned()),
+        rc,
+    ));
     out
 }
 
@@ -881,6 +906,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         expect_host: None,
         unknown_device: None,
         alloc_report: None,
+        limit_report: None,
         sysfs: PathBuf::from("/sys"),
     };
     let node = |v: String| match v.as_str() {
@@ -895,6 +921,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         "--expect-host",
         "--unknown-device",
         "--alloc-report",
+        "--limit-report",
         "--sysfs",
     ];
     while let Some(flag) = it.next() {
@@ -910,6 +937,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--expect-host" => args.expect_host = node(value)?,
             "--unknown-device" => args.unknown_device = Some(value).filter(|v| !v.is_empty()),
             "--alloc-report" => args.alloc_report = Some(value.into()),
+            "--limit-report" => args.limit_report = Some(value.into()),
             "--sysfs" => args.sysfs = value.into(),
             _ => return Err(format!("unknown argument {flag:?}")),
         }

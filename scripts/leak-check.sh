@@ -3,7 +3,7 @@
 # memory error. The subset covers every allocator path: the library's unit tests, allocator-api2
 # front end, #[global_allocator] under threads, NUMA_GPU_ALLOC parsing, placement syscalls,
 # every injected fault, teardown with blocks outstanding, and the fuzz corpus replay.
-# Tests that fork or re-execute themselves (seccomp, exhaustion, bad environment values, child
+# Tests that fork or re-execute themselves (fork, seccomp, exhaustion, bad environment values, child
 # processes of teardown) or measure RSS (trim_rss) are left out: valgrind does not follow them
 # (--trace-children=no) and changes the process's memory.
 #

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-node NUMA tests: boots real Linux kernels under QEMU (TCG, no KVM needed) with the
 # topologies in guest/topologies/*.topo and runs examples/guest_alloc.rs (the allocator as the
-# #[global_allocator]) and examples/guest_check.rs inside each guest.
+# #[global_allocator]; again inside a cgroup with a memory.max where the topology sets
+# MEMORY_MAX) and examples/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -226,7 +227,7 @@ log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel 
 # Reads a .topo file and sets QEMU_ARGS, MEM_TOTAL_M, APPEND. Runs in the caller's shell.
 load_topology() {
     local file=$1 name=$2 spec id cpus mem c pair nodes=()
-    DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST=""
+    DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST="" MEMORY_MAX=""
     # shellcheck source=/dev/null
     . "$file"
     if [ -z "$SMP" ] || [ -z "$NODES" ] || [ -z "$DEVICE_NODE" ]; then
@@ -263,6 +264,7 @@ load_topology() {
     )
     APPEND="console=ttyS0 quiet panic=-1 numa_balancing=disable GUEST_TOPOLOGY=$name"
     APPEND+=" GUEST_DEVICE_ID=$DEVICE_ID GUEST_EXPECT_HOME=$EXPECT_HOME GUEST_EXPECT_HOST=$EXPECT_HOST"
+    if [ -n "$MEMORY_MAX" ]; then APPEND+=" GUEST_MEMORY_MAX=$MEMORY_MAX"; fi
 }
 
 # Turns a serial log into the lines compared with guest/expected/<name>.txt: the topology as

@@ -3,16 +3,16 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, InFlight, Work};
+use crate::arena::{class_size, Block, Fit, InFlight};
 use crate::config::{Config, GpuSelector, PinMode, Reserve, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
+use crate::process;
 use crate::runtime::{Placement, Runtime};
 use crate::stats::Stats;
-use crate::sys::{self, MemPolicy};
+use crate::sys::MemPolicy;
 use crate::Error;
 
 /// A NUMA- and GPU-aware allocator.
@@ -23,7 +23,18 @@ use crate::Error;
 /// CUDA when a driver is present, and cached for reuse when freed.
 ///
 /// Each `NumaGpuAlloc` value owns its arena: make one per GPU (or node) and keep it alive, e.g. in
-/// a `static`, as long as memory it handed out is in use.
+/// a `static`, as long as memory it handed out is in use. A block freed through another value
+/// than the one that handed it out goes back to its own value (found among the live ones, counted
+/// in `foreign_frees`); that is the caller's mistake, forgiven, not a way to move blocks.
+///
+/// ## Fork
+///
+/// `fork()` is safe from any thread: fork handlers hold every allocator's locks across the fork
+/// (it waits for an initialisation or a short arena operation in progress on another thread), so
+/// the child can allocate. The child never calls CUDA; page-locked blocks cached by the parent are
+/// released there at the child's first large allocation instead of being reused, and blocks it
+/// frees that were page-locked are released too (unmapped, never unregistered: the registration
+/// is the parent's).
 ///
 /// ```
 /// use numa_gpu_alloc::NumaGpuAlloc;
@@ -39,7 +50,7 @@ use crate::Error;
 ///
 /// Every pointer that is not one of the large path's blocks belongs to `A`: small requests,
 /// requests the allocator makes while it runs (re-entrant ones, large or not), and any free of a
-/// pointer the arena does not know. `A` must not allocate through this allocator (as the global
+/// pointer no arena knows. `A` must not allocate through this allocator (as the global
 /// allocator, it must not use the global allocator): mimalloc, jemalloc and `System` do not.
 ///
 /// ```
@@ -56,7 +67,10 @@ pub struct NumaGpuAlloc<A = System> {
     /// The effective threshold; the environment may change the builder's value at initialisation.
     threshold: Threshold,
     config: Config,
-    runtime: OnceLock<Runtime>,
+    /// Null until the large path initialises; then a runtime boxed and listed by
+    /// [`process::initialise`] (its address must not move with the allocator value, and the fork
+    /// handlers reach it through the list), freed in `Drop`.
+    runtime: AtomicPtr<Runtime>,
     /// Serves everything that is not a block of the large path.
     inner: A,
 }
@@ -103,7 +117,7 @@ impl<A> NumaGpuAlloc<A> {
         NumaGpuAlloc {
             threshold: Threshold(AtomicUsize::new(config.threshold)),
             config,
-            runtime: OnceLock::new(),
+            runtime: AtomicPtr::new(ptr::null_mut()),
             inner,
         }
     }
@@ -212,7 +226,7 @@ impl<A> NumaGpuAlloc<A> {
 
     /// The settings in force: after initialisation, the builder's with `NUMA_GPU_ALLOC` applied.
     pub fn config(&self) -> Config {
-        self.runtime.get().map_or(self.config, |rt| rt.config)
+        self.initialised().map_or(self.config, |rt| rt.config)
     }
 
     /// Initialises the large path now (it otherwise happens on the first large request) and
@@ -225,7 +239,7 @@ impl<A> NumaGpuAlloc<A> {
     /// A snapshot of the counters. Before initialisation only `threshold` is filled in.
     pub fn stats(&self) -> Stats {
         let _inside = Inside::enter();
-        match self.runtime.get() {
+        match self.initialised() {
             Some(rt) => rt.stats(),
             None => Stats {
                 threshold: self.threshold.0.load(Relaxed),
@@ -239,7 +253,7 @@ impl<A> NumaGpuAlloc<A> {
     /// longest populate and pin times become zero. Totals and counts are kept.
     pub fn reset_peaks(&self) {
         let _inside = Inside::enter();
-        if let Some(rt) = self.runtime.get() {
+        if let Some(rt) = self.initialised() {
             rt.arena.lock().reset_peak();
             rt.counters.reset_peaks();
         }
@@ -250,12 +264,8 @@ impl<A> NumaGpuAlloc<A> {
     /// pending (`trim` never waits, and never unmaps memory a DMA may still read).
     pub fn trim(&self) {
         let _inside = Inside::enter();
-        if let Some(rt) = self.runtime.get() {
-            let cached = rt.arena.lock().drain_cached();
-            for block in cached {
-                // SAFETY: drained blocks are no longer cached or handed out.
-                unsafe { rt.release_block(block) };
-            }
+        if let Some(rt) = self.initialised() {
+            rt.trim();
         }
     }
 
@@ -263,7 +273,8 @@ impl<A> NumaGpuAlloc<A> {
     /// into the cache now, initialising the large path if needed: the next requests of about
     /// that size (up to a ninth smaller) are cache hits instead of paying for placement and
     /// pinning. Reserved blocks are ordinary cached blocks: they count against the cache limit
-    /// (older cached blocks make room for them) and [`trim`](Self::trim) releases them.
+    /// (older cached blocks make room for them), the cache keeps them as memory in use at once,
+    /// and [`trim`](Self::trim) releases them.
     ///
     /// Takes as long as allocating the blocks; call it at start-up, or on a thread of its own.
     /// `NUMA_GPU_ALLOC=reserve=COUNTxSIZE` (or [`reserve_at_init`](Self::reserve_at_init)) does
@@ -272,7 +283,8 @@ impl<A> NumaGpuAlloc<A> {
     /// # Errors
     /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
     /// the cache limit; the placement or pinning error of a block that could not be made (the
-    /// blocks made before it stay cached).
+    /// blocks made before it stay cached, unless memory pressure made the allocator give cached
+    /// blocks back).
     pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
         let _inside = Inside::enter();
         self.runtime().reserve(blocks, block_size)
@@ -287,7 +299,7 @@ impl<A> NumaGpuAlloc<A> {
         ptr: *const u8,
         work: Box<dyn InFlight>,
     ) -> Result<(), Box<dyn InFlight>> {
-        let (Some(rt), Some(_inside)) = (self.runtime.get(), Inside::enter()) else {
+        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return Err(work);
         };
         rt.arena.lock().record_in_flight(ptr as usize, work)?;
@@ -295,16 +307,27 @@ impl<A> NumaGpuAlloc<A> {
         Ok(())
     }
 
+    /// The runtime, once the large path has initialised.
+    fn initialised(&self) -> Option<&Runtime> {
+        // SAFETY: a non-null pointer is a live runtime boxed by `process::initialise`, freed only
+        // by `Drop`, which `&self` rules out.
+        unsafe { self.runtime.load(Acquire).as_ref() }
+    }
+
+    /// The runtime, initialised now if needed. Must be called inside the re-entrancy guard.
     fn runtime(&self) -> &Runtime {
+        if let Some(rt) = self.initialised() {
+            return rt;
+        }
         let mut initialised_here = false;
-        let rt = self.runtime.get_or_init(|| {
+        let rt = process::initialise(&self.runtime, || {
             initialised_here = true;
             let rt = Runtime::new(self.config);
             self.threshold.0.store(rt.config.threshold, Relaxed);
             rt
         });
         if initialised_here {
-            rt.report_setup_errors();
+            rt.report_setup_errors(self);
             rt.reserve_configured();
         }
         rt
@@ -351,10 +374,32 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     }
 
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
+        let (capacity, fit) = Self::fit(rt, layout)?;
+        rt.counters.large_allocations.incr();
+        let block = match Self::take_cached(rt, fit) {
+            Some(block) => {
+                if zeroed {
+                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
+                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
+                }
+                block
+            }
+            // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
+            None => Self::create(rt, capacity, fit.align)?,
+        };
+        NonNull::new(block.addr as *mut u8)
+    }
+
+    /// The capacity a request gets, and the cached blocks that may serve it.
+    fn fit(rt: &Runtime, layout: Layout) -> Option<(usize, Fit)> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
-        let fit = Fit::new(layout.size(), capacity, align);
-        rt.counters.large_allocations.incr();
+        Some((capacity, Fit::new(layout.size(), capacity, align)))
+    }
+
+    /// A cached block for `fit`, now live (a cache hit), once pending blocks that are ready
+    /// joined the cache.
+    fn take_cached(rt: &Runtime, fit: Fit) -> Option<Block> {
         let mut evicted = Vec::new();
         let hit = {
             let mut arena = rt.arena.lock();
@@ -369,26 +414,18 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         };
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
         unsafe { rt.release_blocks(evicted) };
-        let block = match hit {
-            Some(block) => {
-                rt.counters.cache_hits.incr();
-                if zeroed {
-                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
-                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
-                }
-                block
-            }
-            None => {
-                rt.counters.cache_misses.incr();
-                // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
-                let block = rt.create_block(capacity, align).ok()?;
-                let mut arena = rt.arena.lock();
-                arena.note_created(&block);
-                arena.insert_live(block);
-                block
-            }
-        };
-        NonNull::new(block.addr as *mut u8)
+        if hit.is_some() {
+            rt.counters.cache_hits.incr();
+        }
+        hit
+    }
+
+    /// A new live block (a cache miss).
+    fn create(rt: &Runtime, capacity: usize, align: usize) -> Option<Block> {
+        rt.counters.cache_misses.incr();
+        let block = rt.create_block(capacity, align).ok()?;
+        rt.record_created(None, block);
+        Some(block)
     }
 
     /// Frees what [`Self::allocate`] returned for `layout`.
@@ -411,41 +448,27 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     #[cold]
     #[inline(never)]
     unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
-        let rt = self.runtime.get();
-        // Already inside (None): this thread is running allocator code, which frees only what it
+        // Already inside: this thread is running allocator code, which frees only what it
         // allocated itself while inside, i.e. the inner allocator's memory, never a block of ours.
-        let inside = Inside::enter();
-        let mut evicted = Vec::new();
-        let freed = match (rt, &inside) {
-            (Some(rt), Some(_)) => {
-                let mut arena = rt.arena.lock();
-                match arena.remove_live(ptr as usize) {
-                    Some((block, work)) => {
-                        let work = if sys::fault::in_flight_ignored() {
-                            Work::new()
-                        } else {
-                            work
-                        };
-                        arena.free(block, work, rt.config.cache_limit, &mut evicted);
-                        true
-                    }
-                    None => false,
-                }
+        if let Some(_inside) = Inside::enter() {
+            let rt = self.initialised();
+            if rt.is_some_and(|rt| rt.free_block(ptr as usize)) {
+                return;
             }
-            _ => false,
-        };
-        let Some(rt) = rt.filter(|_| freed) else {
-            // Not ours: served by the inner allocator while inside the allocator or before
-            // initialisation changed the threshold.
+            let own = rt.map_or(ptr::null(), ptr::from_ref);
             if let Some(rt) = rt {
                 rt.counters.foreign_frees.incr();
             }
-            // SAFETY: the inner allocator served this pointer with this layout.
-            return unsafe { self.inner.dealloc(ptr, layout) };
-        };
-        rt.counters.frees.incr();
-        // SAFETY: evicted blocks left the cache and are handed out to nobody.
-        unsafe { rt.release_blocks(evicted) };
+            // Another allocator value's block, freed through this one (the caller's mistake, but
+            // the block goes back where it belongs instead of crashing the inner allocator).
+            if process::free_elsewhere(own, ptr as usize) {
+                return;
+            }
+        }
+        // Not ours: served by the inner allocator while inside the allocator or before
+        // initialisation changed the threshold.
+        // SAFETY: the inner allocator served this pointer with this layout.
+        unsafe { self.inner.dealloc(ptr, layout) }
     }
 
     /// Resizes an allocation, in place when the block's capacity allows, otherwise by moving.
@@ -474,6 +497,11 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         if old_large && new_large && self.resize_in_place(ptr, new) {
             return ptr;
         }
+        if old_large && new_large && new.size() > old.size() {
+            if let Some(grown) = self.grow_without_copy(ptr, new) {
+                return grown.as_ptr();
+            }
+        }
         let moved = self.allocate(new, false);
         if !moved.is_null() {
             // SAFETY: both are live, distinct allocations at least this long.
@@ -497,9 +525,42 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         }
     }
 
+    /// Grows a large block when no cached block fits the new size: its pages move into a larger
+    /// mapping whose tail is placed and populated (see `Runtime::grow_block`), so a growing `Vec`
+    /// leaves no smaller blocks behind and is never copied. Only for unpinned blocks without GPU
+    /// work recorded (a registration is tied to the address). `None`: move by copying instead
+    /// (also when a cached block fits: reuse comes first).
+    fn grow_without_copy(&self, ptr: *mut u8, new: Layout) -> Option<NonNull<u8>> {
+        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
+            return None;
+        };
+        let (capacity, fit) = Self::fit(rt, new)?;
+        let old = {
+            let arena = rt.arena.lock();
+            if arena.holds_fit(fit) {
+                return None;
+            }
+            arena.growable(ptr as usize)?
+        };
+        // SAFETY: `old` is live, unpinned, without recorded GPU work, and the caller owns it
+        // (reallocating it) while this runs.
+        let grown = unsafe { rt.grow_block(old, capacity, fit.align) }.ok()?;
+        // Counted as a move: a new block (a miss) and the old one freed.
+        for counter in [
+            &rt.counters.large_allocations,
+            &rt.counters.cache_misses,
+            &rt.counters.frees,
+            &rt.counters.grown_without_copy,
+        ] {
+            counter.incr();
+        }
+        rt.record_created(Some(old), grown);
+        NonNull::new(grown.addr as *mut u8)
+    }
+
     /// Keeps a live block when `new` fits its capacity without wasting more than half of it.
     fn resize_in_place(&self, ptr: *mut u8, new: Layout) -> bool {
-        let (Some(rt), Some(_inside)) = (self.runtime.get(), Inside::enter()) else {
+        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return false;
         };
         let block: Option<Block> = rt.arena.lock().live_block(ptr as usize);
@@ -524,26 +585,26 @@ impl<A> std::fmt::Debug for NumaGpuAlloc<A> {
         f.debug_struct("NumaGpuAlloc")
             .field("inner", &std::any::type_name::<A>())
             .field("config", &self.config())
-            .field("initialized", &self.runtime.get().is_some())
+            .field("initialized", &self.initialised().is_some())
             .finish()
     }
 }
 
 impl<A> Drop for NumaGpuAlloc<A> {
-    /// Releases the cache, then waits for the GPU work of pending blocks and releases them.
+    /// Releases the cache, waits for the GPU work of pending blocks and releases them, then frees
+    /// the runtime.
     fn drop(&mut self) {
-        self.trim();
-        let _inside = Inside::enter();
-        if let Some(rt) = self.runtime.get() {
-            let pending = rt.arena.lock().drain_pending();
-            for mut p in pending {
-                for work in &mut p.work {
-                    work.wait();
-                }
-                // SAFETY: the block left the pending list, and no GPU work uses it any more.
-                unsafe { rt.release_block(p.block) };
-            }
+        let runtime = std::mem::replace(self.runtime.get_mut(), ptr::null_mut());
+        if runtime.is_null() {
+            return;
         }
+        let _inside = Inside::enter();
+        process::forget(runtime);
+        // SAFETY: boxed by `process::initialise`; no longer listed, and `&mut self` means nobody
+        // else uses it.
+        let rt = unsafe { Box::from_raw(runtime) };
+        rt.trim();
+        rt.release_pending_waiting();
     }
 }
 
@@ -556,8 +617,8 @@ mod tests {
 
     const BLOCK: usize = 256 << 10;
 
-    /// Serialises the tests that free blocks with work in flight: one of them switches
-    /// stream-ordered reuse off process-wide (`fault-injection`).
+    /// Serialises these tests: one switches stream-ordered reuse off process-wide
+    /// (`fault-injection`), one compares runtime addresses, which another test could reuse.
     fn serial() -> std::sync::MutexGuard<'static, ()> {
         static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
         SWITCH
@@ -633,6 +694,7 @@ mod tests {
 
     #[test]
     fn work_outside_every_live_block_is_given_back() {
+        let _serial = serial();
         let alloc = allocator();
         let (work, _) = Flag::unfinished();
         let work = alloc
@@ -666,15 +728,79 @@ mod tests {
         assert!(done.load(Ordering::Acquire), "Drop waited on the work");
     }
 
+    #[test]
+    fn growing_an_unpinned_block_moves_its_pages_and_leaves_nothing_behind() {
+        let alloc = allocator();
+        let small = alloc.allocate(layout(BLOCK), false);
+        // SAFETY: a live block of BLOCK bytes.
+        unsafe { ptr::write_bytes(small, 0xa5, BLOCK) };
+        // SAFETY: `small` is live with this layout; 4× does not fit in place.
+        let grown = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
+        assert!(!grown.is_null());
+        // SAFETY: the grown block is 4 × BLOCK long; its head holds the old bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(grown, 4 * BLOCK) };
+        assert!(bytes[..BLOCK].iter().all(|&b| b == 0xa5));
+        assert!(
+            bytes[BLOCK..].iter().all(|&b| b == 0),
+            "a fresh, zeroed tail"
+        );
+        let stats = alloc.stats();
+        assert_eq!(stats.grown_without_copy, 1);
+        assert_eq!(
+            (stats.cached_bytes(), stats.live_bytes()),
+            (0, class_size(4 * BLOCK, 4096).unwrap())
+        );
+        // A cached block that fits comes first: growing next to it copies into it.
+        let small = alloc.allocate(layout(BLOCK), false);
+        // SAFETY: `grown` is live with this layout.
+        unsafe { alloc.deallocate(grown, layout(4 * BLOCK)) };
+        // SAFETY: `small` is live with this layout.
+        let again = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
+        assert_eq!(again, grown, "the cached block");
+        assert_eq!(alloc.stats().grown_without_copy, 1);
+    }
+
+    #[test]
+    fn a_block_freed_through_another_allocator_goes_back_to_its_own() {
+        let _serial = serial();
+        let (owner, other, fresh) = (allocator(), allocator(), allocator());
+        let _ = other.placement();
+        for through in [&other, &fresh] {
+            let block = owner.allocate(layout(BLOCK), false);
+            // SAFETY: a live block of `owner`, freed once (through the wrong value).
+            unsafe { through.deallocate(block, layout(BLOCK)) };
+        }
+        let stats = owner.stats();
+        assert_eq!((stats.frees, stats.live_bytes()), (2, 0));
+        assert_eq!(stats.cached_bytes(), class_size(BLOCK, 4096).unwrap());
+        assert_eq!(other.stats().fallbacks.foreign_frees, 1);
+        assert!(
+            !fresh.stats().initialized,
+            "a value never used stays uninitialised"
+        );
+    }
+
+    #[test]
+    fn only_live_allocators_are_listed_for_the_fork_handlers() {
+        let _serial = serial();
+        let alloc = allocator();
+        assert!(alloc.initialised().is_none());
+        let _ = alloc.placement();
+        let runtime = alloc.runtime.load(Acquire).cast_const();
+        assert!(process::listed(runtime));
+        drop(alloc);
+        assert!(!process::listed(runtime));
+    }
+
     /// The switch the simulator tests use: with it, the same sequence reuses the block at once.
     #[cfg(feature = "fault-injection")]
     #[test]
     fn ignoring_in_flight_work_reuses_early() {
         let _serial = serial();
         let alloc = allocator();
-        sys::fault::ignore_in_flight(true);
+        crate::sys::fault::ignore_in_flight(true);
         let (first, second) = reuse_while_in_flight(&alloc);
-        sys::fault::ignore_in_flight(false);
+        crate::sys::fault::ignore_in_flight(false);
         assert_eq!(first, second);
     }
 }

@@ -4,7 +4,7 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::Block;
+use crate::arena::{Block, Work};
 use crate::config::PinMode;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
@@ -16,16 +16,112 @@ pub(crate) const HUGE_PAGE: usize = 2 << 20;
 /// Blocks smaller than this are populated by one thread: thread start-up would cost more.
 const PARALLEL_POPULATE_MIN: usize = 64 << 20;
 
+/// `CUresult` of a registration beyond what the driver can page-lock.
+const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+
+/// Whether a failure to create a block may go away when memory is given back: mmap, populate or
+/// a full node (ENOMEM), a cgroup limit, or CUDA's page-locking limit.
+fn shortage(error: &Error) -> bool {
+    match error {
+        Error::Syscall { errno, .. } => *errno == libc::ENOMEM,
+        Error::MemoryLimit { .. } => true,
+        Error::Cuda { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
+        _ => false,
+    }
+}
+
+/// The step at which a block could not be created, counted once per failed request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cause {
+    MemoryLimit,
+    Mmap,
+    Populate,
+    BindExhausted,
+    /// Counted where it happens (placement, registration), or not a memory failure.
+    Other,
+}
+
+/// The error of a `policy=bind` block with pages off the node.
+fn bind_exhausted() -> Error {
+    Error::Syscall {
+        call: "mbind(MPOL_BIND)",
+        errno: libc::ENOMEM,
+    }
+}
+
 impl Runtime {
     /// Creates a placed, populated and (when configured) pinned block of `capacity` bytes whose
-    /// address is a multiple of `align`.
+    /// address is a multiple of `align`. When that fails for want of memory, gives cached blocks
+    /// back and retries: first the oldest ones, only as many bytes as the block needs, then, if
+    /// it fails again, all of them. Blocks pending on GPU work stay.
     pub(crate) fn create_block(&self, capacity: usize, align: usize) -> Result<Block, Error> {
+        let mut created = self.try_create_block(capacity, align);
+        for everything in [false, true] {
+            let needed = match &created {
+                Ok(_) => break,
+                Err((_, e)) if !shortage(e) => break,
+                Err((
+                    _,
+                    Error::MemoryLimit {
+                        available,
+                        requested,
+                        ..
+                    },
+                )) => requested - available,
+                Err(_) => capacity,
+            };
+            let released =
+                self.arena
+                    .lock()
+                    .release_oldest(if everything { usize::MAX } else { needed });
+            if released.is_empty() {
+                break;
+            }
+            self.counters.pressure_released.add(released.len() as u64);
+            // SAFETY: released blocks left the cache and are handed out to nobody.
+            unsafe { self.release_blocks(released) };
+            self.counters.pressure_retries.incr();
+            created = self.try_create_block(capacity, align);
+        }
+        created.map_err(|(cause, e)| {
+            let counter = match cause {
+                Cause::MemoryLimit => &self.counters.memory_limited,
+                Cause::Mmap => &self.counters.map_failures,
+                Cause::Populate => &self.counters.populate_failures,
+                Cause::BindExhausted => &self.counters.bind_exhausted,
+                Cause::Other => return e,
+            };
+            counter.incr();
+            e
+        })
+    }
+
+    /// Records a block just created as live (after `old`, which it replaces when grown from it),
+    /// and releases what the cache may no longer hold.
+    pub(crate) fn record_created(&self, old: Option<Block>, block: Block) {
+        let mut evicted = Vec::new();
+        {
+            let mut arena = self.arena.lock();
+            if let Some(old) = old {
+                // The old block's pages are the new block's now: it just leaves the live set.
+                let _ = arena.remove_live(old.addr);
+            }
+            arena.insert_created(block, self.config.cache_limit, &mut evicted);
+        }
+        // SAFETY: evicted blocks left the cache and are handed out to nobody.
+        unsafe { self.release_blocks(evicted) };
+    }
+
+    /// One attempt of [`Self::create_block`].
+    fn try_create_block(&self, capacity: usize, align: usize) -> Result<Block, (Cause, Error)> {
+        // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
+        self.memory_limits
+            .check(capacity)
+            .map_err(|e| (Cause::MemoryLimit, e))?;
         let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
         let map_align = if huge { align.max(HUGE_PAGE) } else { align };
-        let ptr =
-            sys::map_anonymous(capacity, map_align.max(self.page_size)).inspect_err(|_| {
-                self.counters.map_failures.incr();
-            })?;
+        let ptr = sys::map_anonymous(capacity, map_align.max(self.page_size))
+            .map_err(|e| (Cause::Mmap, e))?;
         if huge {
             // SAFETY: ptr..ptr+capacity was just mapped by us. Without THP this is a no-op hint.
             let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
@@ -50,20 +146,92 @@ impl Runtime {
     ///
     /// # Safety
     /// `ptr..ptr+len` must be a fresh private mapping of this crate, used by nobody else.
-    unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, Error> {
+    unsafe fn place_and_pin(&self, ptr: NonNull<u8>, len: usize) -> Result<bool, (Cause, Error)> {
         // SAFETY: forwarded from the caller.
-        let placed = unsafe { self.place(ptr, len) }?;
+        unsafe { self.place_and_populate(ptr, len) }?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.pin(ptr, len) }.map_err(|e| (Cause::Other, e))
+    }
+
+    /// Places, populates and checks (steps 2–4 of the pipeline).
+    ///
+    /// # Safety
+    /// As [`Self::place_and_pin`].
+    unsafe fn place_and_populate(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+    ) -> Result<(), (Cause, Error)> {
+        // SAFETY: forwarded from the caller.
+        let placed = unsafe { self.place(ptr, len) }.map_err(|e| (Cause::Other, e))?;
         let start = Instant::now();
         // SAFETY: forwarded from the caller.
         let populated = unsafe { self.populate(ptr, len) };
         self.counters.populate.record(start.elapsed());
-        populated.inspect_err(|_| self.counters.populate_failures.incr())?;
+        populated.map_err(|e| (Cause::Populate, e))?;
         if placed {
             // SAFETY: forwarded from the caller.
-            unsafe { self.check_placement(ptr, len) }?;
+            unsafe { self.check_placement(ptr, len) }.map_err(|e| {
+                let cause = if e == bind_exhausted() {
+                    Cause::BindExhausted
+                } else {
+                    Cause::Other
+                };
+                (cause, e)
+            })?;
         }
-        // SAFETY: forwarded from the caller.
-        unsafe { self.pin(ptr, len) }
+        Ok(())
+    }
+
+    /// Grows an unpinned block to `capacity` without copying: a new mapping of that size (aligned
+    /// to `align`) gets its tail placed and populated, then the block's pages move onto its head
+    /// (`mremap`). Nothing is left behind to cache, and only the tail is populated. On failure the
+    /// block is untouched (the caller then moves it by copying).
+    ///
+    /// # Safety
+    /// `block` is a live, unpinned block of this runtime that nothing uses while this runs (the
+    /// caller owns it, no GPU work is recorded against it); on success it no longer exists.
+    pub(crate) unsafe fn grow_block(
+        &self,
+        block: Block,
+        capacity: usize,
+        align: usize,
+    ) -> Result<Block, Error> {
+        let tail_len = capacity - block.capacity;
+        let old = NonNull::new(block.addr as *mut u8).ok_or(Error::InvalidRange {
+            addr: block.addr,
+            len: block.capacity,
+        })?;
+        self.memory_limits.check(tail_len)?;
+        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
+        let map_align = if huge { align.max(HUGE_PAGE) } else { align };
+        let region = sys::map_anonymous(capacity, map_align.max(self.page_size))?;
+        if huge {
+            // SAFETY: region..region+capacity was just mapped by us.
+            let _ = unsafe { sys::advise_hugepage(region, capacity) };
+        }
+        // SAFETY: block.capacity < capacity: inside the region. Block capacities are whole
+        // pages, so the tail starts on a page.
+        let tail = unsafe { region.add(block.capacity) };
+        // SAFETY: the tail is part of the fresh mapping, used by nobody; then the caller's block
+        // (unused while this runs) moves onto the region's head, which nobody uses either.
+        let grown = unsafe {
+            self.place_and_populate(tail, tail_len)
+                .map_err(|(_, e)| e)
+                .and_then(|()| sys::move_mapping(old, region, block.capacity))
+        };
+        match grown {
+            Ok(()) => Ok(Block {
+                addr: region.as_ptr() as usize,
+                capacity,
+                pinned: false,
+            }),
+            Err(e) => {
+                // SAFETY: the region is ours; the block did not move (move_mapping is last).
+                let _ = unsafe { sys::unmap(region, capacity) };
+                Err(e)
+            }
+        }
     }
 
     /// Sets the range's NUMA policy. `Ok(false)` when placement is unavailable (counted).
@@ -86,8 +254,8 @@ impl Runtime {
         // SAFETY: forwarded from the caller.
         match unsafe { sys::bind(ptr, len, policy, &self.nodes, MbindFlags::default()) } {
             Ok(()) => Ok(true),
-            Err(e @ Error::NumaUnavailable { .. }) => {
-                let _ = self.numa_unavailable.set(e);
+            Err(Error::NumaUnavailable { errno, .. }) => {
+                self.refuse_mbind(errno);
                 self.counters.unplaced_blocks.incr();
                 Ok(false)
             }
@@ -149,13 +317,8 @@ impl Runtime {
             }
         }
         if bind {
-            let exhausted = Error::Syscall {
-                call: "mbind(MPOL_BIND)",
-                errno: libc::ENOMEM,
-            };
             if misplaced > 0 {
-                self.counters.bind_exhausted.incr();
-                return Err(exhausted);
+                return Err(bind_exhausted());
             }
             let flags = MbindFlags {
                 strict,
@@ -164,8 +327,7 @@ impl Runtime {
             // SAFETY: forwarded from the caller.
             match unsafe { sys::bind(ptr, len, MemPolicy::Bind, &self.nodes, flags) } {
                 Err(Error::Syscall { errno, .. }) if strict && errno == libc::EIO => {
-                    self.counters.bind_exhausted.incr();
-                    return Err(exhausted);
+                    return Err(bind_exhausted());
                 }
                 other => other?,
             }
@@ -274,6 +436,49 @@ impl Runtime {
                 self.counters.unpinned_blocks.incr();
                 Ok(false)
             }
+        }
+    }
+
+    /// Takes back the live block at `addr`: pending while GPU work recorded against it runs, else
+    /// cached; releases what the cache no longer holds. False when no live block of this runtime
+    /// starts at `addr`.
+    pub(crate) fn free_block(&self, addr: usize) -> bool {
+        let mut evicted = Vec::new();
+        {
+            let mut arena = self.arena.lock();
+            let Some((block, work)) = arena.remove_live(addr) else {
+                return false;
+            };
+            // The switch tests use to show that they catch reuse during GPU work.
+            let work = if sys::fault::in_flight_ignored() {
+                Work::new()
+            } else {
+                work
+            };
+            arena.free(block, work, self.config.cache_limit, &mut evicted);
+        }
+        self.counters.frees.incr();
+        // SAFETY: evicted blocks left the cache and are handed out to nobody.
+        unsafe { self.release_blocks(evicted) };
+        true
+    }
+
+    /// Releases every cached block, and every pending one whose GPU work has completed.
+    pub(crate) fn trim(&self) {
+        let cached = self.arena.lock().drain_cached();
+        // SAFETY: drained blocks are no longer cached or handed out.
+        unsafe { self.release_blocks(cached) };
+    }
+
+    /// Waits for the GPU work of every pending block, then releases them (for `Drop` only).
+    pub(crate) fn release_pending_waiting(&self) {
+        let pending = self.arena.lock().drain_pending();
+        for mut p in pending {
+            for work in &mut p.work {
+                work.wait();
+            }
+            // SAFETY: the block left the pending list, and no GPU work uses it any more.
+            unsafe { self.release_block(p.block) };
         }
     }
 

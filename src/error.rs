@@ -117,6 +117,18 @@ pub enum Error {
         /// The `CUresult` name, e.g. `"CUDA_ERROR_OUT_OF_MEMORY"`.
         name: &'static str,
     },
+    /// A new block would exceed a cgroup's `memory.max` (a container's memory limit), where
+    /// populating it would summon the OOM killer instead of failing.
+    MemoryLimit {
+        /// The cgroup's directory, e.g. `/sys/fs/cgroup/app`.
+        cgroup: PathBuf,
+        /// Its `memory.max` in bytes.
+        limit: usize,
+        /// Bytes it could still charge, reclaimable file pages included.
+        available: usize,
+        /// Bytes the block needs.
+        requested: usize,
+    },
     /// A GPU selector matched no visible device.
     GpuNotFound {
         /// The selector as written, e.g. `"3"` or `"GPU-1234…"`.
@@ -236,6 +248,17 @@ impl fmt::Display for Error {
                     None => Ok(()),
                 }
             }
+            Error::MemoryLimit {
+                cgroup,
+                limit,
+                available,
+                requested,
+            } => write!(
+                f,
+                "a block of {requested} bytes exceeds the memory limit of cgroup {}: memory.max \
+                 {limit}, {available} bytes available (reclaimable file pages included)",
+                cgroup.display()
+            ),
             Error::ReserveRejected {
                 blocks,
                 block_size,

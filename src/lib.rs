@@ -26,8 +26,11 @@ pub use cuda::{PinnedBuf, PinnedSliceMut};
 
 mod arena;
 mod block;
+mod cgroup;
 mod config;
 mod guard;
+mod lock;
+mod process;
 mod reserve;
 mod runtime;
 mod stats;

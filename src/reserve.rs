@@ -47,11 +47,9 @@ impl Runtime {
         for _ in 0..blocks {
             let block = self.create_block(capacity, self.page_size)?;
             let mut evicted = Vec::new();
-            {
-                let mut arena = self.arena.lock();
-                arena.note_created(&block);
-                arena.cache(block, limit, &mut evicted);
-            }
+            self.arena
+                .lock()
+                .insert_reserved(block, limit, &mut evicted);
             // SAFETY: evicted blocks left the cache and are handed out to nobody.
             unsafe { self.release_blocks(evicted) };
         }

@@ -3,13 +3,13 @@
 
 use std::io::Write as _;
 use std::path::Path;
-use std::sync::OnceLock;
-
-use parking_lot::Mutex;
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::Arena;
+use crate::cgroup::MemoryLimits;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR};
 use crate::cuda::{self, Device, Gpu};
+use crate::lock::Lock;
 use crate::pci::{self, PciAddress};
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::{self, MemPolicy, NodeMask};
@@ -35,6 +35,12 @@ pub struct Placement {
     pub numa_placement: bool,
 }
 
+// `NumaGpuAlloc` shares its runtime between threads through a pointer (see `process.rs`).
+const _: () = {
+    const fn shared_between_threads<T: Send + Sync>() {}
+    shared_between_threads::<Runtime>()
+};
+
 pub(crate) struct Runtime {
     pub(crate) config: Config,
     pub(crate) page_size: usize,
@@ -48,10 +54,16 @@ pub(crate) struct Runtime {
     gpu_pci: Option<PciAddress>,
     /// Nodes the policy names: the host node, or every node with memory for interleave.
     pub(crate) nodes: NodeMask,
-    /// Set when placement is impossible (kernel refusal, unreadable topology): blocks go unplaced.
-    pub(crate) numa_unavailable: OnceLock<Error>,
+    /// Why the topology could not be read (then blocks go unplaced).
+    topology_error: Option<Error>,
+    /// The errno with which the kernel refused `mbind` (0: never); then blocks go unplaced. An
+    /// atomic rather than a `OnceLock`, which a fork during its initialisation would leave
+    /// blocking in the child.
+    mbind_refused: AtomicI32,
     pub(crate) populate_threads: usize,
-    pub(crate) arena: Mutex<Arena>,
+    /// The cgroup memory limits a new block is checked against.
+    pub(crate) memory_limits: MemoryLimits,
+    pub(crate) arena: Lock<Arena>,
     pub(crate) counters: Counters,
     setup_errors: Vec<Error>,
 }
@@ -64,12 +76,11 @@ impl Runtime {
         if let Some(settings) = std::env::var_os(ENV_VAR) {
             setup_errors.extend(config.apply_settings(&settings.to_string_lossy()));
         }
-        let numa_unavailable = OnceLock::new();
         let root = Path::new(config.sysfs_root);
-        let topology = NumaTopology::from_sysfs_root(root).unwrap_or_else(|e| {
-            let _ = numa_unavailable.set(e);
-            NumaTopology::single_node()
-        });
+        let (topology, topology_error) = match NumaTopology::from_sysfs_root(root) {
+            Ok(topology) => (topology, None),
+            Err(e) => (NumaTopology::single_node(), Some(e)),
+        };
         // The cpuset describes this kernel's nodes, not a fixture tree's. EPERM under seccomp:
         // then mbind is refused too, and every node is as good as another.
         let own_kernel = config.sysfs_root == Config::DEFAULT.sysfs_root;
@@ -103,15 +114,17 @@ impl Runtime {
             .or(target.gpu_pci);
         Runtime {
             page_size: sys::page_size(),
-            arena: Mutex::new(Arena::new(&topology, host_node)),
+            arena: Lock::new(Arena::new(&topology, host_node)),
             host_node,
             home_node: target.home_node,
             device: target.device,
             gpu: target.gpu,
             gpu_pci,
             nodes,
-            numa_unavailable,
+            topology_error,
+            mbind_refused: AtomicI32::new(0),
             populate_threads,
+            memory_limits: MemoryLimits::of_this_process(),
             counters: Counters::default(),
             topology,
             setup_errors,
@@ -119,20 +132,43 @@ impl Runtime {
         }
     }
 
-    /// Setup problems, printed once by the allocator after initialisation (not during it: stderr's
+    /// Setup problems, printed once by `owner` after initialisation (not during it: stderr's
     /// lock may be held by a thread waiting for this initialisation); then the report at exit
-    /// (`stats=`) is registered, now that the runtime is at its final address.
-    pub(crate) fn report_setup_errors(&self) {
+    /// (`stats=`) is registered.
+    pub(crate) fn report_setup_errors<A>(&self, owner: &crate::NumaGpuAlloc<A>) {
         for e in &self.setup_errors {
             // One line each: a key may hold a newline.
             let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
         }
-        crate::stats_exit::register(self);
+        crate::stats_exit::register(self, owner);
     }
 
     /// Whether blocks are still placed with `mbind`.
     pub(crate) fn numa_placement(&self) -> bool {
-        self.numa_unavailable.get().is_none()
+        self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
+    }
+
+    /// Records that the kernel refused `mbind` with `errno`: later blocks go unplaced.
+    pub(crate) fn refuse_mbind(&self, errno: i32) {
+        // The first refusal is the one reported; a zero errno would read as "never".
+        let _ = self
+            .mbind_refused
+            .compare_exchange(0, errno.max(1), Relaxed, Relaxed);
+    }
+
+    /// Why NUMA placement is off, if it is.
+    fn numa_unavailable(&self) -> Option<Error> {
+        self.topology_error.clone().or_else(|| self.mbind_refusal())
+    }
+
+    /// The kernel's refusal of `mbind` after initialisation, if any (no heap data: the exit
+    /// report reads it).
+    pub(crate) fn mbind_refusal(&self) -> Option<Error> {
+        let errno = self.mbind_refused.load(Relaxed);
+        (errno != 0).then_some(Error::NumaUnavailable {
+            call: "mbind",
+            errno,
+        })
     }
 
     pub(crate) fn placement(&self) -> Placement {
@@ -167,7 +203,7 @@ impl Runtime {
                     ..NodeStats::default()
                 })
                 .collect(),
-            numa_unavailable: self.numa_unavailable.get().cloned(),
+            numa_unavailable: self.numa_unavailable(),
             config_errors: self.setup_errors.clone(),
             ..Stats::default()
         };

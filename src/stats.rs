@@ -135,8 +135,12 @@ pub(crate) struct Counters {
     pub(crate) foreign_frees: Counter,
     pub(crate) released_blocks: Counter,
     pub(crate) in_place_reallocs: Counter,
+    pub(crate) grown_without_copy: Counter,
     pub(crate) in_flight_recorded: Counter,
     pub(crate) reuse_deferred: Counter,
+    pub(crate) pressure_retries: Counter,
+    pub(crate) pressure_released: Counter,
+    pub(crate) memory_limited: Counter,
     pub(crate) pages_checked: Counter,
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
@@ -190,8 +194,11 @@ impl Counters {
         stats.cache_hits = self.cache_hits.get();
         stats.cache_misses = self.cache_misses.get();
         stats.in_place_reallocs = self.in_place_reallocs.get();
+        stats.grown_without_copy = self.grown_without_copy.get();
         stats.in_flight_recorded = self.in_flight_recorded.get();
         stats.reuse_deferred = self.reuse_deferred.get();
+        stats.pressure_retries = self.pressure_retries.get();
+        stats.pressure_released_blocks = self.pressure_released.get();
         stats.released_blocks = self.released_blocks.get();
         stats.registrations = self.registrations.get();
         stats.unregistrations = self.unregistrations.get();
@@ -212,6 +219,7 @@ impl Counters {
             bind_exhausted: self.bind_exhausted.get(),
             map_failures: self.map_failures.get(),
             populate_failures: self.populate_failures.get(),
+            memory_limited: self.memory_limited.get(),
             placement_failures: self.placement_failures.get(),
             unverified_blocks: self.unverified_blocks.get(),
             foreign_frees: self.foreign_frees.get(),
@@ -271,6 +279,9 @@ pub struct Fallbacks {
     pub map_failures: u64,
     /// Of those: populating failed (out of memory).
     pub populate_failures: u64,
+    /// Of those: the block would have exceeded a cgroup's `memory.max` (populating it would
+    /// have summoned the OOM killer).
+    pub memory_limited: u64,
     /// `mbind` or the page check failed for another reason than NUMA being unavailable (e.g.
     /// EINVAL for a node the kernel or cpuset does not allow): the block went unplaced under
     /// `preferred`/`interleave`, the allocation failed under `bind` or a failed page check.
@@ -278,9 +289,9 @@ pub struct Fallbacks {
     /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
     /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
     pub unverified_blocks: u64,
-    /// Large frees of pointers the arena did not hand out (served by the inner allocator while
-    /// inside the allocator, or before initialisation lowered the threshold); passed on to the
-    /// inner allocator.
+    /// Large frees of pointers this allocator did not hand out: blocks of another
+    /// `NumaGpuAlloc` value (given back to it), or memory the inner allocator served while
+    /// inside the allocator or before initialisation lowered the threshold (passed on to it).
     pub foreign_frees: u64,
 }
 
@@ -344,10 +355,17 @@ pub struct Stats {
     pub cache_misses: u64,
     /// Reallocations done in place, within the block's capacity.
     pub in_place_reallocs: u64,
+    /// Reallocations that grew an unpinned block by moving its pages into a larger mapping
+    /// (`mremap`, no copy; also counted as a miss and a free).
+    pub grown_without_copy: u64,
     /// GPU uses (events) recorded against live blocks.
     pub in_flight_recorded: u64,
     /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
     pub reuse_deferred: u64,
+    /// Block creations retried after cached blocks were given back for want of memory.
+    pub pressure_retries: u64,
+    /// Cached blocks given back for those retries (oldest first).
+    pub pressure_released_blocks: u64,
     /// Blocks unmapped (cache limit, `trim()`, failed placement).
     pub released_blocks: u64,
     /// Successful `cuMemHostRegister` calls.
@@ -407,6 +425,28 @@ fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
 }
 
+/// A byte count in the largest binary unit that keeps a whole or one-decimal number: `4 KiB`,
+/// `2.5 MiB`, `64 GiB` (the threshold ranges from 4 KiB to 64 GiB). Without allocating.
+struct Size(usize);
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let units = ["B", "KiB", "MiB", "GiB"];
+        let mut value = self.0 as f64;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < units.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        let tenths = (value * 10.0).round();
+        if tenths % 10.0 == 0.0 {
+            write!(f, "{} {}", tenths / 10.0, units[unit])
+        } else {
+            write!(f, "{value:.1} {}", units[unit])
+        }
+    }
+}
+
 /// A node id, or `-` when unknown (without allocating: the exit report prints this).
 struct Opt(Option<usize>);
 
@@ -423,12 +463,12 @@ impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {:.1} MiB",
+            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {}",
             Opt(self.host_node),
             self.gpu.as_deref().unwrap_or("none"),
             Opt(self.home_node),
             if self.pinning { "on" } else { "off" },
-            mib(self.threshold)
+            Size(self.threshold)
         )?;
         writeln!(
             f,
@@ -451,12 +491,13 @@ impl fmt::Display for Stats {
         writeln!(
             f,
             "large allocations {} (cache hits {}, misses {}), frees {}, in-place reallocs {}, \
-             released blocks {}",
+             grown without copy {}, released blocks {}",
             self.large_allocations,
             self.cache_hits,
             self.cache_misses,
             self.frees,
             self.in_place_reallocs,
+            self.grown_without_copy,
             self.released_blocks
         )?;
         writeln!(
@@ -480,17 +521,21 @@ impl fmt::Display for Stats {
         });
         writeln!(
             f,
-            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}",
+            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}; \
+             retries after giving back {} cached blocks: {}",
             mib(bytes),
             self.in_flight_recorded,
-            self.reuse_deferred
+            self.reuse_deferred,
+            self.pressure_released_blocks,
+            self.pressure_retries
         )?;
         let fb = &self.fallbacks;
         writeln!(
             f,
             "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, unregister \
              failures {}, failed \
-             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}), foreign frees {}",
+             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}, memory limit \
+             {}), foreign frees {}",
             fb.unplaced_blocks,
             fb.unpinned_blocks,
             fb.unverified_blocks,
@@ -501,6 +546,7 @@ impl fmt::Display for Stats {
             fb.map_failures,
             fb.placement_failures,
             fb.populate_failures,
+            fb.memory_limited,
             fb.foreign_frees
         )?;
         for c in &self.pin_failures_by_code {
@@ -561,6 +607,11 @@ mod tests {
         };
         let text = stats.to_string();
         assert!(text.contains("host node 1"), "{text}");
+        assert!(text.contains("threshold 2 MiB"), "{text}");
+        assert_eq!(
+            [4096, 2_621_440, 64 << 30, 1000].map(|b| Size(b).to_string()),
+            ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
+        );
         assert!(text.contains("   1          3.0"), "{text}");
         assert_eq!(stats.live_bytes(), 3 << 20);
     }

@@ -31,6 +31,7 @@ use crate::config::StatsAtExit;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
 use crate::stats::{Stats, ERROR_CODE_SLOTS};
+use crate::NumaGpuAlloc;
 
 /// One allocator to report on at exit.
 struct Report {
@@ -52,13 +53,14 @@ static PRINTED: AtomicBool = AtomicBool::new(false);
 /// How often, a millisecond apart, the handler tries the arena lock before giving up on node rows.
 const ARENA_TRIES: u32 = 100;
 
-/// Registers `rt` for a report at exit when its settings ask for one. Called once per allocator,
-/// right after initialisation, inside the allocator (so its own allocations go to the inner one).
-pub(crate) fn register(rt: &Runtime) {
+/// Registers `rt`, the runtime of `owner`, for a report at exit when its settings ask for one.
+/// Called once per allocator, right after initialisation, inside the allocator (so its own
+/// allocations go to the inner allocator).
+pub(crate) fn register<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) {
     if rt.config.stats_at_exit == StatsAtExit::Off {
         return;
     }
-    let Some(runtime) = as_static(rt) else {
+    let Some(runtime) = as_static(rt, owner) else {
         note("stats at exit are printed for allocators in a static only; read stats() instead");
         return;
     };
@@ -89,16 +91,19 @@ pub(crate) fn register(rt: &Runtime) {
     }
 }
 
-/// `rt` as `'static` when it lies in the image of a loaded object (the executable or a shared
-/// library), that is inside a static, which is never moved or dropped.
-fn as_static(rt: &Runtime) -> Option<&'static Runtime> {
-    let addr: *const Runtime = rt;
+/// `rt` as `'static` when its allocator `owner` lies in the image of a loaded object (the
+/// executable or a shared library), that is inside a static, which is never moved or dropped —
+/// so neither is the runtime it boxed (freed only by the allocator's `Drop`).
+fn as_static<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) -> Option<&'static Runtime> {
+    let owner: *const NumaGpuAlloc<A> = owner;
     let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     // SAFETY: dladdr reads the loader's list of loaded objects and writes only `info`.
-    let in_image = unsafe { libc::dladdr(addr.cast(), info.as_mut_ptr()) } != 0;
+    let in_image = unsafe { libc::dladdr(owner.cast(), info.as_mut_ptr()) } != 0;
+    let rt: *const Runtime = rt;
     // SAFETY: a static lives until the process exits, or until its library is unloaded, which
-    // first runs that library's atexit handlers (the only reader of the reference).
-    in_image.then(|| unsafe { &*addr })
+    // first runs that library's atexit handlers (the only reader of the reference); its runtime
+    // lives as long.
+    in_image.then(|| unsafe { &*rt })
 }
 
 /// One line on stderr at registration time (allocating is fine there).
@@ -138,7 +143,7 @@ fn write_report(
     rt.counters.fill(stats);
     if stats.numa_unavailable.is_none() {
         // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.
-        stats.numa_unavailable = rt.numa_unavailable.get().cloned();
+        stats.numa_unavailable = rt.mbind_refusal();
     }
     let nodes_fresh = fill_nodes(rt, stats);
     if format == StatsAtExit::Json {

@@ -1,4 +1,5 @@
-//! Raw placement syscalls: `mmap`, `mbind`, `madvise`, `move_pages`, `getcpu`.
+//! Raw placement syscalls: `mmap`, `mremap`, `mbind`, `madvise`, `move_pages`, `getcpu`; and the
+//! allocator's `futex` and `pthread_atfork` calls.
 //!
 //! This is the only module of the crate that makes these calls (see the design notes). Everything
 //! here runs inside a memory allocator, so nothing allocates on the heap, nothing panics, and errno
@@ -10,7 +11,7 @@
 
 use std::ffi::{c_int, c_long, c_void};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
 use crate::{Error, Result};
 
@@ -308,6 +309,41 @@ pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
         call: "mmap",
         errno: libc::EFAULT,
     })
+}
+
+/// Moves the pages of the mapping `from..from+len` to `to..to+len` with
+/// `mremap(MREMAP_MAYMOVE | MREMAP_FIXED)`: page tables move, no byte is copied, and the pages
+/// keep their node and the range its memory policy. Whatever was mapped at `to..to+len` is
+/// unmapped first; `from..from+len` is unmapped afterwards.
+///
+/// Fails with [`Error::InvalidRange`] for an empty or misaligned range, [`Error::Syscall`]
+/// (`call: "mremap"`) if the kernel refuses; then both ranges are as they were.
+///
+/// # Safety
+///
+/// Both ranges must be mappings this crate created with [`map_anonymous`], must not overlap, and
+/// nothing may use either while this runs; afterwards `from..from+len` must not be used.
+pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Result<()> {
+    check_range(from, len)?;
+    check_range(to, len)?;
+    // SAFETY: the caller guarantees both ranges are our mappings and unused; FIXED replaces only
+    // the caller's own range at `to`.
+    let moved = unsafe {
+        libc::mremap(
+            from.as_ptr().cast(),
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            to.as_ptr().cast::<c_void>(),
+        )
+    };
+    if moved == libc::MAP_FAILED {
+        return Err(Error::Syscall {
+            call: "mremap",
+            errno: errno(),
+        });
+    }
+    Ok(())
 }
 
 /// Unmaps `ptr..ptr+len` (the length is rounded up to whole pages, as the kernel does).
@@ -634,6 +670,54 @@ pub fn current_node() -> Result<usize> {
         return Err(numa_error("getcpu", errno()));
     }
     Ok(node as usize)
+}
+
+/// Sleeps while `word` holds `expected` (`FUTEX_WAIT_PRIVATE`, no timeout). Returns on a wake-up,
+/// a signal, or at once when the value already differs: callers re-check in a loop.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32) {
+    // SAFETY: the kernel only reads the aligned u32 behind `word`, which outlives the call; the
+    // null timeout means "no timeout" and the two unused arguments are ignored for FUTEX_WAIT.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            ptr::null::<libc::timespec>(),
+        )
+    };
+}
+
+/// Wakes one thread sleeping in [`futex_wait`] on `word` (`FUTEX_WAKE_PRIVATE`).
+pub(crate) fn futex_wake_one(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live, aligned u32.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            1,
+        )
+    };
+}
+
+/// Registers fork handlers with `pthread_atfork(3)`: `prepare` runs in the forking thread before
+/// `fork`, `parent` and `child` after it in each process.
+///
+/// Fails with [`Error::Syscall`] (`call: "pthread_atfork"`, ENOMEM) when glibc cannot store them.
+pub(crate) fn at_fork(
+    prepare: unsafe extern "C" fn(),
+    parent: unsafe extern "C" fn(),
+    child: unsafe extern "C" fn(),
+) -> Result<()> {
+    // SAFETY: the handlers are plain functions that live as long as the program.
+    match unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) } {
+        0 => Ok(()),
+        errno => Err(Error::Syscall {
+            call: "pthread_atfork",
+            errno,
+        }),
+    }
 }
 
 /// Fault injection for tests (feature `fault-injection`; never enable it in production).

@@ -1,7 +1,8 @@
 //! Running out of address space: a child process (this test binary, re-executed) lowers its
 //! `RLIMIT_AS` and allocates large blocks until the allocator says no. Large requests then get
 //! null / `AllocError` / a `try_reserve` error, never an abort, and every block handed out before
-//! still holds its pattern.
+//! still holds its pattern. Under the same kind of limit, idle cached blocks are given back when a
+//! new block does not fit otherwise.
 
 use std::alloc::{GlobalAlloc, Layout};
 
@@ -166,6 +167,52 @@ fn child() {
     assert_eq!(ALLOC.stats().live_bytes(), 0);
     assert_eq!(local.stats().live_bytes(), 0);
     println!("{CHILD_OK}");
+}
+
+/// The case: 900 MiB reserved and freed (960 MiB cached), then 700 MiB under a limit that
+/// only fits one of the two.
+fn cache_child() {
+    let local = NumaGpuAlloc::new();
+    set_address_space_limit(vm_size() + 1600 * MIB);
+    let mut first: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(&local);
+    first.try_reserve_exact(900 * MIB).expect("900 MiB fit");
+    first.resize(900 * MIB, 1);
+    drop(first);
+    assert_eq!(local.stats().cached_bytes(), 960 * MIB);
+
+    let mut second: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(&local);
+    second
+        .try_reserve_exact(700 * MIB)
+        .expect("the cached 960 MiB were given back");
+    second.resize(700 * MIB, 2);
+    assert!(second.iter().step_by(4096).all(|&b| b == 2));
+    let s = local.stats();
+    println!("{s}");
+    assert_eq!(
+        (s.pressure_retries, s.pressure_released_blocks),
+        (1, 1),
+        "{s}"
+    );
+    assert_eq!(
+        (s.fallbacks.failed_allocations, s.cached_bytes()),
+        (0, 0),
+        "{s}"
+    );
+    println!("{CHILD_OK}");
+}
+
+#[test]
+fn idle_cache_is_given_back_when_the_address_space_runs_out() {
+    if common::child::mode(CHILD_VAR).is_some() {
+        return cache_child();
+    }
+    let (stdout, stderr) = common::child::run(
+        "idle_cache_is_given_back_when_the_address_space_runs_out",
+        CHILD_VAR,
+        "1",
+        &[],
+    );
+    assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
 }
 
 #[test]

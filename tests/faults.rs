@@ -109,15 +109,120 @@ fn mmap_enomem_fails_cleanly_then_recovers() {
     assert_balanced(&s);
 }
 
+/// Caches blocks of 8, 4 and 16 MiB, in that order (oldest first).
+fn cache_three_blocks(alloc: &NumaGpuAlloc) {
+    let held: Vec<_> = [8, 4, 16]
+        .map(|mib| (alloc.allocate(layout(mib * MIB)).unwrap(), mib * MIB))
+        .into();
+    for (p, size) in held {
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(p.cast(), layout(size)) };
+    }
+}
+
+#[test]
+fn a_failed_mapping_gives_back_the_oldest_cached_blocks_and_retries() {
+    let _serial = serial();
+    let alloc = local();
+    cache_three_blocks(&alloc);
+    // 10 MiB needed: the 8 and 4 MiB blocks (oldest) go, the 16 MiB one stays.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    let p = alloc
+        .allocate(layout(10 * MIB))
+        .expect("retried after giving back");
+    let s = alloc.stats();
+    assert_eq!(
+        (s.pressure_retries, s.pressure_released_blocks),
+        (1, 2),
+        "{s}"
+    );
+    assert_eq!(s.cached_bytes(), 16 * MIB);
+    assert_eq!(
+        (s.fallbacks.failed_allocations, s.fallbacks.map_failures),
+        (0, 0)
+    );
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(p.cast(), layout(10 * MIB)) };
+    assert_balanced(&alloc.stats());
+}
+
+#[test]
+fn a_second_failure_gives_back_everything_then_fails_cleanly() {
+    let _serial = serial();
+    let alloc = local();
+    cache_three_blocks(&alloc);
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 2);
+    let p = alloc.allocate(layout(10 * MIB)).expect("third attempt");
+    let s = alloc.stats();
+    assert_eq!(
+        (s.pressure_retries, s.pressure_released_blocks),
+        (2, 3),
+        "{s}"
+    );
+    assert_eq!(s.cached_bytes(), 0);
+    assert_eq!(s.fallbacks.populate_failures, 0, "the request did not fail");
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(p.cast(), layout(10 * MIB)) };
+    // With nothing left to give back, a failure is final and counted once.
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 2);
+    assert!(alloc.allocate(layout(40 * MIB)).is_err());
+    let s = alloc.stats();
+    assert_eq!(
+        s.pressure_retries, 3,
+        "one retry after giving back the 10 MiB block"
+    );
+    assert_eq!(
+        (
+            s.fallbacks.failed_allocations,
+            s.fallbacks.populate_failures
+        ),
+        (1, 1)
+    );
+    assert_balanced(&s);
+}
+
+/// A 3 MiB block of `alloc` filled with `byte`, and its layout.
+fn filled_3mib(alloc: &NumaGpuAlloc, byte: u8) -> (std::ptr::NonNull<u8>, Layout) {
+    let old = layout(3 * MIB);
+    let p = alloc.allocate(old).unwrap().cast::<u8>();
+    // SAFETY: ours, 3 MiB long.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), byte, old.size()) };
+    (p, old)
+}
+
+#[test]
+fn a_growth_whose_tail_cannot_be_populated_moves_by_copying() {
+    let _serial = serial();
+    let alloc = local();
+    let (p, old) = filled_3mib(&alloc, 0x5c);
+    // The tail of the larger mapping fails to populate; the copy's fresh block then works.
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
+    let new = layout(12 * MIB);
+    // SAFETY: p is live with `old`; new.size() >= old.size().
+    let q = unsafe { alloc.grow(p, old, new) }
+        .expect("moved by copying")
+        .cast::<u8>();
+    // SAFETY: the grown allocation is 12 MiB long, its head the old contents.
+    let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), old.size()) };
+    assert!(bytes.iter().all(|&b| b == 0x5c));
+    let s = alloc.stats();
+    assert_eq!(
+        (s.grown_without_copy, s.fallbacks.failed_allocations),
+        (0, 0),
+        "{s}"
+    );
+    // SAFETY: allocated above with `new`.
+    unsafe { alloc.deallocate(q, new) };
+    assert_balanced(&alloc.stats());
+}
+
 #[test]
 fn mmap_failure_during_realloc_keeps_the_old_block() {
     let _serial = serial();
     let alloc = local();
-    let old = layout(3 * MIB);
-    let p = alloc.allocate(old).unwrap().cast::<u8>();
-    // SAFETY: ours, 3 MiB long.
-    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xc3, old.size()) };
-    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    let (p, old) = filled_3mib(&alloc, 0xc3);
+    // Two mappings fail: the larger one to move the pages into, then the new block to copy to.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 2);
     let new = layout(40 * MIB);
     // SAFETY: p is live with `old`; new.size() >= old.size().
     assert!(unsafe { alloc.grow(p, old, new) }.is_err());

@@ -39,11 +39,7 @@ impl CacheIndex {
     /// rather than searching the queue (blocks are page-aligned, and 2 MiB-aligned from 2 MiB
     /// with huge pages, so this is rare).
     pub(crate) fn take(&mut self, fit: Fit) -> Option<Block> {
-        let capacity = self
-            .by_capacity
-            .range(fit.least..=fit.most)
-            .find(|(_, queue)| queue.back().is_some_and(|(_, b)| fit.admits(b)))
-            .map(|(&capacity, _)| capacity)?;
+        let capacity = self.find(fit)?;
         let queue = self.by_capacity.get_mut(&capacity)?;
         let (seq, block) = queue.pop_back()?;
         if queue.is_empty() {
@@ -52,6 +48,19 @@ impl CacheIndex {
         self.by_age.remove(&seq);
         self.bytes -= block.capacity;
         Some(block)
+    }
+
+    /// Whether [`Self::take`] would find a block.
+    pub(crate) fn holds(&self, fit: Fit) -> bool {
+        self.find(fit).is_some()
+    }
+
+    /// The smallest capacity whose newest block `fit` admits.
+    fn find(&self, fit: Fit) -> Option<usize> {
+        self.by_capacity
+            .range(fit.least..=fit.most)
+            .find(|(_, queue)| queue.back().is_some_and(|(_, b)| fit.admits(b)))
+            .map(|(&capacity, _)| capacity)
     }
 
     /// Removes the block cached longest ago.

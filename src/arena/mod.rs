@@ -1,7 +1,7 @@
 //! The per-node arena: live blocks, the cache of freed blocks (`index.rs`), blocks waiting for GPU
 //! work (`pending.rs`), and per-node accounting.
 //!
-//! An arena is only touched under its `parking_lot::Mutex`, from inside the re-entrancy guard
+//! An arena is only touched under its lock (`lock.rs`), from inside the re-entrancy guard
 //! (its maps allocate through the inner allocator). Slow work — mapping, populating, pinning,
 //! unmapping — happens outside the lock; the arena only moves [`Block`] records around.
 
@@ -89,7 +89,15 @@ pub(crate) struct Arena {
     pending: PendingList,
     pinned_bytes: usize,
     peak_live_bytes: usize,
+    /// Highest live plus pending bytes seen: the memory the program (and its GPU work) needed
+    /// at once, which bounds the cache (see [`Self::budget`]).
+    peak_in_use: usize,
     tracker: NumaAllocTracker,
+    /// In a forked child: page-locked blocks are not reused (the child's copy is not registered,
+    /// and a driver may keep registered ranges out of the child altogether), only released.
+    in_child: bool,
+    /// Set by the fork handler; the next settling moves page-locked cached blocks out.
+    pinned_cache_stale: bool,
 }
 
 impl Arena {
@@ -103,13 +111,34 @@ impl Arena {
             pending: PendingList::default(),
             pinned_bytes: 0,
             peak_live_bytes: 0,
+            peak_in_use: 0,
             tracker: NumaAllocTracker::new(topology),
+            in_child: false,
+            pinned_cache_stale: false,
         }
+    }
+
+    /// Called by the fork handler in the child: page-locked blocks will no longer be reused. No
+    /// work is done here; the next allocation releases the cached ones.
+    pub(crate) fn enter_child(&mut self) {
+        self.in_child = true;
+        self.pinned_cache_stale = true;
     }
 
     /// Moves pending blocks whose work has completed into the cache (evicting beyond `limit` into
     /// `evicted`). Polls, never waits: O(pending).
     pub(crate) fn settle_pending(&mut self, limit: usize, evicted: &mut Vec<Block>) {
+        if self.pinned_cache_stale {
+            self.pinned_cache_stale = false;
+            for block in self.cached.drain() {
+                if block.pinned {
+                    self.forget_pinned(&block);
+                    evicted.push(block);
+                } else {
+                    self.cached.insert(block);
+                }
+            }
+        }
         if self.pending.len() == 0 {
             return;
         }
@@ -125,6 +154,20 @@ impl Arena {
         self.cached.take(fit)
     }
 
+    /// Whether a cached block would serve this request.
+    pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
+        self.cached.holds(fit)
+    }
+
+    /// The live block at `addr` when it may grow by moving its pages (`mremap`): not page-locked
+    /// (a registration is tied to the address) and no GPU work recorded against it.
+    pub(crate) fn growable(&self, addr: usize) -> Option<Block> {
+        self.live
+            .get(&addr)
+            .filter(|live| !live.block.pinned && live.work.is_empty())
+            .map(|live| live.block)
+    }
+
     /// Whether a pending block would have served this request (a miss deferred by GPU work).
     pub(crate) fn pending_fits(&self, fit: Fit) -> bool {
         self.pending.holds_fit(fit)
@@ -138,15 +181,9 @@ impl Arena {
         }
         let work = Work::new();
         self.live.insert(block.addr, Live { block, work });
-        self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes());
-    }
-
-    /// Records that a newly created block exists (pinned bytes include live, pending and cached
-    /// blocks).
-    pub(crate) fn note_created(&mut self, block: &Block) {
-        if block.pinned {
-            self.pinned_bytes += block.capacity;
-        }
+        let live = self.live_bytes();
+        self.peak_live_bytes = self.peak_live_bytes.max(live);
+        self.peak_in_use = self.peak_in_use.max(live + self.pending.bytes());
     }
 
     /// Looks up a live block by address.
@@ -199,10 +236,11 @@ impl Arena {
     }
 
     /// Caches a freed block, then evicts the oldest cached blocks while cached and pending bytes
-    /// exceed `limit`. A block larger than the whole limit is evicted alone rather than emptying
-    /// the cache. Pending blocks are never evicted: GPU work may still use them.
+    /// exceed the budget (`limit`, and the live high-water mark, see [`Self::budget`]). A block larger than the whole limit is evicted alone rather than emptying
+    /// the cache, and so is a page-locked block in a forked child. Pending blocks are never
+    /// evicted: GPU work may still use them.
     pub(crate) fn cache(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
-        if block.capacity > limit {
+        if block.capacity > limit || (block.pinned && self.in_child) {
             self.forget_pinned(&block);
             evicted.push(block);
             return;
@@ -211,8 +249,45 @@ impl Arena {
         self.evict_beyond(limit, evicted);
     }
 
+    /// Records a block just created for a request, then evicts what the cache may no longer
+    /// hold now that live bytes grew (see [`Self::budget`]).
+    pub(crate) fn insert_created(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
+        self.note_created(&block);
+        self.insert_live(block);
+        self.evict_beyond(limit, evicted);
+    }
+
+    /// Caches a block made ahead of the requests that will want it (`reserve`). A reservation
+    /// says how much will be in use at once, so it raises the high-water mark the budget follows
+    /// (see [`Self::budget`]) to everything held now plus the block; only `limit` can evict it.
+    pub(crate) fn insert_reserved(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
+        self.note_created(&block);
+        let held = self.live_bytes() + self.pending.bytes() + self.cached.bytes() + block.capacity;
+        self.peak_in_use = self.peak_in_use.max(held);
+        self.cache(block, limit, evicted);
+    }
+
+    /// Pinned bytes include live, pending and cached blocks.
+    fn note_created(&mut self, block: &Block) {
+        if block.pinned {
+            self.pinned_bytes += block.capacity;
+        }
+    }
+
+    /// Bytes the cache and the pending list may hold: at most `limit`, and no more than keeps
+    /// live, pending and cached bytes within 1/8 above the most that was live and pending at
+    /// once. Reuse never needs more (what was in use at once fits); a cache beyond it holds
+    /// blocks the program has moved on from, such as a growing `Vec`'s smaller sizes, populated
+    /// (maybe page-locked) for nothing.
+    fn budget(&self, limit: usize) -> usize {
+        let peak = self.peak_in_use;
+        let roof = peak.saturating_add(peak / CLASSES_PER_DOUBLING as usize);
+        limit.min(roof.saturating_sub(self.live_bytes()))
+    }
+
     fn evict_beyond(&mut self, limit: usize, evicted: &mut Vec<Block>) {
-        while self.cached.bytes() + self.pending.bytes() > limit {
+        let budget = self.budget(limit);
+        while self.cached.bytes() + self.pending.bytes() > budget {
             let Some(old) = self.cached.pop_oldest() else {
                 break;
             };
@@ -232,6 +307,22 @@ impl Arena {
         drained
     }
 
+    /// Removes the oldest cached blocks until they sum to at least `bytes` (or the cache is
+    /// empty), returning them for release.
+    pub(crate) fn release_oldest(&mut self, bytes: usize) -> Vec<Block> {
+        let mut released = Vec::new();
+        let mut sum = 0usize;
+        while sum < bytes {
+            let Some(old) = self.cached.pop_oldest() else {
+                break;
+            };
+            sum += old.capacity;
+            self.forget_pinned(&old);
+            released.push(old);
+        }
+        released
+    }
+
     /// Removes every pending block with its work (for the allocator's `Drop`, which waits).
     pub(crate) fn drain_pending(&mut self) -> Vec<PendingBlock> {
         let drained = self.pending.drain();
@@ -247,7 +338,8 @@ impl Arena {
         }
     }
 
-    /// Starts the peak over from the bytes live now (`reset_peaks()`).
+    /// Starts the peak over from the bytes live now (`reset_peaks()`). The cache budget keeps its
+    /// own high-water mark: a statistics call does not release cached blocks.
     pub(crate) fn reset_peak(&mut self) {
         self.peak_live_bytes = self.live_bytes();
     }
@@ -274,250 +366,4 @@ impl Arena {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-
-    use super::pending::double::Flag;
-    use super::*;
-
-    const PAGE: usize = 4096;
-    const MIB: usize = 1 << 20;
-
-    #[test]
-    fn classes_waste_at_most_an_eighth() {
-        let mut size = 2 * MIB;
-        while size < 512 * MIB {
-            let class = class_size(size, PAGE).unwrap();
-            assert!(class >= size);
-            assert!((class - size) * 8 <= size, "size {size} class {class}");
-            assert_eq!(class % PAGE, 0);
-            size += 12_345 * 7;
-        }
-    }
-
-    #[test]
-    fn class_examples() {
-        assert_eq!(class_size(2 * MIB, PAGE), Some(2 * MIB));
-        assert_eq!(class_size(2 * MIB + 1, PAGE), Some(2 * MIB + 256 * 1024));
-        assert_eq!(class_size(3 * MIB, PAGE), Some(3 * MIB));
-        assert_eq!(class_size(100, PAGE), Some(PAGE));
-        assert_eq!(class_size(usize::MAX, PAGE), None);
-    }
-
-    fn block(addr: usize, capacity: usize, pinned: bool) -> Block {
-        Block {
-            addr,
-            capacity,
-            pinned,
-        }
-    }
-
-    /// The fit of a request of `size` bytes, as the allocator computes it.
-    fn fit(size: usize, align: usize) -> Fit {
-        Fit::new(size, class_size(size, PAGE).unwrap(), align)
-    }
-
-    #[test]
-    fn reuse_needs_covering_capacity_and_alignment() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        let mut evicted = Vec::new();
-        arena.cache(block(0x20_0000, 4 * MIB, false), usize::MAX, &mut evicted);
-        assert_eq!(arena.take_cached(fit(5 * MIB, PAGE)), None, "too small");
-        assert_eq!(arena.take_cached(fit(2 * MIB, PAGE)), None, "too wasteful");
-        assert_eq!(arena.take_cached(fit(4 * MIB, 1 << 30)), None, "misaligned");
-        assert_eq!(
-            arena.take_cached(fit(4 * MIB - PAGE, 2 * MIB)),
-            Some(block(0x20_0000, 4 * MIB, false))
-        );
-        assert_eq!(arena.cached.bytes(), 0);
-    }
-
-    #[test]
-    fn reuse_wastes_at_most_an_eighth_of_the_request() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        let mut evicted = Vec::new();
-        // 2.5 MiB is one class above 2 MiB + 1 B (class 2.25 MiB): 25% over the request.
-        arena.cache(
-            block(0x20_0000, 2 * MIB + MIB / 2, false),
-            usize::MAX,
-            &mut evicted,
-        );
-        assert_eq!(arena.take_cached(fit(2 * MIB + 1, PAGE)), None);
-        // 2.5 MiB for 2.25 MiB + 1 B is within 1/8 of the request although its class is 2.5 MiB.
-        assert!(arena
-            .take_cached(fit(2 * MIB + MIB / 4 + 1, PAGE))
-            .is_some());
-        let mut size = 4 * PAGE;
-        while size < 64 * MIB {
-            let f = fit(size, PAGE);
-            assert!((f.most - size) * 8 <= size, "size {size} bound {}", f.most);
-            size = size * 9 / 8 + 4321;
-        }
-    }
-
-    #[test]
-    fn cache_limit_evicts_oldest_first() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        let mut evicted = Vec::new();
-        for i in 1..=3 {
-            let b = block(i * 0x1000_0000, 4 * MIB, true);
-            arena.note_created(&b);
-            arena.cache(b, 8 * MIB, &mut evicted);
-        }
-        assert_eq!(evicted, [block(0x1000_0000, 4 * MIB, true)]);
-        let mut nodes = vec![NodeStats::default()];
-        arena.fill(&mut nodes);
-        assert_eq!(nodes[0].cached_bytes, 8 * MIB);
-        assert_eq!(nodes[0].pinned_bytes, 8 * MIB);
-        assert_eq!(nodes[0].cached_blocks, 2);
-        let big = block(0x4000_0000, 16 * MIB, true);
-        arena.note_created(&big);
-        evicted.clear();
-        arena.cache(big, 8 * MIB, &mut evicted);
-        assert_eq!(
-            evicted,
-            [big],
-            "a block over the limit leaves the others cached"
-        );
-        arena.fill(&mut nodes);
-        assert_eq!(
-            (nodes[0].cached_blocks, nodes[0].pinned_bytes),
-            (2, 8 * MIB)
-        );
-        assert_eq!(arena.drain_cached().len(), 2);
-        arena.fill(&mut nodes);
-        assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
-    }
-
-    /// A live 4 MiB pinned block at `addr`, with work recorded through a pointer inside it.
-    fn live_in_use(arena: &mut Arena, addr: usize) -> Arc<AtomicBool> {
-        let b = block(addr, 4 * MIB, true);
-        arena.note_created(&b);
-        arena.insert_live(b);
-        let (work, done) = Flag::unfinished();
-        assert!(arena.record_in_flight(addr + MIB + 17, work).is_ok());
-        done
-    }
-
-    #[test]
-    fn a_freed_block_in_use_is_not_reused_before_its_work_completed() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        let mut evicted = Vec::new();
-        let done = live_in_use(&mut arena, 0x40_0000);
-        let (block, work) = arena.remove_live(0x40_0000).unwrap();
-        arena.free(block, work, usize::MAX, &mut evicted);
-        arena.settle_pending(usize::MAX, &mut evicted);
-        assert_eq!(
-            arena.take_cached(fit(4 * MIB, PAGE)),
-            None,
-            "reused while in flight"
-        );
-        assert!(arena.pending_fits(fit(4 * MIB, PAGE)));
-        let mut nodes = vec![NodeStats::default()];
-        arena.fill(&mut nodes);
-        assert_eq!(
-            (nodes[0].pending_blocks, nodes[0].pending_bytes),
-            (1, 4 * MIB)
-        );
-        assert_eq!(nodes[0].pinned_bytes, 4 * MIB);
-
-        done.store(true, Ordering::Release);
-        arena.settle_pending(usize::MAX, &mut evicted);
-        assert_eq!(arena.take_cached(fit(4 * MIB, PAGE)), Some(block));
-        assert!(evicted.is_empty());
-    }
-
-    #[test]
-    fn work_is_recorded_only_inside_a_live_block() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        arena.insert_live(block(0x40_0000, 4 * MIB, false));
-        for addr in [0x40_0000 - 1, 0x40_0000 + 4 * MIB, 0] {
-            assert!(
-                arena.record_in_flight(addr, Flag::unfinished().0).is_err(),
-                "{addr:#x}"
-            );
-        }
-        assert!(arena
-            .record_in_flight(0x40_0000 + 4 * MIB - 1, Flag::unfinished().0)
-            .is_ok());
-    }
-
-    #[test]
-    fn pending_bytes_count_against_the_limit_and_are_never_evicted() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        let mut evicted = Vec::new();
-        arena.cache(block(0x1000_0000, 4 * MIB, false), 8 * MIB, &mut evicted);
-        let first = live_in_use(&mut arena, 0x2000_0000);
-        let second = live_in_use(&mut arena, 0x3000_0000);
-        for addr in [0x2000_0000, 0x3000_0000] {
-            let (block, work) = arena.remove_live(addr).unwrap();
-            arena.free(block, work, 8 * MIB, &mut evicted);
-        }
-        assert_eq!(
-            evicted,
-            [block(0x1000_0000, 4 * MIB, false)],
-            "ready blocks go first"
-        );
-        assert_eq!(arena.drain_cached(), [], "trim skips blocks in flight");
-        first.store(true, Ordering::Release);
-        assert_eq!(arena.drain_cached(), [block(0x2000_0000, 4 * MIB, true)]);
-        let pending = arena.drain_pending();
-        assert_eq!(pending.len(), 1);
-        assert!(
-            !second.load(Ordering::Acquire),
-            "draining does not wait: the caller does"
-        );
-        let mut nodes = vec![NodeStats::default()];
-        arena.fill(&mut nodes);
-        assert_eq!((nodes[0].pending_bytes, nodes[0].pinned_bytes), (0, 0));
-    }
-
-    #[test]
-    fn a_block_over_the_limit_waits_for_its_work_before_eviction() {
-        let topo = NumaTopology::single_node();
-        let mut arena = Arena::new(&topo, 0);
-        let mut evicted = Vec::new();
-        let done = live_in_use(&mut arena, 0x2000_0000);
-        let (block, work) = arena.remove_live(0x2000_0000).unwrap();
-        arena.free(block, work, 2 * MIB, &mut evicted);
-        assert!(evicted.is_empty(), "a block in flight is never released");
-        done.store(true, Ordering::Release);
-        arena.settle_pending(2 * MIB, &mut evicted);
-        assert_eq!(evicted, [block]);
-    }
-
-    #[test]
-    fn live_accounting_and_peak() {
-        let topo = NumaTopology::two_node(20);
-        let mut arena = Arena::new(&topo, 1);
-        arena.insert_live(block(0x1000, 4 * MIB, false));
-        arena.insert_live(block(0x2000, 2 * MIB, false));
-        assert_eq!(
-            arena.remove_live(0x1000).map(|b| b.0.capacity),
-            Some(4 * MIB)
-        );
-        assert!(arena.remove_live(0x1000).is_none());
-        let mut nodes = vec![
-            NodeStats {
-                node: 0,
-                ..NodeStats::default()
-            },
-            NodeStats {
-                node: 1,
-                ..NodeStats::default()
-            },
-        ];
-        arena.fill(&mut nodes);
-        assert_eq!(nodes[0].live_bytes, 0);
-        assert_eq!(nodes[1].live_bytes, 2 * MIB);
-        assert_eq!(nodes[1].peak_live_bytes, 6 * MIB);
-        assert_eq!(nodes[1].live_blocks, 1);
-    }
-}
+mod tests;

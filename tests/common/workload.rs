@@ -52,8 +52,8 @@ fn mixed_workload(thread: usize) {
     }
 }
 
-/// Many threads freeing and allocating the same size hammer one arena lock, so parking_lot's
-/// slow path (which allocates) runs under the guard.
+/// Many threads freeing and allocating the same size hammer one arena lock, so its sleeping path
+/// runs, and the arena's maps allocate under the guard.
 fn contended_reuse(barrier: &Barrier) {
     barrier.wait();
     for i in 0..200u32 {

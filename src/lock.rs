@@ -1,0 +1,181 @@
+//! The allocator's lock: a futex mutex that never allocates and that a forked child can reset.
+//!
+//! parking_lot allocates on contention (its thread data and hash table), and cannot be unlocked in
+//! a forked child when threads of the parent were parked on it: its unlock path takes a bucket lock
+//! of the global parking lot, which another thread of the parent may have held at the fork. This
+//! lock's whole state is one word (0 unlocked, 1 locked, 2 locked with sleepers, as in Drepper's
+//! "Futexes Are Tricky"), so a child sets it to 0: none of the parent's other threads exist there
+//! to sleep on it or be woken.
+
+use std::cell::UnsafeCell;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::sys;
+
+const UNLOCKED: u32 = 0;
+const LOCKED: u32 = 1;
+const SLEEPERS: u32 = 2;
+
+/// Spins before sleeping: arena critical sections are short (a few map operations).
+const SPINS: u32 = 100;
+
+/// A mutual-exclusion lock around a `T`.
+pub(crate) struct Lock<T> {
+    state: AtomicU32,
+    value: UnsafeCell<T>,
+}
+
+// SAFETY: the value is only reached through a guard, and one guard exists at a time (the state word
+// is acquired with Acquire and released with Release), so sharing the lock shares `T` between
+// threads one at a time, which `T: Send` allows.
+unsafe impl<T: Send> Sync for Lock<T> {}
+
+impl<T> Lock<T> {
+    /// An unlocked lock.
+    pub(crate) const fn new(value: T) -> Self {
+        Lock {
+            state: AtomicU32::new(UNLOCKED),
+            value: UnsafeCell::new(value),
+        }
+    }
+
+    /// Waits for the lock; it is released when the guard drops.
+    pub(crate) fn lock(&self) -> Guard<'_, T> {
+        self.acquire();
+        Guard {
+            lock: self,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+
+    /// The lock if it is free now, without waiting (the exit report must not block).
+    pub(crate) fn try_lock(&self) -> Option<Guard<'_, T>> {
+        self.state
+            .compare_exchange(UNLOCKED, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| Guard {
+                lock: self,
+                _not_send: std::marker::PhantomData,
+            })
+    }
+
+    /// Waits for the lock without a guard (fork handlers hold locks across calls).
+    pub(crate) fn acquire(&self) {
+        if self
+            .state
+            .compare_exchange(UNLOCKED, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            self.acquire_contended();
+        }
+    }
+
+    #[cold]
+    fn acquire_contended(&self) {
+        for _ in 0..SPINS {
+            if self.state.load(Ordering::Relaxed) == UNLOCKED
+                && self
+                    .state
+                    .compare_exchange(UNLOCKED, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        // Marking the word "sleepers" makes the holder's release wake one of us; a thread that
+        // takes the lock this way keeps the mark, since others may still sleep.
+        while self.state.swap(SLEEPERS, Ordering::Acquire) != UNLOCKED {
+            sys::futex_wait(&self.state, SLEEPERS);
+        }
+    }
+
+    /// The value, for a thread that holds the lock through [`Self::acquire`].
+    ///
+    /// # Safety
+    /// The calling thread holds the lock through [`Self::acquire`], and drops the reference
+    /// before releasing it; it does not take a guard meanwhile.
+    pub(crate) unsafe fn held(&self) -> &T {
+        // SAFETY: the caller holds the lock, so nobody else reaches the value.
+        unsafe { &*self.value.get() }
+    }
+
+    /// Releases a lock taken with [`Self::acquire`].
+    ///
+    /// # Safety
+    /// The calling thread holds the lock through [`Self::acquire`] (not through a guard).
+    pub(crate) unsafe fn release(&self) {
+        if self.state.swap(UNLOCKED, Ordering::Release) == SLEEPERS {
+            sys::futex_wake_one(&self.state);
+        }
+    }
+
+    /// Marks the lock unlocked without waking anyone.
+    ///
+    /// # Safety
+    /// Only in a forked child, on a lock that the fork handler's prepare step held, and before
+    /// the child has another thread: the parent's sleepers do not exist in the child.
+    pub(crate) unsafe fn reset_in_child(&self) {
+        self.state.store(UNLOCKED, Ordering::Relaxed);
+    }
+}
+
+/// Access to the locked value; releases the lock when dropped. Not `Send`: it is released on the
+/// thread that took it.
+pub(crate) struct Guard<'a, T> {
+    lock: &'a Lock<T>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl<T> Deref for Guard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the guard proves the lock is held, so no other reference to the value exists.
+        unsafe { &*self.lock.value.get() }
+    }
+}
+
+impl<T> DerefMut for Guard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as in `deref`, and `&mut self` makes this the only access through the guard.
+        unsafe { &mut *self.lock.value.get() }
+    }
+}
+
+impl<T> Drop for Guard<'_, T> {
+    fn drop(&mut self) {
+        // SAFETY: the guard was made by `lock`, which acquired the lock on this thread.
+        unsafe { self.lock.release() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contended_increments_are_all_kept() {
+        let counter = Lock::new(0u64);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..20_000 {
+                        *counter.lock() += 1;
+                    }
+                });
+            }
+        });
+        assert_eq!(*counter.lock(), 80_000);
+    }
+
+    #[test]
+    fn a_reset_lock_can_be_taken_again() {
+        let lock = Lock::new(());
+        lock.acquire();
+        // SAFETY: no other thread uses this lock; this stands in for a child after fork.
+        unsafe { lock.reset_in_child() };
+        drop(lock.lock());
+        assert_eq!(lock.state.load(Ordering::Relaxed), UNLOCKED);
+    }
+}
