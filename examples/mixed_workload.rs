@@ -7,35 +7,36 @@
 //! machine lands on every allocator alike; each process times 5 rounds after a warm-up round.
 //!
 //! Each run is a child process of this one, with `MIXED_ALLOCATOR` naming its allocator. The
-//! global allocator dispatches on that choice (one load and a jump per call, the same for every
-//! allocator), since a program has one global allocator, fixed before `main`. Times are the
+//! global allocator dispatches on that choice (one load and an indirect call per request, the same
+//! for every allocator), since a program has one global allocator, fixed before `main`. Times are the
 //! process's CPU time over a round (both threads, user and system: page faults included; time
 //! other processes on a shared machine hold the CPUs is not), wall time beside it.
 
 #[path = "support/measure.rs"]
 mod measure;
+#[path = "support/peers.rs"]
+mod peers;
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::System;
 use std::collections::HashMap;
-use std::ffi::CStr;
 use std::process::Command;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use measure::{cpu_time, splitmix64};
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::NumaGpuAlloc;
+use peers::{median, ChosenAllocator};
 use serde_json::{json, Value};
 
-/// The allocators compared, by the name `MIXED_ALLOCATOR` gives them, in table order.
+/// The allocators compared, by the name `MIXED_ALLOCATOR` gives them (the order of `GLOBAL`'s
+/// peers), and their labels.
 const ALLOCATORS: [(&str, &str); 4] = [
     ("system", "glibc (System)"),
     ("mimalloc", "mimalloc"),
     ("ours", "ours over System"),
     ("ours-mimalloc", "ours over mimalloc"),
 ];
-const CHOICE_VAR: &CStr = c"MIXED_ALLOCATOR";
 const ROUNDS: usize = 5;
 const THREADS: usize = 2;
 
@@ -45,88 +46,16 @@ const THREADS: usize = 2;
 static OURS: NumaGpuAlloc = NumaGpuAlloc::new();
 static OURS_MIMALLOC: NumaGpuAlloc<MiMalloc> = NumaGpuAlloc::with_inner(MiMalloc);
 
-/// Index into [`ALLOCATORS`] plus one; 0 until the first request chooses.
-static CHOICE: AtomicU8 = AtomicU8::new(0);
-
-/// Reads `MIXED_ALLOCATOR` (`getenv` does not allocate; the parent, without it, uses `System`).
-#[cold]
-fn choose() {
-    // SAFETY: a NUL-terminated name; nothing in this program changes the environment.
-    let value = unsafe { libc::getenv(CHOICE_VAR.as_ptr()) };
-    let name = if value.is_null() {
-        &b"system"[..]
-    } else {
-        // SAFETY: `getenv` returns a NUL-terminated string that lives as long as the environment.
-        unsafe { CStr::from_ptr(value) }.to_bytes()
-    };
-    let index = ALLOCATORS
-        .iter()
-        .position(|(n, _)| n.as_bytes() == name)
-        .unwrap_or(0);
-    CHOICE.store(index as u8 + 1, Relaxed);
-}
-
-/// Runs `$call` with `$a` bound to the chosen allocator.
-macro_rules! with_chosen {
-    ($a:ident => $call:expr) => {
-        match CHOICE.load(Relaxed) {
-            1 => {
-                let $a = &System;
-                $call
-            }
-            2 => {
-                let $a = &MiMalloc;
-                $call
-            }
-            3 => {
-                let $a = &OURS;
-                $call
-            }
-            4 => {
-                let $a = &OURS_MIMALLOC;
-                $call
-            }
-            _ => {
-                choose();
-                let $a = &Chosen;
-                $call
-            }
-        }
-    };
-}
-
-struct Chosen;
-
-// SAFETY: every call goes to the allocator chosen before the first request, which never changes,
-// so each pointer is freed by the allocator that made it.
-unsafe impl GlobalAlloc for Chosen {
-    #[inline]
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded from the caller.
-        with_chosen!(a => unsafe { a.alloc(layout) })
-    }
-
-    #[inline]
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded from the caller.
-        with_chosen!(a => unsafe { a.alloc_zeroed(layout) })
-    }
-
-    #[inline]
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded from the caller.
-        with_chosen!(a => unsafe { a.dealloc(ptr, layout) })
-    }
-
-    #[inline]
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded from the caller.
-        with_chosen!(a => unsafe { a.realloc(ptr, layout, new_size) })
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Chosen = Chosen;
+static GLOBAL: ChosenAllocator = ChosenAllocator::new(
+    c"MIXED_ALLOCATOR",
+    &[
+        ("system", &System),
+        ("mimalloc", &MiMalloc),
+        ("ours", &OURS),
+        ("ours-mimalloc", &OURS_MIMALLOC),
+    ],
+);
 
 // ---------------------------------------------------------------------------------------------
 // The workload.
@@ -223,9 +152,9 @@ fn child() {
         let (cpu, wall, checksum) = timed_round(round);
         println!("round {} {} {checksum}", cpu.as_nanos(), wall.as_nanos());
     }
-    let stats = match CHOICE.load(Relaxed) {
-        3 => Some(OURS.stats()),
-        4 => Some(OURS_MIMALLOC.stats()),
+    let stats = match std::env::var(GLOBAL.var()).as_deref() {
+        Ok("ours") => Some(OURS.stats()),
+        Ok("ours-mimalloc") => Some(OURS_MIMALLOC.stats()),
         _ => None,
     };
     if let Some(s) = stats {
@@ -246,14 +175,9 @@ struct Samples {
     large: String,
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 fn run_child(name: &str, samples: &mut Samples) -> Result<(), String> {
     let out = Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
-        .env(CHOICE_VAR.to_str().unwrap_or_default(), name)
+        .env(GLOBAL.var(), name)
         .output()
         .map_err(|e| format!("starting the {name} child: {e}"))?;
     if !out.status.success() {
@@ -283,7 +207,7 @@ fn run_child(name: &str, samples: &mut Samples) -> Result<(), String> {
 }
 
 fn main() -> Result<(), String> {
-    if std::env::var_os(CHOICE_VAR.to_str().unwrap_or_default()).is_some() {
+    if std::env::var_os(GLOBAL.var()).is_some() {
         child();
         return Ok(());
     }
