@@ -89,6 +89,7 @@ fn parse_count(v: &str) -> Res<usize> {
 }
 
 fn parse_args() -> Res<Args> {
+    use lexopt::prelude::*;
     let mut args = Args {
         cold_sizes: vec![GIB, 16 * GIB],
         reps: 3,
@@ -100,51 +101,50 @@ fn parse_args() -> Res<Args> {
         max_seconds: None,
         json_out: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (key, inline) = match arg.split_once('=') {
-            Some((k, v)) => (k.to_owned(), Some(v.to_owned())),
-            None => (arg.clone(), None),
-        };
-        let mut value = || -> Res<String> {
-            inline
-                .clone()
-                .or_else(|| it.next())
-                .ok_or_else(|| format!("{key} needs a value\n{USAGE}").into())
-        };
-        match key.as_str() {
-            "--cold-sizes" => args.cold_sizes = parse_sizes(&value()?)?,
-            "--reps" => args.reps = parse_count(&value()?)?,
-            "--scaling-size" => args.scaling_size = parse_sizes(&value()?)?[0],
-            "--threads" => {
-                args.threads = value()?.split(',').map(parse_count).collect::<Res<_>>()?;
+    let mut parser = lexopt::Parser::from_env();
+    let usage = |e: lexopt::Error| -> Box<dyn std::error::Error> { format!("{e}\n{USAGE}").into() };
+    let value = |parser: &mut lexopt::Parser| -> Res<String> {
+        parser.value().map_err(usage)?.string().map_err(usage)
+    };
+    while let Some(arg) = parser.next().map_err(usage)? {
+        match arg {
+            Long("cold-sizes") => args.cold_sizes = parse_sizes(&value(&mut parser)?)?,
+            Long("reps") => args.reps = parse_count(&value(&mut parser)?)?,
+            Long("scaling-size") => args.scaling_size = parse_sizes(&value(&mut parser)?)?[0],
+            Long("threads") => {
+                args.threads = value(&mut parser)?
+                    .split(',')
+                    .map(parse_count)
+                    .collect::<Res<_>>()?;
             }
-            "--bw-sizes" => args.bw_sizes = parse_sizes(&value()?)?,
-            "--runs" => args.runs = parse_count(&value()?)?,
-            "--gpu" => {
-                let v = value()?;
+            Long("bw-sizes") => args.bw_sizes = parse_sizes(&value(&mut parser)?)?,
+            Long("runs") => args.runs = parse_count(&value(&mut parser)?)?,
+            Long("gpu") => {
+                let v = value(&mut parser)?;
                 args.gpu = if v.eq_ignore_ascii_case("auto") {
                     GpuSelector::Auto
                 } else {
                     GpuSelector::Ordinal(v.parse().map_err(|_| format!("bad GPU {v:?}"))?)
                 };
             }
-            "--max-seconds" => args.max_seconds = Some(parse_count(&value()?)? as u64),
-            "--json-out" => args.json_out = Some(value()?),
-            "-h" | "--help" => {
+            Long("max-seconds") => {
+                args.max_seconds = Some(parse_count(&value(&mut parser)?)? as u64)
+            }
+            Long("json-out") => args.json_out = Some(value(&mut parser)?),
+            Short('h') | Long("help") => {
                 println!("{USAGE}");
                 std::process::exit(0);
             }
             // `cargo bench`/`cargo test` style flags are ignored.
-            "--bench" | "--nocapture" => {}
-            _ => return Err(format!("unknown argument {arg:?}\n{USAGE}").into()),
+            Long("bench") | Long("nocapture") => {}
+            _ => return Err(usage(arg.unexpected())),
         }
     }
     Ok(args)
 }
 
-/// One measured value.
-#[derive(Default)]
+/// One measured value (a row of the tables and of the JSON file).
+#[derive(Default, serde::Serialize)]
 struct Row {
     /// `cold`, `reuse`, `populate`, `bandwidth` or `host_copy`.
     test: &'static str,
@@ -723,66 +723,6 @@ fn print_rows(rows: &[Row]) {
     }
 }
 
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn json_num(v: Option<f64>) -> String {
-    match v {
-        Some(v) if v.is_finite() => format!("{v:.4}"),
-        _ => "null".to_owned(),
-    }
-}
-
-fn json_usize(v: Option<usize>) -> String {
-    v.map_or_else(|| "null".to_owned(), |v| v.to_string())
-}
-
-/// The run as one JSON object: what was found, then every row.
-fn to_json(header: &[(&str, String)], rows: &[Row]) -> String {
-    let mut s = String::from("{");
-    for (key, value) in header {
-        let _ = write!(s, "{}:{value},", json_str(key));
-    }
-    s.push_str("\"rows\":[");
-    for (i, r) in rows.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
-        }
-        let _ = write!(
-            s,
-            "{{\"test\":{},\"memory\":{},\"node\":{},\"bytes\":{},\"threads\":{},\"ms\":{},\
-             \"register_ms\":{},\"h2d_gbps\":{},\"d2h_gbps\":{},\"copy_gbps\":{},\"note\":{}}}",
-            json_str(r.test),
-            json_str(r.memory),
-            json_usize(r.node),
-            r.bytes,
-            json_usize(r.threads),
-            json_num(r.ms),
-            json_num(r.register_ms),
-            json_num(r.h2d_gbps),
-            json_num(r.d2h_gbps),
-            json_num(r.copy_gbps),
-            json_str(&r.note)
-        );
-    }
-    s.push_str("]}\n");
-    s
-}
-
 fn main() -> Res<()> {
     let args = parse_args()?;
     let started = Instant::now();
@@ -797,14 +737,15 @@ fn main() -> Res<()> {
         .or_else(|| topo.node_ids().first().copied())
         .unwrap_or(0);
     let unavailable = numa_gpu_alloc::cuda_unavailable_reason();
-    let mut header = vec![("cuda", (unavailable.is_none()).to_string())];
+    let mut header = serde_json::Map::new();
+    header.insert("cuda".into(), unavailable.is_none().into());
     let mut host = local;
     let mut driver = None;
     match &unavailable {
         Some(why) => {
             println!("no CUDA driver: {why}");
             println!("measuring host-side costs only (no pinning, no DMA)");
-            header.push(("cuda_unavailable", json_str(&why.to_string())));
+            header.insert("cuda_unavailable".into(), why.to_string().into());
         }
         None => {
             let placement = NumaGpuAlloc::new()
@@ -826,16 +767,16 @@ fn main() -> Res<()> {
                 "GPU {gpu}; home node {}, host node {host}",
                 opt_u(placement.home_node)
             );
-            header.push(("gpu", json_str(&gpu)));
-            header.push(("home_node", json_usize(placement.home_node)));
+            header.insert("gpu".into(), gpu.into());
+            header.insert("home_node".into(), placement.home_node.into());
             driver = Some(Driver::open(ordinal)?);
         }
     }
     // The thread that allocates and drives the copies sits on the host node, as a loader would.
     pin_thread_to(&topo, host);
     let far = topo.farthest_node_from(host).filter(|&n| n != host);
-    header.push(("host_node", host.to_string()));
-    header.push(("far_node", json_usize(far)));
+    header.insert("host_node".into(), host.into());
+    header.insert("far_node".into(), far.into());
     let mut bench = Bench {
         args: &args,
         topo: &topo,
@@ -881,12 +822,13 @@ fn main() -> Res<()> {
         Some(why) => println!("\nmeasured host-side costs only: {why}"),
         None => println!("\nlast registration error: {last_pin_error}"),
     }
-    header.push(("last_pin_error", json_str(&last_pin_error)));
+    header.insert("last_pin_error".into(), last_pin_error.into());
     println!("total {:.1} s", started.elapsed().as_secs_f64());
     if let Some(path) = &args.json_out {
-        header.push(("seconds", format!("{:.1}", started.elapsed().as_secs_f64())));
-        std::fs::write(path, to_json(&header, &bench.rows))
-            .map_err(|e| format!("cannot write {path}: {e}"))?;
+        header.insert("seconds".into(), started.elapsed().as_secs_f64().into());
+        header.insert("rows".into(), serde_json::to_value(&bench.rows)?);
+        let json = serde_json::to_string(&header)? + "\n";
+        std::fs::write(path, json).map_err(|e| format!("cannot write {path}: {e}"))?;
     }
     let failed_rows = bench.rows.iter().filter(|r| r.note.starts_with("failed:"));
     let failures = bench.failed_sections + failed_rows.count();

@@ -376,6 +376,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let (capacity, fit) = Self::fit(rt, layout)?;
         rt.counters.large_allocations.incr();
+        rt.counters.record_request(layout.size());
         let block = match Self::take_cached(rt, fit) {
             Some(block) => {
                 if zeroed {

@@ -4,7 +4,7 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::{Block, Work};
+use crate::arena::{settle, Block, Work};
 use crate::config::PinMode;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
@@ -477,8 +477,12 @@ impl Runtime {
             for work in &mut p.work {
                 work.wait();
             }
-            // SAFETY: the block left the pending list, and no GPU work uses it any more.
-            unsafe { self.release_block(p.block) };
+            // A wait that failed (a broken context) proves nothing: such a block is leaked,
+            // never unmapped under a DMA that may still run.
+            if settle(&mut p.work) {
+                // SAFETY: the block left the pending list, and no GPU work uses it any more.
+                unsafe { self.release_block(p.block) };
+            }
         }
     }
 
@@ -503,8 +507,11 @@ impl Runtime {
             return;
         };
         if let (true, Some(gpu)) = (block.pinned, &self.gpu) {
+            let start = Instant::now();
             // SAFETY: the block was registered by `pin` and is still mapped.
-            if let Err(e) = unsafe { gpu.unregister(ptr) } {
+            let unregistered = unsafe { gpu.unregister(ptr) };
+            self.counters.unpin.record(start.elapsed());
+            if let Err(e) = unregistered {
                 // Unmapping a range the driver still holds would make a later mapping at this
                 // address fail to register (712): leak it instead, counted.
                 self.counters.record_unregister_failure(&e);

@@ -1,4 +1,8 @@
 //! Settings: the const builder's values and the `NUMA_GPU_ALLOC` environment override.
+//!
+//! Parsing is written by hand, like everything that runs inside the allocator (here: at its
+//! initialisation, under the re-entrancy guard): no allocation through ourselves, no panic. Code
+//! outside the allocator (examples, benches) uses libraries instead (lexopt, serde_json).
 
 use crate::pci::PciAddress;
 use crate::sys::{MemPolicy, MAX_NODES};

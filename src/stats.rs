@@ -112,6 +112,17 @@ impl CodeCounts {
     }
 }
 
+/// Buckets of [`Stats::requests_by_octave`]: 4 KiB up to 8 TiB and beyond.
+const OCTAVES: usize = 32;
+/// The smallest bucket's lower bound (the smallest threshold), as a power of two.
+const FIRST_OCTAVE: u32 = 12;
+
+/// The bucket of a request of `size` bytes.
+fn octave(size: usize) -> usize {
+    let log2 = usize::BITS - 1 - size.max(1).leading_zeros();
+    (log2.saturating_sub(FIRST_OCTAVE) as usize).min(OCTAVES - 1)
+}
+
 /// The allocator's atomic counters.
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -145,6 +156,8 @@ pub(crate) struct Counters {
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
     pub(crate) pin: Timer,
+    pub(crate) unpin: Timer,
+    pub(crate) requests_by_octave: [Counter; OCTAVES],
     /// The latest registration or unregistration error (taken on failures and snapshots only; std's
     /// futex mutex does not allocate).
     pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
@@ -173,6 +186,12 @@ impl Counters {
     pub(crate) fn reset_peaks(&self) {
         self.populate.reset_max();
         self.pin.reset_max();
+        self.unpin.reset_max();
+    }
+
+    /// Counts a large request in its power-of-two size bucket.
+    pub(crate) fn record_request(&self, size: usize) {
+        self.requests_by_octave[octave(size)].incr();
     }
 
     fn set_last_pin_error(&self, error: &Error) {
@@ -206,6 +225,14 @@ impl Counters {
         stats.pages_misplaced = self.pages_misplaced.get();
         stats.populate_time = self.populate.snapshot();
         stats.pin_time = self.pin.snapshot();
+        stats.unpin_time = self.unpin.snapshot();
+        for (count, counter) in stats
+            .requests_by_octave
+            .iter_mut()
+            .zip(&self.requests_by_octave)
+        {
+            *count = counter.get();
+        }
         stats.pin_failures_by_code.clear();
         stats
             .pin_failures_by_code
@@ -380,6 +407,11 @@ pub struct Stats {
     pub populate_time: TimeStats,
     /// Time spent registering blocks with CUDA.
     pub pin_time: TimeStats,
+    /// Time spent unregistering blocks (`cuMemHostUnregister`, when a pinned block is released).
+    pub unpin_time: TimeStats,
+    /// Large requests by size: entry `k` counts requests of `4 KiB << k` bytes up to (not
+    /// including) twice that; the last entry also counts everything larger.
+    pub requests_by_octave: [u64; OCTAVES],
     /// Degraded modes and failures.
     pub fallbacks: Fallbacks,
     /// Registration failures by CUDA error.
@@ -407,6 +439,12 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The smallest request size counted in bucket `k` of [`Stats::requests_by_octave`]
+    /// (`4 KiB << k`).
+    pub fn octave_start(k: usize) -> usize {
+        1usize << (FIRST_OCTAVE as usize + k.min(OCTAVES - 1))
+    }
+
     /// Live bytes over all nodes.
     pub fn live_bytes(&self) -> usize {
         self.nodes.iter().map(|n| n.live_bytes).sum()
@@ -502,15 +540,26 @@ impl fmt::Display for Stats {
         )?;
         writeln!(
             f,
-            "populate {:.3?} total, {:.3?} max; pin {:.3?} total, {:.3?} max; registrations {}, \
-             unregistrations {}",
+            "populate {:.3?} total, {:.3?} max; pin {:.3?} total, {:.3?} max; unpin {:.3?} total, \
+             {:.3?} max; registrations {}, unregistrations {}",
             self.populate_time.total,
             self.populate_time.max,
             self.pin_time.total,
             self.pin_time.max,
+            self.unpin_time.total,
+            self.unpin_time.max,
             self.registrations,
             self.unregistrations
         )?;
+        if self.requests_by_octave.iter().any(|&n| n > 0) {
+            f.write_str("requests by size:")?;
+            for (k, &n) in self.requests_by_octave.iter().enumerate() {
+                if n > 0 {
+                    write!(f, " {}+ {n}", Size(Stats::octave_start(k)))?;
+                }
+            }
+            writeln!(f)?;
+        }
         writeln!(
             f,
             "pages checked {}, misplaced {}",
@@ -579,6 +628,33 @@ mod tests {
         assert_eq!(snap.len(), 2);
         assert_eq!((snap[0].code, snap[0].count), (2, 2));
         assert_eq!((snap[1].code, snap[1].count), (712, 1));
+    }
+
+    #[test]
+    fn requests_fall_into_power_of_two_buckets() {
+        assert_eq!(octave(4096), 0);
+        assert_eq!(octave(8191), 0);
+        assert_eq!(octave(2 << 20), 9);
+        assert_eq!(octave((4 << 20) - 1), 9);
+        assert_eq!(octave(usize::MAX), OCTAVES - 1);
+        assert_eq!(Stats::octave_start(9), 2 << 20);
+        let counters = Counters::default();
+        counters.record_request(3 << 20);
+        counters.record_request(100 << 20);
+        counters.record_request(64 << 20);
+        let mut stats = Stats::default();
+        counters.fill(&mut stats);
+        assert_eq!(
+            (stats.requests_by_octave[9], stats.requests_by_octave[14]),
+            (1, 2)
+        );
+        assert_eq!(stats.requests_by_octave.iter().sum::<u64>(), 3);
+        assert!(
+            stats
+                .to_string()
+                .contains("requests by size: 2 MiB+ 1 64 MiB+ 2"),
+            "{stats}"
+        );
     }
 
     #[test]

@@ -106,16 +106,26 @@ impl<T: ToJson> ToJson for Option<T> {
     }
 }
 
+fn write_array<T: ToJson>(items: &[T], out: &mut dyn Write) -> fmt::Result {
+    out.write_char('[')?;
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.write_char(',')?;
+        }
+        item.write_json(out)?;
+    }
+    out.write_char(']')
+}
+
 impl<T: ToJson> ToJson for Vec<T> {
     fn write_json(&self, out: &mut dyn Write) -> fmt::Result {
-        out.write_char('[')?;
-        for (i, item) in self.iter().enumerate() {
-            if i > 0 {
-                out.write_char(',')?;
-            }
-            item.write_json(out)?;
-        }
-        out.write_char(']')
+        write_array(self, out)
+    }
+}
+
+impl<T: ToJson, const N: usize> ToJson for [T; N] {
+    fn write_json(&self, out: &mut dyn Write) -> fmt::Result {
+        write_array(self, out)
     }
 }
 
@@ -207,6 +217,8 @@ json_object! {
         pages_misplaced,
         populate_time,
         pin_time,
+        unpin_time,
+        requests_by_octave,
         fallbacks,
         pin_failures_by_code,
         last_pin_error,

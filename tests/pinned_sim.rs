@@ -438,6 +438,8 @@ sim_test!(
         alloc.trim();
         let after = alloc.stats();
         assert_eq!((pending_blocks(&after), after.cached_bytes()), (0, 0), "{after}");
+        assert_eq!(after.unregistrations, after.registrations, "{after}");
+        assert!(after.unpin_time.total > std::time::Duration::ZERO, "{after}");
     }
 );
 
