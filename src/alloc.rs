@@ -425,7 +425,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     fn create(rt: &Runtime, capacity: usize, align: usize) -> Option<Block> {
         rt.counters.cache_misses.incr();
         let block = rt.create_block(capacity, align).ok()?;
-        rt.record_created(None, block);
+        rt.record_created(block);
         Some(block)
     }
 
@@ -537,15 +537,19 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         };
         let (capacity, fit) = Self::fit(rt, new)?;
         let old = {
-            let arena = rt.arena.lock();
+            let mut arena = rt.arena.lock();
             if arena.holds_fit(fit) {
                 return None;
             }
-            arena.growable(ptr as usize)?
+            arena.take_growable(ptr as usize)?
         };
-        // SAFETY: `old` is live, unpinned, without recorded GPU work, and the caller owns it
+        // SAFETY: `old` was live, is unpinned, without recorded GPU work, and the caller owns it
         // (reallocating it) while this runs.
-        let grown = unsafe { rt.grow_block(old, capacity, fit.align) }.ok()?;
+        let Ok(grown) = (unsafe { rt.grow_block(old, capacity, fit.align) }) else {
+            // Not moved: live again, for the caller to move by copying.
+            rt.arena.lock().insert_live(old);
+            return None;
+        };
         // Counted as a move: a new block (a miss) and the old one freed.
         for counter in [
             &rt.counters.large_allocations,
@@ -555,7 +559,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         ] {
             counter.incr();
         }
-        rt.record_created(Some(old), grown);
+        rt.record_created(grown);
         NonNull::new(grown.addr as *mut u8)
     }
 

@@ -96,18 +96,13 @@ impl Runtime {
         })
     }
 
-    /// Records a block just created as live (after `old`, which it replaces when grown from it),
-    /// and releases what the cache may no longer hold.
-    pub(crate) fn record_created(&self, old: Option<Block>, block: Block) {
+    /// Records a block just created (or grown) as live, and releases what the cache may no longer
+    /// hold.
+    pub(crate) fn record_created(&self, block: Block) {
         let mut evicted = Vec::new();
-        {
-            let mut arena = self.arena.lock();
-            if let Some(old) = old {
-                // The old block's pages are the new block's now: it just leaves the live set.
-                let _ = arena.remove_live(old.addr);
-            }
-            arena.insert_created(block, self.config.cache_limit, &mut evicted);
-        }
+        self.arena
+            .lock()
+            .insert_created(block, self.config.cache_limit, &mut evicted);
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
         unsafe { self.release_blocks(evicted) };
     }
