@@ -541,12 +541,16 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             if arena.holds_fit(fit) {
                 return None;
             }
-            arena.take_growable(ptr as usize)?
+            let old = arena.growable(ptr as usize)?;
+            // Out of the live set before its pages move: once `mremap` has moved them, another
+            // thread may map a new block at this address and record it live.
+            arena.remove_live(old.addr);
+            old
         };
-        // SAFETY: `old` was live, is unpinned, without recorded GPU work, and the caller owns it
+        // SAFETY: `old` was live, unpinned, without recorded GPU work, and the caller owns it
         // (reallocating it) while this runs.
         let Ok(grown) = (unsafe { rt.grow_block(old, capacity, fit.align) }) else {
-            // Not moved: live again, for the caller to move by copying.
+            // Still mapped where it was (a failed grow moves nothing).
             rt.arena.lock().insert_live(old);
             return None;
         };

@@ -159,16 +159,13 @@ impl Arena {
         self.cached.holds(fit)
     }
 
-    /// Takes the live block at `addr` out of the live set when it may grow by moving its pages
-    /// (`mremap`): not page-locked (a registration is tied to the address) and no GPU work
-    /// recorded against it. Out before the move unmaps its range: a block another thread maps
-    /// there meanwhile must not be taken for it.
-    pub(crate) fn take_growable(&mut self, addr: usize) -> Option<Block> {
-        let live = self.live.get(&addr)?;
-        if live.block.pinned || !live.work.is_empty() {
-            return None;
-        }
-        self.remove_live(addr).map(|(block, _)| block)
+    /// The live block at `addr` when it may grow by moving its pages (`mremap`): not page-locked
+    /// (a registration is tied to the address) and no GPU work recorded against it.
+    pub(crate) fn growable(&self, addr: usize) -> Option<Block> {
+        self.live
+            .get(&addr)
+            .filter(|live| !live.block.pinned && live.work.is_empty())
+            .map(|live| live.block)
     }
 
     /// Whether a pending block would have served this request (a miss deferred by GPU work).
