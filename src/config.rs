@@ -60,6 +60,7 @@ pub enum PinMode {
 /// Blocks placed (and pinned, when pinning is on) into the cache at initialisation, so that the
 /// first requests of that size are cache hits (`reserve=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Reserve {
     /// How many blocks (0: none).
     pub blocks: usize,
