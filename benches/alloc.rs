@@ -7,7 +7,8 @@
 //! Groups (each function id names the peer):
 //! - `small_{64B,4KiB}_{1,2}thread`: alloc/free pairs below the threshold — ours (a `static`
 //!   `NumaGpuAlloc` called through `GlobalAlloc`, not installed as the global allocator) vs
-//!   `std::alloc::System` (glibc) vs mimalloc.
+//!   `std::alloc::System` (glibc) vs mimalloc, and ours over mimalloc (`NumaGpuAlloc<MiMalloc>`)
+//!   vs mimalloc.
 //! - `large_reuse_64MiB`: allocate 64 MiB, write every page, free — ours (cache warm) vs glibc
 //!   `malloc`/`free` vs libnuma `numa_alloc_onnode`/`numa_free` vs `mmap`/`munmap`.
 //! - `cold_placement_1GiB`: one fresh 1 GiB block placed and populated — ours with one populate
@@ -28,6 +29,9 @@
 //! libnuma is opened at run time with `dlopen("libnuma.so.1")`, so nothing links it; without it
 //! the libnuma peers are skipped (and say so).
 
+#[path = "../examples/support/measure.rs"]
+mod measure;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::{c_int, c_void};
 use std::hint::black_box;
@@ -35,7 +39,9 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
-use criterion::{Criterion, SamplingMode};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, SamplingMode};
+use measure::{cpu_time, splitmix64};
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::{bind_thread, NumaGpuAlloc, Route};
 
@@ -48,6 +54,8 @@ const PAGE: usize = 4 * KIB;
 /// Ours on the small path and in the large-reuse and growth groups (default settings).
 static OURS: NumaGpuAlloc = NumaGpuAlloc::new();
 static MIMALLOC: MiMalloc = MiMalloc;
+/// Ours wrapping mimalloc: the small path's requests go to mimalloc.
+static OURS_MIMALLOC: NumaGpuAlloc<MiMalloc> = NumaGpuAlloc::with_inner(MiMalloc);
 /// Cold placement: nothing cached, so every allocation places and populates a fresh block.
 static COLD_ONE_THREAD: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(0).populate_threads(1);
 static COLD_PARALLEL: NumaGpuAlloc = NumaGpuAlloc::new().cache_limit(0);
@@ -138,17 +146,6 @@ fn touch_pages(ptr: *mut u8, len: usize) {
 // ---------------------------------------------------------------------------------------------
 // Helpers.
 
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; this clock exists on every Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
 /// Times `work(thread index, iters)` on `threads` fresh threads started together, each on its
 /// own CPU time (`CLOCK_THREAD_CPUTIME_ID`: what the work itself costs, not counting time other
 /// processes on this shared 2-core machine held the CPU); the result is the slowest thread's.
@@ -159,9 +156,9 @@ fn thread_cpu_time() -> Duration {
 /// chunk, which would hand one peer or the other an unearned advantage).
 fn on_threads<F: Fn(usize, u64) + Sync>(threads: usize, iters: u64, work: F) -> Duration {
     let timed = |index: usize| {
-        let start = thread_cpu_time();
+        let start = cpu_time(libc::CLOCK_THREAD_CPUTIME_ID);
         work(index, iters);
-        thread_cpu_time().saturating_sub(start)
+        cpu_time(libc::CLOCK_THREAD_CPUTIME_ID).saturating_sub(start)
     };
     let barrier = Barrier::new(threads);
     std::thread::scope(|scope| {
@@ -204,6 +201,23 @@ fn page_layout(size: usize) -> Layout {
 // ---------------------------------------------------------------------------------------------
 // 1. Small path.
 
+/// Times alloc/free pairs of `layout` on `alloc`, on `threads` threads, as function `id`.
+fn small_pairs<A: GlobalAlloc + Sync>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    id: &str,
+    alloc: &A,
+    threads: usize,
+    layout: Layout,
+) {
+    group.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            on_threads(threads, iters, |_, n| {
+                (0..n).for_each(|_| pair(alloc, layout))
+            })
+        })
+    });
+}
+
 fn small_path(c: &mut Criterion) {
     for (label, size) in [("64B", 64), ("4KiB", 4 * KIB)] {
         let layout = layout(size);
@@ -217,27 +231,16 @@ fn small_path(c: &mut Criterion) {
                 .sample_size(30)
                 .warm_up_time(Duration::from_millis(500))
                 .measurement_time(Duration::from_secs(2));
-            group.bench_function("ours", |b| {
-                b.iter_custom(|iters| {
-                    on_threads(threads, iters, |_, n| {
-                        (0..n).for_each(|_| pair(&OURS, layout))
-                    })
-                })
-            });
-            group.bench_function("system_glibc", |b| {
-                b.iter_custom(|iters| {
-                    on_threads(threads, iters, |_, n| {
-                        (0..n).for_each(|_| pair(&System, layout))
-                    })
-                })
-            });
-            group.bench_function("mimalloc", |b| {
-                b.iter_custom(|iters| {
-                    on_threads(threads, iters, |_, n| {
-                        (0..n).for_each(|_| pair(&MIMALLOC, layout))
-                    })
-                })
-            });
+            small_pairs(&mut group, "ours", &OURS, threads, layout);
+            small_pairs(&mut group, "system_glibc", &System, threads, layout);
+            small_pairs(&mut group, "mimalloc", &MIMALLOC, threads, layout);
+            small_pairs(
+                &mut group,
+                "ours_over_mimalloc",
+                &OURS_MIMALLOC,
+                threads,
+                layout,
+            );
             group.finish();
         }
     }
@@ -398,15 +401,6 @@ fn growth(c: &mut Criterion) {
 
 // ---------------------------------------------------------------------------------------------
 // 5. Rounding waste (computed).
-
-/// splitmix64: a fixed, dependency-free sequence.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
 
 /// `count` request sizes, log-uniform over `[low, high]`, from a fixed seed.
 fn log_uniform_sizes(count: usize, low: usize, high: usize, seed: u64) -> Vec<usize> {

@@ -10,105 +10,35 @@
 //! to 64 MiB, builds a hash map of every 8th record and serialises it to JSON text, and keeps the
 //! results of one phase alive while the next runs, as a program holding its data would.
 //!
-//! The global allocator is chosen once, before the first allocation, from the environment; every
-//! allocation pays the same one-branch dispatch whichever allocator it goes to.
+//! The global allocator is chosen once, before the first allocation, from the environment
+//! (`examples/support/peers.rs`); every allocation pays the same dispatch whichever allocator it
+//! goes to.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+#[path = "../examples/support/peers.rs"]
+mod peers;
+
+use std::alloc::System;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::process::Command;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Instant;
 
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::NumaGpuAlloc;
+use peers::{median, ChosenAllocator};
 
 const MIB: usize = 1 << 20;
 const RUNS: usize = 9;
-const VAR: &str = "RSS_BENCH_ALLOCATOR";
 const PEERS: [&str; 3] = ["ours", "mimalloc", "glibc"];
 
 static OURS: NumaGpuAlloc = NumaGpuAlloc::new();
-static MIMALLOC: MiMalloc = MiMalloc;
 
-/// 0: not chosen yet; then 1 + the index in [`PEERS`].
-static CHOSEN: AtomicU8 = AtomicU8::new(0);
-
-/// The allocator `RSS_BENCH_ALLOCATOR` names (glibc when unset), read without allocating.
-fn chosen() -> u8 {
-    let known = CHOSEN.load(Ordering::Relaxed);
-    if known != 0 {
-        return known;
-    }
-    // SAFETY: the name is NUL-terminated; nothing calls setenv in this program.
-    let value = unsafe { libc::getenv(c"RSS_BENCH_ALLOCATOR".as_ptr()) };
-    let index = if value.is_null() {
-        2
-    } else {
-        // SAFETY: getenv returns a NUL-terminated string that lives as long as the environment.
-        let value = unsafe { std::ffi::CStr::from_ptr(value) }.to_bytes();
-        PEERS
-            .iter()
-            .position(|p| p.as_bytes() == value)
-            .unwrap_or(2)
-    };
-    let chosen = index as u8 + 1;
-    CHOSEN.store(chosen, Ordering::Relaxed);
-    chosen
-}
-
-struct Chosen;
-
-// SAFETY: every call goes to the one allocator chosen before the first allocation (the choice
-// never changes), so memory is always freed or resized by the allocator that handed it out.
-unsafe impl GlobalAlloc for Chosen {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            match chosen() {
-                1 => OURS.alloc(layout),
-                2 => MIMALLOC.alloc(layout),
-                _ => System.alloc(layout),
-            }
-        }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            match chosen() {
-                1 => OURS.alloc_zeroed(layout),
-                2 => MIMALLOC.alloc_zeroed(layout),
-                _ => System.alloc_zeroed(layout),
-            }
-        }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            match chosen() {
-                1 => OURS.dealloc(ptr, layout),
-                2 => MIMALLOC.dealloc(ptr, layout),
-                _ => System.dealloc(ptr, layout),
-            }
-        }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            match chosen() {
-                1 => OURS.realloc(ptr, layout, new_size),
-                2 => MIMALLOC.realloc(ptr, layout, new_size),
-                _ => System.realloc(ptr, layout, new_size),
-            }
-        }
-    }
-}
-
+/// The peers of [`PEERS`], in its order (glibc also when the variable is unset).
 #[global_allocator]
-static GLOBAL: Chosen = Chosen;
+static GLOBAL: ChosenAllocator = ChosenAllocator::new(
+    c"RSS_BENCH_ALLOCATOR",
+    &[("ours", &OURS), ("mimalloc", &MiMalloc), ("glibc", &System)],
+);
 
 /// A record of the client's data: 24 bytes.
 #[derive(Clone, Copy)]
@@ -177,7 +107,7 @@ fn child() {
 /// Runs one child with `peer` as its global allocator: (peak RSS in MiB, wall time in ms).
 fn measure(peer: &str) -> (f64, f64) {
     let out = Command::new(std::env::current_exe().expect("own path"))
-        .env(VAR, peer)
+        .env(GLOBAL.var(), peer)
         .env_remove(numa_gpu_alloc::ENV_VAR)
         .output()
         .expect("running the client");
@@ -193,13 +123,8 @@ fn measure(peer: &str) -> (f64, f64) {
     (next() / 1024.0, next())
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 fn main() {
-    if std::env::var_os(VAR).is_some() {
+    if std::env::var_os(GLOBAL.var()).is_some() {
         return child();
     }
     // `cargo bench --no-run` builds it; `cargo test --benches` runs it once, quickly.

@@ -6,7 +6,7 @@ use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
 use crate::arena::{class_size, Block, Fit, InFlight, NODES};
-use crate::config::{Config, GpuSelector, PinMode, Target};
+use crate::config::{Config, GpuSelector, PinMode, Reserve, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
 use crate::process;
@@ -14,12 +14,14 @@ use crate::route;
 use crate::runtime::{Placement, Resolved, Runtime};
 use crate::stats::Stats;
 use crate::sys::MemPolicy;
+use crate::Error;
 
 /// A NUMA- and GPU-aware allocator.
 ///
-/// Requests smaller than the threshold (2 MiB by default) go straight to the system allocator.
-/// Larger ones get blocks placed on the host node nearest the configured GPU, populated up front,
-/// page-locked with CUDA when a driver is present, and cached for reuse when freed.
+/// Requests smaller than the threshold (2 MiB by default) go straight to the inner allocator `A`
+/// (the system allocator unless built with [`with_inner`](Self::with_inner)). Larger ones get
+/// blocks placed on the host node nearest the configured GPU, populated up front, page-locked with
+/// CUDA when a driver is present, and cached for reuse when freed.
 ///
 /// ## Arenas are the process's
 ///
@@ -48,7 +50,25 @@ use crate::sys::MemPolicy;
 /// let big = vec![1u8; 8 << 20];
 /// assert_eq!(big[12345], 1);
 /// ```
-pub struct NumaGpuAlloc {
+///
+/// ## The inner allocator
+///
+/// Every pointer that is not one of the large path's blocks belongs to `A`: small requests,
+/// requests the allocator makes while it runs (re-entrant ones, large or not), and any free of a
+/// pointer no arena knows. `A` must not allocate through this allocator (as the global
+/// allocator, it must not use the global allocator): mimalloc, jemalloc and `System` do not.
+///
+/// ```
+/// use mimalloc::MiMalloc;
+/// use numa_gpu_alloc::NumaGpuAlloc;
+///
+/// #[global_allocator]
+/// static ALLOC: NumaGpuAlloc<MiMalloc> = NumaGpuAlloc::with_inner(MiMalloc);
+///
+/// let small = vec![1u8; 100]; // served by mimalloc
+/// assert_eq!(small[99], 1);
+/// ```
+pub struct NumaGpuAlloc<A = System> {
     /// The effective threshold; the environment may change the builder's value at initialisation.
     threshold: Threshold,
     config: Config,
@@ -56,6 +76,8 @@ pub struct NumaGpuAlloc {
     /// [`process::initialise`] (its address must not move with the allocator value, and the fork
     /// handlers reach it through the list), freed in `Drop`.
     runtime: AtomicPtr<Runtime>,
+    /// Serves everything that is not a block of the large path.
+    inner: A,
 }
 
 /// The one value the small path reads, on a cache line of its own so that writes to the
@@ -75,19 +97,39 @@ const fn clamp_threshold(bytes: usize) -> usize {
 }
 
 impl NumaGpuAlloc {
-    /// An allocator with the default [`Config`].
+    /// An allocator with the default [`Config`] over the system allocator.
     pub const fn new() -> Self {
         Self::with_config(Config::DEFAULT)
     }
 
-    /// An allocator with the given settings (a threshold outside 4 KiB..=64 GiB is clamped).
-    pub const fn with_config(mut config: Config) -> Self {
+    /// An allocator with the given settings over the system allocator (a threshold outside
+    /// 4 KiB..=64 GiB is clamped).
+    pub const fn with_config(config: Config) -> Self {
+        Self::with_inner_config(System, config)
+    }
+}
+
+impl<A> NumaGpuAlloc<A> {
+    /// An allocator with the default [`Config`] whose small requests go to `inner`.
+    pub const fn with_inner(inner: A) -> Self {
+        Self::with_inner_config(inner, Config::DEFAULT)
+    }
+
+    /// An allocator with the given settings whose small requests go to `inner` (a threshold
+    /// outside 4 KiB..=64 GiB is clamped).
+    pub const fn with_inner_config(inner: A, mut config: Config) -> Self {
         config.threshold = clamp_threshold(config.threshold);
         NumaGpuAlloc {
             threshold: Threshold(AtomicUsize::new(config.threshold)),
             config,
             runtime: AtomicPtr::new(ptr::null_mut()),
+            inner,
         }
+    }
+
+    /// The allocator that serves everything but the large path's blocks.
+    pub const fn inner(&self) -> &A {
+        &self.inner
     }
 
     /// Requests of at least `bytes` take the large path (default 2 MiB). Values outside
@@ -168,6 +210,13 @@ impl NumaGpuAlloc {
         self
     }
 
+    /// Places `blocks` blocks of `block_size` bytes into the cache at initialisation (see
+    /// [`reserve`](Self::reserve); default none).
+    pub const fn reserve_at_init(mut self, blocks: usize, block_size: usize) -> Self {
+        self.config.reserve = Reserve { blocks, block_size };
+        self
+    }
+
     /// Root of sysfs (default `/sys`), for tests against fixture trees. Another root describes
     /// another machine, so this process's cpuset (allowed memory nodes) is then not applied.
     pub const fn sysfs_root(mut self, root: &'static str) -> Self {
@@ -231,6 +280,29 @@ impl NumaGpuAlloc {
         }
     }
 
+    /// Places `blocks` blocks of `block_size` bytes, populated and (when pinning) page-locked,
+    /// into the cache of the node where the calling thread's blocks go (its
+    /// [route](crate::bind_thread), or this value's target) now, initialising the large path if
+    /// needed: the next requests of about
+    /// that size (up to a ninth smaller) are cache hits instead of paying for placement and
+    /// pinning. Reserved blocks are ordinary cached blocks: they count against the cache limit
+    /// (older cached blocks make room for them), the cache keeps them as memory in use at once,
+    /// and [`trim`](Self::trim) releases them.
+    ///
+    /// Takes as long as allocating the blocks; call it at start-up, or on a thread of its own.
+    /// `NUMA_GPU_ALLOC=reserve=COUNTxSIZE` (or [`reserve_at_init`](Self::reserve_at_init)) does
+    /// the same at initialisation, on the thread that initialises.
+    ///
+    /// # Errors
+    /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
+    /// the cache limit; the placement or pinning error of a block that could not be made (the
+    /// blocks made before it stay cached, unless memory pressure made the allocator give cached
+    /// blocks back).
+    pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
+        let _inside = Inside::enter();
+        self.runtime().reserve(blocks, block_size)
+    }
+
     /// Attaches `work` to the live large block containing `ptr` (anywhere inside it): when the
     /// block is freed before `work` completed, it waits in the pending list instead of the cache.
     /// Gives `work` back when no live large block contains `ptr`, so that the caller can wait on
@@ -283,14 +355,19 @@ impl NumaGpuAlloc {
         });
         if initialised_here {
             rt.report_setup_errors(self);
+            rt.reserve_configured();
         }
         rt
     }
+}
 
+impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// Whether a request of `size` bytes takes the large path. The small path's only cost.
     #[inline(always)]
     pub(crate) fn is_large(&self, size: usize) -> bool {
-        size >= self.threshold.0.load(Relaxed)
+        // The threshold is never below the minimum: a smaller size needs no load, and a size
+        // known at compile time (`Box<T>`, a map's nodes) needs no test at all.
+        size >= crate::config::MIN_THRESHOLD && size >= self.threshold.0.load(Relaxed)
     }
 
     /// Allocates `layout` (non-zero size). Null on failure.
@@ -299,7 +376,7 @@ impl NumaGpuAlloc {
         if self.is_large(layout.size()) {
             self.allocate_large_path(layout, zeroed)
         } else {
-            system_alloc(layout, zeroed)
+            self.inner_alloc(layout, zeroed)
         }
     }
 
@@ -307,12 +384,12 @@ impl NumaGpuAlloc {
     #[inline(never)]
     fn allocate_large_path(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let Some(_inside) = Inside::enter() else {
-            return system_alloc(layout, zeroed);
+            return self.inner_alloc(layout, zeroed);
         };
         let rt = self.runtime();
         // The environment may have raised the threshold during initialisation.
         if !self.is_large(layout.size()) {
-            return system_alloc(layout, zeroed);
+            return self.inner_alloc(layout, zeroed);
         }
         match self.allocate_large(rt, layout, zeroed) {
             Some(ptr) => ptr.as_ptr(),
@@ -394,8 +471,8 @@ impl NumaGpuAlloc {
             // SAFETY: forwarded from the caller.
             unsafe { self.deallocate_large_path(ptr, layout) }
         } else {
-            // SAFETY: small requests were served by the system allocator with this layout.
-            unsafe { System.dealloc(ptr, layout) }
+            // SAFETY: small requests were served by the inner allocator with this layout.
+            unsafe { self.inner.dealloc(ptr, layout) }
         }
     }
 
@@ -405,7 +482,7 @@ impl NumaGpuAlloc {
     #[inline(never)]
     unsafe fn deallocate_large_path(&self, ptr: *mut u8, layout: Layout) {
         // Already inside: this thread is running allocator code, which frees only what it
-        // allocated itself while inside, i.e. system-allocator memory, never a block of ours.
+        // allocated itself while inside, i.e. the inner allocator's memory, never a block of ours.
         if let Some(_inside) = Inside::enter() {
             // Whichever value allocated the block, it goes back to its node's arena.
             let rt = self.runtime();
@@ -414,10 +491,10 @@ impl NumaGpuAlloc {
             }
             rt.counters.foreign_frees.incr();
         }
-        // Not ours: served by the system allocator while inside the allocator or before
+        // Not ours: served by the inner allocator while inside the allocator or before
         // initialisation changed the threshold.
-        // SAFETY: the system allocator served this pointer with this layout.
-        unsafe { System.dealloc(ptr, layout) }
+        // SAFETY: the inner allocator served this pointer with this layout.
+        unsafe { self.inner.dealloc(ptr, layout) }
     }
 
     /// Resizes an allocation, in place when the block's capacity allows, otherwise by moving.
@@ -425,12 +502,24 @@ impl NumaGpuAlloc {
     ///
     /// # Safety
     /// `ptr` was returned by this allocator for `old` (non-zero size), `new` has a non-zero size.
+    #[inline]
     pub(crate) unsafe fn reallocate(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
-        let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
-        if !old_large && !new_large && old.align() == new.align() {
-            // SAFETY: both sizes are small, so the system allocator owns `ptr` with layout `old`.
-            return unsafe { System.realloc(ptr, old, new.size()) };
+        if !self.is_large(old.size()) && !self.is_large(new.size()) && old.align() == new.align() {
+            // SAFETY: both sizes are small, so the inner allocator owns `ptr` with layout `old`.
+            return unsafe { self.inner.realloc(ptr, old, new.size()) };
         }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.reallocate_large_path(ptr, old, new) }
+    }
+
+    /// Out of line, so that the small path above saves no registers.
+    ///
+    /// # Safety
+    /// As [`Self::reallocate`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn reallocate_large_path(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
+        let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
         if old_large && new_large && self.resize_in_place(ptr, new) {
             return ptr;
         }
@@ -447,6 +536,19 @@ impl NumaGpuAlloc {
             unsafe { self.deallocate(ptr, old) };
         }
         moved
+    }
+
+    /// Allocates from the inner allocator.
+    #[inline(always)]
+    fn inner_alloc(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        // SAFETY: callers pass layouts of non-zero size.
+        unsafe {
+            if zeroed {
+                self.inner.alloc_zeroed(layout)
+            } else {
+                self.inner.alloc(layout)
+            }
+        }
     }
 
     /// Grows a large block when no cached block fits the new size: its pages move into a larger
@@ -512,22 +614,23 @@ impl NumaGpuAlloc {
     }
 }
 
-impl Default for NumaGpuAlloc {
+impl<A: Default> Default for NumaGpuAlloc<A> {
     fn default() -> Self {
-        Self::new()
+        Self::with_inner(A::default())
     }
 }
 
-impl std::fmt::Debug for NumaGpuAlloc {
+impl<A> std::fmt::Debug for NumaGpuAlloc<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NumaGpuAlloc")
+            .field("inner", &std::any::type_name::<A>())
             .field("config", &self.config())
             .field("initialized", &self.initialised().is_some())
             .finish()
     }
 }
 
-impl Drop for NumaGpuAlloc {
+impl<A> Drop for NumaGpuAlloc<A> {
     /// Frees the runtime. Its blocks stay in the process's arenas: live ones may still be freed
     /// through any value, cached and pending ones serve other values.
     fn drop(&mut self) {
@@ -541,17 +644,5 @@ impl Drop for NumaGpuAlloc {
     }
 }
 
-#[inline]
-fn system_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
-    // SAFETY: callers pass layouts of non-zero size.
-    unsafe {
-        if zeroed {
-            System.alloc_zeroed(layout)
-        } else {
-            System.alloc(layout)
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

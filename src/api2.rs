@@ -2,12 +2,12 @@
 //! allocator-api2 0.4 and — because hashbrown uses it — 0.2. The two traits have the same shape;
 //! one macro implements both over the shared routing in `alloc.rs`.
 
-use std::alloc::Layout;
+use std::alloc::{GlobalAlloc, Layout};
 use std::ptr::NonNull;
 
 use crate::NumaGpuAlloc;
 
-impl NumaGpuAlloc {
+impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// Allocates `layout`; zero-size requests get a dangling, aligned pointer.
     fn allocate_slice(&self, layout: Layout, zeroed: bool) -> Option<NonNull<[u8]>> {
         let ptr = if layout.size() == 0 {
@@ -63,7 +63,7 @@ macro_rules! impl_allocator {
         // SAFETY: blocks returned are valid for their layout until deallocated through this
         // allocator (or its references); the allocator value owns its arena, so moving it keeps
         // them valid; resizing preserves contents; nothing unwinds.
-        unsafe impl api::Allocator for NumaGpuAlloc {
+        unsafe impl<A: GlobalAlloc> api::Allocator for NumaGpuAlloc<A> {
             fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, api::AllocError> {
                 self.allocate_slice(layout, false).ok_or(api::AllocError)
             }

@@ -65,6 +65,25 @@ pub enum PinMode {
     Off,
 }
 
+/// Blocks placed (and pinned, when pinning is on) into the cache at initialisation, so that the
+/// first requests of that size are cache hits (`reserve=`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Reserve {
+    /// How many blocks (0: none).
+    pub blocks: usize,
+    /// Bytes of each: a request of this size, or up to a ninth smaller, reuses one.
+    pub block_size: usize,
+}
+
+impl Reserve {
+    /// No reservation (the default).
+    pub const NONE: Reserve = Reserve {
+        blocks: 0,
+        block_size: 0,
+    };
+}
+
 /// What an allocator prints about itself when the process exits (`stats=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -107,6 +126,8 @@ pub struct Config {
     pub sysfs_root: &'static str,
     /// Whether the stats are printed at process exit, and how.
     pub stats_at_exit: StatsAtExit,
+    /// Blocks placed into the cache at initialisation.
+    pub reserve: Reserve,
 }
 
 impl Config {
@@ -125,6 +146,7 @@ impl Config {
         populate_threads: 0,
         sysfs_root: "/sys",
         stats_at_exit: StatsAtExit::Off,
+        reserve: Reserve::NONE,
     };
 
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
@@ -179,12 +201,13 @@ impl Config {
             "readonly" => self.pin_read_only = parse_switch(key, value)?,
             "threads" => self.populate_threads = parse_threads(value)?,
             "stats" => self.stats_at_exit = parse_stats(value)?,
+            "reserve" => self.reserve = parse_reserve(value)?,
             _ => {
                 return Err(config_error(
                     key,
                     value,
                     "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads, stats",
+                     readonly, threads, stats, reserve",
                 ))
             }
         }
@@ -336,6 +359,23 @@ fn parse_stats(value: &str) -> Result<StatsAtExit, Error> {
     }
 }
 
+/// Parses a `reserve=` value: `COUNTxSIZE` (`8x64MiB`), `SIZE` (one block) or `0` (none).
+fn parse_reserve(value: &str) -> Result<Reserve, Error> {
+    let (blocks, size) = match value.split_once(['x', 'X']) {
+        Some((count, size)) => (count.trim().parse().ok(), parse_size(size)),
+        None => (Some(1), parse_size(value)),
+    };
+    match (blocks, size) {
+        (Some(0), Some(_)) | (Some(_), Some(0)) => Ok(Reserve::NONE),
+        (Some(blocks), Some(block_size)) => Ok(Reserve { blocks, block_size }),
+        _ => Err(config_error(
+            "reserve",
+            value,
+            "COUNTxSIZE such as 8x64MiB, a size (one block) or 0",
+        )),
+    }
+}
+
 fn parse_threads(value: &str) -> Result<usize, Error> {
     if value.eq_ignore_ascii_case("auto") {
         return Ok(0);
@@ -440,6 +480,28 @@ mod tests {
             c.stats_at_exit,
             StatsAtExit::Json,
             "a rejected value changes nothing"
+        );
+    }
+
+    #[test]
+    fn reserve_values() {
+        let reserve = |value| parse_reserve(value).map(|r| (r.blocks, r.block_size));
+        assert_eq!(reserve("8x64MiB"), Ok((8, 64 << 20)));
+        assert_eq!(reserve(" 2 X 1GiB"), Ok((2, 1 << 30)));
+        assert_eq!(reserve("256MiB"), Ok((1, 256 << 20)));
+        assert_eq!(reserve("0"), Ok((0, 0)));
+        assert_eq!(reserve("0x4MiB"), Ok((0, 0)));
+        for bad in ["", "x4MiB", "4x", "-1x4MiB", "4MiBx2", "lots"] {
+            assert!(parse_reserve(bad).is_err(), "{bad}");
+        }
+        let mut c = Config::DEFAULT;
+        assert!(c.apply_settings("reserve=4x8MiB").is_empty());
+        assert_eq!(
+            c.reserve,
+            Reserve {
+                blocks: 4,
+                block_size: 8 << 20
+            }
         );
     }
 

@@ -145,6 +145,19 @@ pub enum Error {
         /// Why: `"size overflows usize"` or `"the allocator returned null"`.
         reason: &'static str,
     },
+    /// A reservation ([`NumaGpuAlloc::reserve`](crate::NumaGpuAlloc::reserve), `reserve=`) whose
+    /// blocks would be below the threshold (no request would reuse them) or beyond the cache
+    /// limit (they would be released at once).
+    ReserveRejected {
+        /// Blocks asked for.
+        blocks: usize,
+        /// Bytes of each.
+        block_size: usize,
+        /// The allocator's threshold.
+        threshold: usize,
+        /// The allocator's cache limit.
+        cache_limit: usize,
+    },
 }
 
 fn errno_text(errno: i32) -> String {
@@ -245,6 +258,17 @@ impl fmt::Display for Error {
                 "a block of {requested} bytes exceeds the memory limit of cgroup {}: memory.max \
                  {limit}, {available} bytes available (reclaimable file pages included)",
                 cgroup.display()
+            ),
+            Error::ReserveRejected {
+                blocks,
+                block_size,
+                threshold,
+                cache_limit,
+            } => write!(
+                f,
+                "cannot reserve {blocks} blocks of {block_size} bytes: each must be at least the \
+                 threshold ({threshold} bytes) and all of them within the cache limit \
+                 ({cache_limit} bytes)"
             ),
             Error::GpuNotFound {
                 selector,

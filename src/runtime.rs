@@ -167,7 +167,7 @@ impl Runtime {
     /// Setup problems, printed once by `owner` after initialisation (not during it: stderr's
     /// lock may be held by a thread waiting for this initialisation); then the report at exit
     /// (`stats=`) is registered.
-    pub(crate) fn report_setup_errors(&self, owner: &crate::NumaGpuAlloc) {
+    pub(crate) fn report_setup_errors<A>(&self, owner: &crate::NumaGpuAlloc<A>) {
         for e in &self.setup_errors {
             // One line each: a key may hold a newline.
             let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));

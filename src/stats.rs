@@ -316,8 +316,8 @@ pub struct Fallbacks {
     /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
     /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
     pub unverified_blocks: u64,
-    /// Large frees of pointers no arena holds: memory the system allocator served while inside
-    /// the allocator or before initialisation raised the threshold (passed on to it). Blocks of
+    /// Large frees of pointers no arena holds: memory the inner allocator served while inside
+    /// the allocator or before initialisation lowered the threshold (passed on to it). Blocks of
     /// another `NumaGpuAlloc` value are not counted: they go back to their node's arena.
     pub foreign_frees: u64,
 }

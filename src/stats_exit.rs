@@ -7,7 +7,7 @@
 //! - allocates nothing: it refreshes, in place, a snapshot built at registration (node rows, GPU
 //!   name and setup errors already there, room for every error code), formats into a buffer on
 //!   its stack and writes that to fd 2 with `write(2)` (no stderr lock). It runs marked as inside
-//!   the allocator, so anything below it that does allocate (an errno's text) gets the system
+//!   the allocator, so anything below it that does allocate (an errno's text) gets the inner
 //!   allocator, never our arena;
 //! - never blocks on the arena: it tries the lock for a bounded time, then prints the counters
 //!   without the node rows and says so (the counters' one lock, the last pin error's, is held
@@ -56,8 +56,8 @@ const ARENA_TRIES: u32 = 100;
 
 /// Registers `rt`, the runtime of `owner`, for a report at exit when its settings ask for one.
 /// Called once per allocator, right after initialisation, inside the allocator (so its own
-/// allocations go to the system).
-pub(crate) fn register(rt: &Runtime, owner: &NumaGpuAlloc) {
+/// allocations go to the inner allocator).
+pub(crate) fn register<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) {
     if rt.config.stats_at_exit == StatsAtExit::Off {
         return;
     }
@@ -95,8 +95,8 @@ pub(crate) fn register(rt: &Runtime, owner: &NumaGpuAlloc) {
 /// `rt` as `'static` when its allocator `owner` lies in the image of a loaded object (the
 /// executable or a shared library), that is inside a static, which is never moved or dropped —
 /// so neither is the runtime it boxed (freed only by the allocator's `Drop`).
-fn as_static(rt: &Runtime, owner: &NumaGpuAlloc) -> Option<&'static Runtime> {
-    let owner: *const NumaGpuAlloc = owner;
+fn as_static<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) -> Option<&'static Runtime> {
+    let owner: *const NumaGpuAlloc<A> = owner;
     let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     // SAFETY: dladdr reads the loader's list of loaded objects and writes only `info`.
     let in_image = unsafe { libc::dladdr(owner.cast(), info.as_mut_ptr()) } != 0;

@@ -8,7 +8,7 @@ use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, Target, ENV_VAR};
 fn environment_overrides_builder_and_reports_bad_entries() {
     std::env::set_var(
         ENV_VAR,
-        "threshold=4MiB,node=0,policy=bind,cache=8GiB,huge=off,verify=on,colour=blue",
+        "threshold=4MiB,node=0,policy=bind,cache=8GiB,huge=off,verify=on,reserve=2x5MiB,colour=blue",
     );
     let alloc = NumaGpuAlloc::new()
         .threshold(3 << 20)
@@ -34,12 +34,17 @@ fn environment_overrides_builder_and_reports_bad_entries() {
     );
     assert!(stats.pages_checked > 0, "verify=on applied");
     assert_eq!(
+        (stats.cache_hits, stats.cache_misses, stats.cached_bytes()),
+        (1, 0, 5 << 20),
+        "reserve=2x5MiB: two blocks made at initialisation, one taken by the request"
+    );
+    assert_eq!(
         stats.config_errors,
         [Error::Config {
             key: "colour".into(),
             value: "blue".into(),
             expected: "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                       readonly, threads, stats",
+                       readonly, threads, stats, reserve",
         }]
     );
 

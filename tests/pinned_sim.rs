@@ -122,6 +122,28 @@ sim_test!(
     }
 );
 
+sim_test!(
+    /// A reservation with pinning on makes page-locked cache entries: the first `PinnedBuf` of
+    /// that size takes one (a cache hit, no registration of its own).
+    reserved_blocks_are_pinned_and_serve_the_first_buffer,
+    env: [],
+    {
+        let alloc = NumaGpuAlloc::new().pin(PinMode::On);
+        alloc.reserve(2, 4 * MIB).expect("reserve");
+        let stats = alloc.stats();
+        assert!(stats.pinning, "{stats}");
+        assert_eq!(stats.registrations, 2, "{stats}");
+        assert_eq!((stats.pinned_bytes(), stats.cached_bytes()), (8 * MIB, 8 * MIB));
+        let (_ctx, stream) = stream();
+        let buf = PinnedBuf::from_slice(&alloc, &pattern(4 * MIB, 7)).expect("PinnedBuf");
+        let back = stream.clone_dtoh(&stream.clone_htod(&buf).expect("upload")).expect("download");
+        assert_eq!(wrong_bytes(&back, &pattern(4 * MIB, 7)), 0);
+        let stats = alloc.stats();
+        assert_eq!((stats.cache_hits, stats.cache_misses), (1, 0), "{stats}");
+        assert_eq!(stats.registrations, 2, "no registration beyond the reservation");
+    }
+);
+
 /// Upload, drop, a second buffer at once, download into a third: what (b) checks on `stream`.
 fn buffer_round(stream: &Arc<CudaStream>, round: u8) {
     let expected = pattern(4 * MIB, round);

@@ -8,10 +8,11 @@ use crate::arena::pending_double::Flag;
 
 const BLOCK: usize = 256 << 10;
 
-/// Serialises these tests, which share the process's arenas (one switches stream-ordered
-/// reuse off process-wide under `fault-injection`), and releases what earlier ones cached.
-/// Each test frees what it allocates and completes the work it records.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
+/// Serialises the unit tests that allocate large blocks (here and in `reserve.rs`), which share
+/// the process's arenas (one switches stream-ordered reuse off process-wide under
+/// `fault-injection`), and releases what earlier ones cached. Each test frees what it allocates
+/// and completes the work it records.
+pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
     static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let guard = SWITCH
         .lock()

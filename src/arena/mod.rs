@@ -3,7 +3,7 @@
 //!
 //! There is one arena per NUMA node for the whole process (`nodes.rs`), shared by every allocator
 //! value. An arena is only touched under its lock (`lock.rs`), from inside the re-entrancy guard
-//! (its maps allocate through the system allocator). Slow work — mapping, populating, pinning,
+//! (its maps allocate through the inner allocator). Slow work — mapping, populating, pinning,
 //! unmapping — happens outside the lock; the arena only moves [`Block`] records around.
 
 use std::collections::BTreeMap;
@@ -328,6 +328,16 @@ impl Arena {
         self.note_created(&block);
         self.insert_live(block);
         self.evict_beyond(limit, evicted);
+    }
+
+    /// Caches a block made ahead of the requests that will want it (`reserve`). A reservation
+    /// says how much will be in use at once, so it raises the high-water mark the budget follows
+    /// (see [`Self::budget`]) to everything held now plus the block; only `limit` can evict it.
+    pub(crate) fn insert_reserved(&mut self, block: Block, limit: usize, evicted: &mut Vec<Block>) {
+        self.note_created(&block);
+        let held = self.live_bytes() + self.pending.bytes() + self.cached.bytes() + block.capacity;
+        self.peak_in_use = self.peak_in_use.max(held);
+        self.cache(block, limit, evicted);
     }
 
     /// Pinned bytes include live, pending and cached blocks.

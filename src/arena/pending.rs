@@ -8,9 +8,9 @@ use super::{Block, Fit};
 /// GPU work that may still read or write a block: CUDA events recorded on streams.
 ///
 /// Its methods and its `Drop` run under the arena lock, inside the re-entrancy guard: they may
-/// allocate (that goes to the system allocator) but must be quick, must not call into this
+/// allocate (that goes to the inner allocator) but must be quick, must not call into this
 /// allocator, and must not own memory of its large path (a large free from inside the allocator
-/// would be handed to the system allocator).
+/// would be handed to the inner allocator).
 pub(crate) trait InFlight: Send {
     /// Whether every recorded use has completed. Never blocks (`cuEventQuery`-style).
     fn is_complete(&mut self) -> bool;

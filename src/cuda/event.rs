@@ -20,7 +20,7 @@ use crate::{NumaGpuAlloc, Result};
 
 /// Idle events kept for reuse. The pool's vector never grows past this (its buffer is
 /// reserved once, well below the allocator's smallest threshold): pushes may happen inside the
-/// allocator, where a growing vector would be served by the system allocator.
+/// allocator, where a growing vector would be served by the inner allocator.
 const POOL_CAPACITY: usize = 64;
 
 /// Idle events of every context, so that a copy or a freed block does not create one each time.
@@ -165,7 +165,7 @@ impl Drop for RecordedEvent {
     }
 }
 
-impl NumaGpuAlloc {
+impl<A> NumaGpuAlloc<A> {
     /// Marks the large block that holds `ptr` as used by the work queued on `stream` so far (a
     /// copy from or to a plain `Vec` or slice of this allocator, with pinning on): once freed,
     /// the block is reused only after that work has completed. `Ok(false)` when `ptr` is not in

@@ -12,7 +12,7 @@
 //!
 //! Allocation: loading libcuda and resolving its symbols allocate, once, inside the probe; callers
 //! inside the allocator run it under the allocator's re-entrancy flag, so those allocations go to
-//! the system allocator. Registering and unregistering call through the stored pointers and do
+//! the inner allocator. Registering and unregistering call through the stored pointers and do
 //! not allocate.
 //!
 //! Files: `driver.rs` loads libcuda and holds the entry-point table and the probe; `device.rs`
@@ -56,7 +56,7 @@ use crate::Error;
 /// ```
 pub fn cuda_driver_present() -> bool {
     // The first call loads libcuda, which allocates: under `#[global_allocator]` those requests
-    // must go straight to the system allocator, as they do inside the allocator itself.
+    // must go straight to the inner allocator, as they do inside the allocator itself.
     let _inside = crate::guard::Inside::enter();
     driver_present()
 }

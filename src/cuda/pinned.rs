@@ -3,7 +3,7 @@
 //! buffer's earlier uses and records an event after itself; host access waits for that event;
 //! dropping hands the event to the arena, which reuses the block only once it completed.
 
-use std::alloc::Layout;
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -50,11 +50,11 @@ use crate::{Error, NumaGpuAlloc, Result};
 /// The allocator must pin (`.pin(PinMode::On)` or `NUMA_GPU_ALLOC=pin=on`). A buffer takes at
 /// least the allocator's threshold (2 MiB by default), even for no element, so that it is always
 /// a block of the large path.
-pub struct PinnedBuf<'a, T> {
+pub struct PinnedBuf<'a, T, A: GlobalAlloc = System> {
     ptr: NonNull<T>,
     len: usize,
     layout: Layout,
-    alloc: &'a NumaGpuAlloc,
+    alloc: &'a NumaGpuAlloc<A>,
     /// Created on the first copy, in that stream's context.
     event: OnceLock<CudaEvent>,
     /// A copy recorded the event since the host last waited for it.
@@ -65,21 +65,22 @@ pub struct PinnedBuf<'a, T> {
 }
 
 // SAFETY: the buffer owns its elements like a `Box<[T]>`; the event and the allocator reference
-// are `Send + Sync` (cudarc's events are; `NumaGpuAlloc` is shared by design). It is not `Sync`
+// are `Send + Sync` (cudarc's events are; `NumaGpuAlloc` is shared by design when its inner
+// allocator is `Sync`). It is not `Sync`
 // (the `OnceLock` and `Cell`-like flag stay on one thread at a time): two threads queueing copies
 // through `&buf` could interleave one copy's wait with another's record.
-unsafe impl<T: Send> Send for PinnedBuf<'_, T> {}
+unsafe impl<T: Send, A: GlobalAlloc + Sync> Send for PinnedBuf<'_, T, A> {}
 
-impl<'a, T: DeviceRepr + ValidAsZeroBits> PinnedBuf<'a, T> {
+impl<'a, T: DeviceRepr + ValidAsZeroBits, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// `len` zeroed elements from `alloc`.
-    pub fn zeroed(alloc: &'a NumaGpuAlloc, len: usize) -> Result<Self> {
+    pub fn zeroed(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {
         Self::allocate(alloc, len, true)
     }
 }
 
-impl<'a, T: DeviceRepr + Copy> PinnedBuf<'a, T> {
+impl<'a, T: DeviceRepr + Copy, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// A copy of `data` in a buffer from `alloc`.
-    pub fn from_slice(alloc: &'a NumaGpuAlloc, data: &[T]) -> Result<Self> {
+    pub fn from_slice(alloc: &'a NumaGpuAlloc<A>, data: &[T]) -> Result<Self> {
         let buf = Self::allocate(alloc, data.len(), false)?;
         // SAFETY: the block holds room for `data.len()` elements, is ours alone, and does not
         // overlap `data`; from here every element is initialised.
@@ -88,10 +89,10 @@ impl<'a, T: DeviceRepr + Copy> PinnedBuf<'a, T> {
     }
 }
 
-impl<'a, T> PinnedBuf<'a, T> {
+impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// Allocates room for `len` elements, zeroed when `zeroed` (callers guarantee that zero bits
     /// are a valid `T`, or initialise every element before any read).
-    fn allocate(alloc: &'a NumaGpuAlloc, len: usize, zeroed: bool) -> Result<Self> {
+    fn allocate(alloc: &'a NumaGpuAlloc<A>, len: usize, zeroed: bool) -> Result<Self> {
         let placement = alloc.placement();
         if !placement.pinning {
             return Err(Error::CudaUnavailable {
@@ -182,7 +183,7 @@ impl<'a, T> PinnedBuf<'a, T> {
     ///
     /// # Panics
     /// When `range` is out of bounds, as slicing does.
-    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> PinnedSliceMut<'_, 'a, T> {
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> PinnedSliceMut<'_, 'a, T, A> {
         assert!(
             range.start <= range.end && range.end <= self.len,
             "PinnedBuf::slice_mut: range {range:?} out of bounds for length {}",
@@ -235,7 +236,7 @@ impl<'a, T> PinnedBuf<'a, T> {
     }
 }
 
-impl<T> HostSlice<T> for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> HostSlice<T> for PinnedBuf<'_, T, A> {
     fn len(&self) -> usize {
         self.len
     }
@@ -263,12 +264,12 @@ impl<T> HostSlice<T> for PinnedBuf<'_, T> {
 
 /// A part of a [`PinnedBuf`] for cudarc's copies, tracked with the whole buffer's event (from
 /// [`PinnedBuf::slice_mut`]).
-pub struct PinnedSliceMut<'b, 'a, T> {
-    buf: &'b mut PinnedBuf<'a, T>,
+pub struct PinnedSliceMut<'b, 'a, T, A: GlobalAlloc = System> {
+    buf: &'b mut PinnedBuf<'a, T, A>,
     range: std::ops::Range<usize>,
 }
 
-impl<T> HostSlice<T> for PinnedSliceMut<'_, '_, T> {
+impl<T, A: GlobalAlloc> HostSlice<T> for PinnedSliceMut<'_, '_, T, A> {
     fn len(&self) -> usize {
         self.range.len()
     }
@@ -293,7 +294,7 @@ impl<T> HostSlice<T> for PinnedSliceMut<'_, '_, T> {
     }
 }
 
-impl<T> std::ops::Deref for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> std::ops::Deref for PinnedBuf<'_, T, A> {
     type Target = [T];
 
     /// # Panics
@@ -307,7 +308,7 @@ impl<T> std::ops::Deref for PinnedBuf<'_, T> {
     }
 }
 
-impl<T> std::ops::DerefMut for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> std::ops::DerefMut for PinnedBuf<'_, T, A> {
     /// # Panics
     /// As [`Deref`](std::ops::Deref).
     fn deref_mut(&mut self) -> &mut [T] {
@@ -318,7 +319,7 @@ impl<T> std::ops::DerefMut for PinnedBuf<'_, T> {
     }
 }
 
-impl<'b, T> IntoIterator for &'b PinnedBuf<'_, T> {
+impl<'b, T, A: GlobalAlloc> IntoIterator for &'b PinnedBuf<'_, T, A> {
     type Item = &'b T;
     type IntoIter = std::slice::Iter<'b, T>;
 
@@ -327,7 +328,7 @@ impl<'b, T> IntoIterator for &'b PinnedBuf<'_, T> {
     }
 }
 
-impl<T: std::fmt::Debug> std::fmt::Debug for PinnedBuf<'_, T> {
+impl<T: std::fmt::Debug, A: GlobalAlloc> std::fmt::Debug for PinnedBuf<'_, T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinnedBuf")
             .field("len", &self.len)
@@ -336,7 +337,7 @@ impl<T: std::fmt::Debug> std::fmt::Debug for PinnedBuf<'_, T> {
     }
 }
 
-impl<T> Drop for PinnedBuf<'_, T> {
+impl<T, A: GlobalAlloc> Drop for PinnedBuf<'_, T, A> {
     fn drop(&mut self) {
         if self.forked() {
             std::mem::forget(self.event.take());
