@@ -10,7 +10,8 @@ use crate::Error;
 
 /// Default size at and above which requests take the placed, pinned path.
 pub const DEFAULT_THRESHOLD: usize = 2 << 20;
-/// Default limit of freed bytes each allocator keeps cached (placed and pinned) for reuse.
+/// Default limit of freed bytes a node's arena keeps cached (placed and pinned) for reuse, as each
+/// allocator value applies it.
 pub const DEFAULT_CACHE_LIMIT: usize = 4 << 30;
 /// Smallest accepted threshold: one page.
 pub const MIN_THRESHOLD: usize = 4 << 10;
@@ -108,7 +109,8 @@ pub struct Config {
     pub target: Target,
     /// NUMA policy of large blocks.
     pub policy: MemPolicy,
-    /// Freed bytes kept cached per allocator before the oldest blocks are released.
+    /// Freed bytes a node's arena keeps cached before the oldest blocks are released (applied by
+    /// this value when it frees or allocates on that node).
     pub cache_limit: usize,
     /// `MADV_HUGEPAGE` and 2 MiB alignment for blocks of at least 2 MiB.
     pub huge_pages: bool,

@@ -9,7 +9,7 @@
 //!   its stack and writes that to fd 2 with `write(2)` (no stderr lock). It runs marked as inside
 //!   the allocator, so anything below it that does allocate (an errno's text) gets the inner
 //!   allocator, never our arena;
-//! - never blocks on the arena: it tries the lock for a bounded time, then prints the counters
+//! - never blocks on the arenas: it tries each lock for a bounded time, then prints the counters
 //!   without the node rows and says so (the counters' one lock, the last pin error's, is held
 //!   only to copy that error);
 //! - prints each report once, however often `exit` runs.
