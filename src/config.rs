@@ -22,6 +22,7 @@ pub const ENV_VAR: &str = "NUMA_GPU_ALLOC";
 
 /// Which GPU the allocator serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GpuSelector {
     /// The launcher's local rank (`LOCAL_RANK`, `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`,
     /// `MPI_LOCALRANKID`, first one set wins) modulo the visible device count, else device 0.
@@ -41,6 +42,7 @@ pub enum GpuSelector {
 
 /// Where large blocks go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Target {
     /// `GpuSelector::Auto` when the CUDA driver is present, else the node of the thread that
     /// makes the first large allocation.
