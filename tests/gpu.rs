@@ -13,6 +13,14 @@ use numa_gpu_alloc::{GpuSelector, NumaGpuAlloc, PinMode};
 
 const MIB: usize = 1 << 20;
 
+/// One test at a time: the node arenas are the process's, so one test's `trim()` releases (and
+/// counts) the blocks another is looking at.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The CUDA context and stream to copy with, or `None` (after printing why) when the test is
 /// skipped.
 fn gpu_or_skip(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
@@ -67,19 +75,27 @@ fn pinned_vec(alloc: &NumaGpuAlloc, len: usize) -> AVec<u8, &NumaGpuAlloc> {
     v
 }
 
+/// A pinning allocator, with the process's node arenas emptied first, so that the test's
+/// counts are its own (an earlier test's cached blocks would serve its requests).
 fn strict_alloc() -> NumaGpuAlloc {
-    NumaGpuAlloc::new()
+    let alloc = NumaGpuAlloc::new()
         .gpu(GpuSelector::Auto)
-        .pin(PinMode::Strict)
+        .pin(PinMode::Strict);
+    alloc.placement();
+    alloc.trim();
+    alloc
 }
 
 #[test]
 fn register_copy_and_unregister() {
+    let _serial = serial();
     let Some((_ctx, stream)) = gpu_or_skip("register_copy_and_unregister") else {
         return;
     };
     let alloc = strict_alloc();
     let placement = alloc.placement();
+    // What emptying the arenas released (an earlier test's blocks) is not this test's.
+    let released_before = alloc.stats().unregistrations;
     assert!(
         placement.pinning,
         "pinning is off: {placement:?}\n{}",
@@ -104,17 +120,23 @@ fn register_copy_and_unregister() {
     }
     alloc.trim();
     let stats = alloc.stats();
-    assert_eq!(stats.unregistrations, stats.registrations, "{stats}");
+    assert_eq!(
+        stats.unregistrations - released_before,
+        stats.registrations,
+        "{stats}"
+    );
     assert_eq!(stats.pinned_bytes(), 0, "{stats}");
     assert_eq!(stats.live_bytes(), 0, "{stats}");
 }
 
 #[test]
 fn cached_block_stays_pinned() {
+    let _serial = serial();
     let Some((_ctx, stream)) = gpu_or_skip("cached_block_stays_pinned") else {
         return;
     };
     let alloc = strict_alloc();
+    let released_before = alloc.stats().unregistrations;
     let len = 32 * MIB;
     let mut host: Vec<u8> = vec![0; len];
     {
@@ -137,11 +159,14 @@ fn cached_block_stays_pinned() {
         );
         assert!(during.pinned_bytes() >= len, "{during}");
     }
-    drop(alloc); // drop trims: every block is unregistered before it is unmapped
+    alloc.trim(); // every block is unregistered before it is unmapped
+    let after = alloc.stats();
+    assert_eq!(after.unregistrations - released_before, 1, "{after}");
 }
 
 #[test]
 fn device_to_pinned_host_matches_pageable() {
+    let _serial = serial();
     let Some((_ctx, stream)) = gpu_or_skip("device_to_pinned_host_matches_pageable") else {
         return;
     };

