@@ -27,7 +27,11 @@ use crate::Error;
 ///
 /// Every value shares the process's arenas, one per NUMA node: a freed block goes back to its
 /// node's arena, whichever value or thread frees it, and serves later requests of any value
-/// routed to that node with the same policy and pinning. A value holds only its settings and
+/// routed to that node with the same policy and pinning. A value tells large from small by its
+/// own threshold, and frees small memory through its own inner allocator: free a block through a
+/// value with the same threshold and inner allocator as the one that allocated it (any value of
+/// the same `static` configuration qualifies; a different threshold would hand a large block to
+/// the inner allocator). A value holds only its settings and
 /// counters; dropping it releases no block (cached blocks stay for the other values; see
 /// [`trim`](Self::trim)). Per-thread routing ([`bind_thread`](crate::bind_thread)) sends a
 /// thread's blocks to its GPU's or its node's arena.
@@ -457,8 +461,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     fn create(rt: &Runtime, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
         rt.counters.cache_misses.incr();
         let block = rt.create_block(capacity, align, target).ok()?;
-        rt.record_created(block);
-        Some(block)
+        rt.record_created(block).then_some(block)
     }
 
     /// Frees what [`Self::allocate`] returned for `layout`.
@@ -569,6 +572,10 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
                 return None;
             }
             let old = arena.growable(ptr as usize)?;
+            // A block shrunk in place keeps its capacity: it may already be as large.
+            if capacity <= old.capacity {
+                return None;
+            }
             // Out of the live set before its pages move: once `mremap` has moved them, another
             // thread may map a new block at this address and record it live.
             arena.remove_live(old.addr);
@@ -592,7 +599,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         ] {
             counter.incr();
         }
-        rt.record_created(grown);
+        // Its node has an arena (the old block was found in it), so it is recorded.
+        let recorded = rt.record_created(grown);
+        debug_assert!(recorded, "a grown block's node has no arena");
         NonNull::new(grown.addr as *mut u8)
     }
 
@@ -632,7 +641,8 @@ impl<A> std::fmt::Debug for NumaGpuAlloc<A> {
 
 impl<A> Drop for NumaGpuAlloc<A> {
     /// Frees the runtime. Its blocks stay in the process's arenas: live ones may still be freed
-    /// through any value, cached and pending ones serve other values.
+    /// through another value of the same threshold and inner allocator, cached and pending ones
+    /// serve other values.
     fn drop(&mut self) {
         let runtime = std::mem::replace(self.runtime.get_mut(), ptr::null_mut());
         if runtime.is_null() {

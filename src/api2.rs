@@ -61,7 +61,8 @@ macro_rules! impl_allocator {
         use $api as api;
 
         // SAFETY: blocks returned are valid for their layout until deallocated through this
-        // allocator (or its references, or any value: blocks live in the process's arenas), so
+        // allocator (or its references, or another value of the same threshold and inner
+        // allocator: blocks live in the process's arenas), so
         // moving the value keeps them valid; resizing preserves contents; nothing unwinds.
         unsafe impl<A: GlobalAlloc> api::Allocator for NumaGpuAlloc<A> {
             fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, api::AllocError> {

@@ -106,13 +106,20 @@ impl Runtime {
 
     /// Records a block just created (or grown) as live in its node's arena, and releases what the
     /// cache may no longer hold.
-    pub(crate) fn record_created(&self, block: Block) {
+    pub(crate) fn record_created(&self, block: Block) -> bool {
         let mut evicted = Vec::new();
-        if let Some(mut arena) = self.arena(block.node) {
-            arena.insert_created(block, self.config.cache_limit, &mut evicted);
-        }
+        let Some(mut arena) = self.arena(block.node) else {
+            // A node id beyond the arena table (only a strange sysfs has one): a block no arena
+            // records could not be freed; give it back instead of handing it out.
+            // SAFETY: just created and handed to nobody.
+            unsafe { self.release_block(block) };
+            return false;
+        };
+        arena.insert_created(block, self.config.cache_limit, &mut evicted);
+        drop(arena);
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
         unsafe { self.release_blocks(evicted) };
+        true
     }
 
     /// One attempt of [`Self::create_block`].
@@ -539,7 +546,8 @@ impl Runtime {
             self.counters.unpin.record(start.elapsed());
             if let Err(e) = unregistered {
                 // Unmapping a range the driver still holds would make a later mapping at this
-                // address fail to register (712): leak it instead, counted.
+                // address fail to register (712), and in a forked child the range may not be
+                // this block's any more: leak it instead, counted.
                 self.counters.record_unregister_failure(&e);
                 return;
             }

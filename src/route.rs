@@ -132,9 +132,10 @@ pub(crate) fn target(rt: &Runtime) -> Resolved {
             Err(_) => return rt.default,
         },
         // No current context (or a forked child, which never calls CUDA): the default.
+        Route::Gpu(GpuSelector::Current) if process::in_child() => return rt.default,
         Route::Gpu(GpuSelector::Current) => match cuda::current_ordinal() {
-            Some(ordinal) if !process::in_child() => Route::Gpu(GpuSelector::Ordinal(ordinal)),
-            _ => return rt.default,
+            Some(ordinal) => Route::Gpu(GpuSelector::Ordinal(ordinal)),
+            None => return rt.default,
         },
         other => other,
     };

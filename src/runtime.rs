@@ -12,6 +12,7 @@ use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR}
 use crate::cuda::{self, Device, Gpu};
 use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
+use crate::process;
 use crate::route::Route;
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::{self, MemPolicy, NodeMask};
@@ -372,7 +373,15 @@ fn find_gpu(
         },
         ..GpuTarget::default()
     };
-    match Device::find(selector) {
+    // A forked child never calls CUDA (the parent's driver state is not usable there).
+    let found = if process::in_child() {
+        Err(Error::CudaUnavailable {
+            reason: cuda::FORKED_REASON,
+        })
+    } else {
+        Device::find(selector)
+    };
+    match found {
         Ok(device) => {
             target.home_node = device.home_node(root).unwrap_or_else(|e| {
                 errors.push(e);

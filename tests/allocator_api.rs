@@ -209,3 +209,31 @@ fn two_allocators_share_their_nodes_arena() {
     assert_eq!((a.stats().cache_hits, b.stats().cache_hits), (0, 1));
     drop((vb, reused));
 }
+
+#[test]
+fn growing_a_block_shrunk_in_place_to_a_stricter_alignment() {
+    let alloc = NumaGpuAlloc::new().node(0);
+    let big = Layout::from_size_align(64 * MIB, 4096).unwrap();
+    let shrunk = Layout::from_size_align(33 * MIB, 4096).unwrap();
+    // Keeps the 64 MiB block; growing to 34 MiB at 1 GiB alignment cannot stay in place, and
+    // the block is already larger than the new size needs: it must move by copying.
+    let grown = Layout::from_size_align(34 * MIB, 1 << 30).unwrap();
+    let p = alloc.allocate(big).unwrap().cast::<u8>();
+    // SAFETY: `p` is live with layout `big`; then with `shrunk`.
+    let p = unsafe { alloc.shrink(p, big, shrunk) }
+        .unwrap()
+        .cast::<u8>();
+    // SAFETY: writes inside the 33 MiB the layout covers.
+    unsafe { p.as_ptr().write_bytes(7, 33 * MIB) };
+    // SAFETY: `p` is live with layout `shrunk`.
+    let q = unsafe { alloc.grow(p, shrunk, grown) }
+        .unwrap()
+        .cast::<u8>();
+    assert_eq!(q.as_ptr() as usize % (1 << 30), 0);
+    // SAFETY: the first 33 MiB were copied from the old block.
+    assert!(unsafe { std::slice::from_raw_parts(q.as_ptr(), 33 * MIB) }
+        .iter()
+        .all(|&b| b == 7));
+    // SAFETY: `q` is live with layout `grown`.
+    unsafe { alloc.deallocate(q, grown) };
+}

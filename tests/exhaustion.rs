@@ -159,7 +159,7 @@ fn child() {
         assert!(s.fallbacks.failed_allocations >= 3, "{s}");
         assert_eq!(
             s.fallbacks.failed_allocations,
-            s.fallbacks.map_failures + s.fallbacks.populate_failures,
+            s.fallbacks.map_failures + s.fallbacks.populate_failures + s.fallbacks.memory_limited,
             "{s}"
         );
         assert_eq!(s.cache_hits + s.cache_misses, s.large_allocations, "{s}");

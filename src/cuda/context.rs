@@ -13,7 +13,7 @@ use super::driver::{
 use crate::{Error, Result};
 
 /// Why a forked child does not register memory.
-pub(super) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
+pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
 
 /// A CUDA device with its retained primary context, for page-locking.
 ///
@@ -248,8 +248,10 @@ impl Gpu {
     ///
     /// `Ok(())` means the range may be unmapped: the driver released it, or reported
     /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED` (the registration is already gone, e.g. after the
-    /// program reset the device), or this is a child forked after [`Gpu::open`] (the child's
-    /// copy of the pages was never registered; the driver is not called).
+    /// program reset the device). In a child forked after [`Gpu::open`] the driver is not called
+    /// and the answer is [`Error::CudaUnavailable`]: the driver may have kept the parent's
+    /// registered range out of the child (`MADV_DONTFORK`), so something else may be mapped
+    /// there now, and the caller must leave the range alone.
     ///
     /// # Safety
     ///
@@ -257,7 +259,9 @@ impl Gpu {
     /// same device, not unregistered since, and the range must still be mapped.
     pub(crate) unsafe fn unregister(&self, ptr: NonNull<u8>) -> Result<()> {
         if self.forked() {
-            return Ok(());
+            return Err(Error::CudaUnavailable {
+                reason: FORKED_REASON,
+            });
         }
         let api = self.device.api;
         // Dropped in reverse order: the capture mode is restored, then the context popped.

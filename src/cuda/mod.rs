@@ -31,7 +31,7 @@ mod pinned;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use context::Gpu;
+pub(crate) use context::{Gpu, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
 use names::known_error_name;
