@@ -212,6 +212,7 @@ fn two_allocators_share_their_nodes_arena() {
 
 #[test]
 fn growing_a_block_shrunk_in_place_to_a_stricter_alignment() {
+    let _serial = serial();
     let alloc = NumaGpuAlloc::new().node(0);
     let big = Layout::from_size_align(64 * MIB, 4096).unwrap();
     let shrunk = Layout::from_size_align(33 * MIB, 4096).unwrap();
