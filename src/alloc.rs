@@ -320,7 +320,7 @@ impl<A> NumaGpuAlloc<A> {
             return Err(work);
         };
         let mut work = Some(work);
-        let recorded = NODES.find_map(route::target(rt).host_node, |arena| {
+        let recorded = NODES.find_map(route::likely_node(rt), |arena| {
             match arena.record_in_flight(ptr as usize, work.take()?) {
                 Ok(()) => Some(()),
                 Err(back) => {
@@ -407,7 +407,6 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let target = route::target(rt);
         let (capacity, fit) = Self::fit(rt, layout, &target)?;
-        rt.counters.large_allocations.incr();
         rt.counters.record_request(layout.size());
         let block = match Self::take_cached(rt, fit, &target) {
             Some(block) => {
@@ -461,7 +460,13 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     fn create(rt: &Runtime, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
         rt.counters.cache_misses.incr();
         let block = rt.create_block(capacity, align, target).ok()?;
-        rt.record_created(block).then_some(block)
+        if !rt.record_created(block) {
+            // A block no arena records could not be freed: give it back instead.
+            // SAFETY: just created and handed to nobody.
+            unsafe { rt.release_block(block) };
+            return None;
+        }
+        Some(block)
     }
 
     /// Frees what [`Self::allocate`] returned for `layout`.
@@ -507,7 +512,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// `ptr` was returned by this allocator for `old` (non-zero size), `new` has a non-zero size.
     #[inline]
     pub(crate) unsafe fn reallocate(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
-        if !self.is_large(old.size()) && !self.is_large(new.size()) && old.align() == new.align() {
+        // `is_large` grows with the size: one threshold load covers both.
+        if !self.is_large(old.size().max(new.size())) && old.align() == new.align() {
             // SAFETY: both sizes are small, so the inner allocator owns `ptr` with layout `old`.
             return unsafe { self.inner.realloc(ptr, old, new.size()) };
         }
@@ -571,7 +577,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             if arena.holds_fit(fit) {
                 return None;
             }
-            let old = arena.growable(ptr as usize)?;
+            let old = arena.growable(ptr as usize, fit.kind)?;
             // A block shrunk in place keeps its capacity: it may already be as large.
             if capacity <= old.capacity {
                 return None;
@@ -591,17 +597,17 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             return None;
         };
         // Counted as a move: a new block (a miss) and the old one freed.
+        rt.counters.record_request(new.size());
         for counter in [
-            &rt.counters.large_allocations,
             &rt.counters.cache_misses,
             &rt.counters.frees,
             &rt.counters.grown_without_copy,
         ] {
             counter.incr();
         }
-        // Its node has an arena (the old block was found in it), so it is recorded.
-        let recorded = rt.record_created(grown);
-        debug_assert!(recorded, "a grown block's node has no arena");
+        // Its node's arena is the one the old block was found in: it is recorded (and the old
+        // pages live there now, so there is nothing to give back if it were not).
+        rt.record_created(grown);
         NonNull::new(grown.addr as *mut u8)
     }
 
@@ -610,7 +616,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return false;
         };
-        let block = NODES.find_map(route::target(rt).host_node, |arena| {
+        let block = NODES.find_map(route::likely_node(rt), |arena| {
             arena.live_block(ptr as usize)
         });
         let fits = block.is_some_and(|b| {

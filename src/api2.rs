@@ -9,6 +9,7 @@ use crate::NumaGpuAlloc;
 
 impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// Allocates `layout`; zero-size requests get a dangling, aligned pointer.
+    #[inline]
     fn allocate_slice(&self, layout: Layout, zeroed: bool) -> Option<NonNull<[u8]>> {
         let ptr = if layout.size() == 0 {
             dangling(layout)
@@ -22,6 +23,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     ///
     /// # Safety
     /// `ptr` is live in this allocator with layout `old`.
+    #[inline]
     unsafe fn resize_slice(
         &self,
         ptr: NonNull<u8>,
@@ -43,6 +45,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
 
     /// # Safety
     /// `ptr` is live in this allocator with `layout`.
+    #[inline]
     unsafe fn deallocate_nonzero(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
             // SAFETY: forwarded from the caller.
@@ -51,6 +54,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     }
 }
 
+#[inline]
 fn dangling(layout: Layout) -> NonNull<u8> {
     // An aligned, non-null address that is never dereferenced (as `Layout::dangling` does).
     NonNull::new(layout.align() as *mut u8).unwrap_or(NonNull::dangling())
@@ -65,19 +69,23 @@ macro_rules! impl_allocator {
         // allocator: blocks live in the process's arenas), so
         // moving the value keeps them valid; resizing preserves contents; nothing unwinds.
         unsafe impl<A: GlobalAlloc> api::Allocator for NumaGpuAlloc<A> {
+            #[inline]
             fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, api::AllocError> {
                 self.allocate_slice(layout, false).ok_or(api::AllocError)
             }
 
+            #[inline]
             fn allocate_zeroed(&self, layout: Layout) -> Result<NonNull<[u8]>, api::AllocError> {
                 self.allocate_slice(layout, true).ok_or(api::AllocError)
             }
 
+            #[inline]
             unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
                 // SAFETY: the trait's contract: `ptr` is live here with `layout`.
                 unsafe { self.deallocate_nonzero(ptr, layout) }
             }
 
+            #[inline]
             unsafe fn grow(
                 &self,
                 ptr: NonNull<u8>,
@@ -88,6 +96,7 @@ macro_rules! impl_allocator {
                 unsafe { self.resize_slice(ptr, old, new) }.ok_or(api::AllocError)
             }
 
+            #[inline]
             unsafe fn shrink(
                 &self,
                 ptr: NonNull<u8>,

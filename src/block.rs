@@ -106,13 +106,11 @@ impl Runtime {
 
     /// Records a block just created (or grown) as live in its node's arena, and releases what the
     /// cache may no longer hold.
+    /// `false` when its node has no arena (an id beyond the table, from a strange sysfs): nothing
+    /// records it then, so the caller must not hand it out.
     pub(crate) fn record_created(&self, block: Block) -> bool {
         let mut evicted = Vec::new();
         let Some(mut arena) = self.arena(block.node) else {
-            // A node id beyond the arena table (only a strange sysfs has one): a block no arena
-            // records could not be freed; give it back instead of handing it out.
-            // SAFETY: just created and handed to nobody.
-            unsafe { self.release_block(block) };
             return false;
         };
         arena.insert_created(block, self.config.cache_limit, &mut evicted);
@@ -120,6 +118,19 @@ impl Runtime {
         // SAFETY: evicted blocks left the cache and are handed out to nobody.
         unsafe { self.release_blocks(evicted) };
         true
+    }
+
+    /// A fresh anonymous mapping of `capacity` bytes at a multiple of `align`: 2 MiB aligned and
+    /// advised `MADV_HUGEPAGE` for big blocks when huge pages are on.
+    fn map(&self, capacity: usize, align: usize) -> Result<NonNull<u8>, Error> {
+        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
+        let map_align = if huge { align.max(HUGE_PAGE) } else { align };
+        let ptr = sys::map_anonymous(capacity, map_align.max(self.page_size))?;
+        if huge {
+            // SAFETY: ptr..ptr+capacity was just mapped by us. Without THP this is a no-op hint.
+            let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
+        }
+        Ok(ptr)
     }
 
     /// One attempt of [`Self::create_block`].
@@ -133,14 +144,7 @@ impl Runtime {
         self.memory_limits
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
-        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
-        let map_align = if huge { align.max(HUGE_PAGE) } else { align };
-        let ptr = sys::map_anonymous(capacity, map_align.max(self.page_size))
-            .map_err(|e| (Cause::Mmap, e))?;
-        if huge {
-            // SAFETY: ptr..ptr+capacity was just mapped by us. Without THP this is a no-op hint.
-            let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
-        }
+        let ptr = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
         // SAFETY: the mapping is ours and not yet shared with anyone.
         match unsafe { self.place_and_pin(ptr, capacity, target) } {
             Ok(kind) => Ok(Block {
@@ -229,19 +233,19 @@ impl Runtime {
         align: usize,
         nodes: &NodeMask,
     ) -> Result<Block, Error> {
-        let tail_len = capacity - block.capacity;
+        // Growing means a longer block: anything else is the caller's to copy.
+        let Some(tail_len) = capacity.checked_sub(block.capacity).filter(|&n| n > 0) else {
+            return Err(Error::InvalidRange {
+                addr: block.addr,
+                len: capacity,
+            });
+        };
         let old = NonNull::new(block.addr as *mut u8).ok_or(Error::InvalidRange {
             addr: block.addr,
             len: block.capacity,
         })?;
         self.memory_limits.check(tail_len)?;
-        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
-        let map_align = if huge { align.max(HUGE_PAGE) } else { align };
-        let region = sys::map_anonymous(capacity, map_align.max(self.page_size))?;
-        if huge {
-            // SAFETY: region..region+capacity was just mapped by us.
-            let _ = unsafe { sys::advise_hugepage(region, capacity) };
-        }
+        let region = self.map(capacity, align)?;
         // SAFETY: block.capacity < capacity: inside the region. Block capacities are whole
         // pages, so the tail starts on a page.
         let tail = unsafe { region.add(block.capacity) };
@@ -488,7 +492,7 @@ impl Runtime {
     pub(crate) fn free_block(&self, addr: usize) -> bool {
         let mut evicted = Vec::new();
         // The calling thread's node first: a block is most often freed where it was allocated.
-        let found = NODES.find_map(route::target(self).host_node, |arena| {
+        let found = NODES.find_map(route::likely_node(self), |arena| {
             let (block, work) = arena.remove_live(addr)?;
             // The switch tests use to show that they catch reuse during GPU work.
             let work = if sys::fault::in_flight_ignored() {

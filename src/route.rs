@@ -111,6 +111,16 @@ impl Drop for RouteGuard {
     }
 }
 
+/// The node a block freed on this thread most likely lives on, to search first: the node of
+/// the last route this thread resolved for `rt`, else `rt`'s own. Resolves nothing (no CUDA
+/// call, no `getcpu`, no lock): a free only needs a good first guess.
+pub(crate) fn likely_node(rt: &Runtime) -> usize {
+    match RESOLVED.try_with(Cell::get).ok().flatten() {
+        Some((id, _, resolved)) if id == rt.id => resolved.host_node,
+        _ => rt.default.host_node,
+    }
+}
+
 /// Where the calling thread's next block from `rt` goes: the runtime's own target, or the
 /// thread's route (see [`bind_thread`] on precedence). Must be called inside the re-entrancy
 /// guard (a route's first use resolves it, which allocates).

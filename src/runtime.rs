@@ -247,7 +247,8 @@ impl Runtime {
             stats.config_errors.extend(routes.errors.iter().cloned());
         }
         for row in &mut stats.nodes {
-            if let Some(arena) = NODES.lock(row.node, &self.topology) {
+            // Read only the arenas that exist: creating one here would cost every later fork.
+            if let Some(arena) = NODES.existing(row.node).map(Lock::lock) {
                 arena.fill(row);
                 stats.gpus.extend_from_slice(arena.gpus());
             }

@@ -112,6 +112,15 @@ impl CodeCounts {
     }
 }
 
+/// The lock's guard when it is free (a poisoned lock still holds a valid `Option<Error>`).
+fn try_lock<T>(lock: &std::sync::Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
+    match lock.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Buckets of [`Stats::requests_by_octave`]: 4 KiB up to 8 TiB and beyond.
 const OCTAVES: usize = 32;
 /// The smallest bucket's lower bound (the smallest threshold), as a power of two.
@@ -126,7 +135,6 @@ fn octave(size: usize) -> usize {
 /// The allocator's atomic counters.
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub(crate) large_allocations: Counter,
     pub(crate) frees: Counter,
     pub(crate) cache_hits: Counter,
     pub(crate) cache_misses: Counter,
@@ -195,23 +203,26 @@ impl Counters {
     }
 
     fn set_last_pin_error(&self, error: &Error) {
-        // Cloning a CUDA error copies numbers and static strings: no allocation.
-        *self
-            .last_pin_error
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(error.clone());
+        // Only tried: a forked child inherits this lock in whatever state another thread of the
+        // parent left it, and a contended update loses nothing but the latest message. Cloning a
+        // CUDA error copies numbers and static strings: no allocation.
+        if let Some(mut last) = try_lock(&self.last_pin_error) {
+            *last = Some(error.clone());
+        }
     }
 
     /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
     /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
-        stats.last_pin_error = (self.last_pin_error.lock())
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        stats.large_allocations = self.large_allocations.get();
+        // Only tried, as above (the exit report must not block); contended: the snapshot's own.
+        if let Some(last) = try_lock(&self.last_pin_error) {
+            stats.last_pin_error = last.clone();
+        }
         stats.frees = self.frees.get();
         stats.cache_hits = self.cache_hits.get();
         stats.cache_misses = self.cache_misses.get();
+        // Every large request is one or the other: derived, and so always consistent with them.
+        stats.large_allocations = stats.cache_hits + stats.cache_misses;
         stats.in_place_reallocs = self.in_place_reallocs.get();
         stats.grown_without_copy = self.grown_without_copy.get();
         stats.in_flight_recorded = self.in_flight_recorded.get();

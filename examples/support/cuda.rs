@@ -86,9 +86,11 @@ impl Driver {
     pub fn open(ordinal: u32) -> Result<Driver, Box<dyn std::error::Error>> {
         // SAFETY: loading libcuda runs its initialisers, which is what using the driver means;
         // the library stays loaded while `Driver` lives (it owns `_lib`).
-        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
+        // The crate's own order (`libcuda.so` first, so `LD_LIBRARY_PATH` can name the
+        // simulator): both loaders then open the same library.
+        let lib = unsafe { libloading::Library::new("libcuda.so") }
             // SAFETY: as above.
-            .or_else(|_| unsafe { libloading::Library::new("libcuda.so") })?;
+            .or_else(|_| unsafe { libloading::Library::new("libcuda.so.1") })?;
         macro_rules! resolve {
             ($($name:literal),+) => {{
                 let mut found = Err(libloading::Error::DlSymUnknown);
@@ -305,9 +307,28 @@ impl Copier<'_> {
             });
         }
         let f = &self.driver.fns;
+        let timed = self.queue_and_time(host, direction, copies);
+        if timed.is_err() {
+            // A failure after some copies were queued: `host` must not be given back to the
+            // caller (who may free or reuse it) while they still run.
+            // SAFETY: the stream is live (Drop destroys it).
+            let _ = unsafe { (f.stream_synchronize)(self.stream) };
+        }
+        timed
+    }
+
+    /// [`Self::time`]'s body: queues the copies between the events and waits for the last one.
+    fn queue_and_time(
+        &self,
+        host: &mut [u8],
+        direction: Direction,
+        copies: usize,
+    ) -> Result<f64, CuError> {
+        let f = &self.driver.fns;
         // SAFETY: (whole block) the stream, events and device buffer are live (Drop destroys
         // them); `host` is valid for its length, which fits the device buffer; the stream is
-        // synchronised (event_synchronize on the last event) before `host`'s borrow ends.
+        // synchronised (event_synchronize on the last event, or by `time` on a failure) before
+        // `host`'s borrow ends.
         unsafe {
             check(
                 "cuEventRecord",

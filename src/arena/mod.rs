@@ -203,12 +203,15 @@ impl Arena {
         self.cached.holds(fit)
     }
 
-    /// The live block at `addr` when it may grow by moving its pages (`mremap`): not page-locked
-    /// (a registration is tied to the address) and no GPU work recorded against it.
-    pub(crate) fn growable(&self, addr: usize) -> Option<Block> {
+    /// The live block at `addr` when it may grow by moving its pages (`mremap`) into a block of
+    /// `kind` (the tail is placed with the grower's policy): made with that kind, not
+    /// page-locked (a registration is tied to the address), and no GPU work recorded against it.
+    pub(crate) fn growable(&self, addr: usize, kind: Kind) -> Option<Block> {
         self.live
             .get(&addr)
-            .filter(|live| !live.block.kind.pinned && live.work.is_empty())
+            .filter(|live| {
+                live.block.kind == kind && !live.block.kind.pinned && live.work.is_empty()
+            })
             .map(|live| live.block)
     }
 
@@ -266,9 +269,12 @@ impl Arena {
             let _ = self.tracker.release(&buffer);
         }
         if let Some(row) = self.gpu_row(block.for_gpu) {
-            row.live_bytes -= block.capacity;
-            row.live_blocks -= 1;
-            row.pinned_bytes -= if block.kind.pinned { block.capacity } else { 0 };
+            // Saturating: a free path must not panic, even on accounting that drifted.
+            row.live_bytes = row.live_bytes.saturating_sub(block.capacity);
+            row.live_blocks = row.live_blocks.saturating_sub(1);
+            if block.kind.pinned {
+                row.pinned_bytes = row.pinned_bytes.saturating_sub(block.capacity);
+            }
         }
         Some((block, work))
     }

@@ -14,7 +14,8 @@ use super::{Block, Fit};
 pub(crate) trait InFlight: Send {
     /// Whether every recorded use has completed. Never blocks (`cuEventQuery`-style).
     fn is_complete(&mut self) -> bool;
-    /// Blocks until every use completed (only where blocking is acceptable: the allocator's Drop).
+    /// Blocks until every use completed (only where blocking is acceptable: a buffer that could
+    /// not hand its work to an arena waits in its `Drop`).
     fn wait(&mut self);
 }
 

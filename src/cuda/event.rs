@@ -42,10 +42,9 @@ pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
 /// Returns an event whose recorded work has completed to the pool (destroys it when full).
 pub(crate) fn give_back(event: CudaEvent) {
     let mut pool = POOL.lock();
-    if pool.capacity() == 0 {
-        pool.reserve_exact(POOL_CAPACITY);
-    }
-    if pool.len() < pool.capacity().min(POOL_CAPACITY) {
+    // Reserved once, fallibly: this runs on allocation paths, which must not abort.
+    let room = pool.capacity() > 0 || pool.try_reserve_exact(POOL_CAPACITY).is_ok();
+    if room && pool.len() < POOL_CAPACITY {
         pool.push(event);
     } else {
         drop(pool);

@@ -3,8 +3,12 @@
 //! libcuda is opened with libloading (`driver.rs`), whatever linking mode cudarc has: every driver
 //! function this module calls is resolved once, in the driver probe, as a function pointer with
 //! C types, and its `CUresult` is read as a plain `u32`. cudarc's own `sys::cu*` wrappers are not
-//! called: they return `CUresult` as a Rust enum, and a driver newer than cudarc's bindings can
-//! return a code that enum lacks (CUDA 13 added several), which would be undefined behaviour.
+//! called by the allocator: they return `CUresult` as a Rust enum, and a driver newer than
+//! cudarc's bindings can return a code that enum lacks (CUDA 13 added several), which would be
+//! undefined behaviour. The one exception is the cudarc-facing side (`event.rs`, `pinned.rs`):
+//! cudarc's `SyncOnDrop::Record` needs cudarc's own `CudaEvent`, so events are created,
+//! recorded, waited on by streams and destroyed through cudarc's safe API, as the user's own
+//! copies are; querying and host waits still go through the table.
 //!
 //! Everything here is written for the allocator's large path: nothing panics, nothing calls into
 //! libcuda before [`driver_present`] has confirmed that the library loads, that every required

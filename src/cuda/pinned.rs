@@ -141,8 +141,9 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
         self.len == 0
     }
 
-    /// The elements, after waiting for the copies recorded on the buffer. In a child forked
-    /// while copies were queued, an error: what they wrote is not in the child's memory.
+    /// The elements, after waiting for the copies recorded on the buffer. In a forked child, an
+    /// error: what the copies wrote is not in the child's memory, and the driver may have kept
+    /// the page-locked range out of the child altogether.
     pub fn as_slice(&self) -> Result<&[T]> {
         self.wait_for_copies()?;
         Ok(self.elements())
@@ -164,12 +165,12 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     }
 
     fn wait_for_copies(&self) -> Result<()> {
+        if self.forked() {
+            return Err(Error::CudaUnavailable {
+                reason: FORKED_REASON,
+            });
+        }
         if self.in_flight.load(Ordering::Acquire) {
-            if self.forked() {
-                return Err(Error::CudaUnavailable {
-                    reason: FORKED_REASON,
-                });
-            }
             if let Some(event) = self.event.get() {
                 event::wait(event)?;
             }
@@ -207,9 +208,9 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// copy it is about to queue.
     fn before_copy<'b>(&'b self, stream: &'b CudaStream) -> SyncOnDrop<'b> {
         let ctx = stream.context();
-        // The default and per-thread streams do not count as cudarc's streams: the mode could
-        // change before cudarc records the event.
-        let shared_stream = matches!(stream.cu_stream() as usize, 0 | 2);
+        // The default, legacy (0x1) and per-thread (0x2) streams do not count as cudarc's
+        // streams: the mode could change before cudarc records the event.
+        let shared_stream = matches!(stream.cu_stream() as usize, 0..=2);
         if shared_stream || !ctx.is_managing_stream_synchronization() {
             // cudarc would not record the event: synchronise the stream after the copy.
             let _ = self.wait_for_copies();

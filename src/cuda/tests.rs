@@ -216,6 +216,24 @@ fn required_symbols() {
 }
 
 #[test]
+fn event_query_reads_done_running_and_errors() {
+    // The fake event's handle is the code cuEventQuery answers.
+    let api = fake::api(true, true);
+    let query = |code: usize| super::event::outcome(api, code as *mut c_void);
+    assert_eq!(query(0), Ok(true));
+    assert_eq!(query(600), Ok(false), "CUDA_ERROR_NOT_READY: still running");
+    assert_eq!(
+        query(700),
+        Err(Error::Cuda {
+            call: "cuEventQuery",
+            code: 700,
+            name: "CUDA_ERROR_ILLEGAL_ADDRESS"
+        }),
+        "an error is not completion"
+    );
+}
+
+#[test]
 fn unregister_713_means_already_gone() {
     let check = |res| {
         if res == SUCCESS {
