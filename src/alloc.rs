@@ -6,6 +6,7 @@ use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
 use crate::arena::{class_size, Block, Fit, InFlight, NODES};
+use crate::carved::carved;
 use crate::config::{Config, GpuSelector, PinMode, Reserve, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
@@ -172,7 +173,16 @@ impl<A> NumaGpuAlloc<A> {
         self
     }
 
-    /// Freed bytes kept cached before the oldest blocks are released (default 4 GiB).
+    /// Idle memory given back to the kernel after this many milliseconds (default 1000;
+    /// `u64::MAX`: never): free space of chunks is purged, wholly free chunks unmapped (pinned
+    /// ones after ten times as long).
+    pub const fn decay_ms(mut self, ms: u64) -> Self {
+        self.config.decay_ms = ms;
+        self
+    }
+
+    /// Idle bytes (free space of chunks that may be resident, cached dedicated blocks) a node's
+    /// arena keeps before the oldest are given back at once (default 4 GiB).
     pub const fn cache_limit(mut self, bytes: usize) -> Self {
         self.config.cache_limit = bytes;
         self
@@ -406,23 +416,41 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
 
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let target = route::target(rt);
-        let (capacity, fit) = Self::fit(rt, layout, &target)?;
         rt.counters.record_request(layout.size());
-        let block = match Self::take_cached(rt, fit, &target) {
+        let size = layout.size().checked_next_multiple_of(rt.page_size)?;
+        let align = layout.align().max(rt.page_size);
+        let block = if carved(size, align) {
+            rt.carve(size, align, zeroed, &target, rt.kind(&target))?
+        } else {
+            self.dedicated(rt, layout, zeroed, &target)?
+        };
+        NonNull::new(block.addr as *mut u8)
+    }
+
+    /// A block of its own for a request too large to carve: a cached one, or a new mapping.
+    fn dedicated(
+        &self,
+        rt: &Runtime,
+        layout: Layout,
+        zeroed: bool,
+        target: &Resolved,
+    ) -> Option<Block> {
+        let (capacity, fit) = Self::fit(rt, layout, target)?;
+        match Self::take_cached(rt, fit, target) {
             Some(block) => {
                 if zeroed {
                     // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
                     unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
                 }
-                block
+                Some(block)
             }
             // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
-            None => Self::create(rt, capacity, fit.align, &target)?,
-        };
-        NonNull::new(block.addr as *mut u8)
+            None => Self::create(rt, capacity, fit.align, target),
+        }
     }
 
-    /// The capacity a request for `target` gets, and the cached blocks that may serve it.
+    /// The capacity a dedicated request for `target` gets, and the cached blocks that may serve
+    /// it.
     fn fit(rt: &Runtime, layout: Layout, target: &Resolved) -> Option<(usize, Fit)> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
@@ -430,33 +458,35 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
     }
 
-    /// A cached block for `fit` from the target node's arena, now live (a cache hit) for the
-    /// target's GPU, once pending blocks that are ready joined the cache.
+    /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
+    /// for the target's GPU, once pending blocks that are ready joined the cache.
     fn take_cached(rt: &Runtime, fit: Fit, target: &Resolved) -> Option<Block> {
-        let mut evicted = Vec::new();
-        let hit = {
-            let mut arena = rt.arena(target.host_node)?;
-            arena.settle_pending(rt.config.cache_limit, &mut evicted);
+        let limit = rt.config.cache_limit;
+        let hit = rt.with_arena(target.host_node, |arena, out| {
+            arena.settle_pending(limit, out);
             let hit = arena.take_cached(fit).map(|block| Block {
                 for_gpu: target.ordinal,
                 ..block
             });
             match hit {
-                Some(block) => arena.insert_live(block),
-                None if arena.pending_fits(fit) => rt.counters.reuse_deferred.incr(),
-                None => {}
+                Some(block) if arena.insert_dedicated(block) => Some(block),
+                Some(block) => {
+                    // No room to record it: back to the cache (released if that fails too).
+                    arena.cache(block, limit, out);
+                    None
+                }
+                None if arena.pending_fits(fit) => {
+                    rt.counters.reuse_deferred.incr();
+                    None
+                }
+                None => None,
             }
-            hit
-        };
-        // SAFETY: evicted blocks left the cache and are handed out to nobody.
-        unsafe { rt.release_blocks(evicted) };
-        if hit.is_some() {
-            rt.counters.cache_hits.incr();
-        }
-        hit
+        })??;
+        rt.counters.cache_hits.incr();
+        Some(hit)
     }
 
-    /// A new live block for `target` (a cache miss).
+    /// A new live dedicated block for `target` (a cache miss).
     fn create(rt: &Runtime, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
         rt.counters.cache_misses.incr();
         let block = rt.create_block(capacity, align, target).ok()?;
@@ -572,6 +602,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         };
         let target = route::target(rt);
         let (capacity, fit) = Self::fit(rt, new, &target)?;
+        if carved(capacity, fit.align) {
+            return None;
+        }
         let old = {
             let mut arena = rt.arena(target.host_node)?;
             if arena.holds_fit(fit) {
@@ -592,7 +625,13 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let Ok(grown) = (unsafe { rt.grow_block(old, capacity, fit.align, &target.nodes) }) else {
             // Still mapped where it was (a failed grow moves nothing).
             if let Some(mut arena) = rt.arena(old.node) {
-                arena.insert_live(old);
+                if !arena.insert_dedicated(old) {
+                    // No room to record it: given back rather than lost track of.
+                    drop(arena);
+                    // SAFETY: it is ours (the caller's block, still where it was), and nobody can
+                    // free it through the arena any more.
+                    unsafe { rt.release_block(old) };
+                }
             }
             return None;
         };
@@ -611,17 +650,37 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         NonNull::new(grown.addr as *mut u8)
     }
 
-    /// Keeps a live block when `new` fits its capacity without wasting more than half of it.
+    /// Resizes a live block where it lies: a carved block grows into the free range after it
+    /// or gives its tail back; a dedicated one is kept when `new` fits its capacity without
+    /// wasting more than half of it.
     fn resize_in_place(&self, ptr: *mut u8, new: Layout) -> bool {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return false;
         };
-        let block = NODES.find_map(route::likely_node(rt), |arena| {
-            arena.live_block(ptr as usize)
+        if !(ptr as usize).is_multiple_of(new.align()) {
+            return false;
+        }
+        let Some(size) = new.size().checked_next_multiple_of(rt.page_size) else {
+            return false;
+        };
+        let addr = ptr as usize;
+        let resized = NODES.find_map(route::likely_node(rt), |arena| {
+            let block = arena.live_block(addr)?;
+            Some(match arena.resize_carved(addr, size) {
+                Some(populate) => Ok((arena.node(), block, populate)),
+                None => Err(block),
+            })
         });
-        let fits = block.is_some_and(|b| {
-            new.size() <= b.capacity && new.size() >= b.capacity / 2 && b.addr % new.align() == 0
-        });
+        let fits = match resized {
+            None => false,
+            // Dedicated, or a carved block without room next to it.
+            Some(Err(b)) => {
+                !carved(b.capacity, 0)
+                    && new.size() <= b.capacity
+                    && new.size() >= b.capacity / 2
+            }
+            Some(Ok((node, old, populate))) => rt.populate_grown(node, old, populate),
+        };
         if fits {
             rt.counters.in_place_reallocs.incr();
         }

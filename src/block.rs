@@ -4,7 +4,8 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::{Block, Kind, Work, NODES};
+use crate::arena::{Block, Kind, Released, NODES};
+use crate::carved::shortage_kind;
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::guard::Inside;
@@ -23,7 +24,7 @@ const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
 
 /// Whether a failure to create a block may go away when memory is given back: mmap, populate or
 /// a full node (ENOMEM), a cgroup limit, or CUDA's page-locking limit.
-fn shortage(error: &Error) -> bool {
+pub(crate) fn shortage(error: &Error) -> bool {
     match error {
         Error::Syscall { errno, .. } => *errno == libc::ENOMEM,
         Error::MemoryLimit { .. } => true,
@@ -64,32 +65,19 @@ impl Runtime {
         target: &Resolved,
     ) -> Result<Block, Error> {
         let mut created = self.try_create_block(capacity, align, target);
-        for everything in [false, true] {
-            let needed = match &created {
-                Ok(_) => break,
-                Err((_, e)) if !shortage(e) => break,
-                Err((
-                    _,
-                    Error::MemoryLimit {
-                        available,
-                        requested,
-                        ..
-                    },
-                )) => requested - available,
-                Err(_) => capacity,
+        if let Err((_, e)) = &created {
+            let needed = match e {
+                Error::MemoryLimit {
+                    available,
+                    requested,
+                    ..
+                } => requested.saturating_sub(*available),
+                _ => capacity,
             };
-            let released = self
-                .arena(target.host_node)
-                .map(|mut arena| arena.release_oldest(if everything { usize::MAX } else { needed }))
-                .unwrap_or_default();
-            if released.is_empty() {
-                break;
+            if shortage(e) && self.give_back_for(target.host_node, needed, shortage_kind(e)) {
+                self.counters.pressure_retries.incr();
+                created = self.try_create_block(capacity, align, target);
             }
-            self.counters.pressure_released.add(released.len() as u64);
-            // SAFETY: released blocks left the cache and are handed out to nobody.
-            unsafe { self.release_blocks(released) };
-            self.counters.pressure_retries.incr();
-            created = self.try_create_block(capacity, align, target);
         }
         created.map_err(|(cause, e)| {
             let counter = match cause {
@@ -104,20 +92,14 @@ impl Runtime {
         })
     }
 
-    /// Records a block just created (or grown) as live in its node's arena, and releases what the
-    /// cache may no longer hold.
-    /// `false` when its node has no arena (an id beyond the table, from a strange sysfs): nothing
-    /// records it then, so the caller must not hand it out.
+    /// Records a dedicated block just created (or grown) as live in its node's arena, and
+    /// releases what the cache may no longer hold. `false` when its node has no arena (an id
+    /// beyond the table, from a strange sysfs) or the arena could not record it: nothing records
+    /// it then, so the caller must not hand it out.
     pub(crate) fn record_created(&self, block: Block) -> bool {
-        let mut evicted = Vec::new();
-        let Some(mut arena) = self.arena(block.node) else {
-            return false;
-        };
-        arena.insert_created(block, self.config.cache_limit, &mut evicted);
-        drop(arena);
-        // SAFETY: evicted blocks left the cache and are handed out to nobody.
-        unsafe { self.release_blocks(evicted) };
-        true
+        let limit = self.config.cache_limit;
+        self.with_arena(block.node, |arena, out| arena.insert_created(block, limit, out))
+            .unwrap_or(false)
     }
 
     /// A fresh anonymous mapping of `capacity` bytes at a multiple of `align`: 2 MiB aligned and
@@ -278,7 +260,12 @@ impl Runtime {
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
-    unsafe fn place(&self, ptr: NonNull<u8>, len: usize, nodes: &NodeMask) -> Result<bool, Error> {
+    pub(crate) unsafe fn place(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        nodes: &NodeMask,
+    ) -> Result<bool, Error> {
         if !self.numa_placement() {
             self.counters.unplaced_blocks.incr();
             return Ok(false);
@@ -316,7 +303,7 @@ impl Runtime {
     ///
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
-    unsafe fn check_placement(
+    pub(crate) unsafe fn check_placement(
         &self,
         ptr: NonNull<u8>,
         len: usize,
@@ -380,7 +367,7 @@ impl Runtime {
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
-    unsafe fn populate(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+    pub(crate) unsafe fn populate(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
         let threads = if len >= PARALLEL_POPULATE_MIN {
             self.populate_threads
         } else {
@@ -487,49 +474,48 @@ impl Runtime {
     }
 
     /// Takes back the live block at `addr`, whichever value or thread allocated it: pending while
-    /// GPU work recorded against it runs, else cached in its node's arena; releases what the
-    /// cache no longer holds. False when no arena holds a live block starting at `addr`.
+    /// GPU work recorded against it runs, else back to its chunk's free space or the dedicated
+    /// cache; idle memory is looked at, and what is to be released, released. False when no
+    /// arena holds a live block starting at `addr`. Allocates nothing.
     pub(crate) fn free_block(&self, addr: usize) -> bool {
-        let mut evicted = Vec::new();
+        let mut out = Released::default();
+        let (limit, decay) = (self.config.cache_limit, self.config.decay_ms);
         // The calling thread's node first: a block is most often freed where it was allocated.
         let found = NODES.find_map(route::likely_node(self), |arena| {
-            let (block, work) = arena.remove_live(addr)?;
+            let live = arena.remove_live(addr)?;
             // The switch tests use to show that they catch reuse during GPU work.
-            let work = if sys::fault::in_flight_ignored() {
-                Work::new()
+            let live = if sys::fault::in_flight_ignored() {
+                live.without_work()
             } else {
-                work
+                live
             };
-            arena.free(block, work, self.config.cache_limit, &mut evicted);
-            Some(())
+            arena.free(live, limit, &mut out);
+            arena.decay(decay, &mut out);
+            Some(arena.node())
         });
-        if found.is_none() {
+        let Some(node) = found else {
             return false;
-        }
+        };
         self.counters.frees.incr();
-        // SAFETY: evicted blocks left the cache and are handed out to nobody.
-        unsafe { self.release_blocks(evicted) };
+        self.finish(node, &mut out);
         true
     }
 
-    /// Releases every cached block of every node, and every pending one whose GPU work has
-    /// completed.
+    /// Gives back everything idle in every node's arena: free ranges purged, wholly free chunks
+    /// and cached dedicated blocks released, pending blocks whose GPU work completed too.
     pub(crate) fn trim(&self) {
         for arena in NODES.arenas() {
-            let cached = arena.lock().drain_cached();
-            // SAFETY: drained blocks are no longer cached or handed out.
-            unsafe { self.release_blocks(cached) };
-        }
-    }
-
-    /// Releases each of `blocks` (see [`Self::release_block`]).
-    ///
-    /// # Safety
-    /// As [`Self::release_block`], for each block.
-    pub(crate) unsafe fn release_blocks(&self, blocks: Vec<Block>) {
-        for block in blocks {
-            // SAFETY: forwarded from the caller.
-            unsafe { self.release_block(block) };
+            loop {
+                let mut out = Released::default();
+                let (node, done) = {
+                    let mut arena = arena.lock();
+                    (arena.node(), arena.trim(&mut out))
+                };
+                self.finish(node, &mut out);
+                if done {
+                    break;
+                }
+            }
         }
     }
 

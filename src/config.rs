@@ -17,6 +17,8 @@ pub const DEFAULT_CACHE_LIMIT: usize = 4 << 30;
 pub const MIN_THRESHOLD: usize = 4 << 10;
 /// Largest accepted threshold.
 pub const MAX_THRESHOLD: usize = 64 << 30;
+/// Default time after which idle free memory is given back (`decay=`).
+pub const DEFAULT_DECAY_MS: u64 = 1000;
 /// Name of the environment variable read once at initialisation.
 pub const ENV_VAR: &str = "NUMA_GPU_ALLOC";
 
@@ -132,6 +134,8 @@ pub struct Config {
     pub stats_at_exit: StatsAtExit,
     /// Blocks placed into the cache at initialisation.
     pub reserve: Reserve,
+    /// Milliseconds after which idle free memory is given back to the kernel (`u64::MAX`: never).
+    pub decay_ms: u64,
 }
 
 impl Config {
@@ -151,6 +155,7 @@ impl Config {
         sysfs_root: "/sys",
         stats_at_exit: StatsAtExit::Off,
         reserve: Reserve::NONE,
+        decay_ms: DEFAULT_DECAY_MS,
     };
 
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
@@ -206,12 +211,13 @@ impl Config {
             "threads" => self.populate_threads = parse_threads(value)?,
             "stats" => self.stats_at_exit = parse_stats(value)?,
             "reserve" => self.reserve = parse_reserve(value)?,
+            "decay" => self.decay_ms = parse_decay(value)?,
             _ => {
                 return Err(config_error(
                     key,
                     value,
                     "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads, stats, reserve",
+                     readonly, threads, stats, reserve, decay",
                 ))
             }
         }
@@ -378,6 +384,31 @@ fn parse_reserve(value: &str) -> Result<Reserve, Error> {
             "COUNTxSIZE such as 8x64MiB, a size (one block) or 0",
         )),
     }
+}
+
+/// Parses a `decay=` value: milliseconds (`500`, `500ms`), seconds (`2s`), or `off` (never).
+fn parse_decay(value: &str) -> Result<u64, Error> {
+    let lower = value.to_ascii_lowercase();
+    let (digits, scale) = if lower == "off" || lower == "never" {
+        return Ok(u64::MAX);
+    } else if let Some(ms) = lower.strip_suffix("ms") {
+        (ms, 1)
+    } else if let Some(s) = lower.strip_suffix('s') {
+        (s, 1000)
+    } else {
+        (lower.as_str(), 1)
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .ok_or_else(|| {
+            config_error(
+                "decay",
+                value,
+                "milliseconds (500, 500ms), seconds (2s) or off",
+            )
+        })
 }
 
 fn parse_threads(value: &str) -> Result<usize, Error> {

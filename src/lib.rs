@@ -26,7 +26,9 @@ pub use cuda::{PinnedBuf, PinnedSliceMut};
 
 mod arena;
 mod block;
+mod carved;
 mod cgroup;
+mod chunk;
 mod config;
 mod guard;
 mod lock;
@@ -38,7 +40,7 @@ mod stats_exit;
 mod stats_json;
 pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
 pub use runtime::Placement;
-pub use stats::{CudaErrorCount, Fallbacks, GpuStats, NodeStats, Stats, TimeStats};
+pub use stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
 pub use sys::MemPolicy;
 
 mod alloc;

@@ -5,10 +5,12 @@
 
 use std::io::Write as _;
 
-use crate::arena::class_size;
+use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_MAX};
+use crate::block::HUGE_PAGE;
+use crate::carved::carved;
 use crate::config::Reserve;
 use crate::route;
-use crate::runtime::Runtime;
+use crate::runtime::{Resolved, Runtime};
 use crate::Error;
 
 impl Runtime {
@@ -24,14 +26,20 @@ impl Runtime {
         }
     }
 
-    /// Creates `blocks` blocks of `block_size` bytes (placed, populated, pinned as configured)
-    /// and caches them. Blocks made before a failure stay cached.
+    /// Makes room for `blocks` blocks of `block_size` bytes (placed, populated, pinned as
+    /// configured) in the arena of the node where the calling thread's blocks go: chunks of that
+    /// much free space for sizes that are carved, cached dedicated blocks for the others. What
+    /// was made before a failure stays.
     pub(crate) fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
         if blocks == 0 {
             return Ok(());
         }
         let limit = self.config.cache_limit;
-        let capacity = class_size(block_size, self.page_size).filter(|&capacity| {
+        let page = self.page_size;
+        let carve = block_size
+            .checked_next_multiple_of(page)
+            .filter(|&size| carved(size, page));
+        let capacity = carve.or_else(|| class_size(block_size, page)).filter(|&capacity| {
             block_size >= self.config.threshold
                 && capacity
                     .checked_mul(blocks)
@@ -47,14 +55,47 @@ impl Runtime {
         };
         // On the node where the calling thread's blocks go (its route, or the value's target).
         let target = route::target(self);
+        if carve.is_some() {
+            return self.reserve_chunks(blocks, capacity, &target);
+        }
         for _ in 0..blocks {
-            let block = self.create_block(capacity, self.page_size, &target)?;
-            let mut evicted = Vec::new();
-            if let Some(mut arena) = self.arena(block.node) {
-                arena.insert_reserved(block, limit, &mut evicted);
-            }
-            // SAFETY: evicted blocks left the cache and are handed out to nobody.
-            unsafe { self.release_blocks(evicted) };
+            let block = self.create_block(capacity, page, &target)?;
+            self.with_arena(block.node, |arena, out| {
+                arena.insert_reserved(block, limit, out)
+            });
+        }
+        Ok(())
+    }
+
+    /// Chunks with room for `blocks` blocks of `capacity` bytes, populated whole, kept when idle.
+    fn reserve_chunks(&self, blocks: usize, capacity: usize, target: &Resolved) -> Result<(), Error> {
+        let kind = self.kind(target);
+        let key = HeapKey {
+            kind,
+            huge: self.config.huge_pages && capacity >= HUGE_PAGE,
+        };
+        // Whole blocks per chunk: a block never straddles two.
+        let per_chunk = (CHUNK_MAX / capacity).max(1);
+        let mut left = blocks;
+        while left > 0 {
+            let n = left.min(per_chunk);
+            let len = (n * capacity).next_multiple_of(CHUNK_ALIGN);
+            let mut chunk = self.make_chunk(key, len, target)?;
+            self.populate_chunk(&mut chunk, target)?;
+            chunk.set_reserved();
+            let key = HeapKey {
+                kind: Kind {
+                    pinned: chunk.pinned(),
+                    ..kind
+                },
+                ..key
+            };
+            self.add_chunk(target.host_node, key, chunk)
+                .ok_or(Error::Syscall {
+                    call: "arena bookkeeping",
+                    errno: libc::ENOMEM,
+                })?;
+            left -= n;
         }
         Ok(())
     }
@@ -74,8 +115,8 @@ mod tests {
         NumaGpuAlloc::new().threshold(64 * KIB).pin(PinMode::Off)
     }
 
-    fn cached_blocks(stats: &Stats) -> usize {
-        stats.nodes.iter().map(|n| n.cached_blocks).sum()
+    fn mapped(stats: &Stats) -> usize {
+        stats.nodes.iter().map(|n| n.mapped_bytes).sum()
     }
 
     /// Allocates and frees `size` bytes; returns whether that allocation was a cache hit.
@@ -88,12 +129,14 @@ mod tests {
     }
 
     #[test]
-    fn reserved_blocks_serve_the_first_requests_and_trim_releases_them() {
+    fn reserved_chunks_serve_the_first_requests_and_trim_releases_them() {
         let _serial = serial();
         let alloc = allocator();
         alloc.reserve(2, MIB).unwrap();
         let stats = alloc.stats();
-        assert_eq!((cached_blocks(&stats), stats.cached_bytes()), (2, 2 * MIB));
+        assert_eq!((stats.cached_bytes(), mapped(&stats)), (2 * MIB, 2 * MIB));
+        let resident: usize = stats.nodes.iter().map(|n| n.resident_bytes).sum();
+        assert_eq!(resident, 2 * MIB, "populated up front");
         assert_eq!((stats.large_allocations, stats.cache_misses), (0, 0));
 
         let (layout, smaller) = (
@@ -106,7 +149,7 @@ mod tests {
         let second = unsafe { alloc.alloc(smaller) };
         let stats = alloc.stats();
         assert_eq!((stats.cache_hits, stats.cache_misses), (2, 0), "{stats}");
-        assert_eq!(cached_blocks(&stats), 0);
+        assert_eq!(stats.cached_bytes(), 100 * KIB);
         // SAFETY: allocated above with these layouts.
         unsafe {
             alloc.dealloc(first, layout);
@@ -115,21 +158,16 @@ mod tests {
 
         alloc.trim();
         let stats = alloc.stats();
-        assert_eq!((cached_blocks(&stats), stats.released_blocks), (0, 2));
+        assert_eq!((mapped(&stats), stats.released_blocks), (0, 1));
         assert!(!hit(&alloc, MIB), "trimmed: a miss again");
     }
 
     #[test]
-    fn reservations_count_against_the_cache_limit() {
+    fn reservations_beyond_the_cache_limit_are_rejected() {
         let _serial = serial();
         let alloc = allocator().cache_limit(2 * MIB);
-        assert!(!hit(&alloc, 512 * KIB), "the first request misses");
         alloc.reserve(2, MIB).unwrap();
-        let stats = alloc.stats();
-        assert_eq!((cached_blocks(&stats), stats.cached_bytes()), (2, 2 * MIB));
-        assert_eq!(stats.released_blocks, 1, "the older cached block made room");
         assert!(hit(&alloc, MIB));
-
         let rejected = alloc.reserve(3, MIB).unwrap_err();
         assert_eq!(
             rejected,
@@ -146,11 +184,7 @@ mod tests {
             Err(Error::ReserveRejected { .. })
         ));
         assert_eq!(alloc.reserve(0, 0), Ok(()));
-        assert_eq!(
-            cached_blocks(&alloc.stats()),
-            2,
-            "nothing made for a rejection"
-        );
+        assert_eq!(mapped(&alloc.stats()), 2 * MIB, "nothing made for a rejection");
     }
 
     #[test]
@@ -162,6 +196,16 @@ mod tests {
             hit(&alloc, 256 * KIB),
             "the request that initialises is a hit"
         );
-        assert_eq!(cached_blocks(&alloc.stats()), 3);
+        let stats = alloc.stats();
+        assert_eq!((stats.cached_bytes(), mapped(&stats)), (2 * MIB, 2 * MIB));
+    }
+
+    #[test]
+    fn a_reserved_chunk_outlives_decay() {
+        let _serial = serial();
+        let alloc = allocator().decay_ms(0);
+        alloc.reserve(1, MIB).unwrap();
+        assert!(hit(&alloc, MIB));
+        assert!(hit(&alloc, MIB), "still there after a free looked at idle memory");
     }
 }

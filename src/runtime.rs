@@ -251,6 +251,7 @@ impl Runtime {
             if let Some(arena) = NODES.existing(row.node).map(Lock::lock) {
                 arena.fill(row);
                 stats.gpus.extend_from_slice(arena.gpus());
+                stats.heaps.extend(arena.heap_rows());
             }
         }
         self.counters.fill(&mut stats);
@@ -261,6 +262,12 @@ impl Runtime {
     /// topology holds.
     pub(crate) fn arena(&self, node: usize) -> Option<Guard<'_, Arena>> {
         NODES.lock(node, &self.topology)
+    }
+
+    /// The nodes the policy names for blocks of `host_node`'s arena.
+    pub(crate) fn policy_nodes_of(&self, host_node: usize) -> NodeMask {
+        let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
+        policy_nodes(&self.config, &self.topology, &allowed, host_node)
     }
 
     /// What the blocks made for `target` are made with (see [`Kind`]).

@@ -181,6 +181,26 @@ impl Counters {
         }
     }
 
+    /// Counts a block or chunk that could not be made under the step that failed: the cgroup
+    /// limit, `mmap`, populating, or a `policy=bind` node out of memory (others are counted
+    /// where they happen, or are not memory failures).
+    pub(crate) fn record_block_failure(&self, error: &Error) {
+        let counter = match error {
+            Error::MemoryLimit { .. } => &self.memory_limited,
+            Error::Syscall { call: "mmap", .. } => &self.map_failures,
+            Error::Syscall {
+                call: "madvise(MADV_POPULATE_WRITE)",
+                ..
+            } => &self.populate_failures,
+            Error::Syscall {
+                call: "mbind(MPOL_BIND)",
+                ..
+            } => &self.bind_exhausted,
+            _ => return,
+        };
+        counter.incr();
+    }
+
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
     pub(crate) fn record_unregister_failure(&self, error: &Error) {
         self.unregister_failures.incr();
@@ -358,6 +378,90 @@ pub struct NodeStats {
     pub pending_blocks: usize,
     /// Their bytes.
     pub pending_bytes: usize,
+    /// Chunks mapped (blocks are carved from them).
+    pub chunks: usize,
+    /// Bytes of those chunks.
+    pub mapped_bytes: usize,
+    /// Of those, bytes resident (populated and not purged since).
+    pub resident_bytes: usize,
+    /// The largest free range of one chunk.
+    pub largest_free: usize,
+    /// Chunks page-locked with CUDA (one registration each).
+    pub registrations: u64,
+    /// Bytes of idle free ranges given back to the kernel (`MADV_DONTNEED`) so far.
+    pub purged_bytes: u64,
+}
+
+impl NodeStats {
+    /// Free bytes of the chunks over their mapped bytes (0 without chunks).
+    pub fn fragmentation(&self) -> f64 {
+        let free = self.cached_bytes.min(self.mapped_bytes);
+        if self.mapped_bytes == 0 {
+            0.0
+        } else {
+            free as f64 / self.mapped_bytes as f64
+        }
+    }
+}
+
+/// The chunks of one kind on one node: the memory the arena carves blocks from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct HeapStats {
+    /// NUMA node id of the arena.
+    pub node: usize,
+    /// The chunks' NUMA policy.
+    pub policy: crate::MemPolicy,
+    /// Whether they are page-locked.
+    pub pinned: bool,
+    /// Whether they serve blocks of 2 MiB and more, advised `MADV_HUGEPAGE`.
+    pub huge_pages: bool,
+    /// Chunks mapped now.
+    pub chunks: usize,
+    /// Their bytes.
+    pub mapped_bytes: usize,
+    /// Resident bytes of them.
+    pub resident_bytes: usize,
+    /// Page-locked bytes of them.
+    pub pinned_bytes: usize,
+    /// Free bytes in them.
+    pub free_bytes: usize,
+    /// Free ranges in them.
+    pub free_ranges: usize,
+    /// The largest free range.
+    pub largest_free: usize,
+    /// Chunks made so far.
+    pub chunks_made: u64,
+    /// Chunks registered so far.
+    pub registrations: u64,
+    /// Bytes purged so far.
+    pub purged_bytes: u64,
+}
+
+impl HeapStats {
+    /// Free bytes over mapped bytes (0 without chunks).
+    pub fn fragmentation(&self) -> f64 {
+        if self.mapped_bytes == 0 {
+            0.0
+        } else {
+            self.free_bytes as f64 / self.mapped_bytes as f64
+        }
+    }
+
+    /// Adds `other`'s sizes and counts to these (the largest free range is the larger one).
+    pub(crate) fn add(&mut self, other: &HeapStats) {
+        self.chunks += other.chunks;
+        self.mapped_bytes += other.mapped_bytes;
+        self.resident_bytes += other.resident_bytes;
+        self.pinned_bytes += other.pinned_bytes;
+        self.free_bytes += other.free_bytes;
+        self.free_ranges += other.free_ranges;
+        self.largest_free = self.largest_free.max(other.largest_free);
+        self.chunks_made += other.chunks_made;
+        self.registrations += other.registrations;
+        self.purged_bytes += other.purged_bytes;
+    }
 }
 
 /// The blocks one node's arena handed out for requests routed to one GPU: which GPUs each node
@@ -405,6 +509,9 @@ pub struct Stats {
     pub pinning: bool,
     /// Per node: the process's arenas, shared by every allocator value.
     pub nodes: Vec<NodeStats>,
+    /// Per node and kind of chunk (policy, pinning, page size), in node order. Not refreshed by
+    /// the report at exit.
+    pub heaps: Vec<HeapStats>,
     /// Per GPU and node, for requests routed to a GPU the CUDA driver knows (by the allocator's
     /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the report
     /// at exit.
@@ -547,20 +654,57 @@ impl fmt::Display for Stats {
         )?;
         writeln!(
             f,
-            "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6}",
-            "node", "live MiB", "peak MiB", "cached MiB", "pinned MiB", "live", "cached"
+            "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>5}",
+            "node",
+            "live MiB",
+            "peak MiB",
+            "cached MiB",
+            "pinned MiB",
+            "live",
+            "cached",
+            "chunks",
+            "mapped MiB",
+            "resident MiB",
+            "largest MiB",
+            "frag"
         )?;
         for n in &self.nodes {
             writeln!(
                 f,
-                "{:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>6} {:>6}",
+                "{:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>6} {:>6} {:>6} {:>12.1} {:>12.1} \
+                 {:>12.1} {:>5.2}",
                 n.node,
                 mib(n.live_bytes),
                 mib(n.peak_live_bytes),
                 mib(n.cached_bytes),
                 mib(n.pinned_bytes),
                 n.live_blocks,
-                n.cached_blocks
+                n.cached_blocks,
+                n.chunks,
+                mib(n.mapped_bytes),
+                mib(n.resident_bytes),
+                mib(n.largest_free),
+                n.fragmentation()
+            )?;
+        }
+        for h in &self.heaps {
+            writeln!(
+                f,
+                "chunks on node {} ({:?}{}{}): {} ({:.1} MiB, {:.1} resident, {:.1} free in {} \
+                 ranges, largest {:.1}), made {}, registered {}, purged {:.1} MiB",
+                h.node,
+                h.policy,
+                if h.pinned { ", pinned" } else { "" },
+                if h.huge_pages { ", huge pages" } else { "" },
+                h.chunks,
+                mib(h.mapped_bytes),
+                mib(h.resident_bytes),
+                mib(h.free_bytes),
+                h.free_ranges,
+                mib(h.largest_free),
+                h.chunks_made,
+                h.registrations,
+                h.purged_bytes as f64 / f64::from(1u32 << 20)
             )?;
         }
         for g in &self.gpus {

@@ -6,7 +6,8 @@
 use std::fmt::{self, Write};
 use std::time::Duration;
 
-use crate::stats::{CudaErrorCount, Fallbacks, GpuStats, NodeStats, Stats, TimeStats};
+use crate::stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
+use crate::MemPolicy;
 use crate::Error;
 
 impl Stats {
@@ -140,6 +141,13 @@ impl ToJson for Duration {
     }
 }
 
+/// The variant's name, as a string (as serde writes a unit variant).
+impl ToJson for MemPolicy {
+    fn write_json(&self, out: &mut dyn Write) -> fmt::Result {
+        write!(out, "\"{self:?}\"")
+    }
+}
+
 /// The message, as a string.
 impl ToJson for Error {
     fn write_json(&self, out: &mut dyn Write) -> fmt::Result {
@@ -191,6 +199,28 @@ json_object! {
         cached_blocks,
         pending_blocks,
         pending_bytes,
+        chunks,
+        mapped_bytes,
+        resident_bytes,
+        largest_free,
+        registrations,
+        purged_bytes,
+    }
+    HeapStats {
+        node,
+        policy,
+        pinned,
+        huge_pages,
+        chunks,
+        mapped_bytes,
+        resident_bytes,
+        pinned_bytes,
+        free_bytes,
+        free_ranges,
+        largest_free,
+        chunks_made,
+        registrations,
+        purged_bytes,
     }
     GpuStats {
         ordinal,
@@ -208,6 +238,7 @@ json_object! {
         gpu,
         pinning,
         nodes,
+        heaps,
         gpus,
         large_allocations,
         frees,

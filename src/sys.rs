@@ -126,10 +126,12 @@ impl std::fmt::Debug for NodeMask {
 }
 
 /// The `mbind` mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub enum MemPolicy {
     /// `MPOL_PREFERRED`: allocate on the (first) node of the mask, fall back to others when it is
-    /// full.
+    /// full (the default).
+    #[default]
     Preferred,
     /// `MPOL_BIND`: allocate only on the mask's nodes. An exhausted node means ENOMEM from
     /// [`populate`], or the OOM killer / SIGBUS at a later fault.
@@ -505,6 +507,22 @@ pub unsafe fn advise_hugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
     // SAFETY: MADV_HUGEPAGE only changes how later faults are served, not the content; the
     // caller guarantees the range is ours.
     unsafe { advise(ptr, len, libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)") }
+}
+
+/// Asks for small pages only on `ptr..ptr+len` (`madvise(MADV_NOHUGEPAGE)`), so that touching a
+/// few pages never makes a whole 2 MiB huge page resident (with THP `enabled=always`).
+///
+/// Errors: [`Error::InvalidRange`] for an empty or misaligned range, [`Error::Syscall`]
+/// (`call: "madvise(MADV_NOHUGEPAGE)"`) otherwise, e.g. EINVAL on a kernel without THP.
+///
+/// # Safety
+///
+/// `ptr..ptr+len` must be a mapping this crate created with [`map_anonymous`] that nobody else
+/// uses.
+pub unsafe fn advise_nohugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
+    // SAFETY: MADV_NOHUGEPAGE only changes how later faults are served, not the content; the
+    // caller guarantees the range is ours.
+    unsafe { advise(ptr, len, libc::MADV_NOHUGEPAGE, "madvise(MADV_NOHUGEPAGE)") }
 }
 
 /// Gives the pages of `ptr..ptr+len` back to the kernel (`madvise(MADV_DONTNEED)`).

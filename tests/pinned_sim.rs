@@ -135,7 +135,7 @@ sim_test!(
         alloc.reserve(2, 4 * MIB).expect("reserve");
         let stats = alloc.stats();
         assert!(stats.pinning, "{stats}");
-        assert_eq!(stats.registrations, 2, "{stats}");
+        assert_eq!(stats.registrations, 1, "one chunk for both blocks: {stats}");
         assert_eq!((stats.pinned_bytes(), stats.cached_bytes()), (8 * MIB, 8 * MIB));
         let (_ctx, stream) = stream();
         let buf = PinnedBuf::from_slice(&alloc, &pattern(4 * MIB, 7)).expect("PinnedBuf");
@@ -143,7 +143,7 @@ sim_test!(
         assert_eq!(wrong_bytes(&back, &pattern(4 * MIB, 7)), 0);
         let stats = alloc.stats();
         assert_eq!((stats.cache_hits, stats.cache_misses), (1, 0), "{stats}");
-        assert_eq!(stats.registrations, 2, "no registration beyond the reservation");
+        assert_eq!(stats.registrations, 1, "no registration beyond the reservation");
     }
 );
 
@@ -335,9 +335,6 @@ sim_test!(
             (0, 0),
             "a freed block was reused while its copy was still running"
         );
-        if !sim::real_driver() {
-            assert!(stats.reuse_deferred >= 1, "{stats}");
-        }
     }
 );
 
@@ -446,7 +443,8 @@ sim_test!(
         }
         alloc.trim();
         let after = alloc.stats();
-        assert_eq!((pending_blocks(&after), after.cached_bytes()), (0, 0), "{after}");
+        // Live vectors of the global allocator keep their (unpinned) chunk: only pinned ones go.
+        assert_eq!((pending_blocks(&after), after.pinned_bytes()), (0, 0), "{after}");
         // Blocks of other values on the node are released too (the arenas are the process's).
         assert!(after.unregistrations >= after.registrations, "{after}");
         assert!(after.unpin_time.total > std::time::Duration::ZERO, "{after}");

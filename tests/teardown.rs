@@ -177,12 +177,13 @@ fn check_exit_reports(stats: &str, stderr: &str) {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
     let notes = stderr.matches("for allocators in a static only").count();
-    let local = "large allocations 2 (cache hits 0, misses 2), frees 1,";
+    // Carved from chunks the global allocator may have made already: hits and misses vary.
+    let local = |line: &str| line.starts_with("large allocations 2 (") && line.contains("), frees 1,");
     match stats {
         "off" => assert_eq!((tables, json.len(), notes), (0, 0, 0), "{stderr}"),
         "exit" => {
             assert_eq!((tables, json.len(), notes), (2, 0, 1), "{stderr}");
-            assert_eq!(stderr.matches(local).count(), 1, "{stderr}");
+            assert_eq!(stderr.lines().filter(|l| local(l)).count(), 1, "{stderr}");
         }
         _ => {
             assert_eq!((tables, json.len(), notes), (0, 2, 1), "{stderr}");

@@ -64,7 +64,8 @@ fn a_block_with_gpu_work_is_reused_only_after_it_completed() {
     let (first, second, done) = reuse_while_in_flight(&alloc);
     assert_ne!(second, first, "reused while the GPU may still use it");
     let stats = alloc.stats();
-    assert_eq!((stats.in_flight_recorded, stats.reuse_deferred), (1, 1));
+    // The chunk had room elsewhere: nothing was deferred.
+    assert_eq!((stats.in_flight_recorded, stats.reuse_deferred), (1, 0));
     assert_eq!(pending_blocks(&alloc), 1);
 
     done.store(true, Ordering::Release);
@@ -75,7 +76,7 @@ fn a_block_with_gpu_work_is_reused_only_after_it_completed() {
         stats.nodes.iter().map(|n| n.pending_bytes).sum::<usize>(),
         0
     );
-    assert_eq!(stats.cache_hits, 1);
+    assert_eq!((stats.cache_hits, stats.cache_misses), (2, 1));
     for ptr in [second, third] {
         // SAFETY: live blocks of this layout, freed once.
         unsafe { alloc.deallocate(ptr, layout(BLOCK)) };
@@ -87,9 +88,12 @@ fn a_realloc_that_moves_leaves_the_old_block_pending() {
     let _serial = serial();
     let alloc = allocator();
     let old = alloc.allocate(layout(BLOCK), false);
+    // Carved right after it: `old` cannot grow in place.
+    let neighbour = alloc.allocate(layout(BLOCK), false);
+    assert_eq!(neighbour as usize, old as usize + BLOCK);
     let (work, done) = Flag::unfinished();
     assert!(alloc.record_in_flight(old, work).is_ok());
-    // SAFETY: `old` is live with this layout; 4× does not fit in place.
+    // SAFETY: `old` is live with this layout.
     let moved = unsafe { alloc.reallocate(old, layout(BLOCK), layout(4 * BLOCK)) };
     assert!(!moved.is_null() && moved != old);
     let other = alloc.allocate(layout(BLOCK), false);
@@ -102,6 +106,7 @@ fn a_realloc_that_moves_leaves_the_old_block_pending() {
         alloc.deallocate(moved, layout(4 * BLOCK));
         alloc.deallocate(other, layout(BLOCK));
         alloc.deallocate(again, layout(BLOCK));
+        alloc.deallocate(neighbour, layout(BLOCK));
     }
 }
 
@@ -150,38 +155,58 @@ fn a_dropped_value_leaves_its_blocks_to_the_others() {
 }
 
 #[test]
-fn growing_an_unpinned_block_moves_its_pages_and_leaves_nothing_behind() {
+fn a_carved_block_grows_and_shrinks_in_place() {
     let _serial = serial();
     let alloc = allocator();
     let small = alloc.allocate(layout(BLOCK), false);
     // SAFETY: a live block of BLOCK bytes.
     unsafe { ptr::write_bytes(small, 0xa5, BLOCK) };
-    // SAFETY: `small` is live with this layout; 4× does not fit in place.
+    // SAFETY: `small` is live with this layout; the chunk is free after it.
     let grown = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
-    assert!(!grown.is_null());
+    assert_eq!(grown, small, "grown into the free range after it");
     // SAFETY: the grown block is 4 × BLOCK long; its head holds the old bytes.
     let bytes = unsafe { std::slice::from_raw_parts(grown, 4 * BLOCK) };
     assert!(bytes[..BLOCK].iter().all(|&b| b == 0xa5));
-    assert!(
-        bytes[BLOCK..].iter().all(|&b| b == 0),
-        "a fresh, zeroed tail"
-    );
+    let stats = alloc.stats();
+    assert_eq!((stats.in_place_reallocs, stats.grown_without_copy), (1, 0));
+    assert_eq!(stats.live_bytes(), 4 * BLOCK);
+    // SAFETY: live with this layout.
+    let shrunk = unsafe { alloc.reallocate(grown, layout(4 * BLOCK), layout(BLOCK)) };
+    assert_eq!(shrunk, small);
+    assert_eq!(alloc.stats().live_bytes(), BLOCK, "the tail went back");
+    let next = alloc.allocate(layout(BLOCK), false);
+    assert_eq!(next as usize, small as usize + BLOCK);
+    // SAFETY: live with these layouts.
+    unsafe {
+        alloc.deallocate(shrunk, layout(BLOCK));
+        alloc.deallocate(next, layout(BLOCK));
+    }
+}
+
+/// Blocks too large to carve grow by moving their pages (`mremap`), without a copy.
+#[test]
+fn growing_a_dedicated_block_moves_its_pages_and_leaves_nothing_behind() {
+    let _serial = serial();
+    let alloc = allocator();
+    let size = crate::arena::DEDICATED_MIN;
+    let small = alloc.allocate(layout(size), false);
+    // SAFETY: a live block of `size` bytes.
+    unsafe { ptr::write_bytes(small, 0xa5, 4096) };
+    // SAFETY: `small` is live with this layout.
+    let grown = unsafe { alloc.reallocate(small, layout(size), layout(2 * size)) };
+    assert!(!grown.is_null());
+    // SAFETY: the grown block is 2 × size long; its head holds the old bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(grown, 2 * size) };
+    assert!(bytes[..4096].iter().all(|&b| b == 0xa5));
+    assert!(bytes[size..].iter().step_by(4096).all(|&b| b == 0), "a fresh tail");
     let stats = alloc.stats();
     assert_eq!(stats.grown_without_copy, 1);
     assert_eq!(
         (stats.cached_bytes(), stats.live_bytes()),
-        (0, class_size(4 * BLOCK, 4096).unwrap())
+        (0, class_size(2 * size, 4096).unwrap())
     );
-    // A cached block that fits comes first: growing next to it copies into it.
-    let small = alloc.allocate(layout(BLOCK), false);
-    // SAFETY: `grown` is live with this layout.
-    unsafe { alloc.deallocate(grown, layout(4 * BLOCK)) };
-    // SAFETY: `small` is live with this layout.
-    let again = unsafe { alloc.reallocate(small, layout(BLOCK), layout(4 * BLOCK)) };
-    assert_eq!(again, grown, "the cached block");
-    assert_eq!(alloc.stats().grown_without_copy, 1);
     // SAFETY: live with this layout.
-    unsafe { alloc.deallocate(again, layout(4 * BLOCK)) };
+    unsafe { alloc.deallocate(grown, layout(2 * size)) };
 }
 
 #[test]
@@ -195,8 +220,9 @@ fn a_block_freed_through_any_value_returns_to_its_nodes_arena() {
         unsafe { through.deallocate(block, layout(BLOCK)) };
         let stats = owner.stats();
         assert_eq!(stats.live_bytes(), 0);
-        assert_eq!(stats.cached_bytes(), class_size(BLOCK, 4096).unwrap());
-        // The cached block serves the other value's request.
+        let mapped: usize = stats.nodes.iter().map(|n| n.mapped_bytes).sum();
+        assert_eq!(stats.cached_bytes(), mapped, "all of the chunk is free again");
+        // The freed space serves the other value's request.
         let again = through.allocate(layout(BLOCK), false);
         assert_eq!(again, block);
         // SAFETY: live with this layout.

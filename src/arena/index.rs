@@ -1,52 +1,39 @@
-//! The cache of freed blocks, indexed by capacity: a lookup is O(log n), never a scan.
+//! The cache of freed dedicated blocks: blocks too large to carve from a chunk, each a mapping
+//! of its own, kept whole and reused for a request of nearly their size.
 //!
-//! Blocks of one capacity sit in a queue ordered by the time they were cached. Reuse takes the
-//! newest (its pages are the most likely to be hot); eviction takes the oldest over all
-//! capacities, which is always the front of its own queue, so both ends are O(1) once the queue is
-//! found in the capacity map (O(log n)).
+//! Dedicated blocks are at least half the largest chunk, so a node's cache holds few of them
+//! (its limit over that size: 8 for the default 4 GiB): a scan is cheaper than an index, and a
+//! vector whose room is reserved before a free caches a block keeps the free path from
+//! allocating.
 
-use std::collections::{BTreeMap, VecDeque};
+use super::{Block, Fit};
 
-use super::{Block, Fit, Kind};
-
-/// Cached blocks by kind and capacity, with their age order.
+/// Cached blocks with the order in which they were cached.
 #[derive(Default)]
 pub(crate) struct CacheIndex {
-    /// (Kind, capacity) → blocks of that kind and capacity, oldest first, each with its sequence
-    /// number. Empty queues are removed, so a range of capacities of one kind holds only hits.
-    by_capacity: BTreeMap<(Kind, usize), VecDeque<(u64, Block)>>,
-    /// Sequence number → key, the oldest first: the eviction order.
-    by_age: BTreeMap<u64, (Kind, usize)>,
+    /// (sequence number, when cached in arena milliseconds, block), in no particular order.
+    blocks: Vec<(u64, u64, Block)>,
     next_seq: u64,
     bytes: usize,
 }
 
 impl CacheIndex {
-    /// Adds a freed block as the newest.
-    pub(crate) fn insert(&mut self, block: Block) {
-        let seq = self.next_seq;
+    /// Adds a block freed at `now` as the newest; gives it back when there is no room and none
+    /// can be had (the inner allocator is exhausted): the caller releases it instead.
+    pub(crate) fn insert(&mut self, block: Block, now: u64) -> Result<(), Block> {
+        if self.blocks.len() == self.blocks.capacity() && self.blocks.try_reserve(4).is_err() {
+            return Err(block);
+        }
+        self.blocks.push((self.next_seq, now, block));
         self.next_seq += 1;
-        let key = (block.kind, block.capacity);
-        self.by_capacity
-            .entry(key)
-            .or_default()
-            .push_back((seq, block));
-        self.by_age.insert(seq, key);
         self.bytes += block.capacity;
+        Ok(())
     }
 
-    /// Takes the newest block of `fit`'s kind and of the smallest capacity that `fit` admits. Only the newest block
-    /// of each capacity is looked at: a request with a stricter alignment than that block's misses
-    /// rather than searching the queue (blocks are page-aligned, and 2 MiB-aligned from 2 MiB
-    /// with huge pages, so this is rare).
+    /// Takes the newest block of the smallest capacity that `fit` admits.
     pub(crate) fn take(&mut self, fit: Fit) -> Option<Block> {
-        let key = self.find(fit)?;
-        let queue = self.by_capacity.get_mut(&key)?;
-        let (seq, block) = queue.pop_back()?;
-        if queue.is_empty() {
-            self.by_capacity.remove(&key);
-        }
-        self.by_age.remove(&seq);
+        let at = self.find(fit)?;
+        let (_, _, block) = self.blocks.swap_remove(at);
         self.bytes -= block.capacity;
         Some(block)
     }
@@ -56,39 +43,37 @@ impl CacheIndex {
         self.find(fit).is_some()
     }
 
-    /// The key of the smallest capacity of `fit`'s kind whose newest block `fit` admits.
-    fn find(&self, fit: Fit) -> Option<(Kind, usize)> {
-        self.by_capacity
-            .range((fit.kind, fit.least)..=(fit.kind, fit.most))
-            .find(|(_, queue)| queue.back().is_some_and(|(_, b)| fit.admits(b)))
-            .map(|(&key, _)| key)
+    fn find(&self, fit: Fit) -> Option<usize> {
+        self.blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, _, b))| fit.admits(b))
+            .min_by_key(|(_, (seq, _, b))| (b.capacity, u64::MAX - seq))
+            .map(|(at, _)| at)
     }
 
     /// Removes the block cached longest ago.
     pub(crate) fn pop_oldest(&mut self) -> Option<Block> {
-        let (_, key) = self.by_age.pop_first()?;
-        let queue = self.by_capacity.get_mut(&key)?;
-        // The oldest block overall is the oldest of its key: the front of its queue.
-        let (_, block) = queue.pop_front()?;
-        if queue.is_empty() {
-            self.by_capacity.remove(&key);
-        }
+        self.pop_cached_by(u64::MAX)
+    }
+
+    /// Removes the block cached longest ago if it was cached at `since` or before.
+    pub(crate) fn pop_cached_by(&mut self, since: u64) -> Option<Block> {
+        let at = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, at, _))| *at <= since)
+            .min_by_key(|(_, (seq, _, _))| *seq)
+            .map(|(at, _)| at)?;
+        let (_, _, block) = self.blocks.swap_remove(at);
         self.bytes -= block.capacity;
         Some(block)
     }
 
-    /// Removes every block, oldest first.
-    pub(crate) fn drain(&mut self) -> Vec<Block> {
-        let mut drained = Vec::with_capacity(self.len());
-        while let Some(block) = self.pop_oldest() {
-            drained.push(block);
-        }
-        drained
-    }
-
     /// Number of cached blocks.
     pub(crate) fn len(&self) -> usize {
-        self.by_age.len()
+        self.blocks.len()
     }
 
     /// Sum of the cached blocks' capacities.
@@ -100,6 +85,7 @@ impl CacheIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arena::Kind;
 
     const MIB: usize = 1 << 20;
 
@@ -127,56 +113,44 @@ mod tests {
     #[test]
     fn takes_the_newest_of_the_smallest_fitting_capacity() {
         let mut index = CacheIndex::default();
-        index.insert(block(0x100_0000, 4 * MIB));
-        index.insert(block(0x200_0000, 4 * MIB));
-        index.insert(block(0x300_0000, 3 * MIB));
-        assert_eq!(
-            index.take(fit(3 * MIB, 5 * MIB, 4096)),
-            Some(block(0x300_0000, 3 * MIB))
-        );
-        assert_eq!(
-            index.take(fit(3 * MIB, 5 * MIB, 4096)),
-            Some(block(0x200_0000, 4 * MIB))
-        );
-        assert_eq!(
-            index.take(fit(5 * MIB, 6 * MIB, 4096)),
-            None,
-            "none large enough"
-        );
-        assert_eq!(
-            index.take(fit(MIB, 2 * MIB, 4096)),
-            None,
-            "none small enough"
-        );
+        for (addr, mib) in [(0x100_0000, 4), (0x200_0000, 4), (0x300_0000, 3)] {
+            index.insert(block(addr, mib * MIB), 0).unwrap();
+        }
+        let fits = fit(3 * MIB, 5 * MIB, 4096);
+        assert_eq!(index.take(fits), Some(block(0x300_0000, 3 * MIB)));
+        assert_eq!(index.take(fits), Some(block(0x200_0000, 4 * MIB)));
+        assert_eq!(index.take(fit(5 * MIB, 6 * MIB, 4096)), None, "none large enough");
+        assert_eq!(index.take(fit(MIB, 2 * MIB, 4096)), None, "none small enough");
         assert_eq!((index.len(), index.bytes()), (1, 4 * MIB));
     }
 
     #[test]
-    fn a_misaligned_newest_block_is_skipped_for_the_next_capacity() {
+    fn a_misaligned_block_is_skipped() {
         let mut index = CacheIndex::default();
-        index.insert(block(0x10_1000, 4 * MIB));
-        index.insert(block(0x40_0000, 5 * MIB));
-        assert_eq!(
-            index.take(fit(4 * MIB, 5 * MIB, 2 * MIB)),
-            Some(block(0x40_0000, 5 * MIB))
-        );
-        assert_eq!(index.take(fit(4 * MIB, 5 * MIB, 2 * MIB)), None);
+        index.insert(block(0x10_1000, 4 * MIB), 0).unwrap();
+        index.insert(block(0x40_0000, 5 * MIB), 0).unwrap();
+        let fits = fit(4 * MIB, 5 * MIB, 2 * MIB);
+        assert_eq!(index.take(fits), Some(block(0x40_0000, 5 * MIB)));
+        assert_eq!(index.take(fits), None);
     }
 
     #[test]
     fn eviction_goes_oldest_first_across_capacities() {
         let mut index = CacheIndex::default();
-        index.insert(block(0x1000, 4 * MIB));
-        index.insert(block(0x2000, 2 * MIB));
-        index.insert(block(0x3000, 4 * MIB));
-        // Taking the newest 4 MiB block leaves the oldest 4 MiB one at its queue's front.
+        for (addr, mib) in [(0x1000, 4), (0x2000, 2), (0x3000, 4)] {
+            index.insert(block(addr, mib * MIB), 0).unwrap();
+        }
         assert_eq!(
             index.take(fit(4 * MIB, 4 * MIB, 4096)),
             Some(block(0x3000, 4 * MIB))
         );
-        index.insert(block(0x4000, 2 * MIB));
-        let order: Vec<usize> = index.drain().iter().map(|b| b.addr).collect();
-        assert_eq!(order, [0x1000, 0x2000, 0x4000]);
+        index.insert(block(0x4000, 2 * MIB), 5).unwrap();
+        assert_eq!(index.pop_cached_by(4).map(|b| b.addr), Some(0x1000));
+        index.insert(block(0x1000, 4 * MIB), 0).unwrap();
+        let order: Vec<usize> = std::iter::from_fn(|| index.pop_oldest())
+            .map(|b| b.addr)
+            .collect();
+        assert_eq!(order, [0x2000, 0x4000, 0x1000]);
         assert_eq!((index.len(), index.bytes()), (0, 0));
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! Completion is only ever polled ([`InFlight::is_complete`]) on the allocation path, O(pending).
 
-use super::{Block, Fit};
+use super::{Block, Fit, Slot};
 
 /// GPU work that may still read or write a block: CUDA events recorded on streams.
 ///
@@ -31,10 +31,14 @@ pub(crate) fn settle(work: &mut Work) -> bool {
 /// A freed block and the work that still uses it.
 struct PendingBlock {
     block: Block,
+    /// Where it was carved from, if it was.
+    slot: Option<Slot>,
     work: Work,
 }
 
-/// Freed blocks with work in flight, in no particular order.
+/// Freed blocks with work in flight, in no particular order. Room for every live block with
+/// recorded work is reserved when the work is recorded ([`Self::reserve`]), so that a free never
+/// allocates.
 #[derive(Default)]
 pub(crate) struct PendingList {
     blocks: Vec<PendingBlock>,
@@ -42,29 +46,40 @@ pub(crate) struct PendingList {
 }
 
 impl PendingList {
-    /// Adds a freed block whose `work` is not complete.
-    pub(crate) fn push(&mut self, block: Block, work: Work) {
+    /// Makes room for `more` blocks beyond those pending now; false when none can be had.
+    pub(crate) fn reserve(&mut self, more: usize) -> bool {
+        self.blocks.try_reserve(more).is_ok()
+    }
+
+    /// Adds a freed block whose `work` is not complete, within the room reserved for it.
+    pub(crate) fn push(&mut self, block: Block, slot: Option<Slot>, work: Work) {
         self.bytes += block.capacity;
-        self.blocks.push(PendingBlock { block, work });
+        self.blocks.push(PendingBlock { block, slot, work });
     }
 
-    /// Moves every block whose work has all completed into `ready`. O(pending); never blocks.
-    pub(crate) fn poll(&mut self, ready: &mut Vec<Block>) {
-        let mut i = 0;
-        while i < self.blocks.len() {
-            if settle(&mut self.blocks[i].work) {
-                let done = self.blocks.swap_remove(i);
+    /// The next block from `cursor` on whose work has all completed, taken out (start with
+    /// `cursor` 0 and call until `None`). O(pending) over the calls; never blocks.
+    pub(crate) fn take_ready(&mut self, cursor: &mut usize) -> Option<(Block, Option<Slot>)> {
+        while let Some(pending) = self.blocks.get_mut(*cursor) {
+            if settle(&mut pending.work) {
+                // The last block moves here: the cursor stays to look at it next.
+                let done = self.blocks.swap_remove(*cursor);
                 self.bytes -= done.block.capacity;
-                ready.push(done.block);
-            } else {
-                i += 1;
+                return Some((done.block, done.slot));
             }
+            *cursor += 1;
         }
+        None
     }
 
-    /// Whether a pending block fits (a miss that stream-ordered reuse deferred). O(pending).
+    /// Whether a pending block would have served this request (a miss that stream-ordered reuse
+    /// deferred): a dedicated one that `fit` admits, or a carved one of its kind and at least its
+    /// size. O(pending).
     pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
-        self.blocks.iter().any(|p| fit.admits(&p.block))
+        self.blocks.iter().any(|p| match p.slot {
+            None => fit.admits(&p.block),
+            Some(_) => p.block.kind == fit.kind && p.block.capacity >= fit.least,
+        })
     }
 
     /// Number of pending blocks.
@@ -138,24 +153,31 @@ mod tests {
     #[test]
     fn a_block_is_ready_only_when_all_its_work_completed() {
         let mut list = PendingList::default();
+        assert!(list.reserve(2));
         let (first, first_done) = Flag::unfinished();
         let (second, second_done) = Flag::unfinished();
-        list.push(block(0x1000), vec![first, second]);
+        list.push(block(0x1000), None, vec![first, second]);
         let (other, other_done) = Flag::unfinished();
-        list.push(block(0x2000), vec![other]);
+        list.push(block(0x2000), None, vec![other]);
         assert_eq!((list.len(), list.bytes()), (2, 8 * MIB));
         assert!(list.holds_fit(Fit::new(4 * MIB, 4 * MIB, 4096, PINNED)));
         assert!(!list.holds_fit(Fit::new(5 * MIB, 5 * MIB, 4096, PINNED)));
 
         let mut ready = Vec::new();
+        let poll = |list: &mut PendingList, ready: &mut Vec<Block>| {
+            let mut cursor = 0;
+            while let Some((b, _)) = list.take_ready(&mut cursor) {
+                ready.push(b);
+            }
+        };
         first_done.store(true, Ordering::Release);
-        list.poll(&mut ready);
+        poll(&mut list, &mut ready);
         assert!(ready.is_empty(), "one of two uses is still running");
         other_done.store(true, Ordering::Release);
-        list.poll(&mut ready);
+        poll(&mut list, &mut ready);
         assert_eq!(ready, [block(0x2000)]);
         second_done.store(true, Ordering::Release);
-        list.poll(&mut ready);
+        poll(&mut list, &mut ready);
         assert_eq!(ready, [block(0x2000), block(0x1000)]);
         assert_eq!((list.len(), list.bytes()), (0, 0));
     }

@@ -1,11 +1,14 @@
-//! Unit tests of the arena: size classes, reuse bounds, eviction, the cache budget, pending
-//! blocks and the forked child.
+//! Unit tests of the arena: carving from chunks (reuse at any size, populate and zero once,
+//! decay, the idle limit, growth in place), pending blocks, the dedicated cache and its budget,
+//! the forked child, and the accounting. Chunks are real mappings (nothing is populated: the
+//! arena only plans that).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::pending::double::Flag;
 use super::*;
+use crate::chunk::Mapping;
 
 const PAGE: usize = 4096;
 const MIB: usize = 1 << 20;
@@ -20,18 +23,211 @@ fn classes_waste_at_most_an_eighth() {
         assert_eq!(class % PAGE, 0);
         size += 12_345 * 7;
     }
-}
-
-#[test]
-fn class_examples() {
-    assert_eq!(class_size(2 * MIB, PAGE), Some(2 * MIB));
     assert_eq!(class_size(2 * MIB + 1, PAGE), Some(2 * MIB + 256 * 1024));
-    assert_eq!(class_size(3 * MIB, PAGE), Some(3 * MIB));
-    assert_eq!(class_size(100, PAGE), Some(PAGE));
     assert_eq!(class_size(usize::MAX, PAGE), None);
 }
 
-fn block(addr: usize, capacity: usize, pinned: bool) -> Block {
+const HUGE: HeapKey = HeapKey {
+    kind: Kind {
+        policy: MemPolicy::Preferred,
+        pinned: false,
+        devicemap: false,
+        read_only: false,
+    },
+    huge: true,
+};
+
+fn arena() -> Arena {
+    Arena::new(&NumaTopology::single_node(), 0)
+}
+
+/// An arena with one unpinned huge-page chunk of `len` bytes under `key`.
+fn arena_with_chunk(key: HeapKey, len: usize) -> Arena {
+    let mut arena = arena();
+    let chunk = Chunk::new(Mapping::new(len, CHUNK_ALIGN).unwrap(), 2 * MIB).unwrap();
+    assert!(arena.add_chunk(key, chunk).is_ok());
+    arena
+}
+
+fn carve(arena: &mut Arena, size: usize) -> Carving {
+    arena
+        .carve(HUGE, size, PAGE, None)
+        .expect("bookkeeping")
+        .expect("room")
+}
+
+fn free(arena: &mut Arena, addr: usize, limit: usize) -> Released {
+    let mut out = Released::default();
+    let live = arena.remove_live(addr).expect("live");
+    arena.free(live, limit, &mut out);
+    out
+}
+
+fn row(arena: &Arena) -> NodeStats {
+    let mut row = NodeStats::default();
+    arena.fill(&mut row);
+    row
+}
+
+#[test]
+fn freed_space_is_carved_again_at_any_size() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let big = carve(&mut arena, 15 * MIB).block;
+    assert!(free(&mut arena, big.addr, usize::MAX).is_empty());
+    // The freed 15 MiB merged back with the rest: a smaller block lands where it was.
+    let small = carve(&mut arena, 3 * MIB).block;
+    assert_eq!(small.addr, big.addr);
+    let other = carve(&mut arena, 20 * MIB).block;
+    assert_ne!(other.addr, small.addr);
+    assert!(arena.carve(HUGE, 10 * MIB, PAGE, None).unwrap().is_none(), "full");
+    let stats = row(&arena);
+    assert_eq!((stats.chunks, stats.live_blocks), (1, 2));
+    assert_eq!(stats.live_bytes, 23 * MIB);
+    assert_eq!(stats.cached_bytes, 9 * MIB);
+}
+
+#[test]
+fn each_granule_is_populated_once_and_zeroed_only_when_dirty() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let first = carve(&mut arena, 4 * MIB);
+    assert_eq!(first.populate.map(|s| s.len), Some(4 * MIB));
+    assert_eq!(first.dirty, None, "fresh memory is zero");
+    let _ = free(&mut arena, first.block.addr, usize::MAX);
+    let again = carve(&mut arena, 3 * MIB);
+    assert_eq!(again.block.addr, first.block.addr);
+    assert_eq!(again.populate, None, "already resident");
+    assert_eq!(again.dirty.map(|s| s.len), Some(3 * MIB), "handed out before");
+    assert_eq!(row(&arena).resident_bytes, 4 * MIB);
+}
+
+#[test]
+fn idle_free_space_decays_and_is_populated_again_after() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let block = carve(&mut arena, 8 * MIB).block;
+    let keep = carve(&mut arena, 2 * MIB).block;
+    let _ = free(&mut arena, block.addr, usize::MAX);
+    let mut out = Released::default();
+    arena.decay(0, &mut out);
+    let purged: Vec<Span> = out.purges.iter().map(|p| p.span).collect();
+    assert_eq!(purged.iter().map(|s| s.len).sum::<usize>(), 8 * MIB);
+    assert!(out.chunks.is_empty(), "a block is still live in the chunk");
+    assert!(
+        arena.carve(HUGE, 30 * MIB, PAGE, None).unwrap().is_none(),
+        "held out while purged"
+    );
+    arena.purged(out.purges.drain());
+    let again = carve(&mut arena, 8 * MIB);
+    assert_eq!(again.block.addr, block.addr);
+    assert_eq!(again.populate.map(|s| s.len), Some(8 * MIB));
+    assert_eq!(again.dirty, None, "purged memory is zero");
+    let stats = row(&arena);
+    assert_eq!((stats.purged_bytes, stats.resident_bytes), (8 * MIB as u64, 10 * MIB));
+    let _ = keep;
+
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let block = carve(&mut arena, 8 * MIB).block;
+    let _ = free(&mut arena, block.addr, usize::MAX);
+    let mut out = Released::default();
+    arena.decay(u64::MAX, &mut out);
+    assert!(out.is_empty(), "decay off");
+}
+
+#[test]
+fn a_wholly_free_chunk_is_released_by_trim_and_by_the_idle_limit() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let block = carve(&mut arena, 4 * MIB).block;
+    assert!(free(&mut arena, block.addr, usize::MAX).is_empty());
+    let mut out = Released::default();
+    assert!(arena.trim(&mut out));
+    assert_eq!(out.chunks.iter().count(), 1);
+    assert_eq!(row(&arena).chunks, 0);
+
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let keep = carve(&mut arena, 4 * MIB).block;
+    let block = carve(&mut arena, 4 * MIB).block;
+    let mut out = free(&mut arena, block.addr, 0);
+    let purged: usize = out.purges.iter().map(|p| p.span.len).sum();
+    assert_eq!(purged, 4 * MIB, "nothing idle may stay resident above a zero limit");
+    assert_eq!(row(&arena).resident_bytes, 4 * MIB, "the live block's");
+    arena.purged(out.purges.drain());
+    let out = free(&mut arena, keep.addr, 0);
+    assert_eq!(out.chunks.iter().count(), 1, "wholly free: released");
+}
+
+#[test]
+fn a_carved_block_grows_into_its_free_neighbour_and_shrinks_in_place() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let block = carve(&mut arena, 4 * MIB).block;
+    let populate = arena.resize_carved(block.addr, 10 * MIB).expect("room after it");
+    assert_eq!(populate.map(|s| s.len), Some(6 * MIB));
+    assert_eq!(row(&arena).live_bytes, 10 * MIB);
+    assert_eq!(arena.resize_carved(block.addr, 6 * MIB), Some(None));
+    assert_eq!(row(&arena).live_bytes, 6 * MIB);
+    let next = carve(&mut arena, 26 * MIB).block;
+    assert_eq!(next.addr, block.addr + 6 * MIB, "the tail was given back");
+    assert_eq!(arena.resize_carved(block.addr, 7 * MIB), None, "no room");
+}
+
+/// A live carved block with unfinished work recorded through a pointer inside it.
+fn live_in_use(arena: &mut Arena, size: usize) -> (Block, Arc<AtomicBool>) {
+    let block = carve(arena, size).block;
+    let (work, done) = Flag::unfinished();
+    assert!(arena.record_in_flight(block.addr + MIB + 17, work).is_ok());
+    (block, done)
+}
+
+#[test]
+fn a_freed_block_in_use_is_not_carved_again_before_its_work_completed() {
+    let mut arena = arena_with_chunk(HUGE, 8 * MIB);
+    let (block, done) = live_in_use(&mut arena, 8 * MIB);
+    let _ = free(&mut arena, block.addr, usize::MAX);
+    let mut out = Released::default();
+    arena.settle_pending(usize::MAX, &mut out);
+    assert!(arena.carve(HUGE, 4 * MIB, PAGE, None).unwrap().is_none());
+    assert!(arena.pending_fits(Fit::new(4 * MIB, 4 * MIB, PAGE, HUGE.kind)));
+    assert!(arena.trim(&mut out) && out.chunks.is_empty(), "trim skips it");
+    assert_eq!((row(&arena).pending_blocks, row(&arena).pending_bytes), (1, 8 * MIB));
+    done.store(true, Ordering::Release);
+    arena.settle_pending(usize::MAX, &mut out);
+    assert_eq!(carve(&mut arena, 4 * MIB).block.addr, block.addr);
+}
+
+#[test]
+fn work_is_recorded_only_inside_a_live_block() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let block = carve(&mut arena, 4 * MIB).block;
+    let dedicated = dedicated(0x7000_0000_0000, 4 * MIB, false);
+    assert!(arena.insert_dedicated(dedicated));
+    for addr in [block.addr - 1, block.addr + 4 * MIB, 0, dedicated.addr + 4 * MIB] {
+        assert!(
+            arena.record_in_flight(addr, Flag::unfinished().0).is_err(),
+            "{addr:#x}"
+        );
+    }
+    for addr in [block.addr + 4 * MIB - 1, dedicated.addr + MIB] {
+        assert!(arena.record_in_flight(addr, Flag::unfinished().0).is_ok());
+    }
+}
+
+#[test]
+fn a_forked_child_never_carves_page_locked_chunks() {
+    let pinned = HeapKey {
+        kind: Kind {
+            pinned: true,
+            ..HUGE.kind
+        },
+        ..HUGE
+    };
+    let mut arena = arena_with_chunk(pinned, 32 * MIB);
+    assert!(arena.carve(pinned, 4 * MIB, PAGE, None).unwrap().is_some());
+    arena.enter_child();
+    assert!(arena.carve(pinned, 4 * MIB, PAGE, None).unwrap().is_none());
+    let mut out = Released::default();
+    assert!(arena.trim(&mut out));
+    assert!(out.chunks.is_empty(), "the parent's registration stays mapped");
+}
+
+fn dedicated(addr: usize, capacity: usize, pinned: bool) -> Block {
     Block {
         addr,
         capacity,
@@ -48,354 +244,109 @@ fn block(addr: usize, capacity: usize, pinned: bool) -> Block {
 /// An arena whose live bytes once reached `peak` (so that its budget allows a cache that
 /// large), as if blocks had been handed out and freed.
 fn arena_that_held(peak: usize) -> Arena {
-    let mut arena = Arena::new(&NumaTopology::single_node(), 0);
+    let mut arena = arena();
     arena.peak_in_use = peak;
     arena
 }
 
-/// The fit of a request of `size` bytes for unpinned blocks, as the allocator computes it.
-fn fit(size: usize, align: usize) -> Fit {
-    Fit::new(
-        size,
-        class_size(size, PAGE).unwrap(),
-        align,
-        Kind::default(),
-    )
+fn fit(size: usize, pinned: bool) -> Fit {
+    let kind = Kind {
+        pinned,
+        ..Kind::default()
+    };
+    Fit::new(size, class_size(size, PAGE).unwrap(), PAGE, kind)
 }
 
-/// The fit of a request of `size` bytes for page-locked blocks.
-fn pinned_fit(size: usize) -> Fit {
-    Fit {
-        kind: block(0, 0, true).kind,
-        ..fit(size, PAGE)
-    }
+fn released_blocks(out: &mut Released) -> Vec<Block> {
+    out.blocks.drain().collect()
 }
 
 #[test]
-fn reuse_needs_covering_capacity_and_alignment() {
+fn the_dedicated_cache_limit_evicts_oldest_first() {
     let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    arena.cache(block(0x20_0000, 4 * MIB, false), usize::MAX, &mut evicted);
-    assert_eq!(arena.take_cached(fit(5 * MIB, PAGE)), None, "too small");
-    assert_eq!(arena.take_cached(fit(2 * MIB, PAGE)), None, "too wasteful");
-    assert_eq!(arena.take_cached(fit(4 * MIB, 1 << 30)), None, "misaligned");
-    assert_eq!(
-        arena.take_cached(fit(4 * MIB - PAGE, 2 * MIB)),
-        Some(block(0x20_0000, 4 * MIB, false))
-    );
-    assert_eq!(arena.cached.bytes(), 0);
-}
-
-#[test]
-fn reuse_wastes_at_most_an_eighth_of_the_request() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    // 2.5 MiB is one class above 2 MiB + 1 B (class 2.25 MiB): 25% over the request.
-    arena.cache(
-        block(0x20_0000, 2 * MIB + MIB / 2, false),
-        usize::MAX,
-        &mut evicted,
-    );
-    assert_eq!(arena.take_cached(fit(2 * MIB + 1, PAGE)), None);
-    // 2.5 MiB for 2.25 MiB + 1 B is within 1/8 of the request although its class is 2.5 MiB.
-    assert!(arena
-        .take_cached(fit(2 * MIB + MIB / 4 + 1, PAGE))
-        .is_some());
-    let mut size = 4 * PAGE;
-    while size < 64 * MIB {
-        let f = fit(size, PAGE);
-        assert!((f.most - size) * 8 <= size, "size {size} bound {}", f.most);
-        size = size * 9 / 8 + 4321;
-    }
-}
-
-#[test]
-fn cache_limit_evicts_oldest_first() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
+    let mut out = Released::default();
     for i in 1..=3 {
-        let b = block(i * 0x1000_0000, 4 * MIB, true);
+        let b = dedicated(i << 40, 640 * MIB, true);
         arena.note_created(&b);
-        arena.cache(b, 8 * MIB, &mut evicted);
+        arena.cache(b, 1280 * MIB, &mut out);
     }
-    assert_eq!(evicted, [block(0x1000_0000, 4 * MIB, true)]);
-    let mut nodes = [NodeStats::default()];
-    arena.fill(&mut nodes[0]);
-    assert_eq!(nodes[0].cached_bytes, 8 * MIB);
-    assert_eq!(nodes[0].pinned_bytes, 8 * MIB);
-    assert_eq!(nodes[0].cached_blocks, 2);
-    let big = block(0x4000_0000, 16 * MIB, true);
+    assert_eq!(released_blocks(&mut out), [dedicated(1 << 40, 640 * MIB, true)]);
+    let stats = row(&arena);
+    assert_eq!((stats.cached_bytes, stats.pinned_bytes), (1280 * MIB, 1280 * MIB));
+    let big = dedicated(4 << 40, 2000 * MIB, true);
     arena.note_created(&big);
-    evicted.clear();
-    arena.cache(big, 8 * MIB, &mut evicted);
-    assert_eq!(
-        evicted,
-        [big],
-        "a block over the limit leaves the others cached"
-    );
-    arena.fill(&mut nodes[0]);
-    assert_eq!(
-        (nodes[0].cached_blocks, nodes[0].pinned_bytes),
-        (2, 8 * MIB)
-    );
-    assert_eq!(arena.drain_cached().len(), 2);
-    arena.fill(&mut nodes[0]);
-    assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
+    arena.cache(big, 1280 * MIB, &mut out);
+    assert_eq!(released_blocks(&mut out), [big], "over the limit alone");
+    assert_eq!(arena.take_cached(fit(640 * MIB, true)).map(|b| b.addr), Some(3 << 40));
+    assert_eq!(arena.take_cached(fit(640 * MIB, false)), None, "another kind");
 }
 
 #[test]
-fn memory_is_given_back_oldest_first_and_only_as_much_as_asked() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    let blocks = [(1, 4), (2, 2), (3, 8), (4, 2)].map(|(i, mib)| block(i << 30, mib * MIB, true));
-    for b in blocks {
-        arena.note_created(&b);
-        arena.cache(b, usize::MAX, &mut evicted);
-    }
-    assert_eq!(arena.release_oldest(5 * MIB), blocks[..2]);
-    assert_eq!(arena.release_oldest(0), []);
-    assert_eq!(arena.release_oldest(usize::MAX), blocks[2..]);
-    let mut nodes = [NodeStats::default()];
-    arena.fill(&mut nodes[0]);
-    assert_eq!((nodes[0].cached_bytes, nodes[0].pinned_bytes), (0, 0));
-}
-
-/// A live 4 MiB pinned block at `addr`, with work recorded through a pointer inside it.
-fn live_in_use(arena: &mut Arena, addr: usize) -> Arc<AtomicBool> {
-    let b = block(addr, 4 * MIB, true);
-    arena.note_created(&b);
-    arena.insert_live(b);
-    let (work, done) = Flag::unfinished();
-    assert!(arena.record_in_flight(addr + MIB + 17, work).is_ok());
-    done
-}
-
-#[test]
-fn a_freed_block_in_use_is_not_reused_before_its_work_completed() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    let done = live_in_use(&mut arena, 0x40_0000);
-    let (block, work) = arena.remove_live(0x40_0000).unwrap();
-    arena.free(block, work, usize::MAX, &mut evicted);
-    arena.settle_pending(usize::MAX, &mut evicted);
-    assert_eq!(
-        arena.take_cached(pinned_fit(4 * MIB)),
-        None,
-        "reused while in flight"
-    );
-    assert!(arena.pending_fits(pinned_fit(4 * MIB)));
-    let mut nodes = [NodeStats::default()];
-    arena.fill(&mut nodes[0]);
-    assert_eq!(
-        (nodes[0].pending_blocks, nodes[0].pending_bytes),
-        (1, 4 * MIB)
-    );
-    assert_eq!(nodes[0].pinned_bytes, 4 * MIB);
-
-    done.store(true, Ordering::Release);
-    arena.settle_pending(usize::MAX, &mut evicted);
-    assert_eq!(arena.take_cached(pinned_fit(4 * MIB)), Some(block));
-    assert!(evicted.is_empty());
-}
-
-#[test]
-fn work_is_recorded_only_inside_a_live_block() {
-    let topo = NumaTopology::single_node();
-    let mut arena = Arena::new(&topo, 0);
-    arena.insert_live(block(0x40_0000, 4 * MIB, false));
-    for addr in [0x40_0000 - 1, 0x40_0000 + 4 * MIB, 0] {
-        assert!(
-            arena.record_in_flight(addr, Flag::unfinished().0).is_err(),
-            "{addr:#x}"
-        );
-    }
-    assert!(arena
-        .record_in_flight(0x40_0000 + 4 * MIB - 1, Flag::unfinished().0)
-        .is_ok());
-}
-
-#[test]
-fn pending_bytes_count_against_the_limit_and_are_never_evicted() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    arena.cache(block(0x1000_0000, 4 * MIB, false), 8 * MIB, &mut evicted);
-    let first = live_in_use(&mut arena, 0x2000_0000);
-    let second = live_in_use(&mut arena, 0x3000_0000);
-    for addr in [0x2000_0000, 0x3000_0000] {
-        let (block, work) = arena.remove_live(addr).unwrap();
-        arena.free(block, work, 8 * MIB, &mut evicted);
-    }
-    assert_eq!(
-        evicted,
-        [block(0x1000_0000, 4 * MIB, false)],
-        "ready blocks go first"
-    );
-    assert_eq!(arena.drain_cached(), [], "trim skips blocks in flight");
-    first.store(true, Ordering::Release);
-    assert_eq!(arena.drain_cached(), [block(0x2000_0000, 4 * MIB, true)]);
-    let mut nodes = [NodeStats::default()];
-    arena.fill(&mut nodes[0]);
-    assert_eq!(
-        (nodes[0].pending_bytes, nodes[0].pinned_bytes),
-        (4 * MIB, 4 * MIB)
-    );
-    second.store(true, Ordering::Release);
-    arena.settle_pending(8 * MIB, &mut evicted);
-    arena.fill(&mut nodes[0]);
-    assert_eq!(
-        (nodes[0].pending_bytes, nodes[0].cached_bytes),
-        (0, 4 * MIB)
-    );
-}
-
-#[test]
-fn a_block_over_the_limit_waits_for_its_work_before_eviction() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    let done = live_in_use(&mut arena, 0x2000_0000);
-    let (block, work) = arena.remove_live(0x2000_0000).unwrap();
-    arena.free(block, work, 2 * MIB, &mut evicted);
-    assert!(evicted.is_empty(), "a block in flight is never released");
-    done.store(true, Ordering::Release);
-    arena.settle_pending(2 * MIB, &mut evicted);
-    assert_eq!(evicted, [block]);
-}
-
-#[test]
-fn a_forked_child_releases_page_locked_blocks_instead_of_reusing_them() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    let (pinned, plain) = (
-        block(0x100_0000, 4 * MIB, true),
-        block(0x200_0000, 4 * MIB, false),
-    );
-    for b in [pinned, plain] {
-        arena.note_created(&b);
-        arena.cache(b, usize::MAX, &mut evicted);
-    }
-    arena.enter_child();
-    arena.settle_pending(usize::MAX, &mut evicted);
-    assert_eq!(evicted, [pinned]);
-    assert_eq!(arena.take_cached(fit(4 * MIB, PAGE)), Some(plain));
-    let live = block(0x300_0000, 4 * MIB, true);
-    arena.note_created(&live);
-    arena.insert_live(live);
-    let (freed, work) = arena.remove_live(live.addr).unwrap();
-    arena.free(freed, work, usize::MAX, &mut evicted);
-    assert_eq!(
-        evicted,
-        [pinned, live],
-        "freed in the child: released, not cached"
-    );
-    let mut nodes = [NodeStats::default()];
-    arena.fill(&mut nodes[0]);
-    assert_eq!((nodes[0].cached_blocks, nodes[0].pinned_bytes), (0, 0));
-}
-
-#[test]
-fn the_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eighth() {
+fn the_dedicated_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eighth() {
     // A Vec grown by doubling: each step allocates the next size, then frees the last.
-    let mut arena = Arena::new(&NumaTopology::single_node(), 0);
-    let mut evicted = Vec::new();
+    let mut arena = arena();
+    let mut out = Released::default();
     let mut previous: Option<Block> = None;
-    for (i, mib) in [2, 4, 8, 16, 32].into_iter().enumerate() {
-        let next = block((i + 1) << 30, mib * MIB, false);
-        arena.insert_created(next, usize::MAX, &mut evicted);
+    let mut released = 0;
+    for (i, mib) in [512, 1024, 2048, 4096].into_iter().enumerate() {
+        let next = dedicated((i + 1) << 40, mib * MIB, false);
+        assert!(arena.insert_created(next, usize::MAX, &mut out));
         if let Some(old) = previous.replace(next) {
-            let (old, work) = arena.remove_live(old.addr).unwrap();
-            arena.free(old, work, usize::MAX, &mut evicted);
+            let live = arena.remove_live(old.addr).unwrap();
+            arena.free(live, usize::MAX, &mut out);
         }
+        released += released_blocks(&mut out).iter().map(|b| b.capacity).sum::<usize>();
         let footprint = arena.live_bytes() + arena.cached.bytes();
         assert!(footprint <= arena.peak_in_use * 9 / 8, "{mib} MiB step");
     }
-    // Only the last smaller size stays; the older ones were given back as the live set grew.
-    assert_eq!(arena.cached.bytes(), 16 * MIB);
-    let released: usize = evicted.iter().map(|b| b.capacity).sum();
-    assert_eq!(released, (2 + 4 + 8) * MIB);
-    // Reuse of what was live at once is untouched: freeing everything keeps it all.
-    let (last, work) = arena.remove_live(previous.unwrap().addr).unwrap();
-    arena.free(last, work, usize::MAX, &mut evicted);
-    assert_eq!(arena.cached.bytes(), 48 * MIB);
-    assert_eq!(arena.take_cached(fit(32 * MIB, PAGE)), Some(last));
+    assert_eq!(arena.cached.bytes(), 2048 * MIB);
+    assert_eq!(released, (512 + 1024) * MIB);
 }
 
 #[test]
-fn live_accounting_and_peak() {
+fn a_forked_child_releases_page_locked_dedicated_blocks() {
+    let mut arena = arena_that_held(1 << 40);
+    let mut out = Released::default();
+    let (pinned, plain) = (dedicated(1 << 40, 640 * MIB, true), dedicated(2 << 40, 640 * MIB, false));
+    for b in [pinned, plain] {
+        arena.note_created(&b);
+        arena.cache(b, usize::MAX, &mut out);
+    }
+    arena.enter_child();
+    arena.settle_pending(usize::MAX, &mut out);
+    assert_eq!(released_blocks(&mut out), [pinned]);
+    assert_eq!(arena.take_cached(fit(640 * MIB, false)), Some(plain));
+    assert_eq!(row(&arena).pinned_bytes, 0);
+}
+
+#[test]
+fn live_blocks_are_counted_per_node_and_gpu() {
     let topo = NumaTopology::two_node(20);
     let mut arena = Arena::new(&topo, 1);
-    arena.insert_live(block(0x1000, 4 * MIB, false));
-    arena.insert_live(block(0x2000, 2 * MIB, false));
-    assert_eq!(
-        arena.remove_live(0x1000).map(|b| b.0.capacity),
-        Some(4 * MIB)
-    );
-    assert!(arena.remove_live(0x1000).is_none());
-    let mut nodes = [
-        NodeStats {
-            node: 0,
-            ..NodeStats::default()
-        },
-        NodeStats {
-            node: 1,
-            ..NodeStats::default()
-        },
-    ];
-    arena.fill(&mut nodes[1]);
-    assert_eq!(nodes[0].live_bytes, 0);
-    assert_eq!(nodes[1].live_bytes, 2 * MIB);
-    assert_eq!(nodes[1].peak_live_bytes, 6 * MIB);
-    assert_eq!(nodes[1].live_blocks, 1);
-}
-
-#[test]
-fn a_cached_block_serves_only_requests_of_its_kind() {
-    let mut arena = arena_that_held(1 << 40);
-    let mut evicted = Vec::new();
-    let pinned = block(0x40_0000, 4 * MIB, true);
-    arena.cache(pinned, usize::MAX, &mut evicted);
-    assert_eq!(
-        arena.take_cached(fit(4 * MIB, PAGE)),
-        None,
-        "unpinned asked"
-    );
-    let interleaved = Fit {
-        kind: Kind {
-            policy: MemPolicy::Interleave,
-            ..pinned.kind
-        },
-        ..pinned_fit(4 * MIB)
-    };
-    assert_eq!(arena.take_cached(interleaved), None, "another policy");
-    assert_eq!(arena.take_cached(pinned_fit(4 * MIB)), Some(pinned));
-}
-
-#[test]
-fn live_blocks_are_counted_per_gpu_they_were_handed_out_for() {
-    let mut arena = Arena::new(&NumaTopology::single_node(), 0);
     let for_gpu = |addr, gpu, pinned| Block {
         for_gpu: gpu,
-        ..block(addr, 4 * MIB, pinned)
+        node: 1,
+        ..dedicated(addr, 4 * MIB, pinned)
     };
-    arena.insert_live(for_gpu(0x100_0000, Some(3), true));
-    arena.insert_live(for_gpu(0x200_0000, Some(1), false));
-    arena.insert_live(for_gpu(0x300_0000, Some(3), false));
-    arena.insert_live(for_gpu(0x400_0000, None, false));
-    let _ = arena.remove_live(0x300_0000);
+    for b in [
+        for_gpu(0x100_0000, Some(3), true),
+        for_gpu(0x200_0000, Some(1), false),
+        for_gpu(0x300_0000, Some(3), false),
+        for_gpu(0x400_0000, None, false),
+    ] {
+        assert!(arena.insert_dedicated(b));
+    }
+    assert!(arena.remove_live(0x300_0000).is_some());
+    assert!(arena.remove_live(0x300_0000).is_none());
     let rows: Vec<_> = arena
         .gpus()
         .iter()
-        .map(|g| {
-            (
-                g.ordinal,
-                g.node,
-                g.live_blocks,
-                g.live_bytes,
-                g.pinned_bytes,
-            )
-        })
+        .map(|g| (g.ordinal, g.node, g.live_blocks, g.live_bytes, g.pinned_bytes))
         .collect();
-    assert_eq!(rows, [(1, 0, 1, 4 * MIB, 0), (3, 0, 1, 4 * MIB, 4 * MIB)]);
+    assert_eq!(rows, [(1, 1, 1, 4 * MIB, 0), (3, 1, 1, 4 * MIB, 4 * MIB)]);
     assert_eq!(arena.gpus()[1].peak_live_bytes, 8 * MIB);
+    let stats = row(&arena);
+    assert_eq!((stats.live_bytes, stats.peak_live_bytes, stats.live_blocks), (12 * MIB, 16 * MIB, 3));
     arena.reset_peak();
     assert_eq!(arena.gpus()[1].peak_live_bytes, 4 * MIB);
 }

@@ -1,0 +1,386 @@
+//! The carved path: a request below [`DEDICATED_MIN`] gets a block carved from a chunk of its
+//! kind in its node's arena; a chunk is made when none has room.
+//!
+//! 1. Under the arena lock: settle pending blocks, look at idle memory (decay), carve.
+//! 2. Outside it: populate the granules of the block never populated (and check their pages
+//!    under `policy=bind` or `verify=on`), zero what may hold old data when zeroed memory was
+//!    asked for; release and purge what the arena handed out.
+//! 3. When no chunk has room: make one (map, advise, bind; pinned: populate whole, check,
+//!    register), add it, carve again. A shortage gives idle memory of the node back and
+//!    retries, unless what could be given back is too little to help.
+
+use std::time::Instant;
+
+use crate::arena::{
+    release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, Released, Shortage, CHUNK_ALIGN,
+    CHUNK_MAX,
+};
+use crate::block::{shortage, HUGE_PAGE};
+use crate::chunk::{self, Chunk, Mapping, Span};
+use crate::config::PinMode;
+use crate::lock::Guard;
+use crate::runtime::{Resolved, Runtime};
+use crate::sys::{self, NodeMask};
+use crate::Error;
+
+/// Whether a request of `size` bytes at `align` is carved (else it gets a mapping of its own).
+pub(crate) fn carved(size: usize, align: usize) -> bool {
+    size < crate::arena::DEDICATED_MIN && size.saturating_add(align) <= CHUNK_MAX
+}
+
+impl Runtime {
+    /// A block of `size` bytes (a multiple of the page size) at a multiple of `align`, carved for
+    /// `target` from chunks of `kind`; zeroed when asked. `None` when it cannot be had.
+    pub(crate) fn carve(
+        &self,
+        size: usize,
+        align: usize,
+        zeroed: bool,
+        target: &Resolved,
+        kind: Kind,
+    ) -> Option<Block> {
+        let key = HeapKey {
+            kind,
+            huge: self.config.huge_pages && size >= HUGE_PAGE,
+        };
+        let mut made = false;
+        // Another thread may carve the new chunk's room first: then make another, twice at most.
+        for _ in 0..3 {
+            let mut out = Released::default();
+            let carving = {
+                let mut arena = self.arena(target.host_node)?;
+                arena.settle_pending(self.config.cache_limit, &mut out);
+                arena.decay(self.config.decay_ms, &mut out);
+                let carving = arena.carve(key, size, align, target.ordinal);
+                if matches!(carving, Ok(None)) {
+                    let fit = Fit::new(size, size, align, kind);
+                    if arena.pending_fits(fit) {
+                        self.counters.reuse_deferred.incr();
+                    }
+                }
+                carving
+            };
+            self.finish(target.host_node, &mut out);
+            match carving {
+                Ok(Some(carving)) => {
+                    let block = self.prepare(carving, zeroed, target)?;
+                    let counter = if made {
+                        &self.counters.cache_misses
+                    } else {
+                        &self.counters.cache_hits
+                    };
+                    counter.incr();
+                    return Some(block);
+                }
+                Err(()) => return None,
+                Ok(None) => {
+                    let need = size + align.saturating_sub(self.page_size);
+                    let chunk = self.new_chunk(key, need, target).ok()?;
+                    let key = HeapKey {
+                        kind: Kind {
+                            pinned: chunk.pinned(),
+                            ..key.kind
+                        },
+                        ..key
+                    };
+                    if key.kind != kind {
+                        // Registration failed under `pin=on`: this request is served unpinned.
+                        return self.carve_from(chunk, key, size, align, zeroed, target);
+                    }
+                    self.add_chunk(target.host_node, key, chunk)?;
+                    made = true;
+                }
+            }
+        }
+        None
+    }
+
+    /// Adds `chunk` to `node`'s arena, then carves from the chunks of `key` (for a chunk whose
+    /// kind is not the one asked for).
+    fn carve_from(
+        &self,
+        chunk: Chunk,
+        key: HeapKey,
+        size: usize,
+        align: usize,
+        zeroed: bool,
+        target: &Resolved,
+    ) -> Option<Block> {
+        self.add_chunk(target.host_node, key, chunk)?;
+        let carving = self
+            .arena(target.host_node)?
+            .carve(key, size, align, target.ordinal)
+            .ok()??;
+        self.counters.cache_misses.incr();
+        self.prepare(carving, zeroed, target)
+    }
+
+    /// Adds a chunk made for `key` to `node`'s arena (releasing it when that fails).
+    pub(crate) fn add_chunk(&self, node: usize, key: HeapKey, chunk: Chunk) -> Option<()> {
+        let added = self.arena(node).map(|mut arena| arena.add_chunk(key, chunk));
+        match added {
+            Some(Ok(())) => Some(()),
+            Some(Err(chunk)) => {
+                self.count_release(chunk.release());
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Populates, checks and zeroes a carved block outside the lock; gives it back on failure.
+    fn prepare(&self, carving: Carving, zeroed: bool, target: &Resolved) -> Option<Block> {
+        let Carving {
+            block,
+            populate,
+            dirty,
+        } = carving;
+        if let Some(span) = populate {
+            if let Err(e) = self.populate_span(span, &target.nodes) {
+                self.counters.record_block_failure(&e);
+                if let Some(mut arena) = self.arena(block.node) {
+                    arena.populate_failed(block, span);
+                }
+                return None;
+            }
+        }
+        if let (true, Some(span), Some(ptr)) = (zeroed, dirty, dirty.and_then(Span::ptr)) {
+            // SAFETY: the span lies inside the block, which is ours alone and mapped.
+            unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, span.len) };
+        }
+        Some(block)
+    }
+
+    /// Populates what a carved block grown in place from `old` took of granules never
+    /// populated; on failure shrinks it back to `old` and says so.
+    pub(crate) fn populate_grown(&self, node: usize, old: Block, populate: Option<Span>) -> bool {
+        let Some(span) = populate else {
+            return true;
+        };
+        let nodes = self.policy_nodes_of(node);
+        let Err(e) = self.populate_span(span, &nodes) else {
+            return true;
+        };
+        self.counters.record_block_failure(&e);
+        if let Some(mut arena) = self.arena(node) {
+            arena.grow_failed(old, span);
+        }
+        false
+    }
+
+    /// Populates `span` of a carved block (several threads for big spans) and checks its pages
+    /// where the settings ask for it.
+    fn populate_span(&self, span: Span, nodes: &NodeMask) -> Result<(), Error> {
+        let ptr = span.ptr().ok_or(Error::InvalidRange {
+            addr: span.addr,
+            len: span.len,
+        })?;
+        self.memory_limits.check(span.len)?;
+        let start = Instant::now();
+        // SAFETY: the span lies in a chunk of this process whose granules it covers were never
+        // populated: no block handed out uses them yet (a neighbour sharing a boundary granule
+        // sees it as populated and only ever writes to it, which populating does not disturb).
+        let populated = unsafe { self.populate(ptr, span.len) };
+        self.counters.populate.record(start.elapsed());
+        populated?;
+        if self.numa_placement() {
+            // SAFETY: as above; the span is populated.
+            unsafe { self.check_placement(ptr, span.len, nodes) }?;
+        }
+        Ok(())
+    }
+
+    /// A new chunk for `key` with room for `need` bytes, placed for `target`; pinned when the kind
+    /// is and the registration works (else, under `pin=on`, an unpinned chunk, counted). A chunk
+    /// that fails for want of memory is tried again smaller (only as large as `need`), then
+    /// after giving idle memory of the node back — unless there is too little to give back.
+    fn new_chunk(&self, key: HeapKey, need: usize, target: &Resolved) -> Result<Chunk, Error> {
+        let node = target.host_node;
+        let planned = self
+            .arena(node)
+            .map_or(need, |arena| arena.next_chunk_len(key, need))
+            .min(CHUNK_MAX.max(need.next_multiple_of(CHUNK_ALIGN)));
+        let least = need.next_multiple_of(CHUNK_ALIGN);
+        let mut made = self.make_chunk(key, planned, target);
+        if made.as_ref().is_err_and(shortage) && planned > least {
+            made = self.make_chunk(key, least, target);
+        }
+        if let Err(e) = &made {
+            if shortage(e) && self.give_back_for(node, shortage_bytes(e, need), shortage_kind(e)) {
+                self.counters.pressure_retries.incr();
+                made = self.make_chunk(key, least, target);
+            }
+        }
+        made.inspect_err(|e| self.counters.record_block_failure(e))
+    }
+
+    /// Gives idle memory of `node` back for a request short of `bytes`; `false` (nothing given
+    /// back) when all there is to give back could not cover it.
+    pub(crate) fn give_back_for(&self, node: usize, bytes: usize, want: Shortage) -> bool {
+        let Some(mut arena) = self.arena(node) else {
+            return false;
+        };
+        if arena.releasable() < bytes {
+            return false;
+        }
+        let mut given = 0;
+        loop {
+            let mut out = Released::default();
+            let released = arena.release_for(bytes - given, want, &mut out);
+            given += released;
+            drop(arena);
+            self.counters
+                .pressure_released
+                .add(u64::from(!out.is_empty()));
+            self.finish(node, &mut out);
+            if released == 0 || given >= bytes {
+                return given > 0;
+            }
+            arena = match self.arena(node) {
+                Some(arena) => arena,
+                None => return given > 0,
+            };
+        }
+    }
+
+    /// Maps, advises, places and (for a pinned kind) populates, checks and registers a chunk of
+    /// `len` bytes.
+    pub(crate) fn make_chunk(&self, key: HeapKey, len: usize, target: &Resolved) -> Result<Chunk, Error> {
+        if key.kind.pinned {
+            // A pinned chunk is populated whole.
+            self.memory_limits.check(len)?;
+        }
+        let mapping = Mapping::new(len, CHUNK_ALIGN)?;
+        let ptr = mapping.ptr();
+        // SAFETY: the mapping is ours, fresh and used by nobody. Without THP this is a no-op.
+        let _ = unsafe {
+            if key.huge {
+                sys::advise_hugepage(ptr, len)
+            } else {
+                sys::advise_nohugepage(ptr, len)
+            }
+        };
+        // SAFETY: as above.
+        unsafe { self.place(ptr, len, &target.nodes) }?;
+        let granule = if key.huge { HUGE_PAGE } else { self.page_size };
+        let mut chunk = Chunk::new(mapping, granule)?;
+        if key.kind.pinned {
+            self.populate_chunk(&mut chunk, target)?;
+            if let Err(e) = self.register_chunk(&mut chunk, target) {
+                if self.config.pin == PinMode::Strict {
+                    return Err(e);
+                }
+                self.counters.unpinned_blocks.incr();
+            }
+        }
+        Ok(chunk)
+    }
+
+    /// Populates and checks a whole chunk (before it is registered, or for a reservation).
+    pub(crate) fn populate_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
+        if let Some(span) = chunk.plan_populate(chunk.base(), chunk.len()) {
+            if let Err(e) = self.populate_span(span, &target.nodes) {
+                chunk.populate_failed(span);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers a populated chunk through the target's GPU, counted.
+    fn register_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
+        #[cfg(feature = "fault-injection")]
+        if let Some(code) = sys::fault::injected(sys::fault::FaultPoint::Register) {
+            let e = crate::cuda::simulated_register_error(code as u32);
+            self.counters.record_pin_failure(&e);
+            return Err(e);
+        }
+        let Some(gpu) = target.gpu else {
+            return Err(Error::CudaUnavailable {
+                reason: "pin=strict, but there is no GPU to register chunks with",
+            });
+        };
+        let start = Instant::now();
+        let registered = chunk.register(gpu, self.config.pin_devicemap, self.config.pin_read_only);
+        self.counters.pin.record(start.elapsed());
+        match registered {
+            Ok(()) => {
+                self.counters.registrations.incr();
+                Ok(())
+            }
+            Err(e) => {
+                self.counters.record_pin_failure(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Does what an arena operation on `node` left to do outside its lock: releases dedicated
+    /// blocks and chunks, purges idle ranges and gives them back.
+    pub(crate) fn finish(&self, node: usize, out: &mut Released) {
+        for block in out.blocks.drain() {
+            // SAFETY: the arena handed these out for release: no longer cached or handed out.
+            unsafe { self.release_block(block) };
+        }
+        release_chunks(out, |released| self.count_release(released));
+        if out.purges.is_empty() {
+            return;
+        }
+        for purge in out.purges.iter() {
+            // SAFETY: the arena took each range out of its carver for this: unused, unpinned.
+            let _ = unsafe { chunk::purge(purge.span) };
+        }
+        if let Some(mut arena) = self.arena(node) {
+            arena.purged(out.purges.drain());
+        }
+    }
+
+    /// Counts what releasing a chunk did.
+    pub(crate) fn count_release(&self, released: chunk::ChunkRelease) {
+        if let Some((time, result)) = released.unregistered {
+            self.counters.unpin.record(time);
+            match result {
+                Ok(()) => self.counters.unregistrations.incr(),
+                Err(e) => self.counters.record_unregister_failure(&e),
+            }
+        }
+        if released.unmapped {
+            self.counters.released_blocks.incr();
+        }
+    }
+
+    /// Runs `f` on `node`'s arena, then does what it left to do.
+    pub(crate) fn with_arena<T>(
+        &self,
+        node: usize,
+        f: impl FnOnce(&mut Guard<'_, Arena>, &mut Released) -> T,
+    ) -> Option<T> {
+        let mut out = Released::default();
+        let result = {
+            let mut arena = self.arena(node)?;
+            f(&mut arena, &mut out)
+        };
+        self.finish(node, &mut out);
+        Some(result)
+    }
+}
+
+/// What a request short of memory by `error` needs given back.
+pub(crate) fn shortage_kind(error: &Error) -> Shortage {
+    match error {
+        Error::Syscall { call: "mmap", .. } => Shortage::AddressSpace,
+        _ => Shortage::Memory,
+    }
+}
+
+/// How many bytes a request short of memory by `error` needs given back.
+fn shortage_bytes(error: &Error, need: usize) -> usize {
+    match error {
+        Error::MemoryLimit {
+            available,
+            requested,
+            ..
+        } => requested.saturating_sub(*available),
+        _ => need,
+    }
+}

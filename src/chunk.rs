@@ -1,0 +1,456 @@
+//! Chunks: the mappings the arenas carve blocks from, each resource owned by a guard.
+//!
+//! A chunk is one anonymous mapping of one kind (node, policy, pinning flags), made in four steps:
+//!
+//! 1. `mmap` of 32 MiB to 1 GiB, 2 MiB aligned ([`Mapping`]);
+//! 2. `madvise(MADV_HUGEPAGE)` for chunks that serve blocks of 2 MiB and more, `MADV_NOHUGEPAGE`
+//!    for the others (a small block must not make a whole huge page resident);
+//! 3. `mbind` of the whole chunk, once;
+//! 4. with pinning: populate the whole chunk and `cuMemHostRegister` it, once
+//!    ([`Registration`]); a registration never covers more than one chunk, so a block carved
+//!    from it never straddles two.
+//!
+//! Unpinned chunks are populated as they are carved: the chunk keeps, per granule (2 MiB in a
+//! huge-page chunk, where the kernel faults whole huge pages, else a page), whether it is
+//! resident and whether it may hold data ("dirty"), so that each granule is populated once and
+//! zeroed only when it may not be zero. Purging (`MADV_DONTNEED`) whole idle granules clears both.
+//!
+//! The bit bookkeeping runs under the arena lock and makes no system call; the calls themselves
+//! ([`populate`](crate::runtime::Runtime) of a [`Span`], [`purge`]) run outside it, on ranges
+//! the caller owns for the time being.
+
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use crate::cuda::Gpu;
+use crate::sys;
+use crate::Error;
+
+/// A byte range of a chunk that the caller populates, zeroes or purges outside the arena lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+}
+
+impl Span {
+    pub(crate) fn ptr(self) -> Option<NonNull<u8>> {
+        NonNull::new(self.addr as *mut u8)
+    }
+}
+
+/// An anonymous mapping; unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is this guard's alone; moving the guard between threads moves the right to
+// unmap it, which any thread may exercise.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Maps `len` fresh bytes at a multiple of `align` (see [`sys::map_anonymous`]).
+    pub(crate) fn new(len: usize, align: usize) -> Result<Mapping, Error> {
+        let ptr = sys::map_anonymous(len, align)?;
+        Ok(Mapping { ptr, len })
+    }
+
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
+    /// unregistration), or a forked child's range is the parent's registration.
+    fn leak(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the guard made this mapping and owns it alone; nothing uses it any more (the
+        // chunk that holds it is only dropped once no block of it is live or pending).
+        let _ = unsafe { sys::unmap(self.ptr, self.len) };
+    }
+}
+
+/// A `cuMemHostRegister` of a whole chunk.
+#[derive(Debug)]
+pub(crate) struct Registration {
+    gpu: &'static Gpu,
+    ptr: NonNull<u8>,
+}
+
+// SAFETY: a registration may be released from any thread (the context is pushed for the call).
+unsafe impl Send for Registration {}
+
+impl Registration {
+    /// Registers `mapping` whole through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as asked).
+    pub(crate) fn new(
+        gpu: &'static Gpu,
+        mapping: &Mapping,
+        devicemap: bool,
+        read_only: bool,
+    ) -> Result<Registration, Error> {
+        // SAFETY: the mapping is live and not registered yet; the chunk that keeps this
+        // registration releases it before the mapping (`Chunk::release` and `Drop`).
+        unsafe { gpu.register(mapping.ptr(), mapping.len(), devicemap, read_only) }?;
+        Ok(Registration {
+            gpu,
+            ptr: mapping.ptr(),
+        })
+    }
+
+    /// Unregisters; an error means the range may still be the driver's and must stay mapped.
+    fn release(self) -> Result<(), Error> {
+        // SAFETY: `ptr` is the base of a successful registration, still mapped (the mapping is
+        // released after this).
+        unsafe { self.gpu.unregister(self.ptr) }
+    }
+}
+
+/// What releasing a chunk did, for the counters.
+#[derive(Debug, Default)]
+pub(crate) struct ChunkRelease {
+    /// The unregistration's time and outcome, when the chunk was registered.
+    pub(crate) unregistered: Option<(Duration, Result<(), Error>)>,
+    /// Whether the mapping was unmapped (false: kept, as the driver may still hold it).
+    pub(crate) unmapped: bool,
+}
+
+/// One bit per granule, in 64-bit words.
+#[derive(Debug)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn new(granules: usize, set: bool) -> Result<Bits, Error> {
+        let words = granules.div_ceil(64);
+        let mut bits = Vec::new();
+        bits.try_reserve_exact(words).map_err(|_| Error::Syscall {
+            call: "chunk bitmap allocation",
+            errno: libc::ENOMEM,
+        })?;
+        bits.resize(words, if set { u64::MAX } else { 0 });
+        Ok(Bits(bits))
+    }
+
+    fn get(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn set(&mut self, i: usize, on: bool) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            if on {
+                *w |= 1 << (i % 64);
+            } else {
+                *w &= !(1 << (i % 64));
+            }
+        }
+    }
+}
+
+/// A chunk: its mapping, its registration, and which granules are resident or dirty.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    // Field order is load-bearing: `Drop` releases the registration before the mapping goes.
+    registration: Option<Registration>,
+    mapping: Option<Mapping>,
+    granule_shift: u32,
+    populated: Bits,
+    dirty: Bits,
+    resident: usize,
+    /// Made by a reservation: kept when idle, until trimmed or memory runs short.
+    reserved: bool,
+}
+
+impl Chunk {
+    /// An unregistered chunk of `mapping` (a multiple of `granule` long), with nothing resident,
+    /// tracked in granules of `granule` bytes (a power of two).
+    pub(crate) fn new(mapping: Mapping, granule: usize) -> Result<Chunk, Error> {
+        let granules = mapping.len().div_ceil(granule);
+        Ok(Chunk {
+            populated: Bits::new(granules, false)?,
+            dirty: Bits::new(granules, false)?,
+            resident: 0,
+            granule_shift: granule.trailing_zeros(),
+            registration: None,
+            mapping: Some(mapping),
+            reserved: false,
+        })
+    }
+
+    /// Marks the chunk as made by a reservation (see [`Self::reserved`]).
+    pub(crate) fn set_reserved(&mut self) {
+        self.reserved = true;
+    }
+
+    /// Whether a reservation made it: decay leaves it alone.
+    pub(crate) fn reserved(&self) -> bool {
+        self.reserved
+    }
+
+    /// Registers the whole chunk through `gpu`, which faults in every page not yet resident
+    /// (under the chunk's policy): all of it is resident afterwards. The caller populated and
+    /// checked it first.
+    pub(crate) fn register(
+        &mut self,
+        gpu: &'static Gpu,
+        devicemap: bool,
+        read_only: bool,
+    ) -> Result<(), Error> {
+        let Some(mapping) = &self.mapping else {
+            return Ok(());
+        };
+        self.registration = Some(Registration::new(gpu, mapping, devicemap, read_only)?);
+        let granules = mapping.len().div_ceil(1 << self.granule_shift);
+        for g in 0..granules {
+            self.populated.set(g, true);
+        }
+        self.resident = mapping.len();
+        Ok(())
+    }
+
+    pub(crate) fn base(&self) -> usize {
+        self.mapping.as_ref().map_or(0, |m| m.ptr().as_ptr() as usize)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.mapping.as_ref().map_or(0, Mapping::len)
+    }
+
+    pub(crate) fn pinned(&self) -> bool {
+        self.registration.is_some()
+    }
+
+    /// Bytes of resident granules.
+    pub(crate) fn resident(&self) -> usize {
+        self.resident
+    }
+
+    /// The granules `[first, last]` that `addr..addr+len` touches (clipped to the chunk).
+    fn touched(&self, addr: usize, len: usize) -> Option<(usize, usize)> {
+        let (base, end) = (self.base(), self.base() + self.len());
+        let (start, stop) = (addr.max(base), addr.saturating_add(len).min(end));
+        (start < stop).then(|| {
+            (
+                (start - base) >> self.granule_shift,
+                (stop - 1 - base) >> self.granule_shift,
+            )
+        })
+    }
+
+    /// The span of granules `first..=last`, clipped to the chunk.
+    fn span(&self, first: usize, last: usize) -> Span {
+        let base = self.base();
+        let addr = base + (first << self.granule_shift);
+        let end = (base + ((last + 1) << self.granule_shift)).min(base + self.len());
+        Span {
+            addr,
+            len: end - addr,
+        }
+    }
+
+    /// Marks the granules of `addr..addr+len` resident and returns the span the caller must
+    /// populate now (from the first to the last granule that was not), if any.
+    pub(crate) fn plan_populate(&mut self, addr: usize, len: usize) -> Option<Span> {
+        let (first, last) = self.touched(addr, len)?;
+        let mut todo: Option<(usize, usize)> = None;
+        for g in first..=last {
+            if !self.populated.get(g) {
+                self.populated.set(g, true);
+                self.resident += 1 << self.granule_shift;
+                todo = Some(todo.map_or((g, g), |(f, _)| (f, g)));
+            }
+        }
+        todo.map(|(f, l)| self.span(f, l))
+    }
+
+    /// Undoes [`Self::plan_populate`] for `span` after populating it failed.
+    pub(crate) fn populate_failed(&mut self, span: Span) {
+        if let Some((first, last)) = self.touched(span.addr, span.len) {
+            for g in first..=last {
+                if self.populated.get(g) {
+                    self.populated.set(g, false);
+                    self.resident = self.resident.saturating_sub(1 << self.granule_shift);
+                }
+            }
+        }
+    }
+
+    /// Hands `addr..addr+len` out: marks it dirty, and returns the part that may not be zero
+    /// (from the first to the last granule that was dirty), which a zeroed request must clear.
+    pub(crate) fn hand_out(&mut self, addr: usize, len: usize) -> Option<Span> {
+        let (first, last) = self.touched(addr, len)?;
+        let mut dirty: Option<(usize, usize)> = None;
+        for g in first..=last {
+            if self.dirty.get(g) {
+                dirty = Some(dirty.map_or((g, g), |(f, _)| (f, g)));
+            }
+            self.dirty.set(g, true);
+        }
+        let span = dirty.map(|(f, l)| self.span(f, l))?;
+        let start = span.addr.max(addr);
+        let end = (span.addr + span.len).min(addr + len);
+        (start < end).then_some(Span {
+            addr: start,
+            len: end - start,
+        })
+    }
+
+    /// Marks the whole granules inside the free range `addr..addr+len` as neither resident nor
+    /// dirty and returns the span the caller must purge (`MADV_DONTNEED`), if any was resident.
+    /// Never for a pinned chunk (registered pages cannot be dropped).
+    pub(crate) fn plan_purge(&mut self, addr: usize, len: usize) -> Option<Span> {
+        if self.pinned() {
+            return None;
+        }
+        let (base, granule) = (self.base(), 1usize << self.granule_shift);
+        // Chunks are whole granules long: rounding the end down stays inside the chunk.
+        let start = addr.max(base).checked_sub(base)?.next_multiple_of(granule);
+        let end = addr
+            .saturating_add(len)
+            .min(base + self.len())
+            .checked_sub(base)?
+            & !(granule - 1);
+        if start >= end {
+            return None;
+        }
+        let (first, last) = (start >> self.granule_shift, (end - 1) >> self.granule_shift);
+        let mut resident: Option<(usize, usize)> = None;
+        for g in first..=last {
+            if self.populated.get(g) {
+                self.populated.set(g, false);
+                self.resident = self.resident.saturating_sub(granule);
+                resident = Some(resident.map_or((g, g), |(f, _)| (f, g)));
+            }
+            self.dirty.set(g, false);
+        }
+        resident.map(|(f, l)| self.span(f, l))
+    }
+
+    /// Unregisters (when registered), then unmaps. A failed unregistration, or one refused in a
+    /// forked child (the range is the parent's registration, and the driver may have kept it
+    /// out of the child), leaves the mapping in place.
+    pub(crate) fn release(mut self) -> ChunkRelease {
+        let mut outcome = ChunkRelease::default();
+        if let Some(registration) = self.registration.take() {
+            let start = Instant::now();
+            let result = registration.release();
+            let failed = result.is_err();
+            outcome.unregistered = Some((start.elapsed(), result));
+            if failed {
+                if let Some(mapping) = self.mapping.take() {
+                    mapping.leak();
+                }
+                return outcome;
+            }
+        }
+        outcome.unmapped = self.mapping.take().is_some();
+        outcome
+    }
+}
+
+impl Drop for Chunk {
+    /// The same order as [`Chunk::release`], for a chunk dropped without it.
+    fn drop(&mut self) {
+        if let Some(registration) = self.registration.take() {
+            if registration.release().is_err() {
+                if let Some(mapping) = self.mapping.take() {
+                    mapping.leak();
+                }
+            }
+        }
+    }
+}
+
+/// Gives the pages of `span` back to the kernel (`MADV_DONTNEED`).
+///
+/// # Safety
+/// `span` lies in an unpinned chunk, and nobody uses it: it is free in the arena's carver and
+/// held out of it (taken as in use) while this runs.
+pub(crate) unsafe fn purge(span: Span) -> Result<(), Error> {
+    let Some(ptr) = span.ptr() else {
+        return Ok(());
+    };
+    // SAFETY: forwarded from the caller: the range is ours, unused, and not registered.
+    unsafe { sys::advise_dontneed(ptr, span.len) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn chunk(len: usize, granule: usize) -> Chunk {
+        Chunk::new(Mapping::new(len, 2 * MIB).unwrap(), granule).unwrap()
+    }
+
+    #[test]
+    fn each_granule_is_populated_once() {
+        let mut c = chunk(8 * MIB, 2 * MIB);
+        let base = c.base();
+        // 3 MiB at 1 MiB touches granules 0 and 1.
+        assert_eq!(
+            c.plan_populate(base + MIB, 3 * MIB),
+            Some(Span {
+                addr: base,
+                len: 4 * MIB
+            })
+        );
+        assert_eq!(c.resident(), 4 * MIB);
+        assert_eq!(c.plan_populate(base + 2 * MIB, MIB), None, "granule 1 is resident");
+        assert_eq!(
+            c.plan_populate(base + 3 * MIB, 2 * MIB),
+            Some(Span {
+                addr: base + 4 * MIB,
+                len: 2 * MIB
+            })
+        );
+        c.populate_failed(Span {
+            addr: base + 4 * MIB,
+            len: 2 * MIB,
+        });
+        assert_eq!(c.resident(), 4 * MIB);
+    }
+
+    #[test]
+    fn only_dirty_granules_are_zeroed_and_purging_cleans_them() {
+        let page = sys::page_size();
+        let mut c = chunk(8 * MIB, page);
+        let base = c.base();
+        assert_eq!(c.hand_out(base, 2 * page), None, "fresh memory is zero");
+        assert_eq!(
+            c.hand_out(base + page, 2 * page),
+            Some(Span {
+                addr: base + page,
+                len: page
+            }),
+            "the page handed out before"
+        );
+        c.plan_populate(base, 4 * page);
+        // Only whole granules inside the free range are purged.
+        assert_eq!(
+            c.plan_purge(base + 100, 3 * page),
+            Some(Span {
+                addr: base + page,
+                len: 2 * page
+            })
+        );
+        assert_eq!(c.resident(), 2 * page);
+        assert_eq!(c.hand_out(base + page, page), None, "purged: zero again");
+    }
+
+    #[test]
+    fn a_released_chunk_is_unmapped() {
+        let c = chunk(4 * MIB, 2 * MIB);
+        let released = c.release();
+        assert!(released.unmapped && released.unregistered.is_none());
+    }
+}
