@@ -1,0 +1,226 @@
+//! The table and JSON of `benches/churn.rs`: medians per allocator, ratios against targets, and
+//! the machine and time of the run.
+
+use serde_json::{json, Value};
+
+use super::{med, Peer, Sample, Scale, Workload};
+
+/// Ours/glibc wall time over glibc's, on every workload.
+const GLIBC_TARGET: f64 = 0.8;
+
+/// The CPU model, CPU count and memory of this machine.
+fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+        .map_or("unknown CPU", |(_, m)| m.trim());
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib: f64 = meminfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("MemTotal:")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0);
+    format!("{model}, {cpus} CPUs, {:.1} GiB", kib / (1 << 20) as f64)
+}
+
+/// Now, `YYYY-MM-DD HH:MM:SS UTC` (days to a civil date: Howard Hinnant's `civil_from_days`).
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+pub fn header(runs: usize, quick: bool, date: &str) -> String {
+    format!(
+        "churn: large buffers, each allocator the #[global_allocator] of its own processes{}\n\
+         machine: {}; started {}\n\
+         figures: median of {runs} run(s), alternated across allocators; wall = the workload \
+         alone; user, sys, peak RSS = the whole child process (getrusage)",
+        if quick { " (--quick)" } else { "" },
+        machine(),
+        date
+    )
+}
+
+/// One figure of a sample.
+type Figure = fn(&Sample) -> f64;
+
+/// One ratio of ours to a peer, with its target if it has one.
+struct Ratio {
+    label: &'static str,
+    value: f64,
+    target: Option<f64>,
+}
+
+/// One workload's results.
+pub struct Block {
+    key: &'static str,
+    title: String,
+    /// Per allocator, in [`Peer::ALL`]'s order.
+    samples: Vec<Vec<Sample>>,
+    ratios: Vec<Ratio>,
+}
+
+impl Block {
+    pub fn new(workload: &Workload, scale: &Scale, samples: Vec<Vec<Sample>>) -> Block {
+        let title = workload
+            .title
+            .replace("{n}", &(workload.count)(scale).to_string());
+        let figure = |peer: Peer, f: Figure| {
+            let i = Peer::ALL.iter().position(|&p| p == peer).unwrap_or(0);
+            med(&samples[i], f)
+        };
+        let (wall, rss): (Figure, Figure) = (|s| s.wall, |s| s.peak_mib);
+        let ratios = vec![
+            Ratio {
+                label: "ours/mimalloc vs mimalloc, wall",
+                value: figure(Peer::OursMimalloc, wall) / figure(Peer::Mimalloc, wall),
+                target: Some(workload.wall_target),
+            },
+            Ratio {
+                label: "ours/mimalloc vs mimalloc, peak RSS",
+                value: figure(Peer::OursMimalloc, rss) / figure(Peer::Mimalloc, rss),
+                target: workload.rss_target,
+            },
+            Ratio {
+                label: "ours/glibc vs glibc, wall",
+                value: figure(Peer::OursGlibc, wall) / figure(Peer::Glibc, wall),
+                target: Some(GLIBC_TARGET),
+            },
+        ];
+        Block {
+            key: workload.key,
+            title,
+            samples,
+            ratios,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = format!(
+            "\n{}\n{:<14} {:>7} {:>15} {:>7} {:>7} {:>9}  {}\n",
+            self.title,
+            "allocator",
+            "wall s",
+            "(min-max)",
+            "user s",
+            "sys s",
+            "peak MiB",
+            "ours: cache hits/large allocs, registrations"
+        );
+        for (peer, samples) in Peer::ALL.iter().zip(&self.samples) {
+            let walls = samples.iter().map(|s| s.wall);
+            let (min, max) = walls.fold((f64::INFINITY, 0.0f64), |(lo, hi), w| {
+                (lo.min(w), hi.max(w))
+            });
+            let ours = ours_median(samples).map_or_else(String::new, |[hits, large, regs]| {
+                format!("{hits:.0}/{large:.0}, {regs:.0}")
+            });
+            out += &format!(
+                "{:<14} {:>7.3} {:>15} {:>7.3} {:>7.3} {:>9.1}  {ours}\n",
+                peer.name(),
+                med(samples, |s| s.wall),
+                format!("({min:.3}-{max:.3})"),
+                med(samples, |s| s.user),
+                med(samples, |s| s.sys),
+                med(samples, |s| s.peak_mib),
+            );
+        }
+        for r in &self.ratios {
+            let verdict = r.target.map_or_else(
+                || "(no target)".to_owned(),
+                |t| {
+                    format!(
+                        "target <= {t:.2}x: {}",
+                        if r.value <= t { "met" } else { "MISSED" }
+                    )
+                },
+            );
+            out += &format!(
+                "  ({}) {:<36} {:>6.3}x  {verdict}\n",
+                self.key, r.label, r.value
+            );
+        }
+        out
+    }
+}
+
+/// The medians of ours' counters over the runs (cache hits, large allocations, registrations).
+fn ours_median(samples: &[Sample]) -> Option<[f64; 3]> {
+    let counters: Vec<[u64; 3]> = samples.iter().filter_map(|s| s.ours).collect();
+    (!counters.is_empty())
+        .then(|| [0, 1, 2].map(|i| super::median(counters.iter().map(|c| c[i] as f64).collect())))
+}
+
+/// Every run's figures, the medians and the ratios.
+pub fn json(blocks: &[Block], runs: usize, quick: bool, date: &str) -> Value {
+    let workloads: Vec<Value> = blocks
+        .iter()
+        .map(|b| {
+            let allocators: Vec<Value> = Peer::ALL
+                .iter()
+                .zip(&b.samples)
+                .map(|(peer, samples)| {
+                    let all = |f: Figure| samples.iter().map(f).collect::<Vec<_>>();
+                    json!({
+                        "allocator": peer.name(),
+                        "wall_s": all(|s| s.wall),
+                        "user_s": all(|s| s.user),
+                        "sys_s": all(|s| s.sys),
+                        "peak_rss_mib": all(|s| s.peak_mib),
+                        "ours_cache_hits_large_registrations":
+                            samples.iter().filter_map(|s| s.ours).collect::<Vec<_>>(),
+                        "median": {
+                            "wall_s": med(samples, |s| s.wall),
+                            "user_s": med(samples, |s| s.user),
+                            "sys_s": med(samples, |s| s.sys),
+                            "peak_rss_mib": med(samples, |s| s.peak_mib),
+                        },
+                    })
+                })
+                .collect();
+            let ratios: Vec<Value> = b
+                .ratios
+                .iter()
+                .map(|r| {
+                    json!({
+                        "ratio": r.label,
+                        "value": r.value,
+                        "target": r.target,
+                        "met": r.target.map(|t| r.value <= t),
+                    })
+                })
+                .collect();
+            json!({"workload": b.key, "title": b.title, "allocators": allocators, "ratios": ratios})
+        })
+        .collect();
+    json!({
+        "machine": machine(),
+        "date": date,
+        "runs": runs,
+        "quick": quick,
+        "workloads": workloads,
+    })
+}
