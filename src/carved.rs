@@ -39,11 +39,32 @@ impl Runtime {
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
+        let mut made = false;
+        let block = self.carve_counting(size, align, zeroed, target, kind, &mut made);
+        // A hit: carved from chunks there were; anything else (a new chunk, a failure) a miss.
+        let counter = if block.is_some() && !made {
+            &self.counters.cache_hits
+        } else {
+            &self.counters.cache_misses
+        };
+        counter.incr();
+        block
+    }
+
+    /// [`Self::carve`]; `made` tells whether a chunk was made for the request.
+    fn carve_counting(
+        &self,
+        size: usize,
+        align: usize,
+        zeroed: bool,
+        target: &Resolved,
+        kind: Kind,
+        made: &mut bool,
+    ) -> Option<Block> {
         let key = HeapKey {
             kind,
             huge: self.config.huge_pages && size >= HUGE_PAGE,
         };
-        let mut made = false;
         // Another thread may carve the new chunk's room first: then make another, twice at most.
         for _ in 0..3 {
             let mut out = Released::default();
@@ -62,16 +83,7 @@ impl Runtime {
             };
             self.finish(target.host_node, &mut out);
             match carving {
-                Ok(Some(carving)) => {
-                    let block = self.prepare(carving, zeroed, target)?;
-                    let counter = if made {
-                        &self.counters.cache_misses
-                    } else {
-                        &self.counters.cache_hits
-                    };
-                    counter.incr();
-                    return Some(block);
-                }
+                Ok(Some(carving)) => return self.prepare(carving, zeroed, target),
                 Err(()) => return None,
                 Ok(None) => {
                     let need = size + align.saturating_sub(self.page_size);
@@ -83,12 +95,12 @@ impl Runtime {
                         },
                         ..key
                     };
+                    *made = true;
                     if key.kind != kind {
                         // Registration failed under `pin=on`: this request is served unpinned.
                         return self.carve_from(chunk, key, size, align, zeroed, target);
                     }
                     self.add_chunk(target.host_node, key, chunk)?;
-                    made = true;
                 }
             }
         }
@@ -111,7 +123,6 @@ impl Runtime {
             .arena(target.host_node)?
             .carve(key, size, align, target.ordinal)
             .ok()??;
-        self.counters.cache_misses.incr();
         self.prepare(carving, zeroed, target)
     }
 
@@ -136,7 +147,15 @@ impl Runtime {
             dirty,
         } = carving;
         if let Some(span) = populate {
-            if let Err(e) = self.populate_span(span, &target.nodes) {
+            let mut populated = self.populate_span(span, &target.nodes);
+            if let Err(e) = &populated {
+                // Idle memory of the node may make room (the block itself is live: it stays).
+                if shortage(e) && self.give_back_for(block.node, span.len, shortage_kind(e)) {
+                    self.counters.pressure_retries.incr();
+                    populated = self.populate_span(span, &target.nodes);
+                }
+            }
+            if let Err(e) = populated {
                 self.counters.record_block_failure(&e);
                 if let Some(mut arena) = self.arena(block.node) {
                     arena.populate_failed(block, span);
@@ -158,10 +177,10 @@ impl Runtime {
             return true;
         };
         let nodes = self.policy_nodes_of(node);
-        let Err(e) = self.populate_span(span, &nodes) else {
+        if self.populate_span(span, &nodes).is_ok() {
             return true;
-        };
-        self.counters.record_block_failure(&e);
+        }
+        // Not a failed request: the caller moves the block instead.
         if let Some(mut arena) = self.arena(node) {
             arena.grow_failed(old, span);
         }
@@ -229,9 +248,8 @@ impl Runtime {
             let released = arena.release_for(bytes - given, want, &mut out);
             given += released;
             drop(arena);
-            self.counters
-                .pressure_released
-                .add(u64::from(!out.is_empty()));
+            let count = out.blocks.iter().count() + out.chunks.iter().count();
+            self.counters.pressure_released.add(count as u64);
             self.finish(node, &mut out);
             if released == 0 || given >= bytes {
                 return given > 0;
@@ -251,7 +269,15 @@ impl Runtime {
             self.memory_limits.check(len)?;
         }
         let mapping = Mapping::new(len, CHUNK_ALIGN)?;
-        let ptr = mapping.ptr();
+        self.place_chunk(key, mapping, target).inspect_err(|_| {
+            // The mapping went with the error (its guard unmapped it).
+            self.counters.released_blocks.incr();
+        })
+    }
+
+    /// Steps 2-4 of a chunk (see [`Self::make_chunk`]).
+    fn place_chunk(&self, key: HeapKey, mapping: Mapping, target: &Resolved) -> Result<Chunk, Error> {
+        let (ptr, len) = (mapping.ptr(), mapping.len());
         // SAFETY: the mapping is ours, fresh and used by nobody. Without THP this is a no-op.
         let _ = unsafe {
             if key.huge {
@@ -270,8 +296,10 @@ impl Runtime {
                 if self.config.pin == PinMode::Strict {
                     return Err(e);
                 }
-                self.counters.unpinned_blocks.incr();
             }
+        }
+        if !chunk.pinned() {
+            self.counters.unpinned_blocks.incr();
         }
         Ok(chunk)
     }

@@ -272,7 +272,10 @@ impl Runtime {
 
     /// What the blocks made for `target` are made with (see [`Kind`]).
     pub(crate) fn kind(&self, target: &Resolved) -> Kind {
-        let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
+        // Tests inject a registration failure where no GPU could register (fault-injection).
+        let injected = cfg!(feature = "fault-injection") && sys::fault::register_fault_pending();
+        let pinned = self.config.pin != PinMode::Off
+            && (target.gpu.is_some_and(Gpu::usable) || injected);
         Kind {
             policy: self.config.policy,
             pinned,

@@ -800,6 +800,12 @@ pub mod fault {
         slot(point).load(Ordering::SeqCst) as u32
     }
 
+    /// Whether a registration fault is pending: blocks are then made to be registered even
+    /// where no GPU is, so that the fault is met.
+    pub(crate) fn register_fault_pending() -> bool {
+        remaining(FaultPoint::Register) > 0
+    }
+
     static IGNORE_IN_FLIGHT: AtomicBool = AtomicBool::new(false);
 
     /// Makes frees ignore GPU work recorded against a block, so that it is cached (and reused) at
@@ -853,6 +859,11 @@ pub(crate) mod fault {
 
     #[inline(always)]
     pub(crate) fn in_flight_ignored() -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub(crate) fn register_fault_pending() -> bool {
         false
     }
 }

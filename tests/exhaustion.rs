@@ -201,6 +201,61 @@ fn cache_child() {
     println!("{CHILD_OK}");
 }
 
+/// Frees while the inner allocator (`System`) has nothing left: a free of the large path takes
+/// no memory of its own, not even when it purges idle memory or releases a whole chunk.
+fn free_child() {
+    let purging = NumaGpuAlloc::new().cache_limit(0);
+    let layout = Layout::from_size_align(2 * MIB, 64).unwrap();
+    // SAFETY: non-zero sizes.
+    let (a, b, c) = unsafe { (ALLOC.alloc(layout), purging.alloc(layout), purging.alloc(layout)) };
+    assert!(!a.is_null() && !b.is_null() && !c.is_null());
+    fill(a, layout.size(), 1);
+    // Exhaust `System` under a limit just above what is mapped now.
+    let mut held: Vec<*mut libc::c_void> = Vec::with_capacity(1 << 20);
+    set_address_space_limit(vm_size() + 8 * MIB);
+    for size in [1 << 16, 1 << 12, 1 << 6, 16] {
+        loop {
+            // SAFETY: malloc of a non-zero size; the result is checked.
+            let p = unsafe { libc::malloc(size) };
+            if p.is_null() || held.len() == held.capacity() {
+                break;
+            }
+            held.push(p);
+        }
+    }
+    // SAFETY: malloc of a non-zero size.
+    assert!(unsafe { libc::malloc(16) }.is_null(), "System is exhausted");
+    // SAFETY: allocated above with this layout, freed once each.
+    unsafe {
+        ALLOC.dealloc(a, layout);
+        // Above a zero idle limit: purged at once; then its chunk is wholly free: released.
+        purging.dealloc(b, layout);
+        purging.dealloc(c, layout);
+    }
+    for p in held {
+        // SAFETY: from malloc above, freed once.
+        unsafe { libc::free(p) };
+    }
+    let s = purging.stats();
+    assert_eq!(s.frees, 2, "{s}");
+    assert!(s.nodes.iter().map(|n| n.purged_bytes).sum::<u64>() > 0, "purged on a free: {s}");
+    println!("{CHILD_OK}: freed with the inner allocator exhausted");
+}
+
+#[test]
+fn frees_need_no_memory_of_the_inner_allocator() {
+    if common::child::mode(CHILD_VAR).is_some() {
+        return free_child();
+    }
+    let (stdout, stderr) = common::child::run(
+        "frees_need_no_memory_of_the_inner_allocator",
+        CHILD_VAR,
+        "1",
+        &[],
+    );
+    assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
+}
+
 #[test]
 fn idle_cache_is_given_back_when_the_address_space_runs_out() {
     if common::child::mode(CHILD_VAR).is_some() {

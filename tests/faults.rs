@@ -87,17 +87,25 @@ fn assert_balanced(stats: &Stats) {
 fn mmap_enomem_fails_cleanly_then_recovers() {
     let _serial = serial();
     let alloc = local();
-    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    // The chunk, then one only as large as the request: nothing cached to give back.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 2);
     assert!(alloc.allocate(layout(4 * MIB)).is_err());
     assert_eq!(fault::remaining(FaultPoint::Mmap), 0);
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 1);
     assert_eq!(s.fallbacks.map_failures, 1);
-    assert_eq!((s.large_allocations, s.cache_misses), (1, 1));
+    assert_eq!((s.large_allocations, s.cache_misses), (1, 1), "a failed request is a miss");
     assert_eq!(s.released_blocks, 0, "nothing was mapped");
 
-    // The GlobalAlloc front end answers null.
+    // One failure: the smaller chunk fits.
     fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    round_trip(&alloc, 4 * MIB, 0);
+    let mapped: usize = alloc.stats().nodes.iter().map(|n| n.mapped_bytes).sum();
+    assert_eq!(mapped, 4 * MIB, "a chunk of the request's size");
+    alloc.trim();
+
+    // The GlobalAlloc front end answers null.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 2);
     // SAFETY: non-zero size.
     let p = unsafe { GlobalAlloc::alloc(&alloc, layout(4 * MIB)) };
     assert!(p.is_null());
@@ -111,38 +119,36 @@ fn mmap_enomem_fails_cleanly_then_recovers() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 2);
     assert_eq!(s.fallbacks.map_failures, 2);
-    assert_eq!(s.frees, 2);
+    assert_eq!(s.frees, 3);
     assert_balanced(&s);
 }
 
-/// Caches blocks of 8, 4 and 16 MiB, in that order (oldest first).
-fn cache_three_blocks(alloc: &NumaGpuAlloc) {
-    let held: Vec<_> = [8, 4, 16]
-        .map(|mib| (alloc.allocate(layout(mib * MIB)).unwrap(), mib * MIB))
-        .into();
-    for (p, size) in held {
-        // SAFETY: allocated above with this layout.
-        unsafe { alloc.deallocate(p.cast(), layout(size)) };
-    }
+/// Leaves a wholly free chunk of another kind (policy) on node 0: idle memory to give back.
+fn idle_chunk_of_another_kind() {
+    round_trip(&local().policy(MemPolicy::Interleave), 8 * MIB, 1);
+}
+
+fn mapped(s: &Stats) -> usize {
+    s.nodes.iter().map(|n| n.mapped_bytes).sum()
 }
 
 #[test]
-fn a_failed_mapping_gives_back_the_oldest_cached_blocks_and_retries() {
+fn a_failed_mapping_gives_back_idle_chunks_and_retries() {
     let _serial = serial();
     let alloc = local();
-    cache_three_blocks(&alloc);
-    // 10 MiB needed: the 8 and 4 MiB blocks (oldest) go, the 16 MiB one stays.
-    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 1);
+    idle_chunk_of_another_kind();
+    // The planned chunk, then one of the request's size fail: the idle chunk goes, a retry fits.
+    fault::inject(FaultPoint::Mmap, libc::ENOMEM, 2);
     let p = alloc
         .allocate(layout(10 * MIB))
         .expect("retried after giving back");
     let s = alloc.stats();
     assert_eq!(
         (s.pressure_retries, s.pressure_released_blocks),
-        (1, 2),
+        (1, 1),
         "{s}"
     );
-    assert_eq!(s.cached_bytes(), 16 * MIB);
+    assert_eq!(mapped(&s), 10 * MIB, "only the retried chunk: {s}");
     assert_eq!(
         (s.fallbacks.failed_allocations, s.fallbacks.map_failures),
         (0, 0)
@@ -153,30 +159,27 @@ fn a_failed_mapping_gives_back_the_oldest_cached_blocks_and_retries() {
 }
 
 #[test]
-fn a_second_failure_gives_back_everything_then_fails_cleanly() {
+fn a_failed_populate_gives_back_idle_memory_then_fails_cleanly() {
     let _serial = serial();
     let alloc = local();
-    cache_three_blocks(&alloc);
-    fault::inject(FaultPoint::Populate, libc::ENOMEM, 2);
-    let p = alloc.allocate(layout(10 * MIB)).expect("third attempt");
+    idle_chunk_of_another_kind();
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
+    let p = alloc.allocate(layout(10 * MIB)).expect("second attempt");
     let s = alloc.stats();
     assert_eq!(
         (s.pressure_retries, s.pressure_released_blocks),
-        (2, 3),
+        (1, 1),
         "{s}"
     );
-    assert_eq!(s.cached_bytes(), 0);
     assert_eq!(s.fallbacks.populate_failures, 0, "the request did not fail");
     // SAFETY: allocated above with this layout.
     unsafe { alloc.deallocate(p.cast(), layout(10 * MIB)) };
-    // With nothing left to give back, a failure is final and counted once.
+    // With nothing resident left to give back, a failure is final and counted once.
+    alloc.trim();
     fault::inject(FaultPoint::Populate, libc::ENOMEM, 2);
     assert!(alloc.allocate(layout(40 * MIB)).is_err());
     let s = alloc.stats();
-    assert_eq!(
-        s.pressure_retries, 3,
-        "one retry after giving back the 10 MiB block"
-    );
+    assert_eq!(s.pressure_retries, 1, "nothing to give back: no retry");
     assert_eq!(
         (
             s.fallbacks.failed_allocations,
@@ -259,7 +262,8 @@ fn mbind_refused(errno: i32) {
     assert_eq!(s.fallbacks.failed_allocations, 0);
     assert_eq!(s.pages_checked, 0, "unplaced blocks are not checked");
     assert!(!alloc.placement().numa_placement);
-    // Sticky: later blocks go unplaced without asking the kernel again (the fault is gone).
+    // Sticky: later chunks go unplaced without asking the kernel again (the fault is gone).
+    alloc.trim();
     round_trip(&alloc, 8 * MIB, 3);
     let s = alloc.stats();
     assert_eq!(s.fallbacks.unplaced_blocks, 2);
@@ -320,7 +324,7 @@ fn populate_enomem_fails_cleanly() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.populate_failures, 1);
     assert_eq!(s.fallbacks.failed_allocations, 1);
-    assert_eq!(s.released_blocks, 1);
+    assert_eq!(s.released_blocks, 0, "the chunk stays for the next request");
     round_trip(&alloc, 4 * MIB, 5);
     assert_balanced(&alloc.stats());
 }
@@ -337,9 +341,9 @@ fn populate_enomem_in_one_of_several_threads_fails_the_block() {
     assert!(alloc.allocate(layout(96 * MIB)).is_err());
     fault::inject(FaultPoint::Populate, libc::ENOMEM, 0);
     let s = alloc.stats();
-    assert_eq!(s.fallbacks.populate_failures, 2);
+    assert_eq!(s.fallbacks.populate_failures, 2, "{s}");
     assert_eq!(s.fallbacks.failed_allocations, 2);
-    assert_eq!(s.released_blocks, 2);
+    assert_eq!(s.released_blocks, 1, "the first, idle chunk given back for the second");
     round_trip(&alloc, 64 * MIB, 6);
     assert_balanced(&alloc.stats());
 }
@@ -394,7 +398,7 @@ fn move_pages_einval_with_verify_fails_cleanly() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 1);
     assert_eq!(s.fallbacks.placement_failures, 1);
-    assert_eq!(s.released_blocks, 1);
+    assert_eq!(s.released_blocks, 0, "the chunk stays for the next request");
     round_trip(&alloc, 4 * MIB, 10);
     assert_balanced(&alloc.stats());
 }
@@ -554,5 +558,7 @@ fn every_fault_in_turn_under_load_keeps_exact_accounting() {
     alloc.trim();
     let s = alloc.stats();
     assert_eq!(s.cached_bytes(), 0);
-    assert!(s.numa_unavailable.is_some());
+    // The last fault meets the next chunk's mbind, if the rounds made none after it.
+    round_trip(&alloc, 4 * MIB, 16);
+    assert!(alloc.stats().numa_unavailable.is_some());
 }

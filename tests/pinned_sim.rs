@@ -583,3 +583,52 @@ sim_test!(
         unsafe { CURRENT.deallocate(ptr, layout) };
     }
 );
+
+sim_test!(
+    /// Pinned churn: one thread cycles through 13 sizes of 3 to 15 MiB, 8 buffers live at once,
+    /// with pinning on. Blocks are carved from chunks registered once each: a few registrations
+    /// in all, not one (and an unregistration) per buffer.
+    pinned_churn_registers_chunks_not_blocks,
+    env: [],
+    {
+        let alloc = NumaGpuAlloc::new().pin(PinMode::On);
+        let _ = context();
+        let before = Sim::get().stats().registrations;
+        let mut ring = std::collections::VecDeque::new();
+        const STEPS: usize = 400;
+        for step in 0..STEPS {
+            if ring.len() == 8 {
+                let (p, layout) = ring.pop_front().unwrap();
+                // SAFETY: allocated below with this layout, freed once.
+                unsafe { alloc.deallocate(p, layout) };
+            }
+            let layout = std::alloc::Layout::from_size_align((3 + step % 13) * MIB, 64).unwrap();
+            let p = alloc.allocate(layout).expect("a block").cast::<u8>();
+            for offset in (0..layout.size()).step_by(4096) {
+                // SAFETY: inside the block just allocated.
+                unsafe { p.as_ptr().add(offset).write(step as u8) };
+            }
+            ring.push_back((p, layout));
+        }
+        for (p, layout) in ring {
+            // SAFETY: allocated above with this layout, freed once.
+            unsafe { alloc.deallocate(p, layout) };
+        }
+        let stats = alloc.stats();
+        let sim = Sim::get().stats();
+        let chunks: u64 = stats.heaps.iter().filter(|h| h.pinned).map(|h| h.chunks_made).sum();
+        eprintln!(
+            "pinned churn: {STEPS} buffers, {} registrations ({} seen by the simulator, the \
+             largest {} MiB), {chunks} pinned chunks, {} unregistrations",
+            stats.registrations,
+            sim.registrations - before,
+            sim.largest_registration >> 20,
+            stats.unregistrations
+        );
+        assert_eq!(stats.registrations, sim.registrations - before, "{stats}");
+        assert_eq!(stats.registrations, chunks, "one registration per chunk: {stats}");
+        assert!(stats.registrations <= 64, "{stats}");
+        assert!(sim.largest_registration <= 1 << 30, "no registration above 1 GiB");
+        assert_eq!(stats.fallbacks.unpinned_blocks, 0, "{stats}");
+    }
+);

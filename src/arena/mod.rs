@@ -247,6 +247,7 @@ pub(crate) struct Released {
 }
 
 impl Released {
+    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty() && self.chunks.is_empty() && self.purges.is_empty()
     }

@@ -101,6 +101,10 @@ pub struct SimStats {
     pub sync_copies: u64,
     /// Host ranges registered or allocated page-locked now.
     pub registered_ranges: u64,
+    /// Successful `cuMemHostRegister_v2` calls since the process started.
+    pub registrations: u64,
+    /// The longest range one of them covered, in bytes.
+    pub largest_registration: u64,
 }
 
 impl SimStats {

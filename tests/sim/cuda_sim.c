@@ -804,6 +804,9 @@ static int find_range_locked(void *p, int host_alloc) {
     return -1;
 }
 
+/* Successful cuMemHostRegister_v2 calls since the start, and the longest range one covered. */
+static unsigned long long registrations, largest_registration;
+
 CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     (void)flags;
     REQUIRE_INIT();
@@ -812,6 +815,10 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     if (!current) return INVALID_CONTEXT;
     pthread_mutex_lock(&lock);
     CUresult r = add_range_locked(p, len, 0);
+    if (r == SUCCESS) {
+        registrations++;
+        if (len > largest_registration) largest_registration = len;
+    }
     pthread_mutex_unlock(&lock);
     return r;
 }
@@ -870,6 +877,7 @@ struct sim_stats {
     double span_us;         /* clock reset to the end of the last copy or host work */
     unsigned long long async_copies, sync_copies;
     unsigned long long registered_ranges;
+    unsigned long long registrations, largest_registration;
 };
 
 void cuSimStats(struct sim_stats *out) {
@@ -880,6 +888,8 @@ void cuSimStats(struct sim_stats *out) {
     out->async_copies = async_copies;
     out->sync_copies = sync_copies;
     out->registered_ranges = (unsigned long long)range_count;
+    out->registrations = registrations;
+    out->largest_registration = largest_registration;
     pthread_mutex_unlock(&lock);
 }
 
