@@ -236,8 +236,13 @@ pub(crate) fn config_error(key: &str, value: &str, expected: &'static str) -> Er
 }
 
 /// Parses `4096`, `512KiB`, `4MiB`, `8GiB`, `1TiB` (also `K`/`KB`/`M`/`MB`/... as binary units,
-/// case-insensitive). `None` on garbage or overflow.
+/// case-insensitive; spaces around the unit are fine). `None` on garbage, control characters or
+/// overflow.
 pub fn parse_size(value: &str) -> Option<usize> {
+    // Trimming below would otherwise skip a newline or tab between number and unit.
+    if value.contains(char::is_control) {
+        return None;
+    }
     let value = value.trim();
     let split = value
         .find(|c: char| !c.is_ascii_digit())
@@ -415,6 +420,10 @@ mod tests {
         assert_eq!(parse_size(""), None);
         assert_eq!(parse_size("MiB"), None);
         assert_eq!(parse_size("4 PiB"), None);
+        assert_eq!(parse_size(" 4 MiB "), Some(4 << 20));
+        for control in ["4\nMiB", "4\tMiB", "4MiB\n", "\u{1b}4MiB"] {
+            assert_eq!(parse_size(control), None, "{control:?}");
+        }
         assert_eq!(parse_size("99999999999999999999"), None);
         assert_eq!(parse_size("18446744073709551615GiB"), None);
     }

@@ -128,6 +128,9 @@ fn cases() -> Vec<Case> {
             assert_eq!(c.threshold, 4 * MIB)
         }),
         case("threshold=4KiB", &[], |c| assert_eq!(c.threshold, 4096)),
+        // Control characters inside a value: rejected, not skipped over.
+        case("threshold=4\nMiB", &["threshold"], defaults_kept),
+        case("cache=1\tGiB", &["cache"], defaults_kept),
         case("node=1024", &["node"], defaults_kept),
         case("node=-1", &["node"], defaults_kept),
         case("node=zero", &["node"], defaults_kept),
