@@ -236,10 +236,7 @@ impl fmt::Display for Error {
                 key,
                 value,
                 expected,
-            } => write!(
-                f,
-                "numa-gpu-alloc: bad setting {key}={value:?}: expected {expected}"
-            ),
+            } => write!(f, "bad setting {key}={value:?}: expected {expected}"),
             Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
             Error::Cuda { call, code, name } => {
                 write!(f, "{call} failed: {name} ({code})")?;

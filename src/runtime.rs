@@ -170,8 +170,13 @@ impl Runtime {
     /// (`stats=`) is registered.
     pub(crate) fn report_setup_errors<A>(&self, owner: &crate::NumaGpuAlloc<A>) {
         for e in &self.setup_errors {
-            // One line each: a key may hold a newline.
-            let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
+            // One line each (a key may hold a newline), marked as the crate's as every line it
+            // prints.
+            let _ = writeln!(
+                std::io::stderr(),
+                "numa-gpu-alloc: {}",
+                one_line(&e.to_string())
+            );
         }
         crate::stats_exit::register(self, owner);
     }

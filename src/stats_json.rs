@@ -356,7 +356,7 @@ mod tests {
         assert_eq!(v["numa_unavailable"], "CUDA unavailable: x\ty");
         assert_eq!(
             v["config_errors"][0],
-            "numa-gpu-alloc: bad setting colour=\"bl\\\"ue\": expected a key"
+            "bad setting colour=\"bl\\\"ue\": expected a key"
         );
     }
 

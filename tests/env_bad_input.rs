@@ -206,6 +206,9 @@ fn cases() -> Vec<Case> {
     cases
 }
 
+/// What starts every line the crate prints.
+const PREFIX: &str = "numa-gpu-alloc: ";
+
 #[test]
 fn bad_environment_values() {
     if std::env::var_os(CHILD_VAR).is_some() {
@@ -227,8 +230,8 @@ fn bad_environment_values() {
             case.settings
         );
         assert_eq!(got.errors, format!("{expected:?}"), "{:?}", case.settings);
-        // One clear line per error, the error's own text.
-        let lines: Vec<String> = expected.iter().map(ToString::to_string).collect();
+        // One clear line per error, the error's own text after the crate's prefix.
+        let lines: Vec<String> = expected.iter().map(|e| format!("{PREFIX}{e}")).collect();
         assert_eq!(got.stderr_lines, lines, "{:?}", case.settings);
         for line in &got.stderr_lines {
             assert!(line.len() < 400, "{line}");
@@ -279,7 +282,7 @@ fn builder_checked_path_gives_the_same_errors() {
                     assert_eq!(errors, std::slice::from_ref(&e), "{entry:?}");
                     assert_eq!(via_apply, Config::DEFAULT, "an error changes nothing");
                     let text = e.to_string();
-                    assert!(text.starts_with("numa-gpu-alloc: bad setting "), "{text}");
+                    assert!(text.starts_with("bad setting "), "{text}");
                     assert!(text.contains("expected "), "{text}");
                     assert!(!text.contains('\n'), "{text}");
                 }
@@ -297,4 +300,24 @@ fn builder_checked_path_gives_the_same_errors() {
     assert!(matches!(c.target, Target::Gpu(GpuSelector::Pci(_))));
     c.apply("gpu", "auto").unwrap();
     assert_eq!(c.target, Target::Gpu(GpuSelector::Auto));
+}
+
+#[test]
+fn every_printed_line_has_the_prefix() {
+    if std::env::var_os(CHILD_VAR).is_some() {
+        return; // only `bad_environment_values` acts as the child
+    }
+    // Problems found at initialisation: a node, a PCI device and a CUDA device nobody has.
+    for settings in [
+        "node=1000",
+        "gpu=pci:0000:ff:1f.7",
+        "gpu=77",
+        "pin=on,gpu=77",
+    ] {
+        let got = run_child(settings);
+        assert!(!got.stderr_lines.is_empty(), "{settings}: nothing printed");
+        for line in &got.stderr_lines {
+            assert!(line.starts_with(PREFIX), "{settings}: {line}");
+        }
+    }
 }
