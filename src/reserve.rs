@@ -6,21 +6,22 @@
 use std::io::Write as _;
 
 use crate::arena::class_size;
-use crate::config::Reserve;
+use crate::config::{Config, Reserve};
 use crate::route;
 use crate::runtime::Runtime;
 use crate::Error;
 
 impl Runtime {
     /// Makes the configured reservation (`reserve=`); called once, right after initialisation.
-    /// A failure is printed as one line on stderr (the cause is also counted in the stats).
+    /// A failure is printed as one line on stderr (the cause is also counted in the stats); a
+    /// rejected one is a setup error, already reported (see [`check`]).
     pub(crate) fn reserve_configured(&self) {
         let Reserve { blocks, block_size } = self.config.reserve;
-        if blocks == 0 {
-            return;
-        }
-        if let Err(e) = self.reserve(blocks, block_size) {
-            let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
+        match self.reserve(blocks, block_size) {
+            Ok(()) | Err(Error::ReserveRejected { .. }) => {}
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
+            }
         }
     }
 
@@ -31,20 +32,7 @@ impl Runtime {
             return Ok(());
         }
         let limit = self.config.cache_limit;
-        let capacity = class_size(block_size, self.page_size).filter(|&capacity| {
-            block_size >= self.config.threshold
-                && capacity
-                    .checked_mul(blocks)
-                    .is_some_and(|total| total <= limit)
-        });
-        let Some(capacity) = capacity else {
-            return Err(Error::ReserveRejected {
-                blocks,
-                block_size,
-                threshold: self.config.threshold,
-                cache_limit: limit,
-            });
-        };
+        let capacity = check(&self.config, self.page_size, blocks, block_size)?;
         // On the node where the calling thread's blocks go (its route, or the value's target).
         let target = route::target(self);
         for _ in 0..blocks {
@@ -58,6 +46,30 @@ impl Runtime {
         }
         Ok(())
     }
+}
+
+/// The capacity of each of `blocks` blocks of `block_size` bytes reserved under `config`, or
+/// [`Error::ReserveRejected`] when a block would be below the threshold (no request would reuse
+/// it) or all of them beyond the cache limit (they would be released at once).
+pub(crate) fn check(
+    config: &Config,
+    page_size: usize,
+    blocks: usize,
+    block_size: usize,
+) -> Result<usize, Error> {
+    class_size(block_size, page_size)
+        .filter(|&capacity| {
+            block_size >= config.threshold
+                && capacity
+                    .checked_mul(blocks)
+                    .is_some_and(|total| total <= config.cache_limit)
+        })
+        .ok_or(Error::ReserveRejected {
+            blocks,
+            block_size,
+            threshold: config.threshold,
+            cache_limit: config.cache_limit,
+        })
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::{Arena, Kind, NODES};
 use crate::cgroup::MemoryLimits;
-use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR};
+use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Target, ENV_VAR};
 use crate::cuda::{self, Device, Gpu};
 use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
@@ -129,6 +129,13 @@ impl Runtime {
             });
             config.pin_read_only = false;
         }
+        let page_size = sys::page_size();
+        let Reserve { blocks, block_size } = config.reserve;
+        if blocks > 0 {
+            // Said now, with the other setup problems (the reservation itself comes later).
+            setup_errors
+                .extend(crate::reserve::check(&config, page_size, blocks, block_size).err());
+        }
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
@@ -142,7 +149,7 @@ impl Runtime {
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Runtime {
             id: IDS.fetch_add(1, Relaxed),
-            page_size: sys::page_size(),
+            page_size,
             default: Resolved {
                 host_node,
                 nodes,

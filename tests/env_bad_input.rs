@@ -194,6 +194,19 @@ fn cases() -> Vec<Case> {
     ];
     // node=99 parses but names no online node: recorded at initialisation, and blocks go to
     // the calling thread's node instead.
+    // reserve= parses, but its blocks would be below the threshold: recorded at initialisation,
+    // nothing reserved.
+    cases.push(Case {
+        settings: "reserve=2x4KiB",
+        keys: &[],
+        runtime: vec![Error::ReserveRejected {
+            blocks: 2,
+            block_size: 4096,
+            threshold: Config::DEFAULT.threshold,
+            cache_limit: Config::DEFAULT.cache_limit,
+        }],
+        check: |c| assert_eq!(c.reserve.blocks, 2),
+    });
     cases.push(Case {
         settings: "node=99",
         keys: &[],
