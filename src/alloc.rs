@@ -351,9 +351,9 @@ impl<A> NumaGpuAlloc<A> {
             return rt;
         }
         let mut initialised_here = false;
-        let rt = process::initialise(&self.runtime, || {
+        let rt = process::initialise(&self.runtime, |setup| {
             initialised_here = true;
-            let rt = Runtime::new(self.config);
+            let rt = Runtime::new(self.config, setup);
             self.threshold.0.store(rt.config.threshold, Relaxed);
             rt
         });

@@ -17,7 +17,8 @@ pub const DEFAULT_CACHE_LIMIT: usize = 4 << 30;
 pub const MIN_THRESHOLD: usize = 4 << 10;
 /// Largest accepted threshold.
 pub const MAX_THRESHOLD: usize = 64 << 30;
-/// Name of the environment variable read once at initialisation.
+/// Name of the environment variable read once per process, by the first allocator value that
+/// initialises; it applies to every value.
 pub const ENV_VAR: &str = "NUMA_GPU_ALLOC";
 
 /// Which GPU the allocator serves.
@@ -156,67 +157,135 @@ impl Config {
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
     /// rejected leave their setting unchanged and are returned; the rest apply.
     pub fn apply_settings(&mut self, settings: &str) -> Vec<Error> {
-        let mut errors = Vec::new();
+        let parsed = Settings::parse(settings);
+        parsed.apply_to(self);
+        parsed.errors
+    }
+
+    /// Applies one setting; on error the configuration is unchanged.
+    pub fn apply(&mut self, key: &str, value: &str) -> Result<(), Error> {
+        self.set(parse_setting(key, value)?);
+        Ok(())
+    }
+
+    fn set(&mut self, setting: Setting) {
+        match setting {
+            Setting::Threshold(bytes) => self.threshold = bytes,
+            Setting::Target(target) => self.target = target,
+            Setting::Policy(policy) => self.policy = policy,
+            Setting::CacheLimit(bytes) => self.cache_limit = bytes,
+            Setting::HugePages(on) => self.huge_pages = on,
+            Setting::Verify(on) => self.verify = on,
+            Setting::Pin(mode) => self.pin = mode,
+            Setting::PinDevicemap(on) => self.pin_devicemap = on,
+            Setting::PinReadOnly(on) => self.pin_read_only = on,
+            Setting::PopulateThreads(threads) => self.populate_threads = threads,
+            Setting::StatsAtExit(format) => self.stats_at_exit = format,
+            Setting::Reserve(reserve) => self.reserve = reserve,
+        }
+    }
+}
+
+/// One accepted entry, parsed: what it sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Setting {
+    Threshold(usize),
+    /// `node=` or `gpu=`.
+    Target(Target),
+    Policy(MemPolicy),
+    CacheLimit(usize),
+    HugePages(bool),
+    Verify(bool),
+    Pin(PinMode),
+    PinDevicemap(bool),
+    PinReadOnly(bool),
+    PopulateThreads(usize),
+    StatsAtExit(StatsAtExit),
+    Reserve(Reserve),
+}
+
+/// A `NUMA_GPU_ALLOC`-style string, parsed: the accepted entries in order (a later one of the
+/// same key applies over an earlier one), and the rejected ones.
+#[derive(Debug, Default)]
+pub(crate) struct Settings {
+    accepted: Vec<Setting>,
+    pub(crate) errors: Vec<Error>,
+}
+
+impl Settings {
+    pub(crate) fn parse(settings: &str) -> Settings {
+        let mut parsed = Settings::default();
         let mut seen: Vec<&str> = Vec::new();
         for entry in settings.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let Some((key, value)) = entry.split_once('=') else {
-                errors.push(config_error(entry, "", "key=value"));
+                parsed.errors.push(config_error(entry, "", "key=value"));
                 continue;
             };
             let (key, value) = (key.trim(), value.trim());
             if seen.contains(&key) {
-                errors.push(config_error(
+                parsed.errors.push(config_error(
                     key,
                     value,
                     "each key once (the last value given applies)",
                 ));
             }
             seen.push(key);
-            if let Err(e) = self.apply(key, value) {
-                errors.push(e);
+            match parse_setting(key, value) {
+                Ok(setting) => parsed.accepted.push(setting),
+                Err(e) => parsed.errors.push(e),
             }
         }
         if seen.contains(&"node") && seen.contains(&"gpu") {
-            errors.push(config_error(
+            parsed.errors.push(config_error(
                 "node",
                 "",
                 "either node= or gpu=, not both (the later one applies)",
             ));
         }
-        errors
+        parsed
     }
 
-    /// Applies one setting; on error the configuration is unchanged.
-    pub fn apply(&mut self, key: &str, value: &str) -> Result<(), Error> {
-        match key {
-            "threshold" => self.threshold = parse_threshold(value)?,
-            "node" if value == "local" => self.target = Target::LocalNode,
-            "node" => self.target = Target::Node(parse_node(value)?),
-            "gpu" => self.target = Target::Gpu(parse_gpu(value)?),
-            "policy" => self.policy = parse_policy(value)?,
-            "cache" => {
-                self.cache_limit =
-                    parse_size(value).ok_or_else(|| config_error(key, value, SIZE_FORMAT))?
-            }
-            "huge" => self.huge_pages = parse_switch(key, value)?,
-            "verify" => self.verify = parse_switch(key, value)?,
-            "pin" => self.pin = parse_pin(value)?,
-            "devicemap" => self.pin_devicemap = parse_switch(key, value)?,
-            "readonly" => self.pin_read_only = parse_switch(key, value)?,
-            "threads" => self.populate_threads = parse_threads(value)?,
-            "stats" => self.stats_at_exit = parse_stats(value)?,
-            "reserve" => self.reserve = parse_reserve(value)?,
-            _ => {
-                return Err(config_error(
-                    key,
-                    value,
-                    "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads, stats, reserve",
-                ))
-            }
+    /// Applies the accepted entries to `config`, in order.
+    pub(crate) fn apply_to(&self, config: &mut Config) {
+        for &setting in &self.accepted {
+            config.set(setting);
         }
-        Ok(())
     }
+
+    /// Whether an accepted entry is one of those `which` picks.
+    pub(crate) fn sets(&self, which: fn(&Setting) -> bool) -> bool {
+        self.accepted.iter().any(which)
+    }
+}
+
+/// Parses one entry (see [`Config::apply`]).
+fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
+    Ok(match key {
+        "threshold" => Setting::Threshold(parse_threshold(value)?),
+        "node" if value == "local" => Setting::Target(Target::LocalNode),
+        "node" => Setting::Target(Target::Node(parse_node(value)?)),
+        "gpu" => Setting::Target(Target::Gpu(parse_gpu(value)?)),
+        "policy" => Setting::Policy(parse_policy(value)?),
+        "cache" => Setting::CacheLimit(
+            parse_size(value).ok_or_else(|| config_error(key, value, SIZE_FORMAT))?,
+        ),
+        "huge" => Setting::HugePages(parse_switch(key, value)?),
+        "verify" => Setting::Verify(parse_switch(key, value)?),
+        "pin" => Setting::Pin(parse_pin(value)?),
+        "devicemap" => Setting::PinDevicemap(parse_switch(key, value)?),
+        "readonly" => Setting::PinReadOnly(parse_switch(key, value)?),
+        "threads" => Setting::PopulateThreads(parse_threads(value)?),
+        "stats" => Setting::StatsAtExit(parse_stats(value)?),
+        "reserve" => Setting::Reserve(parse_reserve(value)?),
+        _ => {
+            return Err(config_error(
+                key,
+                value,
+                "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
+                 readonly, threads, stats, reserve",
+            ))
+        }
+    })
 }
 
 impl Default for Config {

@@ -33,6 +33,7 @@ mod lock;
 mod process;
 mod reserve;
 mod runtime;
+mod setup;
 mod stats;
 mod stats_exit;
 mod stats_json;

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::{Arena, Kind, NODES};
 use crate::cgroup::MemoryLimits;
-use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Target, ENV_VAR};
+use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
 use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
 use crate::process;
 use crate::route::Route;
+use crate::setup::{Problems, Setup};
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::{Error, NumaTopology};
@@ -86,6 +87,8 @@ pub(crate) struct Runtime {
     pub(crate) memory_limits: MemoryLimits,
     pub(crate) counters: Counters,
     setup_errors: Vec<Error>,
+    /// Those this value prints once initialised (see [`Problems::sort_out`]).
+    unprinted: Vec<Error>,
 }
 
 /// Routes a runtime resolved, with the errors met (reported in the stats).
@@ -96,13 +99,15 @@ struct Routes {
 }
 
 impl Runtime {
-    /// Builds the runtime. Never fails: every problem is recorded and a degraded mode chosen.
-    pub(crate) fn new(builder: Config) -> Runtime {
+    /// Builds the runtime from the builder's settings and the environment's (`setup`). Never
+    /// fails: every problem is recorded and a degraded mode chosen.
+    pub(crate) fn new(builder: Config, setup: &mut Setup) -> Runtime {
+        let env = setup.env();
         let mut config = builder;
-        let mut setup_errors = Vec::new();
-        if let Some(settings) = std::env::var_os(ENV_VAR) {
-            setup_errors.extend(config.apply_settings(&settings.to_string_lossy()));
-        }
+        env.apply_to(&mut config);
+        // A problem is the environment's when it comes from a setting the environment gave.
+        let mut problems = Problems::default();
+        problems.add(env.errors.iter().cloned(), true);
         let root = Path::new(config.sysfs_root);
         let (topology, topology_error) = match NumaTopology::from_sysfs_root(root) {
             Ok(topology) => (topology, None),
@@ -115,27 +120,39 @@ impl Runtime {
             .then(sys::allowed_memory_nodes)
             .and_then(Result::ok);
         let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
-        let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut setup_errors);
+        let mut errors = Vec::new();
+        let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut errors);
+        problems.add(
+            errors,
+            env.sets(|s| matches!(s, Setting::Target(_) | Setting::Pin(_))),
+        );
         if config.pin_read_only
             && target.device.as_ref().and_then(Device::read_only_register) == Some(false)
         {
             // Registering with READ_ONLY would fail for every block: register without it.
-            setup_errors.push(Error::Config {
+            let error = Error::Config {
                 key: "readonly".to_owned(),
                 value: "on".to_owned(),
                 expected: "off on this GPU: it reports \
                            CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED (113) = 0; blocks \
                            are registered without CU_MEMHOSTREGISTER_READ_ONLY",
-            });
+            };
+            problems.add(
+                Some(error),
+                env.sets(|s| matches!(s, Setting::PinReadOnly(_))),
+            );
             config.pin_read_only = false;
         }
         let page_size = sys::page_size();
         let Reserve { blocks, block_size } = config.reserve;
         if blocks > 0 {
             // Said now, with the other setup problems (the reservation itself comes later).
-            setup_errors
-                .extend(crate::reserve::check(&config, page_size, blocks, block_size).err());
+            problems.add(
+                crate::reserve::check(&config, page_size, blocks, block_size).err(),
+                env.sets(|s| matches!(s, Setting::Reserve(_))),
+            );
         }
+        let (setup_errors, unprinted) = problems.sort_out(setup);
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
@@ -168,6 +185,7 @@ impl Runtime {
             counters: Counters::default(),
             topology,
             setup_errors,
+            unprinted,
             config,
         }
     }
@@ -176,7 +194,7 @@ impl Runtime {
     /// lock may be held by a thread waiting for this initialisation); then the report at exit
     /// (`stats=`) is registered.
     pub(crate) fn report_setup_errors<A>(&self, owner: &crate::NumaGpuAlloc<A>) {
-        for e in &self.setup_errors {
+        for e in &self.unprinted {
             // One line each (a key may hold a newline), marked as the crate's as every line it
             // prints.
             let _ = writeln!(

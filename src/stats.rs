@@ -466,8 +466,9 @@ pub struct Stats {
         serde(serialize_with = "crate::stats_json::message")
     )]
     pub numa_unavailable: Option<Error>,
-    /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems (each was also printed once to
-    /// stderr; in JSON: the messages).
+    /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems: every problem that applies to
+    /// this value. Each was also printed to stderr, the environment's once per process, the
+    /// value's own settings' by this value (in JSON: the messages).
     #[cfg_attr(
         feature = "serde",
         serde(serialize_with = "crate::stats_json::messages")

@@ -13,6 +13,10 @@ use numa_gpu_alloc::{
     Config, Error, GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode, Target, ENV_VAR,
 };
 
+mod common {
+    pub mod child;
+}
+
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_BAD_INPUT_CHILD";
 const MIB: usize = 1 << 20;
 
@@ -332,5 +336,68 @@ fn every_printed_line_has_the_prefix() {
         for line in &got.stderr_lines {
             assert!(line.starts_with(PREFIX), "{settings}: {line}");
         }
+    }
+}
+
+const ONCE_VAR: &str = "NUMA_GPU_ALLOC_TEST_ONCE_CHILD";
+/// Bad entries (and a node no machine has) for every value of the process.
+const ONCE_SETTINGS: &str = "threshold=-1,gpu=pci:zz,colour=blue,node=1000,huge=2";
+
+/// Three values, two of them with a reservation the builder made too small: each value prints
+/// its own problem, the environment's are printed once.
+fn three_values() {
+    static FIRST: NumaGpuAlloc = NumaGpuAlloc::new();
+    let small = NumaGpuAlloc::new().reserve_at_init(1, 4096);
+    let also_small = NumaGpuAlloc::new().reserve_at_init(1, 4096);
+    for alloc in [&FIRST, &small, &also_small] {
+        let _ = alloc.placement();
+        println!("ERRORS {:?}", alloc.stats().config_errors);
+    }
+}
+
+#[test]
+fn each_bad_setting_is_printed_once_per_process() {
+    if common::child::mode(ONCE_VAR).is_some() {
+        return three_values();
+    }
+    let (stdout, stderr) = common::child::run(
+        "each_bad_setting_is_printed_once_per_process",
+        ONCE_VAR,
+        "1",
+        &[(ENV_VAR, ONCE_SETTINGS)],
+    );
+    let mut env_errors = Config::default().apply_settings(ONCE_SETTINGS);
+    env_errors.push(Error::UnknownNode {
+        node: 1000,
+        node_count: online_node_count(),
+    });
+    let rejected = Error::ReserveRejected {
+        blocks: 1,
+        block_size: 4096,
+        threshold: Config::DEFAULT.threshold,
+        cache_limit: Config::DEFAULT.cache_limit,
+    };
+    let count = |e: &Error| {
+        let line = format!("{PREFIX}{e}");
+        stderr.lines().filter(|l| *l == line).count()
+    };
+    for e in &env_errors {
+        assert_eq!(count(e), 1, "{e}: once per process\n{stderr}");
+    }
+    assert_eq!(count(&rejected), 2, "once per value that has it\n{stderr}");
+    assert_eq!(stderr.lines().count(), env_errors.len() + 2, "{stderr}");
+    // Every value lists the environment's problems: they apply to it.
+    // (The first one follows libtest's "test … " on its line.)
+    let listed: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.find("ERRORS ").map(|at| &l[at..]))
+        .collect();
+    assert_eq!(listed.len(), 3, "{stdout}");
+    for (value, line) in listed.iter().enumerate() {
+        let mut expected = env_errors.clone();
+        if value > 0 {
+            expected.push(rejected.clone());
+        }
+        assert_eq!(*line, format!("ERRORS {expected:?}"), "value {value}");
     }
 }

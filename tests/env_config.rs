@@ -1,5 +1,5 @@
-//! `NUMA_GPU_ALLOC` is read once, at initialisation, and overrides the builder.
-//! One test: the variable is process-wide.
+//! `NUMA_GPU_ALLOC` is read once per process, at the first initialisation, and overrides the
+//! builder. One test: the variable is process-wide.
 
 use allocator_api2::vec::Vec;
 use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, Target, ENV_VAR};
@@ -48,9 +48,18 @@ fn environment_overrides_builder_and_reports_bad_entries() {
         }]
     );
 
-    // Read once: later changes do not apply to an initialised allocator.
+    // Read once per process: later changes apply neither to an initialised allocator nor to
+    // one initialised afterwards (each bad entry is printed once: see `env_bad_input.rs`).
     std::env::set_var(ENV_VAR, "threshold=16MiB");
     drop(v);
     assert_eq!(alloc.config().threshold, 4 << 20);
+    let later = NumaGpuAlloc::new();
+    let _ = later.placement();
+    assert_eq!(
+        later.config().threshold,
+        4 << 20,
+        "the first reading applies"
+    );
+    assert_eq!(later.stats().config_errors, stats.config_errors);
     std::env::remove_var(ENV_VAR);
 }
