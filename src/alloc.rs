@@ -5,7 +5,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, InFlight, NODES};
+use crate::arena::{class_size, Block, Fit, InFlight, Kind, NODES};
 use crate::config::{Config, GpuSelector, PinMode, Reserve, Target};
 use crate::guard::Inside;
 use crate::pci::PciAddress;
@@ -299,7 +299,8 @@ impl<A> NumaGpuAlloc<A> {
     ///
     /// # Errors
     /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
-    /// the cache limit; the placement or pinning error of a block that could not be made (the
+    /// the cache limit; [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked
+    /// for the target; the placement or pinning error of a block that could not be made (the
     /// blocks made before it stay cached, unless memory pressure made the allocator give cached
     /// blocks back).
     pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
@@ -406,7 +407,12 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
 
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let target = route::target(rt);
-        let (capacity, fit) = Self::fit(rt, layout, &target)?;
+        // Before the cache: `pin=strict` takes no unpinned block, and maps none.
+        let kind = rt
+            .kind(&target)
+            .map_err(|e| rt.counters.record_strict_refusal(&e))
+            .ok()?;
+        let (capacity, fit) = Self::fit(rt, layout, kind)?;
         rt.counters.record_request(layout.size());
         let block = match Self::take_cached(rt, fit, &target) {
             Some(block) => {
@@ -422,11 +428,10 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         NonNull::new(block.addr as *mut u8)
     }
 
-    /// The capacity a request for `target` gets, and the cached blocks that may serve it.
-    fn fit(rt: &Runtime, layout: Layout, target: &Resolved) -> Option<(usize, Fit)> {
+    /// The capacity a request gets, and the cached blocks of `kind` that may serve it.
+    fn fit(rt: &Runtime, layout: Layout, kind: Kind) -> Option<(usize, Fit)> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
-        let kind = rt.kind(target);
         Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
     }
 
@@ -571,7 +576,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             return None;
         };
         let target = route::target(rt);
-        let (capacity, fit) = Self::fit(rt, new, &target)?;
+        // Refused under `pin=strict`: so is, and counted, the move that follows.
+        let (capacity, fit) = Self::fit(rt, new, rt.kind(&target).ok()?)?;
         let old = {
             let mut arena = rt.arena(target.host_node)?;
             if arena.holds_fit(fit) {

@@ -63,7 +63,10 @@ pub enum Target {
 pub enum PinMode {
     /// Pin; when registration fails keep the block unpinned and count it (`pin=on`).
     On,
-    /// Pin; when registration fails the allocation fails.
+    /// Every block handed out is page-locked, or the request fails: when its registration
+    /// fails, and before anything is mapped when nothing can be page-locked for its target (no
+    /// CUDA driver, no GPU for the target, a forked child; said once on stderr, counted in
+    /// [`Fallbacks::strict_refused`](crate::Fallbacks::strict_refused)).
     Strict,
     /// Never pin (the default): copies from and to these blocks stay synchronous.
     Off,

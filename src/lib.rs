@@ -30,6 +30,7 @@ mod cgroup;
 mod config;
 mod guard;
 mod lock;
+mod pinning;
 mod process;
 mod reserve;
 mod runtime;

@@ -13,12 +13,12 @@ use crate::Error;
 
 impl Runtime {
     /// Makes the configured reservation (`reserve=`); called once, right after initialisation.
-    /// A failure is printed as one line on stderr (the cause is also counted in the stats); a
-    /// rejected one is a setup error, already reported (see [`check`]).
+    /// A failure is printed as one line on stderr (the cause is also counted in the stats); one
+    /// refused for its figures (see [`check`]) or by `pin=strict` is already a setup error.
     pub(crate) fn reserve_configured(&self) {
         let Reserve { blocks, block_size } = self.config.reserve;
         match self.reserve(blocks, block_size) {
-            Ok(()) | Err(Error::ReserveRejected { .. }) => {}
+            Ok(()) | Err(Error::ReserveRejected { .. } | Error::StrictPinning { .. }) => {}
             Err(e) => {
                 let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
             }
@@ -35,6 +35,8 @@ impl Runtime {
         let capacity = check(&self.config, self.page_size, blocks, block_size)?;
         // On the node where the calling thread's blocks go (its route, or the value's target).
         let target = route::target(self);
+        // `pin=strict` with nothing to page-lock them: none is made.
+        self.kind(&target)?;
         for _ in 0..blocks {
             let block = self.create_block(capacity, self.page_size, &target)?;
             let mut evicted = Vec::new();

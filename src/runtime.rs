@@ -6,12 +6,13 @@ use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
-use crate::arena::{Arena, Kind, NODES};
+use crate::arena::{Arena, NODES};
 use crate::cgroup::MemoryLimits;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
 use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
+use crate::pinning::Unpinnable;
 use crate::process;
 use crate::route::Route;
 use crate::setup::{Problems, Setup};
@@ -56,6 +57,8 @@ pub(crate) struct Resolved {
     pub(crate) gpu: Option<&'static Gpu>,
     /// CUDA ordinal of the GPU, when the driver knows it (pinning or not).
     pub(crate) ordinal: Option<u32>,
+    /// Why `pin=strict` refuses the target's requests, when it does.
+    pub(crate) unpinnable: Option<Unpinnable>,
 }
 
 pub(crate) struct Runtime {
@@ -152,6 +155,11 @@ impl Runtime {
                 env.sets(|s| matches!(s, Setting::Reserve(_))),
             );
         }
+        let ordinal = target.device.as_ref().map(Device::ordinal);
+        let names_gpu = !matches!(config.target, Target::Node(_) | Target::LocalNode);
+        let unpinnable = Unpinnable::of(&config, names_gpu, target.gpu, ordinal);
+        // Said once per process, whoever asked for pin=strict: every refused request has it too.
+        problems.add(unpinnable.map(Unpinnable::error), true);
         let (setup_errors, unprinted) = problems.sort_out(setup);
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
@@ -171,7 +179,8 @@ impl Runtime {
                 host_node,
                 nodes,
                 gpu: target.gpu,
-                ordinal: target.device.as_ref().map(Device::ordinal),
+                ordinal,
+                unpinnable,
             },
             home_node: target.home_node,
             device: target.device,
@@ -293,17 +302,6 @@ impl Runtime {
         NODES.lock(node, &self.topology)
     }
 
-    /// What the blocks made for `target` are made with (see [`Kind`]).
-    pub(crate) fn kind(&self, target: &Resolved) -> Kind {
-        let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
-        Kind {
-            policy: self.config.policy,
-            pinned,
-            devicemap: pinned && self.config.pin_devicemap,
-            read_only: pinned && self.config.pin_read_only,
-        }
-    }
-
     /// Where a thread bound to `route` places blocks; resolved once per route and runtime (under
     /// the initialisation lock: GPU lookups may be slow, and a fork must not copy a half-done one). Never fails: problems are
     /// recorded (see [`Stats::config_errors`]) and the same fallbacks as at initialisation
@@ -337,11 +335,15 @@ impl Runtime {
                 )
             }
         };
+        let names_gpu = matches!(route, Route::Gpu(_));
+        let unpinnable = Unpinnable::of(&self.config, names_gpu, gpu, ordinal);
+        errors.extend(unpinnable.map(Unpinnable::error));
         let resolved = Resolved {
             host_node,
             nodes: policy_nodes(&self.config, &self.topology, &allowed, host_node),
             gpu,
             ordinal,
+            unpinnable,
         };
         routes.resolved.push((route, resolved));
         routes.errors.extend(errors);

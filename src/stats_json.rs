@@ -177,6 +177,7 @@ json_object! {
         map_failures,
         populate_failures,
         memory_limited,
+        strict_refused,
         placement_failures,
         unverified_blocks,
         foreign_frees,
