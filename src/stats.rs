@@ -421,13 +421,17 @@ pub struct Stats {
     /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the report
     /// at exit.
     pub gpus: Vec<GpuStats>,
-    /// Large requests handled (cache hits + misses; failed ones included, see `fallbacks`).
+    /// Large requests that reached the cache: hits + misses. A miss whose block could not be made
+    /// failed, and is counted here and in `fallbacks.failed_allocations`; a request refused
+    /// before the cache (`pin=strict` with nothing to page-lock, a size too large to round up to
+    /// its class) is counted only there.
     pub large_allocations: u64,
     /// Large blocks freed by the user.
     pub frees: u64,
     /// Large allocations served from the cache.
     pub cache_hits: u64,
-    /// Large allocations that created a new block.
+    /// Large requests no cached block served: a new block was made for each, or could not be
+    /// (then the request failed); growths without copy count too.
     pub cache_misses: u64,
     /// Reallocations done in place, within the block's capacity.
     pub in_place_reallocs: u64,

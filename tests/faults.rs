@@ -442,6 +442,7 @@ fn pin_strict_without_a_gpu_fails_before_mapping() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 2, "{s}");
     assert_eq!(s.fallbacks.strict_refused, 2, "{s}");
+    assert_eq!(s.large_allocations, 0, "refused before the cache: {s}");
     assert_eq!((s.cache_misses, s.released_blocks), (0, 0), "{s}");
     assert_eq!(s.populate_time.total, std::time::Duration::ZERO, "{s}");
     assert_eq!(s.fallbacks.unpinned_blocks, 0, "{s}");
