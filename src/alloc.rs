@@ -5,7 +5,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, InFlight, NODES};
+use crate::arena::{class_size, Block, Fit, InFlight, Kind, NODES};
 use crate::carved::carved;
 use crate::config::{Config, GpuSelector, PinMode, Reserve, Target};
 use crate::guard::Inside;
@@ -309,7 +309,8 @@ impl<A> NumaGpuAlloc<A> {
     ///
     /// # Errors
     /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
-    /// the cache limit; the placement or pinning error of a block that could not be made (the
+    /// the cache limit; [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked
+    /// for the target; the placement or pinning error of a block that could not be made (the
     /// blocks made before it stay cached, unless memory pressure made the allocator give cached
     /// blocks back).
     pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
@@ -361,9 +362,9 @@ impl<A> NumaGpuAlloc<A> {
             return rt;
         }
         let mut initialised_here = false;
-        let rt = process::initialise(&self.runtime, || {
+        let rt = process::initialise(&self.runtime, |setup| {
             initialised_here = true;
-            let rt = Runtime::new(self.config);
+            let rt = Runtime::new(self.config, setup);
             self.threshold.0.store(rt.config.threshold, Relaxed);
             rt
         });
@@ -416,13 +417,18 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
 
     fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let target = route::target(rt);
+        // Before any carving or mapping: `pin=strict` takes no unpinned block, and maps none.
+        let kind = rt
+            .kind(&target)
+            .map_err(|e| rt.counters.record_strict_refusal(&e))
+            .ok()?;
         rt.counters.record_request(layout.size());
         let size = layout.size().checked_next_multiple_of(rt.page_size)?;
         let align = layout.align().max(rt.page_size);
         let block = if carved(size, align) {
-            rt.carve(size, align, zeroed, &target, rt.kind(&target))?
+            rt.carve(size, align, zeroed, &target, kind)?
         } else {
-            self.dedicated(rt, layout, zeroed, &target)?
+            self.dedicated(rt, layout, zeroed, &target, kind)?
         };
         NonNull::new(block.addr as *mut u8)
     }
@@ -434,8 +440,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         layout: Layout,
         zeroed: bool,
         target: &Resolved,
+        kind: Kind,
     ) -> Option<Block> {
-        let (capacity, fit) = Self::fit(rt, layout, target)?;
+        let (capacity, fit) = Self::fit(rt, layout, kind)?;
         match Self::take_cached(rt, fit, target) {
             Some(block) => {
                 if zeroed {
@@ -449,12 +456,10 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         }
     }
 
-    /// The capacity a dedicated request for `target` gets, and the cached blocks that may serve
-    /// it.
-    fn fit(rt: &Runtime, layout: Layout, target: &Resolved) -> Option<(usize, Fit)> {
+    /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
+    fn fit(rt: &Runtime, layout: Layout, kind: Kind) -> Option<(usize, Fit)> {
         let capacity = class_size(layout.size(), rt.page_size)?;
         let align = layout.align().max(rt.page_size);
-        let kind = rt.kind(target);
         Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
     }
 
@@ -601,7 +606,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             return None;
         };
         let target = route::target(rt);
-        let (capacity, fit) = Self::fit(rt, new, &target)?;
+        // Refused under `pin=strict`: so is, and counted, the move that follows.
+        let (capacity, fit) = Self::fit(rt, new, rt.kind(&target).ok()?)?;
         if carved(capacity, fit.align) {
             return None;
         }

@@ -433,7 +433,8 @@ impl Runtime {
         }
         let Some(gpu) = gpu else {
             if self.config.pin == PinMode::Strict {
-                // Strict means pinned or nothing; the reason is in the setup errors.
+                // Strict means pinned or nothing. `Runtime::kind` refuses such a target before
+                // anything is mapped; this keeps any other way here from handing one out.
                 return Err(Error::CudaUnavailable {
                     reason: "pin=strict, but there is no GPU to register blocks with",
                 });

@@ -19,7 +19,8 @@ pub const MIN_THRESHOLD: usize = 4 << 10;
 pub const MAX_THRESHOLD: usize = 64 << 30;
 /// Default time after which idle free memory is given back (`decay=`).
 pub const DEFAULT_DECAY_MS: u64 = 1000;
-/// Name of the environment variable read once at initialisation.
+/// Name of the environment variable read once per process, by the first allocator value that
+/// initialises; it applies to every value.
 pub const ENV_VAR: &str = "NUMA_GPU_ALLOC";
 
 /// Which GPU the allocator serves.
@@ -64,7 +65,10 @@ pub enum Target {
 pub enum PinMode {
     /// Pin; when registration fails keep the block unpinned and count it (`pin=on`).
     On,
-    /// Pin; when registration fails the allocation fails.
+    /// Every block handed out is page-locked, or the request fails: when its registration
+    /// fails, and before anything is mapped when nothing can be page-locked for its target (no
+    /// CUDA driver, no GPU for the target, a forked child; said once on stderr, counted in
+    /// [`Fallbacks::strict_refused`](crate::Fallbacks::strict_refused)).
     Strict,
     /// Never pin (the default): copies from and to these blocks stay synchronous.
     Off,
@@ -161,68 +165,138 @@ impl Config {
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
     /// rejected leave their setting unchanged and are returned; the rest apply.
     pub fn apply_settings(&mut self, settings: &str) -> Vec<Error> {
-        let mut errors = Vec::new();
+        let parsed = Settings::parse(settings);
+        parsed.apply_to(self);
+        parsed.errors
+    }
+
+    /// Applies one setting; on error the configuration is unchanged.
+    pub fn apply(&mut self, key: &str, value: &str) -> Result<(), Error> {
+        self.set(parse_setting(key, value)?);
+        Ok(())
+    }
+
+    fn set(&mut self, setting: Setting) {
+        match setting {
+            Setting::Threshold(bytes) => self.threshold = bytes,
+            Setting::Target(target) => self.target = target,
+            Setting::Policy(policy) => self.policy = policy,
+            Setting::CacheLimit(bytes) => self.cache_limit = bytes,
+            Setting::HugePages(on) => self.huge_pages = on,
+            Setting::Verify(on) => self.verify = on,
+            Setting::Pin(mode) => self.pin = mode,
+            Setting::PinDevicemap(on) => self.pin_devicemap = on,
+            Setting::PinReadOnly(on) => self.pin_read_only = on,
+            Setting::PopulateThreads(threads) => self.populate_threads = threads,
+            Setting::StatsAtExit(format) => self.stats_at_exit = format,
+            Setting::Reserve(reserve) => self.reserve = reserve,
+            Setting::DecayMs(ms) => self.decay_ms = ms,
+        }
+    }
+}
+
+/// One accepted entry, parsed: what it sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Setting {
+    Threshold(usize),
+    /// `node=` or `gpu=`.
+    Target(Target),
+    Policy(MemPolicy),
+    CacheLimit(usize),
+    HugePages(bool),
+    Verify(bool),
+    Pin(PinMode),
+    PinDevicemap(bool),
+    PinReadOnly(bool),
+    PopulateThreads(usize),
+    StatsAtExit(StatsAtExit),
+    Reserve(Reserve),
+    DecayMs(u64),
+}
+
+/// A `NUMA_GPU_ALLOC`-style string, parsed: the accepted entries in order (a later one of the
+/// same key applies over an earlier one), and the rejected ones.
+#[derive(Debug, Default)]
+pub(crate) struct Settings {
+    accepted: Vec<Setting>,
+    pub(crate) errors: Vec<Error>,
+}
+
+impl Settings {
+    pub(crate) fn parse(settings: &str) -> Settings {
+        let mut parsed = Settings::default();
         let mut seen: Vec<&str> = Vec::new();
         for entry in settings.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let Some((key, value)) = entry.split_once('=') else {
-                errors.push(config_error(entry, "", "key=value"));
+                parsed.errors.push(config_error(entry, "", "key=value"));
                 continue;
             };
             let (key, value) = (key.trim(), value.trim());
             if seen.contains(&key) {
-                errors.push(config_error(
+                parsed.errors.push(config_error(
                     key,
                     value,
                     "each key once (the last value given applies)",
                 ));
             }
             seen.push(key);
-            if let Err(e) = self.apply(key, value) {
-                errors.push(e);
+            match parse_setting(key, value) {
+                Ok(setting) => parsed.accepted.push(setting),
+                Err(e) => parsed.errors.push(e),
             }
         }
         if seen.contains(&"node") && seen.contains(&"gpu") {
-            errors.push(config_error(
+            parsed.errors.push(config_error(
                 "node",
                 "",
                 "either node= or gpu=, not both (the later one applies)",
             ));
         }
-        errors
+        parsed
     }
 
-    /// Applies one setting; on error the configuration is unchanged.
-    pub fn apply(&mut self, key: &str, value: &str) -> Result<(), Error> {
-        match key {
-            "threshold" => self.threshold = parse_threshold(value)?,
-            "node" if value == "local" => self.target = Target::LocalNode,
-            "node" => self.target = Target::Node(parse_node(value)?),
-            "gpu" => self.target = Target::Gpu(parse_gpu(value)?),
-            "policy" => self.policy = parse_policy(value)?,
-            "cache" => {
-                self.cache_limit =
-                    parse_size(value).ok_or_else(|| config_error(key, value, SIZE_FORMAT))?
-            }
-            "huge" => self.huge_pages = parse_switch(key, value)?,
-            "verify" => self.verify = parse_switch(key, value)?,
-            "pin" => self.pin = parse_pin(value)?,
-            "devicemap" => self.pin_devicemap = parse_switch(key, value)?,
-            "readonly" => self.pin_read_only = parse_switch(key, value)?,
-            "threads" => self.populate_threads = parse_threads(value)?,
-            "stats" => self.stats_at_exit = parse_stats(value)?,
-            "reserve" => self.reserve = parse_reserve(value)?,
-            "decay" => self.decay_ms = parse_decay(value)?,
-            _ => {
-                return Err(config_error(
-                    key,
-                    value,
-                    "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                     readonly, threads, stats, reserve, decay",
-                ))
-            }
+    /// Applies the accepted entries to `config`, in order.
+    pub(crate) fn apply_to(&self, config: &mut Config) {
+        for &setting in &self.accepted {
+            config.set(setting);
         }
-        Ok(())
     }
+
+    /// Whether an accepted entry is one of those `which` picks.
+    pub(crate) fn sets(&self, which: fn(&Setting) -> bool) -> bool {
+        self.accepted.iter().any(which)
+    }
+}
+
+/// Parses one entry (see [`Config::apply`]).
+fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
+    Ok(match key {
+        "threshold" => Setting::Threshold(parse_threshold(value)?),
+        "node" if value == "local" => Setting::Target(Target::LocalNode),
+        "node" => Setting::Target(Target::Node(parse_node(value)?)),
+        "gpu" => Setting::Target(Target::Gpu(parse_gpu(value)?)),
+        "policy" => Setting::Policy(parse_policy(value)?),
+        "cache" => Setting::CacheLimit(
+            parse_size(value).ok_or_else(|| config_error(key, value, SIZE_FORMAT))?,
+        ),
+        "huge" => Setting::HugePages(parse_switch(key, value)?),
+        "verify" => Setting::Verify(parse_switch(key, value)?),
+        "pin" => Setting::Pin(parse_pin(value)?),
+        "devicemap" => Setting::PinDevicemap(parse_switch(key, value)?),
+        "readonly" => Setting::PinReadOnly(parse_switch(key, value)?),
+        "threads" => Setting::PopulateThreads(parse_threads(value)?),
+        "stats" => Setting::StatsAtExit(parse_stats(value)?),
+        "reserve" => Setting::Reserve(parse_reserve(value)?),
+        "decay" => Setting::DecayMs(parse_decay(value)?),
+        _ => {
+            return Err(config_error(
+                key,
+                value,
+                "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
+                 readonly, threads, stats, reserve, decay",
+            ))
+        }
+    })
 }
 
 impl Default for Config {
@@ -242,8 +316,13 @@ pub(crate) fn config_error(key: &str, value: &str, expected: &'static str) -> Er
 }
 
 /// Parses `4096`, `512KiB`, `4MiB`, `8GiB`, `1TiB` (also `K`/`KB`/`M`/`MB`/... as binary units,
-/// case-insensitive). `None` on garbage or overflow.
+/// case-insensitive; spaces around the unit are fine). `None` on garbage, control characters or
+/// overflow.
 pub fn parse_size(value: &str) -> Option<usize> {
+    // Trimming below would otherwise skip a newline or tab between number and unit.
+    if value.contains(char::is_control) {
+        return None;
+    }
     let value = value.trim();
     let split = value
         .find(|c: char| !c.is_ascii_digit())
@@ -446,6 +525,10 @@ mod tests {
         assert_eq!(parse_size(""), None);
         assert_eq!(parse_size("MiB"), None);
         assert_eq!(parse_size("4 PiB"), None);
+        assert_eq!(parse_size(" 4 MiB "), Some(4 << 20));
+        for control in ["4\nMiB", "4\tMiB", "4MiB\n", "\u{1b}4MiB"] {
+            assert_eq!(parse_size(control), None, "{control:?}");
+        }
         assert_eq!(parse_size("99999999999999999999"), None);
         assert_eq!(parse_size("18446744073709551615GiB"), None);
     }

@@ -108,6 +108,16 @@ pub enum Error {
         /// Why, e.g. `"libcuda.so could not be loaded"`.
         reason: &'static str,
     },
+    /// `pin=strict`, but blocks for the request's target cannot be page-locked (no CUDA driver,
+    /// no GPU for the target, a forked child): its large requests fail before any memory is
+    /// mapped (counted in [`Fallbacks::strict_refused`](crate::Fallbacks::strict_refused)).
+    StrictPinning {
+        /// Why, e.g. `"no usable CUDA driver"`.
+        reason: &'static str,
+        /// The driver's own error, when it is the reason (see
+        /// [`cuda_unavailable_reason`](crate::cuda_unavailable_reason)).
+        driver: Option<&'static Error>,
+    },
     /// A CUDA driver call failed.
     Cuda {
         /// The driver function, e.g. `"cuMemHostRegister_v2"`.
@@ -236,11 +246,19 @@ impl fmt::Display for Error {
                 key,
                 value,
                 expected,
-            } => write!(
-                f,
-                "numa-gpu-alloc: bad setting {key}={value:?}: expected {expected}"
-            ),
+            } => write!(f, "bad setting {key}={value:?}: expected {expected}"),
             Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
+            Error::StrictPinning { reason, driver } => {
+                write!(f, "pin=strict, but blocks cannot be page-locked: {reason}")?;
+                if let Some(e) = driver {
+                    write!(f, ": {e}")?;
+                }
+                write!(
+                    f,
+                    "; large requests fail before anything is mapped (pin=on would hand out \
+                     unpinned blocks)"
+                )
+            }
             Error::Cuda { call, code, name } => {
                 write!(f, "{call} failed: {name} ({code})")?;
                 match crate::cuda::error_hint(call, *code) {

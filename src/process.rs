@@ -20,11 +20,13 @@ use crate::arena::NODES;
 use crate::guard::Inside;
 use crate::lock::Lock;
 use crate::runtime::Runtime;
+use crate::setup::Setup;
 use crate::sys;
 
 /// Held while a runtime is built or a node's arena made, so that a fork never copies a
-/// half-built one, and the arenas the fork handlers lock are all there is.
-pub(crate) static INIT: Lock<()> = Lock::new(());
+/// half-built one, and the arenas the fork handlers lock are all there is. It holds what the
+/// runtimes share as they are built (the environment's settings, the setup lines printed).
+pub(crate) static INIT: Lock<Setup> = Lock::new(Setup::NEW);
 
 /// Registers the fork handlers when the program is loaded, before `main` and before any thread
 /// exists, as jemalloc and mimalloc do from their constructors: registered later (say, by the
@@ -40,16 +42,19 @@ extern "C" fn register_fork_handlers() {
     let _ = sys::at_fork(prepare, parent, child);
 }
 
-/// The runtime in `slot`, built with `make` and boxed (its address is stable: the exit report
-/// finds it) if there is none yet. Waits for another
+/// The runtime in `slot`, built with `make` from the process's [`Setup`] and boxed (its address
+/// is stable: the exit report finds it) if there is none yet. Waits for another
 /// thread's initialisation of the same slot. Must be called inside the re-entrancy guard.
-pub(crate) fn initialise(slot: &AtomicPtr<Runtime>, make: impl FnOnce() -> Runtime) -> &Runtime {
+pub(crate) fn initialise(
+    slot: &AtomicPtr<Runtime>,
+    make: impl FnOnce(&mut Setup) -> Runtime,
+) -> &Runtime {
     // Referenced, so that the linker keeps the object holding the registration.
     std::hint::black_box(&REGISTER_AT_LOAD);
-    let _init = INIT.lock();
+    let mut setup = INIT.lock();
     let mut current = slot.load(Ordering::Acquire);
     if current.is_null() {
-        let runtime = Box::into_raw(Box::new(make()));
+        let runtime = Box::into_raw(Box::new(make(&mut setup)));
         slot.store(runtime, Ordering::Release);
         current = runtime;
     }

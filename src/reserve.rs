@@ -8,21 +8,22 @@ use std::io::Write as _;
 use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_MAX};
 use crate::block::HUGE_PAGE;
 use crate::carved::carved;
-use crate::config::Reserve;
+use crate::config::{Config, Reserve};
 use crate::route;
 use crate::runtime::{Resolved, Runtime};
 use crate::Error;
 
 impl Runtime {
     /// Makes the configured reservation (`reserve=`); called once, right after initialisation.
-    /// A failure is printed as one line on stderr (the cause is also counted in the stats).
+    /// A failure is printed as one line on stderr (the cause is also counted in the stats); one
+    /// refused for its figures (see [`check`]) or by `pin=strict` is already a setup error.
     pub(crate) fn reserve_configured(&self) {
         let Reserve { blocks, block_size } = self.config.reserve;
-        if blocks == 0 {
-            return;
-        }
-        if let Err(e) = self.reserve(blocks, block_size) {
-            let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
+        match self.reserve(blocks, block_size) {
+            Ok(()) | Err(Error::ReserveRejected { .. } | Error::StrictPinning { .. }) => {}
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
+            }
         }
     }
 
@@ -36,27 +37,13 @@ impl Runtime {
         }
         let limit = self.config.cache_limit;
         let page = self.page_size;
-        let carve = block_size
-            .checked_next_multiple_of(page)
-            .filter(|&size| carved(size, page));
-        let capacity = carve.or_else(|| class_size(block_size, page)).filter(|&capacity| {
-            block_size >= self.config.threshold
-                && capacity
-                    .checked_mul(blocks)
-                    .is_some_and(|total| total <= limit)
-        });
-        let Some(capacity) = capacity else {
-            return Err(Error::ReserveRejected {
-                blocks,
-                block_size,
-                threshold: self.config.threshold,
-                cache_limit: limit,
-            });
-        };
+        let capacity = check(&self.config, page, blocks, block_size)?;
         // On the node where the calling thread's blocks go (its route, or the value's target).
         let target = route::target(self);
-        if carve.is_some() {
-            return self.reserve_chunks(blocks, capacity, &target);
+        // `pin=strict` with nothing to page-lock them: none is made.
+        let kind = self.kind(&target)?;
+        if carved(capacity, page) {
+            return self.reserve_chunks(blocks, capacity, &target, kind);
         }
         for _ in 0..blocks {
             let block = self.create_block(capacity, page, &target)?;
@@ -68,8 +55,13 @@ impl Runtime {
     }
 
     /// Chunks with room for `blocks` blocks of `capacity` bytes, populated whole, kept when idle.
-    fn reserve_chunks(&self, blocks: usize, capacity: usize, target: &Resolved) -> Result<(), Error> {
-        let kind = self.kind(target);
+    fn reserve_chunks(
+        &self,
+        blocks: usize,
+        capacity: usize,
+        target: &Resolved,
+        kind: Kind,
+    ) -> Result<(), Error> {
         let key = HeapKey {
             kind,
             huge: self.config.huge_pages && capacity >= HUGE_PAGE,
@@ -99,6 +91,36 @@ impl Runtime {
         }
         Ok(())
     }
+}
+
+/// The capacity of each of `blocks` blocks of `block_size` bytes reserved under `config` (whole
+/// pages for carved sizes, the size class for dedicated ones), or
+/// [`Error::ReserveRejected`] when a block would be below the threshold (no request would reuse
+/// it) or all of them beyond the cache limit (they would be released at once).
+pub(crate) fn check(
+    config: &Config,
+    page_size: usize,
+    blocks: usize,
+    block_size: usize,
+) -> Result<usize, Error> {
+    // Carved sizes are whole pages; dedicated ones take their size class.
+    let carve = block_size
+        .checked_next_multiple_of(page_size)
+        .filter(|&size| carved(size, page_size));
+    carve
+        .or_else(|| class_size(block_size, page_size))
+        .filter(|&capacity| {
+            block_size >= config.threshold
+                && capacity
+                    .checked_mul(blocks)
+                    .is_some_and(|total| total <= config.cache_limit)
+        })
+        .ok_or(Error::ReserveRejected {
+            blocks,
+            block_size,
+            threshold: config.threshold,
+            cache_limit: config.cache_limit,
+        })
 }
 
 #[cfg(test)]

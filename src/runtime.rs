@@ -6,14 +6,16 @@ use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
-use crate::arena::{Arena, Kind, NODES};
+use crate::arena::{Arena, NODES};
 use crate::cgroup::MemoryLimits;
-use crate::config::{config_error, Config, GpuSelector, PinMode, Target, ENV_VAR};
+use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
 use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
+use crate::pinning::Unpinnable;
 use crate::process;
 use crate::route::Route;
+use crate::setup::{Problems, Setup};
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::{Error, NumaTopology};
@@ -55,6 +57,8 @@ pub(crate) struct Resolved {
     pub(crate) gpu: Option<&'static Gpu>,
     /// CUDA ordinal of the GPU, when the driver knows it (pinning or not).
     pub(crate) ordinal: Option<u32>,
+    /// Why `pin=strict` refuses the target's requests, when it does.
+    pub(crate) unpinnable: Option<Unpinnable>,
 }
 
 pub(crate) struct Runtime {
@@ -86,6 +90,8 @@ pub(crate) struct Runtime {
     pub(crate) memory_limits: MemoryLimits,
     pub(crate) counters: Counters,
     setup_errors: Vec<Error>,
+    /// Those this value prints once initialised (see [`Problems::sort_out`]).
+    unprinted: Vec<Error>,
 }
 
 /// Routes a runtime resolved, with the errors met (reported in the stats).
@@ -96,13 +102,15 @@ struct Routes {
 }
 
 impl Runtime {
-    /// Builds the runtime. Never fails: every problem is recorded and a degraded mode chosen.
-    pub(crate) fn new(builder: Config) -> Runtime {
+    /// Builds the runtime from the builder's settings and the environment's (`setup`). Never
+    /// fails: every problem is recorded and a degraded mode chosen.
+    pub(crate) fn new(builder: Config, setup: &mut Setup) -> Runtime {
+        let env = setup.env();
         let mut config = builder;
-        let mut setup_errors = Vec::new();
-        if let Some(settings) = std::env::var_os(ENV_VAR) {
-            setup_errors.extend(config.apply_settings(&settings.to_string_lossy()));
-        }
+        env.apply_to(&mut config);
+        // A problem is the environment's when it comes from a setting the environment gave.
+        let mut problems = Problems::default();
+        problems.add(env.errors.iter().cloned(), true);
         let root = Path::new(config.sysfs_root);
         let (topology, topology_error) = match NumaTopology::from_sysfs_root(root) {
             Ok(topology) => (topology, None),
@@ -115,20 +123,44 @@ impl Runtime {
             .then(sys::allowed_memory_nodes)
             .and_then(Result::ok);
         let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
-        let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut setup_errors);
+        let mut errors = Vec::new();
+        let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut errors);
+        problems.add(
+            errors,
+            env.sets(|s| matches!(s, Setting::Target(_) | Setting::Pin(_))),
+        );
         if config.pin_read_only
             && target.device.as_ref().and_then(Device::read_only_register) == Some(false)
         {
             // Registering with READ_ONLY would fail for every block: register without it.
-            setup_errors.push(Error::Config {
+            let error = Error::Config {
                 key: "readonly".to_owned(),
                 value: "on".to_owned(),
                 expected: "off on this GPU: it reports \
                            CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED (113) = 0; blocks \
                            are registered without CU_MEMHOSTREGISTER_READ_ONLY",
-            });
+            };
+            problems.add(
+                Some(error),
+                env.sets(|s| matches!(s, Setting::PinReadOnly(_))),
+            );
             config.pin_read_only = false;
         }
+        let page_size = sys::page_size();
+        let Reserve { blocks, block_size } = config.reserve;
+        if blocks > 0 {
+            // Said now, with the other setup problems (the reservation itself comes later).
+            problems.add(
+                crate::reserve::check(&config, page_size, blocks, block_size).err(),
+                env.sets(|s| matches!(s, Setting::Reserve(_))),
+            );
+        }
+        let ordinal = target.device.as_ref().map(Device::ordinal);
+        let names_gpu = !matches!(config.target, Target::Node(_) | Target::LocalNode);
+        let unpinnable = Unpinnable::of(&config, names_gpu, target.gpu, ordinal);
+        // Said once per process, whoever asked for pin=strict: every refused request has it too.
+        problems.add(unpinnable.map(Unpinnable::error), true);
+        let (setup_errors, unprinted) = problems.sort_out(setup);
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
@@ -142,12 +174,13 @@ impl Runtime {
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Runtime {
             id: IDS.fetch_add(1, Relaxed),
-            page_size: sys::page_size(),
+            page_size,
             default: Resolved {
                 host_node,
                 nodes,
                 gpu: target.gpu,
-                ordinal: target.device.as_ref().map(Device::ordinal),
+                ordinal,
+                unpinnable,
             },
             home_node: target.home_node,
             device: target.device,
@@ -161,6 +194,7 @@ impl Runtime {
             counters: Counters::default(),
             topology,
             setup_errors,
+            unprinted,
             config,
         }
     }
@@ -169,9 +203,14 @@ impl Runtime {
     /// lock may be held by a thread waiting for this initialisation); then the report at exit
     /// (`stats=`) is registered.
     pub(crate) fn report_setup_errors<A>(&self, owner: &crate::NumaGpuAlloc<A>) {
-        for e in &self.setup_errors {
-            // One line each: a key may hold a newline.
-            let _ = writeln!(std::io::stderr(), "{}", one_line(&e.to_string()));
+        for e in &self.unprinted {
+            // One line each (a key may hold a newline), marked as the crate's as every line it
+            // prints.
+            let _ = writeln!(
+                std::io::stderr(),
+                "numa-gpu-alloc: {}",
+                one_line(&e.to_string())
+            );
         }
         crate::stats_exit::register(self, owner);
     }
@@ -270,20 +309,6 @@ impl Runtime {
         policy_nodes(&self.config, &self.topology, &allowed, host_node)
     }
 
-    /// What the blocks made for `target` are made with (see [`Kind`]).
-    pub(crate) fn kind(&self, target: &Resolved) -> Kind {
-        // Tests inject a registration failure where no GPU could register (fault-injection).
-        let injected = cfg!(feature = "fault-injection") && sys::fault::register_fault_pending();
-        let pinned = self.config.pin != PinMode::Off
-            && (target.gpu.is_some_and(Gpu::usable) || injected);
-        Kind {
-            policy: self.config.policy,
-            pinned,
-            devicemap: pinned && self.config.pin_devicemap,
-            read_only: pinned && self.config.pin_read_only,
-        }
-    }
-
     /// Where a thread bound to `route` places blocks; resolved once per route and runtime (under
     /// the initialisation lock: GPU lookups may be slow, and a fork must not copy a half-done one). Never fails: problems are
     /// recorded (see [`Stats::config_errors`]) and the same fallbacks as at initialisation
@@ -317,11 +342,15 @@ impl Runtime {
                 )
             }
         };
+        let names_gpu = matches!(route, Route::Gpu(_));
+        let unpinnable = Unpinnable::of(&self.config, names_gpu, gpu, ordinal);
+        errors.extend(unpinnable.map(Unpinnable::error));
         let resolved = Resolved {
             host_node,
             nodes: policy_nodes(&self.config, &self.topology, &allowed, host_node),
             gpu,
             ordinal,
+            unpinnable,
         };
         routes.resolved.push((route, resolved));
         routes.errors.extend(errors);

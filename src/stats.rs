@@ -160,6 +160,7 @@ pub(crate) struct Counters {
     pub(crate) pressure_retries: Counter,
     pub(crate) pressure_released: Counter,
     pub(crate) memory_limited: Counter,
+    pub(crate) strict_refused: Counter,
     pub(crate) pages_checked: Counter,
     pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
@@ -199,6 +200,12 @@ impl Counters {
             _ => return,
         };
         counter.incr();
+    }
+
+    /// Counts a request `pin=strict` refused before mapping anything, with why.
+    pub(crate) fn record_strict_refusal(&self, error: &Error) {
+        self.strict_refused.incr();
+        self.set_last_pin_error(error);
     }
 
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
@@ -278,6 +285,7 @@ impl Counters {
             map_failures: self.map_failures.get(),
             populate_failures: self.populate_failures.get(),
             memory_limited: self.memory_limited.get(),
+            strict_refused: self.strict_refused.get(),
             placement_failures: self.placement_failures.get(),
             unverified_blocks: self.unverified_blocks.get(),
             foreign_frees: self.foreign_frees.get(),
@@ -321,8 +329,8 @@ pub struct Fallbacks {
     /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave` policy
     /// (also counted in `placement_failures`).
     pub unplaced_blocks: u64,
-    /// Blocks handed out without page-locking (pinning off, no GPU, or registration failed
-    /// under `pin=fallback`).
+    /// Blocks handed out without page-locking (pinning off, or under `pin=on` no GPU or a failed
+    /// registration).
     pub unpinned_blocks: u64,
     /// `cuMemHostRegister` calls that failed.
     pub pin_failures: u64,
@@ -340,6 +348,10 @@ pub struct Fallbacks {
     /// Of those: the block would have exceeded a cgroup's `memory.max` (populating it would
     /// have summoned the OOM killer).
     pub memory_limited: u64,
+    /// Of those: `pin=strict` requests refused before anything was mapped, since no block could
+    /// be page-locked for their target (no CUDA driver, no GPU for it, a forked child; the
+    /// reason is in `last_pin_error` and `config_errors`).
+    pub strict_refused: u64,
     /// `mbind` or the page check failed for another reason than NUMA being unavailable (e.g.
     /// EINVAL for a node the kernel or cpuset does not allow): the block went unplaced under
     /// `preferred`/`interleave`, the allocation failed under `bind` or a failed page check.
@@ -516,13 +528,17 @@ pub struct Stats {
     /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the report
     /// at exit.
     pub gpus: Vec<GpuStats>,
-    /// Large requests handled (cache hits + misses; failed ones included, see `fallbacks`).
+    /// Large requests that reached the cache: hits + misses. A miss whose block could not be made
+    /// failed, and is counted here and in `fallbacks.failed_allocations`; a request refused
+    /// before the cache (`pin=strict` with nothing to page-lock, a size too large to round up to
+    /// its class) is counted only there.
     pub large_allocations: u64,
     /// Large blocks freed by the user.
     pub frees: u64,
     /// Large allocations served from the cache.
     pub cache_hits: u64,
-    /// Large allocations that created a new block.
+    /// Large requests no cached block served: a new block was made for each, or could not be
+    /// (then the request failed); growths without copy count too.
     pub cache_misses: u64,
     /// Reallocations done in place, within the block's capacity.
     pub in_place_reallocs: u64,
@@ -560,8 +576,8 @@ pub struct Stats {
     pub fallbacks: Fallbacks,
     /// Registration failures by CUDA error.
     pub pin_failures_by_code: Vec<CudaErrorCount>,
-    /// The latest failed registration or unregistration, with the CUDA call, code and name (in
-    /// JSON: the message).
+    /// The latest failed registration or unregistration, with the CUDA call, code and name, or
+    /// why `pin=strict` refused a request (in JSON: the message).
     #[cfg_attr(
         feature = "serde",
         serde(serialize_with = "crate::stats_json::message")
@@ -573,8 +589,9 @@ pub struct Stats {
         serde(serialize_with = "crate::stats_json::message")
     )]
     pub numa_unavailable: Option<Error>,
-    /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems (each was also printed once to
-    /// stderr; in JSON: the messages).
+    /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems: every problem that applies to
+    /// this value. Each was also printed to stderr, the environment's once per process, the
+    /// value's own settings' by this value (in JSON: the messages).
     #[cfg_attr(
         feature = "serde",
         serde(serialize_with = "crate::stats_json::messages")
@@ -777,7 +794,7 @@ impl fmt::Display for Stats {
             "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, unregister \
              failures {}, failed \
              allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}, memory limit \
-             {}), foreign frees {}",
+             {}, strict refused {}), foreign frees {}",
             fb.unplaced_blocks,
             fb.unpinned_blocks,
             fb.unverified_blocks,
@@ -789,6 +806,7 @@ impl fmt::Display for Stats {
             fb.placement_failures,
             fb.populate_failures,
             fb.memory_limited,
+            fb.strict_refused,
             fb.foreign_frees
         )?;
         for c in &self.pin_failures_by_code {

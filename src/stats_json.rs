@@ -185,6 +185,7 @@ json_object! {
         map_failures,
         populate_failures,
         memory_limited,
+        strict_refused,
         placement_failures,
         unverified_blocks,
         foreign_frees,
@@ -387,7 +388,7 @@ mod tests {
         assert_eq!(v["numa_unavailable"], "CUDA unavailable: x\ty");
         assert_eq!(
             v["config_errors"][0],
-            "numa-gpu-alloc: bad setting colour=\"bl\\\"ue\": expected a key"
+            "bad setting colour=\"bl\\\"ue\": expected a key"
         );
     }
 

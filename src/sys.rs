@@ -764,8 +764,9 @@ pub mod fault {
         MovePages,
         /// The CUDA registration (`cuMemHostRegister_v2`) of a new block. The injected value is
         /// the `CUresult` code. It is checked where a block would be registered, even when no GPU
-        /// is present, so that `pin=fallback` and `pin=strict` can be tested without one (not
-        /// checked with `pin=off`, which never registers).
+        /// is present, so that `pin=on` can be tested without one (not checked with `pin=off`,
+        /// which never registers, nor reached by `pin=strict` without a GPU, which refuses the
+        /// request before mapping: test its registration failures against the driver simulator).
         Register,
     }
 

@@ -13,6 +13,10 @@ use numa_gpu_alloc::{
     Config, Error, GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode, Target, ENV_VAR,
 };
 
+mod common {
+    pub mod child;
+}
+
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_BAD_INPUT_CHILD";
 const MIB: usize = 1 << 20;
 
@@ -128,6 +132,9 @@ fn cases() -> Vec<Case> {
             assert_eq!(c.threshold, 4 * MIB)
         }),
         case("threshold=4KiB", &[], |c| assert_eq!(c.threshold, 4096)),
+        // Control characters inside a value: rejected, not skipped over.
+        case("threshold=4\nMiB", &["threshold"], defaults_kept),
+        case("cache=1\tGiB", &["cache"], defaults_kept),
         case("node=1024", &["node"], defaults_kept),
         case("node=-1", &["node"], defaults_kept),
         case("node=zero", &["node"], defaults_kept),
@@ -191,6 +198,19 @@ fn cases() -> Vec<Case> {
     ];
     // node=99 parses but names no online node: recorded at initialisation, and blocks go to
     // the calling thread's node instead.
+    // reserve= parses, but its blocks would be below the threshold: recorded at initialisation,
+    // nothing reserved.
+    cases.push(Case {
+        settings: "reserve=2x4KiB",
+        keys: &[],
+        runtime: vec![Error::ReserveRejected {
+            blocks: 2,
+            block_size: 4096,
+            threshold: Config::DEFAULT.threshold,
+            cache_limit: Config::DEFAULT.cache_limit,
+        }],
+        check: |c| assert_eq!(c.reserve.blocks, 2),
+    });
     cases.push(Case {
         settings: "node=99",
         keys: &[],
@@ -202,6 +222,9 @@ fn cases() -> Vec<Case> {
     });
     cases
 }
+
+/// What starts every line the crate prints.
+const PREFIX: &str = "numa-gpu-alloc: ";
 
 #[test]
 fn bad_environment_values() {
@@ -224,8 +247,8 @@ fn bad_environment_values() {
             case.settings
         );
         assert_eq!(got.errors, format!("{expected:?}"), "{:?}", case.settings);
-        // One clear line per error, the error's own text.
-        let lines: Vec<String> = expected.iter().map(ToString::to_string).collect();
+        // One clear line per error, the error's own text after the crate's prefix.
+        let lines: Vec<String> = expected.iter().map(|e| format!("{PREFIX}{e}")).collect();
         assert_eq!(got.stderr_lines, lines, "{:?}", case.settings);
         for line in &got.stderr_lines {
             assert!(line.len() < 400, "{line}");
@@ -276,7 +299,7 @@ fn builder_checked_path_gives_the_same_errors() {
                     assert_eq!(errors, std::slice::from_ref(&e), "{entry:?}");
                     assert_eq!(via_apply, Config::DEFAULT, "an error changes nothing");
                     let text = e.to_string();
-                    assert!(text.starts_with("numa-gpu-alloc: bad setting "), "{text}");
+                    assert!(text.starts_with("bad setting "), "{text}");
                     assert!(text.contains("expected "), "{text}");
                     assert!(!text.contains('\n'), "{text}");
                 }
@@ -294,4 +317,87 @@ fn builder_checked_path_gives_the_same_errors() {
     assert!(matches!(c.target, Target::Gpu(GpuSelector::Pci(_))));
     c.apply("gpu", "auto").unwrap();
     assert_eq!(c.target, Target::Gpu(GpuSelector::Auto));
+}
+
+#[test]
+fn every_printed_line_has_the_prefix() {
+    if std::env::var_os(CHILD_VAR).is_some() {
+        return; // only `bad_environment_values` acts as the child
+    }
+    // Problems found at initialisation: a node, a PCI device and a CUDA device nobody has.
+    for settings in [
+        "node=1000",
+        "gpu=pci:0000:ff:1f.7",
+        "gpu=77",
+        "pin=on,gpu=77",
+    ] {
+        let got = run_child(settings);
+        assert!(!got.stderr_lines.is_empty(), "{settings}: nothing printed");
+        for line in &got.stderr_lines {
+            assert!(line.starts_with(PREFIX), "{settings}: {line}");
+        }
+    }
+}
+
+const ONCE_VAR: &str = "NUMA_GPU_ALLOC_TEST_ONCE_CHILD";
+/// Bad entries (and a node no machine has) for every value of the process.
+const ONCE_SETTINGS: &str = "threshold=-1,gpu=pci:zz,colour=blue,node=1000,huge=2";
+
+/// Three values, two of them with a reservation the builder made too small: each value prints
+/// its own problem, the environment's are printed once.
+fn three_values() {
+    static FIRST: NumaGpuAlloc = NumaGpuAlloc::new();
+    let small = NumaGpuAlloc::new().reserve_at_init(1, 4096);
+    let also_small = NumaGpuAlloc::new().reserve_at_init(1, 4096);
+    for alloc in [&FIRST, &small, &also_small] {
+        let _ = alloc.placement();
+        println!("ERRORS {:?}", alloc.stats().config_errors);
+    }
+}
+
+#[test]
+fn each_bad_setting_is_printed_once_per_process() {
+    if common::child::mode(ONCE_VAR).is_some() {
+        return three_values();
+    }
+    let (stdout, stderr) = common::child::run(
+        "each_bad_setting_is_printed_once_per_process",
+        ONCE_VAR,
+        "1",
+        &[(ENV_VAR, ONCE_SETTINGS)],
+    );
+    let mut env_errors = Config::default().apply_settings(ONCE_SETTINGS);
+    env_errors.push(Error::UnknownNode {
+        node: 1000,
+        node_count: online_node_count(),
+    });
+    let rejected = Error::ReserveRejected {
+        blocks: 1,
+        block_size: 4096,
+        threshold: Config::DEFAULT.threshold,
+        cache_limit: Config::DEFAULT.cache_limit,
+    };
+    let count = |e: &Error| {
+        let line = format!("{PREFIX}{e}");
+        stderr.lines().filter(|l| *l == line).count()
+    };
+    for e in &env_errors {
+        assert_eq!(count(e), 1, "{e}: once per process\n{stderr}");
+    }
+    assert_eq!(count(&rejected), 2, "once per value that has it\n{stderr}");
+    assert_eq!(stderr.lines().count(), env_errors.len() + 2, "{stderr}");
+    // Every value lists the environment's problems: they apply to it.
+    // (The first one follows libtest's "test … " on its line.)
+    let listed: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.find("ERRORS ").map(|at| &l[at..]))
+        .collect();
+    assert_eq!(listed.len(), 3, "{stdout}");
+    for (value, line) in listed.iter().enumerate() {
+        let mut expected = env_errors.clone();
+        if value > 0 {
+            expected.push(rejected.clone());
+        }
+        assert_eq!(*line, format!("ERRORS {expected:?}"), "value {value}");
+    }
 }

@@ -1,8 +1,14 @@
-//! `NUMA_GPU_ALLOC` is read once, at initialisation, and overrides the builder.
-//! One test: the variable is process-wide.
+//! `NUMA_GPU_ALLOC` is read once per process, at the first initialisation, and overrides the
+//! builder. One test in this process (the variable is process-wide); the others run in child
+//! processes.
 
+use allocator_api2::alloc::Allocator;
 use allocator_api2::vec::Vec;
 use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, Target, ENV_VAR};
+
+mod common {
+    pub mod child;
+}
 
 #[test]
 fn environment_overrides_builder_and_reports_bad_entries() {
@@ -48,9 +54,94 @@ fn environment_overrides_builder_and_reports_bad_entries() {
         }]
     );
 
-    // Read once: later changes do not apply to an initialised allocator.
+    // Read once per process: later changes apply neither to an initialised allocator nor to
+    // one initialised afterwards (each bad entry is printed once: see `env_bad_input.rs`).
     std::env::set_var(ENV_VAR, "threshold=16MiB");
     drop(v);
     assert_eq!(alloc.config().threshold, 4 << 20);
+    let later = NumaGpuAlloc::new();
+    let _ = later.placement();
+    assert_eq!(
+        later.config().threshold,
+        4 << 20,
+        "the first reading applies"
+    );
+    assert_eq!(later.stats().config_errors, stats.config_errors);
     std::env::remove_var(ENV_VAR);
+}
+
+const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_ENV_CONFIG_CHILD";
+
+/// `pin=strict` with no driver: two values (a static, as the global allocator is, and a local
+/// one), each asked for 256 MiB and 4 MiB. Every request fails before anything is mapped or
+/// populated, each value's stats say why, and stderr says it once.
+fn strict_without_a_driver() {
+    if numa_gpu_alloc::cuda_driver_present() {
+        println!("SKIPPED: a CUDA driver is present, so pin=strict can pin");
+        return;
+    }
+    static FIRST: NumaGpuAlloc = NumaGpuAlloc::new();
+    let second = NumaGpuAlloc::new();
+    for alloc in [&FIRST, &second] {
+        for size in [256 << 20, 4 << 20] {
+            let start = std::time::Instant::now();
+            let got = alloc.allocate(std::alloc::Layout::from_size_align(size, 64).unwrap());
+            println!("REFUSED {size} bytes in {:?}", start.elapsed());
+            assert!(got.is_err(), "pin=strict handed out a block without a GPU");
+        }
+        let stats = alloc.stats();
+        assert_eq!(stats.fallbacks.failed_allocations, 2, "{stats}");
+        assert_eq!(stats.fallbacks.strict_refused, 2, "{stats}");
+        assert_eq!(
+            (stats.cache_misses, stats.released_blocks),
+            (0, 0),
+            "nothing mapped: {stats}"
+        );
+        assert_eq!(
+            stats.populate_time.total,
+            std::time::Duration::ZERO,
+            "{stats}"
+        );
+        let why = stats.last_pin_error.as_ref().map(ToString::to_string);
+        assert!(
+            why.as_ref().is_some_and(|w| w.contains("pin=strict")),
+            "{stats}"
+        );
+        assert!(
+            stats
+                .config_errors
+                .iter()
+                .any(|e| e.to_string().contains("pin=strict")),
+            "{stats}"
+        );
+    }
+}
+
+#[test]
+fn pin_strict_without_a_driver_fails_at_once_and_says_why_once() {
+    if common::child::mode(CHILD_VAR).is_some() {
+        return strict_without_a_driver();
+    }
+    let (stdout, stderr) = common::child::run(
+        "pin_strict_without_a_driver_fails_at_once_and_says_why_once",
+        CHILD_VAR,
+        "strict",
+        &[(ENV_VAR, "pin=strict")],
+    );
+    println!("{stdout}{stderr}");
+    if stdout.contains("SKIPPED") {
+        return;
+    }
+    let lines: std::vec::Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("pin=strict"))
+        .collect();
+    assert_eq!(lines.len(), 1, "said once per process:\n{stderr}");
+    assert!(
+        lines[0].starts_with(
+            "numa-gpu-alloc: pin=strict, but blocks cannot be page-locked: no usable CUDA \
+             driver: CUDA unavailable: "
+        ),
+        "{stderr}"
+    );
 }

@@ -428,38 +428,36 @@ fn registration_failure_under_fallback_keeps_the_block_unpinned() {
 }
 
 #[test]
-fn registration_failure_under_strict_fails_the_allocation() {
+fn pin_strict_without_a_gpu_fails_before_mapping() {
     let _serial = serial();
+    // A node target has no GPU to register blocks with (registration failures under strict,
+    // with a GPU, are tested against the driver simulator: `pinned_sim.rs`).
     let alloc = local().pin(PinMode::Strict);
-    fault::inject(FaultPoint::Register, 800, 1); // CUDA_ERROR_NOT_PERMITTED
+    // Armed, so that reaching a step shows: none may run for a request that cannot be pinned.
+    for point in [FaultPoint::Mmap, FaultPoint::Populate, FaultPoint::Register] {
+        fault::inject(point, libc::ENOMEM, 1);
+    }
     assert!(alloc.allocate(layout(4 * MIB)).is_err());
-    fault::inject(FaultPoint::Register, 12345, 1); // a code nobody knows
-                                                   // SAFETY: non-zero size.
-    assert!(unsafe { GlobalAlloc::alloc(&alloc, layout(4 * MIB)) }.is_null());
+    // SAFETY: non-zero size.
+    assert!(unsafe { GlobalAlloc::alloc(&alloc, layout(64 * MIB)) }.is_null());
+    for point in [FaultPoint::Mmap, FaultPoint::Populate, FaultPoint::Register] {
+        assert_eq!(fault::remaining(point), 1, "{point:?} was reached");
+    }
     let s = alloc.stats();
-    assert_eq!(s.fallbacks.pin_failures, 2);
-    assert_eq!(s.fallbacks.failed_allocations, 2);
-    assert_eq!(s.fallbacks.unpinned_blocks, 0);
-    assert_eq!(s.released_blocks, 2, "both mappings were given back");
-    let codes: Vec<(u32, &str)> = s
-        .pin_failures_by_code
-        .iter()
-        .map(|c| (c.code, c.name))
-        .collect();
-    assert_eq!(
-        codes,
-        [
-            (800, "CUDA_ERROR_NOT_PERMITTED"),
-            (12345, "CUDA_ERROR_UNRECOGNIZED")
-        ]
+    assert_eq!(s.fallbacks.failed_allocations, 2, "{s}");
+    assert_eq!(s.fallbacks.strict_refused, 2, "{s}");
+    assert_eq!(s.large_allocations, 0, "refused before the cache: {s}");
+    assert_eq!((s.cache_misses, s.released_blocks), (0, 0), "{s}");
+    assert_eq!(s.populate_time.total, std::time::Duration::ZERO, "{s}");
+    assert_eq!(s.fallbacks.unpinned_blocks, 0, "{s}");
+    let why = s.last_pin_error.as_ref().map(ToString::to_string);
+    assert!(
+        why.is_some_and(|w| w.contains("the target is a NUMA node")),
+        "{s}"
     );
-    // No GPU here: without a fault a strict allocator still refuses, since nothing can pin.
-    assert!(alloc.allocate(layout(4 * MIB)).is_err());
-    let s = alloc.stats();
-    assert_eq!(s.fallbacks.failed_allocations, 3);
-    assert_eq!(
-        s.fallbacks.unpinned_blocks, 0,
-        "strict never hands out unpinned blocks"
+    assert!(
+        matches!(&s.config_errors[..], [Error::StrictPinning { .. }]),
+        "{s}"
     );
     assert_balanced(&s);
 }

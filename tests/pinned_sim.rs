@@ -502,26 +502,91 @@ sim_test!(
             unsafe { libc::_exit(if refused { 0 } else { 1 }) };
         }
         release(&sim);
-        let mut status = 0;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            // SAFETY: waits for our own child without blocking.
-            let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-            if done == pid {
-                break;
-            }
-            if std::time::Instant::now() > deadline {
-                // SAFETY: our own child.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                panic!("the forked child hung (a CUDA call in the child?)");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
         assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "the child read its buffer although a download was queued at the fork: {status}"
+            child_succeeded(pid),
+            "the child read its buffer although a download was queued at the fork"
         );
         assert_eq!(wrong_bytes(&buf, &expected), 0);
+    }
+);
+
+/// Waits for the forked child `pid` (20 s at most: one still running then is hung, by a CUDA
+/// call in the child, say) and tells whether it exited with 0.
+fn child_succeeded(pid: libc::pid_t) -> bool {
+    let mut status = 0;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        // SAFETY: waits for our own child without blocking.
+        let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if done == pid {
+            return libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+        }
+        if std::time::Instant::now() > deadline {
+            // SAFETY: our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the forked child hung (a CUDA call in the child?)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+sim_test!(
+    /// `pin=strict` with a GPU: a failed registration (injected: CUDA_ERROR_NOT_PERMITTED) fails
+    /// the request and gives its mapping back; the next request is pinned.
+    registration_failure_under_strict_fails_the_request,
+    env: [],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED on the real driver: the failure is injected by the simulator");
+            return;
+        }
+        let _ctx = context();
+        Sim::get().fail("cuMemHostRegister_v2", 800, 0, 1);
+        let alloc = NumaGpuAlloc::new().pin(PinMode::Strict);
+        let layout = std::alloc::Layout::from_size_align(4 * MIB, 4096).unwrap();
+        assert!(alloc.allocate(layout).is_err());
+        let block = alloc.allocate(layout).expect("the next registration works");
+        let s = alloc.stats();
+        let codes: Vec<_> = s.pin_failures_by_code.iter().map(|c| (c.code, c.name)).collect();
+        assert_eq!(codes, [(800, "CUDA_ERROR_NOT_PERMITTED")], "{s}");
+        assert_eq!((s.fallbacks.failed_allocations, s.released_blocks), (1, 1), "{s}");
+        assert_eq!((s.registrations, s.fallbacks.unpinned_blocks), (1, 0), "{s}");
+        // SAFETY: live with this layout, freed once.
+        unsafe { alloc.deallocate(block.cast(), layout) };
+    }
+);
+
+sim_test!(
+    /// `pin=strict` in a child forked after CUDA was initialised: nothing can be registered
+    /// there, so a large request fails before anything is mapped, and the stats say why.
+    strict_in_a_forked_child_fails_before_mapping,
+    env: [],
+    {
+        let alloc = NumaGpuAlloc::new().pin(PinMode::Strict);
+        let layout = std::alloc::Layout::from_size_align(4 * MIB, 4096).unwrap();
+        let block = alloc.allocate(layout).expect("pinned in the parent");
+        // SAFETY: the child only allocates through `alloc`, reads its stats and leaves with
+        // `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let before = alloc.stats();
+            let refused = alloc.allocate(layout).is_err();
+            let s = alloc.stats();
+            let why = s.last_pin_error.as_ref().map(ToString::to_string).unwrap_or_default();
+            let ok = refused
+                && (s.cache_misses, s.released_blocks) == (before.cache_misses, before.released_blocks)
+                && s.fallbacks.strict_refused == 1
+                && why.contains("forked");
+            if !ok {
+                eprintln!("in the child: refused {refused}, {why}\n{s}");
+            }
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        assert!(child_succeeded(pid), "the child mapped memory for pin=strict");
+        // SAFETY: live with this layout, freed once.
+        unsafe { alloc.deallocate(block.cast(), layout) };
     }
 );
 

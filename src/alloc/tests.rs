@@ -279,3 +279,44 @@ fn ignoring_in_flight_work_reuses_early() {
     // SAFETY: live with this layout.
     unsafe { alloc.deallocate(second, layout(BLOCK)) };
 }
+
+#[test]
+fn pin_strict_never_takes_an_unpinned_cached_block() {
+    let _serial = serial();
+    // A node target has no GPU: nothing can be page-locked for it, whatever the driver.
+    let host = allocator().placement().host_node;
+    let [off, on, strict] =
+        [PinMode::Off, PinMode::On, PinMode::Strict].map(|pin| allocator().node(host).pin(pin));
+    let blocks = [&off, &on].map(|value| (value, value.allocate(layout(BLOCK), false)));
+    for (value, block) in blocks {
+        assert!(!block.is_null());
+        // SAFETY: live with this layout, freed once.
+        unsafe { value.deallocate(block, layout(BLOCK)) };
+    }
+    let cached = off.stats().cached_bytes();
+    assert_eq!(cached, 2 * class_size(BLOCK, 4096).unwrap());
+    for _ in 0..2 {
+        let got = strict.allocate(layout(BLOCK), false);
+        if !got.is_null() {
+            // SAFETY: live with this layout, freed once.
+            unsafe { strict.deallocate(got, layout(BLOCK)) };
+        }
+        assert!(got.is_null(), "pin=strict handed out an unpinned block");
+    }
+    let stats = strict.stats();
+    assert_eq!(stats.cache_hits, 0, "{stats}");
+    assert_eq!(stats.fallbacks.failed_allocations, 2, "{stats}");
+    assert_eq!(stats.fallbacks.strict_refused, 2, "{stats}");
+    assert!(
+        matches!(
+            stats.last_pin_error,
+            Some(Error::StrictPinning { driver: None, .. })
+        ),
+        "{stats}"
+    );
+    assert_eq!(
+        stats.cached_bytes(),
+        cached,
+        "the unpinned blocks stay cached"
+    );
+}

@@ -82,7 +82,12 @@ pub fn cuda_driver_present() -> bool {
 pub fn cuda_unavailable_reason() -> Option<Error> {
     // As in `cuda_driver_present`: the first call loads libcuda, which allocates.
     let _inside = crate::guard::Inside::enter();
-    driver::driver_state().as_ref().err().cloned()
+    probe_error().cloned()
+}
+
+/// The driver probe's error, kept for the life of the process (probing first if needed).
+pub(crate) fn probe_error() -> Option<&'static Error> {
+    driver::driver_state().as_ref().err()
 }
 
 /// The name of a `CUresult` code, e.g. `cuda_error_name(2) == Some("CUDA_ERROR_OUT_OF_MEMORY")`,
