@@ -681,9 +681,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             None => false,
             // Dedicated, or a carved block without room next to it.
             Some(Err(b)) => {
-                !carved(b.capacity, 0)
-                    && new.size() <= b.capacity
-                    && new.size() >= b.capacity / 2
+                !carved(b.capacity, 0) && new.size() <= b.capacity && new.size() >= b.capacity / 2
             }
             Some(Ok((node, old, populate))) => rt.populate_grown(node, old, populate),
         };

@@ -98,8 +98,10 @@ impl Runtime {
     /// it then, so the caller must not hand it out.
     pub(crate) fn record_created(&self, block: Block) -> bool {
         let limit = self.config.cache_limit;
-        self.with_arena(block.node, |arena, out| arena.insert_created(block, limit, out))
-            .unwrap_or(false)
+        self.with_arena(block.node, |arena, out| {
+            arena.insert_created(block, limit, out)
+        })
+        .unwrap_or(false)
     }
 
     /// A fresh anonymous mapping of `capacity` bytes at a multiple of `align`: 2 MiB aligned and

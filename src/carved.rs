@@ -128,7 +128,9 @@ impl Runtime {
 
     /// Adds a chunk made for `key` to `node`'s arena (releasing it when that fails).
     pub(crate) fn add_chunk(&self, node: usize, key: HeapKey, chunk: Chunk) -> Option<()> {
-        let added = self.arena(node).map(|mut arena| arena.add_chunk(key, chunk));
+        let added = self
+            .arena(node)
+            .map(|mut arena| arena.add_chunk(key, chunk));
         match added {
             Some(Ok(())) => Some(()),
             Some(Err(chunk)) => {
@@ -263,7 +265,12 @@ impl Runtime {
 
     /// Maps, advises, places and (for a pinned kind) populates, checks and registers a chunk of
     /// `len` bytes.
-    pub(crate) fn make_chunk(&self, key: HeapKey, len: usize, target: &Resolved) -> Result<Chunk, Error> {
+    pub(crate) fn make_chunk(
+        &self,
+        key: HeapKey,
+        len: usize,
+        target: &Resolved,
+    ) -> Result<Chunk, Error> {
         if key.kind.pinned {
             // A pinned chunk is populated whole.
             self.memory_limits.check(len)?;
@@ -276,7 +283,12 @@ impl Runtime {
     }
 
     /// Steps 2-4 of a chunk (see [`Self::make_chunk`]).
-    fn place_chunk(&self, key: HeapKey, mapping: Mapping, target: &Resolved) -> Result<Chunk, Error> {
+    fn place_chunk(
+        &self,
+        key: HeapKey,
+        mapping: Mapping,
+        target: &Resolved,
+    ) -> Result<Chunk, Error> {
         let (ptr, len) = (mapping.ptr(), mapping.len());
         // SAFETY: the mapping is ours, fresh and used by nobody. Without THP this is a no-op.
         let _ = unsafe {

@@ -217,7 +217,9 @@ impl Chunk {
     }
 
     pub(crate) fn base(&self) -> usize {
-        self.mapping.as_ref().map_or(0, |m| m.ptr().as_ptr() as usize)
+        self.mapping
+            .as_ref()
+            .map_or(0, |m| m.ptr().as_ptr() as usize)
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -405,7 +407,11 @@ mod tests {
             })
         );
         assert_eq!(c.resident(), 4 * MIB);
-        assert_eq!(c.plan_populate(base + 2 * MIB, MIB), None, "granule 1 is resident");
+        assert_eq!(
+            c.plan_populate(base + 2 * MIB, MIB),
+            None,
+            "granule 1 is resident"
+        );
         assert_eq!(
             c.plan_populate(base + 3 * MIB, 2 * MIB),
             Some(Span {

@@ -206,7 +206,11 @@ mod tests {
             Err(Error::ReserveRejected { .. })
         ));
         assert_eq!(alloc.reserve(0, 0), Ok(()));
-        assert_eq!(mapped(&alloc.stats()), 2 * MIB, "nothing made for a rejection");
+        assert_eq!(
+            mapped(&alloc.stats()),
+            2 * MIB,
+            "nothing made for a rejection"
+        );
     }
 
     #[test]
@@ -228,6 +232,9 @@ mod tests {
         let alloc = allocator().decay_ms(0);
         alloc.reserve(1, MIB).unwrap();
         assert!(hit(&alloc, MIB));
-        assert!(hit(&alloc, MIB), "still there after a free looked at idle memory");
+        assert!(
+            hit(&alloc, MIB),
+            "still there after a free looked at idle memory"
+        );
     }
 }

@@ -7,8 +7,8 @@ use std::fmt::{self, Write};
 use std::time::Duration;
 
 use crate::stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
-use crate::MemPolicy;
 use crate::Error;
+use crate::MemPolicy;
 
 impl Stats {
     /// The snapshot as one line of JSON, e.g. `{"initialized":true,"threshold":2097152,...}`:

@@ -113,7 +113,9 @@ fn grow_in_place_within_capacity_and_move_beyond() {
     // Beyond what the chunk has after it: moved.
     let farther = Layout::from_size_align(100 * MIB, 8).unwrap();
     // SAFETY: r is live with `beyond`.
-    let s = unsafe { alloc.grow(r, beyond, farther) }.unwrap().cast::<u8>();
+    let s = unsafe { alloc.grow(r, beyond, farther) }
+        .unwrap()
+        .cast::<u8>();
     assert_ne!(s, r, "moved");
     // SAFETY: s is live and at least one byte long.
     assert_eq!(unsafe { s.as_ptr().read() }, 7);
@@ -216,7 +218,11 @@ fn two_allocators_share_their_nodes_arena() {
     assert_eq!(b.stats().live_bytes(), 8 * MIB);
     drop(va);
     let mapped = b.stats().nodes[0].mapped_bytes;
-    assert_eq!(b.stats().cached_bytes(), mapped - 4 * MIB, "all but vb's block is free");
+    assert_eq!(
+        b.stats().cached_bytes(),
+        mapped - 4 * MIB,
+        "all but vb's block is free"
+    );
     let hits = b.stats().cache_hits;
     let reused: Vec<u8, _> = Vec::with_capacity_in(4 * MIB, &b);
     assert_eq!(reused.as_ptr(), freed, "a's freed block serves b");

@@ -207,7 +207,13 @@ fn free_child() {
     let purging = NumaGpuAlloc::new().cache_limit(0);
     let layout = Layout::from_size_align(2 * MIB, 64).unwrap();
     // SAFETY: non-zero sizes.
-    let (a, b, c) = unsafe { (ALLOC.alloc(layout), purging.alloc(layout), purging.alloc(layout)) };
+    let (a, b, c) = unsafe {
+        (
+            ALLOC.alloc(layout),
+            purging.alloc(layout),
+            purging.alloc(layout),
+        )
+    };
     assert!(!a.is_null() && !b.is_null() && !c.is_null());
     fill(a, layout.size(), 1);
     // Exhaust `System` under a limit just above what is mapped now.
@@ -238,7 +244,10 @@ fn free_child() {
     }
     let s = purging.stats();
     assert_eq!(s.frees, 2, "{s}");
-    assert!(s.nodes.iter().map(|n| n.purged_bytes).sum::<u64>() > 0, "purged on a free: {s}");
+    assert!(
+        s.nodes.iter().map(|n| n.purged_bytes).sum::<u64>() > 0,
+        "purged on a free: {s}"
+    );
     println!("{CHILD_OK}: freed with the inner allocator exhausted");
 }
 

@@ -94,7 +94,11 @@ fn mmap_enomem_fails_cleanly_then_recovers() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.failed_allocations, 1);
     assert_eq!(s.fallbacks.map_failures, 1);
-    assert_eq!((s.large_allocations, s.cache_misses), (1, 1), "a failed request is a miss");
+    assert_eq!(
+        (s.large_allocations, s.cache_misses),
+        (1, 1),
+        "a failed request is a miss"
+    );
     assert_eq!(s.released_blocks, 0, "nothing was mapped");
 
     // One failure: the smaller chunk fits.
@@ -343,7 +347,10 @@ fn populate_enomem_in_one_of_several_threads_fails_the_block() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.populate_failures, 2, "{s}");
     assert_eq!(s.fallbacks.failed_allocations, 2);
-    assert_eq!(s.released_blocks, 1, "the first, idle chunk given back for the second");
+    assert_eq!(
+        s.released_blocks, 1,
+        "the first, idle chunk given back for the second"
+    );
     round_trip(&alloc, 64 * MIB, 6);
     assert_balanced(&alloc.stats());
 }

@@ -17,7 +17,13 @@ fn mappings() -> usize {
         .count()
 }
 
+/// A million populate calls and 8 GiB resident take minutes in a debug build: CI runs it with
+/// `cargo test --release --test many_blocks`.
 #[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "run in release: cargo test --release --test many_blocks"
+)]
 fn a_million_small_aligned_blocks_live_in_a_few_hundred_mappings() {
     let alloc = NumaGpuAlloc::new().threshold(4 << 10);
     let layout = Layout::from_size_align(8 << 10, 64 << 10).unwrap();
@@ -42,7 +48,10 @@ fn a_million_small_aligned_blocks_live_in_a_few_hundred_mappings() {
         stats.fallbacks.failed_allocations
     );
     assert_eq!(stats.fallbacks.failed_allocations, 0);
-    assert!(during - before < 500, "{during} mappings for {BLOCKS} blocks");
+    assert!(
+        during - before < 500,
+        "{during} mappings for {BLOCKS} blocks"
+    );
     for (i, block) in blocks.iter().enumerate() {
         // SAFETY: written above, still live.
         assert_eq!(unsafe { block.as_ptr().add(i % 8192).read() }, i as u8);

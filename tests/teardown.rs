@@ -178,7 +178,8 @@ fn check_exit_reports(stats: &str, stderr: &str) {
         .collect();
     let notes = stderr.matches("for allocators in a static only").count();
     // Carved from chunks the global allocator may have made already: hits and misses vary.
-    let local = |line: &str| line.starts_with("large allocations 2 (") && line.contains("), frees 1,");
+    let local =
+        |line: &str| line.starts_with("large allocations 2 (") && line.contains("), frees 1,");
     match stats {
         "off" => assert_eq!((tables, json.len(), notes), (0, 0, 0), "{stderr}"),
         "exit" => {

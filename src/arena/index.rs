@@ -119,8 +119,16 @@ mod tests {
         let fits = fit(3 * MIB, 5 * MIB, 4096);
         assert_eq!(index.take(fits), Some(block(0x300_0000, 3 * MIB)));
         assert_eq!(index.take(fits), Some(block(0x200_0000, 4 * MIB)));
-        assert_eq!(index.take(fit(5 * MIB, 6 * MIB, 4096)), None, "none large enough");
-        assert_eq!(index.take(fit(MIB, 2 * MIB, 4096)), None, "none small enough");
+        assert_eq!(
+            index.take(fit(5 * MIB, 6 * MIB, 4096)),
+            None,
+            "none large enough"
+        );
+        assert_eq!(
+            index.take(fit(MIB, 2 * MIB, 4096)),
+            None,
+            "none small enough"
+        );
         assert_eq!((index.len(), index.bytes()), (1, 4 * MIB));
     }
 

@@ -398,7 +398,9 @@ impl Arena {
         for_gpu: Option<u32>,
     ) -> Result<Option<Carving>, ()> {
         // In a forked child pinned chunks are the parent's registrations: never handed out again.
-        let Some(heap) = self.heap_index(key).filter(|_| !(self.in_child && key.kind.pinned))
+        let Some(heap) = self
+            .heap_index(key)
+            .filter(|_| !(self.in_child && key.kind.pinned))
         else {
             return Ok(None);
         };
@@ -539,7 +541,9 @@ impl Arena {
     ) {
         match slot {
             Some(slot) => {
-                let _ = self.heaps[slot.heap].carver.free(slot.handle, block.addr, now);
+                let _ = self.heaps[slot.heap]
+                    .carver
+                    .free(slot.handle, block.addr, now);
             }
             None => self.cache(block, limit, out),
         }
@@ -673,7 +677,10 @@ impl Arena {
         carved.or_else(|| {
             self.live
                 .values()
-                .find(|l| l.slot.is_none() && (l.block.addr..l.block.addr + l.block.capacity).contains(&addr))
+                .find(|l| {
+                    l.slot.is_none()
+                        && (l.block.addr..l.block.addr + l.block.capacity).contains(&addr)
+                })
                 .map(|l| l.block.addr)
         })
     }
@@ -726,12 +733,7 @@ impl Arena {
     /// Gives the oldest idle memory back while idle memory that may be resident (dirty free
     /// ranges, cached dedicated blocks) is above `limit`.
     fn hold_within(&mut self, limit: usize, out: &mut Released) {
-        let idle = self
-            .heaps
-            .iter()
-            .map(Heap::idle_resident)
-            .sum::<usize>()
-            + self.cached.bytes();
+        let idle = self.heaps.iter().map(Heap::idle_resident).sum::<usize>() + self.cached.bytes();
         if idle > limit {
             self.release_idle(0, idle - limit, Shortage::Memory, out);
         }
@@ -768,7 +770,12 @@ impl Arena {
     /// Records a dedicated block just created for a request, then evicts what the cache may no
     /// longer hold now that live bytes grew (see [`Self::budget`]). `false` when it could not be
     /// recorded (the caller releases it).
-    pub(crate) fn insert_created(&mut self, block: Block, limit: usize, out: &mut Released) -> bool {
+    pub(crate) fn insert_created(
+        &mut self,
+        block: Block,
+        limit: usize,
+        out: &mut Released,
+    ) -> bool {
         if !self.insert_dedicated(block) {
             return false;
         }
@@ -830,7 +837,13 @@ impl Arena {
     /// released (pinned ones: idle ten times as long), free ranges purged, then cached dedicated
     /// blocks — until `bytes` were given back or `out` is full; `Shortage::AddressSpace` counts
     /// only what unmaps (purging keeps the mapping). Returns the bytes given back.
-    fn release_idle(&mut self, age: u64, bytes: usize, want: Shortage, out: &mut Released) -> usize {
+    fn release_idle(
+        &mut self,
+        age: u64,
+        bytes: usize,
+        want: Shortage,
+        out: &mut Released,
+    ) -> usize {
         let now = self.now();
         let mut released = 0usize;
         for h in 0..self.heaps.len() {
@@ -855,7 +868,7 @@ impl Arena {
                 }
             }
         }
-        let cached_by = now.checked_sub(age).unwrap_or(0);
+        let cached_by = now.saturating_sub(age);
         while released < bytes && !out.blocks.is_full() && age != u64::MAX {
             let Some(old) = self.cached.pop_cached_by(cached_by) else {
                 break;
@@ -938,7 +951,12 @@ impl Arena {
     /// Gives back idle memory for a request that failed for want of `bytes`: free ranges and
     /// wholly free chunks whatever their age, then cached dedicated blocks. Returns the bytes
     /// given back (fewer when `out` filled up: call again after releasing it).
-    pub(crate) fn release_for(&mut self, bytes: usize, want: Shortage, out: &mut Released) -> usize {
+    pub(crate) fn release_for(
+        &mut self,
+        bytes: usize,
+        want: Shortage,
+        out: &mut Released,
+    ) -> usize {
         self.release_idle(0, bytes, want, out)
     }
 
@@ -953,11 +971,7 @@ impl Arena {
     /// Bytes that giving idle memory back could free now: resident free space and cached
     /// dedicated blocks.
     pub(crate) fn releasable(&self) -> usize {
-        let free: usize = self
-            .heaps
-            .iter()
-            .map(|h| h.carver.stats().free_bytes)
-            .sum();
+        let free: usize = self.heaps.iter().map(|h| h.carver.stats().free_bytes).sum();
         free + self.cached.bytes()
     }
 

@@ -79,7 +79,10 @@ fn freed_space_is_carved_again_at_any_size() {
     assert_eq!(small.addr, big.addr);
     let other = carve(&mut arena, 20 * MIB).block;
     assert_ne!(other.addr, small.addr);
-    assert!(arena.carve(HUGE, 10 * MIB, PAGE, None).unwrap().is_none(), "full");
+    assert!(
+        arena.carve(HUGE, 10 * MIB, PAGE, None).unwrap().is_none(),
+        "full"
+    );
     let stats = row(&arena);
     assert_eq!((stats.chunks, stats.live_blocks), (1, 2));
     assert_eq!(stats.live_bytes, 23 * MIB);
@@ -96,7 +99,11 @@ fn each_granule_is_populated_once_and_zeroed_only_when_dirty() {
     let again = carve(&mut arena, 3 * MIB);
     assert_eq!(again.block.addr, first.block.addr);
     assert_eq!(again.populate, None, "already resident");
-    assert_eq!(again.dirty.map(|s| s.len), Some(3 * MIB), "handed out before");
+    assert_eq!(
+        again.dirty.map(|s| s.len),
+        Some(3 * MIB),
+        "handed out before"
+    );
     assert_eq!(row(&arena).resident_bytes, 4 * MIB);
 }
 
@@ -121,7 +128,10 @@ fn idle_free_space_decays_and_is_populated_again_after() {
     assert_eq!(again.populate.map(|s| s.len), Some(8 * MIB));
     assert_eq!(again.dirty, None, "purged memory is zero");
     let stats = row(&arena);
-    assert_eq!((stats.purged_bytes, stats.resident_bytes), (8 * MIB as u64, 10 * MIB));
+    assert_eq!(
+        (stats.purged_bytes, stats.resident_bytes),
+        (8 * MIB as u64, 10 * MIB)
+    );
     let _ = keep;
 
     let mut arena = arena_with_chunk(HUGE, 32 * MIB);
@@ -147,7 +157,11 @@ fn a_wholly_free_chunk_is_released_by_trim_and_by_the_idle_limit() {
     let block = carve(&mut arena, 4 * MIB).block;
     let mut out = free(&mut arena, block.addr, 0);
     let purged: usize = out.purges.iter().map(|p| p.span.len).sum();
-    assert_eq!(purged, 4 * MIB, "nothing idle may stay resident above a zero limit");
+    assert_eq!(
+        purged,
+        4 * MIB,
+        "nothing idle may stay resident above a zero limit"
+    );
     assert_eq!(row(&arena).resident_bytes, 4 * MIB, "the live block's");
     arena.purged(out.purges.drain());
     let out = free(&mut arena, keep.addr, 0);
@@ -158,7 +172,9 @@ fn a_wholly_free_chunk_is_released_by_trim_and_by_the_idle_limit() {
 fn a_carved_block_grows_into_its_free_neighbour_and_shrinks_in_place() {
     let mut arena = arena_with_chunk(HUGE, 32 * MIB);
     let block = carve(&mut arena, 4 * MIB).block;
-    let populate = arena.resize_carved(block.addr, 10 * MIB).expect("room after it");
+    let populate = arena
+        .resize_carved(block.addr, 10 * MIB)
+        .expect("room after it");
     assert_eq!(populate.map(|s| s.len), Some(6 * MIB));
     assert_eq!(row(&arena).live_bytes, 10 * MIB);
     assert_eq!(arena.resize_carved(block.addr, 6 * MIB), Some(None));
@@ -185,8 +201,14 @@ fn a_freed_block_in_use_is_not_carved_again_before_its_work_completed() {
     arena.settle_pending(usize::MAX, &mut out);
     assert!(arena.carve(HUGE, 4 * MIB, PAGE, None).unwrap().is_none());
     assert!(arena.pending_fits(Fit::new(4 * MIB, 4 * MIB, PAGE, HUGE.kind)));
-    assert!(arena.trim(&mut out) && out.chunks.is_empty(), "trim skips it");
-    assert_eq!((row(&arena).pending_blocks, row(&arena).pending_bytes), (1, 8 * MIB));
+    assert!(
+        arena.trim(&mut out) && out.chunks.is_empty(),
+        "trim skips it"
+    );
+    assert_eq!(
+        (row(&arena).pending_blocks, row(&arena).pending_bytes),
+        (1, 8 * MIB)
+    );
     done.store(true, Ordering::Release);
     arena.settle_pending(usize::MAX, &mut out);
     assert_eq!(carve(&mut arena, 4 * MIB).block.addr, block.addr);
@@ -198,7 +220,12 @@ fn work_is_recorded_only_inside_a_live_block() {
     let block = carve(&mut arena, 4 * MIB).block;
     let dedicated = dedicated(0x7000_0000_0000, 4 * MIB, false);
     assert!(arena.insert_dedicated(dedicated));
-    for addr in [block.addr - 1, block.addr + 4 * MIB, 0, dedicated.addr + 4 * MIB] {
+    for addr in [
+        block.addr - 1,
+        block.addr + 4 * MIB,
+        0,
+        dedicated.addr + 4 * MIB,
+    ] {
         assert!(
             arena.record_in_flight(addr, Flag::unfinished().0).is_err(),
             "{addr:#x}"
@@ -224,7 +251,10 @@ fn a_forked_child_never_carves_page_locked_chunks() {
     assert!(arena.carve(pinned, 4 * MIB, PAGE, None).unwrap().is_none());
     let mut out = Released::default();
     assert!(arena.trim(&mut out));
-    assert!(out.chunks.is_empty(), "the parent's registration stays mapped");
+    assert!(
+        out.chunks.is_empty(),
+        "the parent's registration stays mapped"
+    );
 }
 
 fn dedicated(addr: usize, capacity: usize, pinned: bool) -> Block {
@@ -270,15 +300,28 @@ fn the_dedicated_cache_limit_evicts_oldest_first() {
         arena.note_created(&b);
         arena.cache(b, 1280 * MIB, &mut out);
     }
-    assert_eq!(released_blocks(&mut out), [dedicated(1 << 40, 640 * MIB, true)]);
+    assert_eq!(
+        released_blocks(&mut out),
+        [dedicated(1 << 40, 640 * MIB, true)]
+    );
     let stats = row(&arena);
-    assert_eq!((stats.cached_bytes, stats.pinned_bytes), (1280 * MIB, 1280 * MIB));
+    assert_eq!(
+        (stats.cached_bytes, stats.pinned_bytes),
+        (1280 * MIB, 1280 * MIB)
+    );
     let big = dedicated(4 << 40, 2000 * MIB, true);
     arena.note_created(&big);
     arena.cache(big, 1280 * MIB, &mut out);
     assert_eq!(released_blocks(&mut out), [big], "over the limit alone");
-    assert_eq!(arena.take_cached(fit(640 * MIB, true)).map(|b| b.addr), Some(3 << 40));
-    assert_eq!(arena.take_cached(fit(640 * MIB, false)), None, "another kind");
+    assert_eq!(
+        arena.take_cached(fit(640 * MIB, true)).map(|b| b.addr),
+        Some(3 << 40)
+    );
+    assert_eq!(
+        arena.take_cached(fit(640 * MIB, false)),
+        None,
+        "another kind"
+    );
 }
 
 #[test]
@@ -295,7 +338,10 @@ fn the_dedicated_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eig
             let live = arena.remove_live(old.addr).unwrap();
             arena.free(live, usize::MAX, &mut out);
         }
-        released += released_blocks(&mut out).iter().map(|b| b.capacity).sum::<usize>();
+        released += released_blocks(&mut out)
+            .iter()
+            .map(|b| b.capacity)
+            .sum::<usize>();
         let footprint = arena.live_bytes() + arena.cached.bytes();
         assert!(footprint <= arena.peak_in_use * 9 / 8, "{mib} MiB step");
     }
@@ -307,7 +353,10 @@ fn the_dedicated_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eig
 fn a_forked_child_releases_page_locked_dedicated_blocks() {
     let mut arena = arena_that_held(1 << 40);
     let mut out = Released::default();
-    let (pinned, plain) = (dedicated(1 << 40, 640 * MIB, true), dedicated(2 << 40, 640 * MIB, false));
+    let (pinned, plain) = (
+        dedicated(1 << 40, 640 * MIB, true),
+        dedicated(2 << 40, 640 * MIB, false),
+    );
     for b in [pinned, plain] {
         arena.note_created(&b);
         arena.cache(b, usize::MAX, &mut out);
@@ -341,12 +390,23 @@ fn live_blocks_are_counted_per_node_and_gpu() {
     let rows: Vec<_> = arena
         .gpus()
         .iter()
-        .map(|g| (g.ordinal, g.node, g.live_blocks, g.live_bytes, g.pinned_bytes))
+        .map(|g| {
+            (
+                g.ordinal,
+                g.node,
+                g.live_blocks,
+                g.live_bytes,
+                g.pinned_bytes,
+            )
+        })
         .collect();
     assert_eq!(rows, [(1, 1, 1, 4 * MIB, 0), (3, 1, 1, 4 * MIB, 4 * MIB)]);
     assert_eq!(arena.gpus()[1].peak_live_bytes, 8 * MIB);
     let stats = row(&arena);
-    assert_eq!((stats.live_bytes, stats.peak_live_bytes, stats.live_blocks), (12 * MIB, 16 * MIB, 3));
+    assert_eq!(
+        (stats.live_bytes, stats.peak_live_bytes, stats.live_blocks),
+        (12 * MIB, 16 * MIB, 3)
+    );
     arena.reset_peak();
     assert_eq!(arena.gpus()[1].peak_live_bytes, 4 * MIB);
 }
