@@ -9,6 +9,7 @@ use std::sync::Arc;
 use super::pending::double::Flag;
 use super::*;
 use crate::chunk::Mapping;
+use crate::stats::NodeStats;
 
 const PAGE: usize = 4096;
 const MIB: usize = 1 << 20;

@@ -1,0 +1,179 @@
+//! Idle memory goes back to the kernel: free ranges idle for the decay time are purged
+//! (`MADV_DONTNEED`, outside the lock), chunks wholly free as long are released (pinned ones
+//! after ten times as long), and the same at once for memory pressure and `trim()`.
+
+use super::{Arena, Purge, Released, Shortage, CHUNK_FIRST, PINNED_DECAY_FACTOR};
+use crate::chunk::Chunk;
+
+impl Arena {
+    /// Idle memory: free ranges not used for `decay_ms` are purged, chunks wholly free for as
+    /// long (pinned ones ten times as long) released. Looks at most four times per `decay_ms`;
+    /// stops when `out` is full.
+    pub(crate) fn decay(&mut self, decay_ms: u64, out: &mut Released) {
+        let now = self.now();
+        if now < self.next_decay {
+            return;
+        }
+        self.next_decay = now.saturating_add(decay_ms / 4);
+        self.release_idle(decay_ms, usize::MAX, Shortage::Memory, out);
+    }
+
+    /// Gives back memory idle for at least `age` milliseconds — chunks wholly free for as long
+    /// released (pinned ones: idle ten times as long), free ranges purged, then cached dedicated
+    /// blocks — until `bytes` were given back or `out` is full; `Shortage::AddressSpace` counts
+    /// only what unmaps (purging keeps the mapping). Returns the bytes given back.
+    pub(super) fn release_idle(
+        &mut self,
+        age: u64,
+        bytes: usize,
+        want: Shortage,
+        out: &mut Released,
+    ) -> usize {
+        let now = self.now();
+        let mut released = 0usize;
+        for h in 0..self.heaps.len() {
+            let pinned = self.heaps[h].key.kind.pinned;
+            // A forked child's pinned chunks are the parent's registrations: left alone.
+            if pinned && self.in_child {
+                continue;
+            }
+            let chunk_age = if pinned {
+                age.saturating_mul(PINNED_DECAY_FACTOR)
+            } else {
+                age
+            };
+            if let Some(since) = now.checked_sub(chunk_age) {
+                let left = bytes - released.min(bytes);
+                released += self.release_free_chunks(h, since, age == 0, left, out);
+            }
+            if let Some(since) = now.checked_sub(age).filter(|_| !pinned) {
+                let purged = self.purge_idle(h, since, bytes - released.min(bytes), out);
+                if want == Shortage::Memory {
+                    released += purged;
+                }
+            }
+        }
+        let cached_by = now.saturating_sub(age);
+        while released < bytes && !out.blocks.is_full() && age != u64::MAX {
+            let Some(old) = self.cached.pop_cached_by(cached_by) else {
+                break;
+            };
+            released += old.capacity;
+            self.evict(old, out);
+        }
+        released
+    }
+
+    /// Takes the chunks of heap `h` wholly free since `since` out, into `out`; reserved chunks
+    /// only when everything idle goes (`everything`: trim, memory pressure).
+    pub(super) fn release_free_chunks(
+        &mut self,
+        h: usize,
+        since: u64,
+        everything: bool,
+        bytes: usize,
+        out: &mut Released,
+    ) -> usize {
+        let mut released = 0;
+        let heap = &mut self.heaps[h];
+        while released < bytes && !out.chunks.is_full() {
+            let (carver, chunks) = (&heap.carver, &heap.chunks);
+            let idle = carver
+                .regions()
+                .map(|(region, _, _)| region)
+                .filter(|&region| {
+                    everything
+                        || !chunks
+                            .get(region as usize)
+                            .and_then(Option::as_ref)
+                            .is_some_and(Chunk::reserved)
+                })
+                .find(|&region| carver.wholly_free(region).is_some_and(|t| t <= since));
+            let Some(chunk) = idle
+                .and_then(|region| heap.carver.remove_region(region).map(|_| region))
+                .and_then(|region| heap.chunks.get_mut(region as usize)?.take())
+            else {
+                break;
+            };
+            released += chunk.len();
+            heap.next_chunk = (heap.next_chunk / 2).max(CHUNK_FIRST);
+            let _ = out.chunks.push(chunk);
+        }
+        released
+    }
+
+    /// Takes the free ranges of heap `h` idle since `since` out of its carver, and hands their
+    /// resident granules to `out` to purge.
+    pub(super) fn purge_idle(
+        &mut self,
+        h: usize,
+        since: u64,
+        bytes: usize,
+        out: &mut Released,
+    ) -> usize {
+        let mut released = 0;
+        let heap = &mut self.heaps[h];
+        while released < bytes && !out.purges.is_full() {
+            let Some(range) = heap.carver.take_idle(since) else {
+                break;
+            };
+            let span = heap
+                .chunk_mut(range.region)
+                .and_then(|chunk| chunk.plan_purge(range.addr, range.size));
+            match span {
+                Some(span) => {
+                    released += span.len;
+                    heap.purged += span.len as u64;
+                    let _ = out.purges.push(Purge {
+                        heap: h,
+                        range,
+                        span,
+                    });
+                }
+                // Nothing resident in it: back at once.
+                None => {
+                    let _ = heap.carver.give_back_clean(range.handle, range.addr);
+                }
+            }
+        }
+        released
+    }
+
+    /// Gives back idle memory for a request that failed for want of `bytes`: free ranges and
+    /// wholly free chunks whatever their age, then cached dedicated blocks. Returns the bytes
+    /// given back (fewer when `out` filled up: call again after releasing it).
+    pub(crate) fn release_for(
+        &mut self,
+        bytes: usize,
+        want: Shortage,
+        out: &mut Released,
+    ) -> usize {
+        self.release_idle(0, bytes, want, out)
+    }
+
+    /// Everything idle now, for `trim()`: completed pending blocks, free ranges, wholly free
+    /// chunks, cached dedicated blocks. `false` when `out` filled up before the end.
+    pub(crate) fn trim(&mut self, out: &mut Released) -> bool {
+        self.settle_pending(0, out);
+        self.release_idle(0, usize::MAX, Shortage::Memory, out);
+        !out.full()
+    }
+
+    /// Bytes that giving idle memory back could free now: resident free space and cached
+    /// dedicated blocks.
+    pub(crate) fn releasable(&self) -> usize {
+        let free: usize = self.heaps.iter().map(|h| h.carver.stats().free_bytes).sum();
+        free + self.cached.bytes()
+    }
+
+    /// Takes back ranges purged outside the lock: free again, and known to be zero.
+    pub(crate) fn purged(&mut self, purges: impl Iterator<Item = Purge>) {
+        for purge in purges {
+            if let Some(heap) = self.heaps.get_mut(purge.heap) {
+                let _ = heap
+                    .carver
+                    .give_back_clean(purge.range.handle, purge.range.addr);
+            }
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! Dedicated blocks: requests too large to carve get a mapping of their own, cached whole when
+//! freed and reused for a request of nearly their size, under a budget that follows the most
+//! that was in use at once.
+
+use super::{Arena, Block, Fit, Kind, Released, CLASSES_PER_DOUBLING};
+
+impl Arena {
+    /// Takes a cached dedicated block that fits (see [`CacheIndex::take`]).
+    pub(crate) fn take_cached(&mut self, fit: Fit) -> Option<Block> {
+        self.cached.take(fit)
+    }
+
+    /// Whether a cached dedicated block would serve this request.
+    pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
+        self.cached.holds(fit)
+    }
+
+    /// The live dedicated block at `addr` when it may grow by moving its pages (`mremap`) into a
+    /// block of `kind`: made with that kind, not page-locked (a registration is tied to the
+    /// address), and no GPU work recorded against it.
+    pub(crate) fn growable(&self, addr: usize, kind: Kind) -> Option<Block> {
+        self.live
+            .get(&addr)
+            .filter(|live| {
+                live.slot.is_none()
+                    && live.block.kind == kind
+                    && !live.block.kind.pinned
+                    && live.work.is_empty()
+            })
+            .map(|live| live.block)
+    }
+
+    /// Whether a pending block would have served this request (a miss deferred by GPU work).
+    pub(crate) fn pending_fits(&self, fit: Fit) -> bool {
+        self.pending.holds_fit(fit)
+    }
+
+    /// Records a dedicated block handed out to the user (room reserved first: `false` when none
+    /// could be had, and the block is not recorded).
+    pub(crate) fn insert_dedicated(&mut self, block: Block) -> bool {
+        if self.live.try_reserve(1).is_err() {
+            return false;
+        }
+        self.insert_live(block, None);
+        true
+    }
+
+    /// Caches a freed dedicated block, then evicts the oldest cached blocks while cached and
+    /// pending bytes exceed the budget (`limit`, and the live high-water mark, see
+    /// [`Self::budget`]). A block larger than the whole limit is evicted alone rather than
+    /// emptying the cache, and so is a page-locked block in a forked child. Pending blocks are
+    /// never evicted: GPU work may still use them.
+    pub(crate) fn cache(&mut self, block: Block, limit: usize, out: &mut Released) {
+        if block.capacity > limit || (block.kind.pinned && self.in_child) {
+            self.evict(block, out);
+            return;
+        }
+        if let Err(block) = self.cached.insert(block, self.now()) {
+            self.evict(block, out);
+            return;
+        }
+        self.evict_beyond(limit, out);
+    }
+
+    /// Hands a dedicated block out for release. When `out` is full (only after many evictions
+    /// in one operation) it stays cached beyond the budget, for a later operation to evict; when
+    /// even that finds no room it is left mapped and forgotten rather than tracked wrongly.
+    pub(super) fn evict(&mut self, block: Block, out: &mut Released) {
+        self.forget_pinned(&block);
+        if let Err(block) = out.blocks.push(block) {
+            self.note_created(&block);
+            let _ = self.cached.insert(block, self.now());
+        }
+    }
+
+    /// Records a dedicated block just created for a request, then evicts what the cache may no
+    /// longer hold now that live bytes grew (see [`Self::budget`]). `false` when it could not be
+    /// recorded (the caller releases it).
+    pub(crate) fn insert_created(
+        &mut self,
+        block: Block,
+        limit: usize,
+        out: &mut Released,
+    ) -> bool {
+        if !self.insert_dedicated(block) {
+            return false;
+        }
+        self.note_created(&block);
+        self.evict_beyond(limit, out);
+        true
+    }
+
+    /// Caches a dedicated block made ahead of the requests that will want it (`reserve`). A
+    /// reservation says how much will be in use at once, so it raises the high-water mark the
+    /// budget follows (see [`Self::budget`]) to everything held now plus the block; only `limit`
+    /// can evict it.
+    pub(crate) fn insert_reserved(&mut self, block: Block, limit: usize, out: &mut Released) {
+        self.note_created(&block);
+        let held = self.live_bytes() + self.pending.bytes() + self.cached.bytes() + block.capacity;
+        self.peak_in_use = self.peak_in_use.max(held);
+        self.cache(block, limit, out);
+    }
+
+    /// Pinned dedicated bytes include live, pending and cached blocks.
+    pub(super) fn note_created(&mut self, block: &Block) {
+        if block.kind.pinned {
+            self.pinned_dedicated += block.capacity;
+        }
+    }
+
+    /// Bytes the dedicated cache and the pending list may hold: at most `limit`, and no more than
+    /// keeps live, pending and cached bytes within 1/8 above the most that was live and pending
+    /// at once. Reuse never needs more (what was in use at once fits).
+    pub(super) fn budget(&self, limit: usize) -> usize {
+        let peak = self.peak_in_use;
+        let roof = peak.saturating_add(peak / CLASSES_PER_DOUBLING as usize);
+        limit.min(roof.saturating_sub(self.live_bytes()))
+    }
+
+    pub(super) fn evict_beyond(&mut self, limit: usize, out: &mut Released) {
+        let budget = self.budget(limit);
+        while self.cached.bytes() + self.pending.bytes() > budget && !out.blocks.is_full() {
+            let Some(old) = self.cached.pop_oldest() else {
+                break;
+            };
+            self.evict(old, out);
+        }
+    }
+
+    pub(super) fn forget_pinned(&mut self, block: &Block) {
+        if block.kind.pinned {
+            self.pinned_dedicated = self.pinned_dedicated.saturating_sub(block.capacity);
+        }
+    }
+}

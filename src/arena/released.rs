@@ -1,0 +1,90 @@
+//! What an arena operation leaves to do outside the lock, in fixed-size arrays: a free fills
+//! them without allocating.
+
+use super::carve::Range;
+use super::Block;
+use crate::chunk::{Chunk, ChunkRelease, Span};
+
+/// What an arena operation leaves for the caller to do outside the lock: dedicated blocks to
+/// release, chunks to release, idle ranges to purge (then [`Arena::purged`]). Fixed-size, so that
+/// a free fills it without allocating; an operation that finds it full leaves the rest for later.
+#[derive(Default)]
+pub(crate) struct Released {
+    pub(crate) blocks: Bounded<Block, 8>,
+    pub(crate) chunks: Bounded<Chunk, 4>,
+    pub(crate) purges: Bounded<Purge, 16>,
+}
+
+impl Released {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty() && self.chunks.is_empty() && self.purges.is_empty()
+    }
+
+    pub(super) fn full(&self) -> bool {
+        self.blocks.is_full() || self.chunks.is_full() || self.purges.is_full()
+    }
+}
+
+/// An idle free range taken out of its carver while the caller purges `span` of it.
+#[derive(Debug)]
+pub(crate) struct Purge {
+    pub(super) heap: usize,
+    pub(super) range: Range,
+    pub(crate) span: Span,
+}
+
+/// At most `N` values, on the stack.
+pub(crate) struct Bounded<T, const N: usize> {
+    items: [Option<T>; N],
+    len: usize,
+}
+
+impl<T, const N: usize> Default for Bounded<T, N> {
+    fn default() -> Self {
+        Bounded {
+            items: [const { None }; N],
+            len: 0,
+        }
+    }
+}
+
+impl<T, const N: usize> Bounded<T, N> {
+    /// Adds `item`; gives it back when full.
+    pub(crate) fn push(&mut self, item: T) -> Result<(), T> {
+        match self.items.get_mut(self.len) {
+            Some(slot) => {
+                *slot = Some(item);
+                self.len += 1;
+                Ok(())
+            }
+            None => Err(item),
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(super) fn is_full(&self) -> bool {
+        self.len == N
+    }
+
+    /// The items, in the order pushed.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> + '_ {
+        self.items[..self.len].iter().flatten()
+    }
+
+    /// Takes every item out, in the order pushed.
+    pub(crate) fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        let len = std::mem::take(&mut self.len);
+        self.items[..len].iter_mut().filter_map(Option::take)
+    }
+}
+
+/// What releasing the chunks of `out` did (for the caller's counters).
+pub(crate) fn release_chunks(out: &mut Released, mut counted: impl FnMut(ChunkRelease)) {
+    for chunk in out.chunks.drain() {
+        counted(chunk.release());
+    }
+}
