@@ -565,7 +565,7 @@ fn main() -> ExitCode {
 fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 5 });
     let started = Instant::now();
-    let date = table::utc_now();
+    let date = machine::utc_now();
     println!("{}", table::header(runs, args.quick, &date));
     let mut results = Vec::new();
     for workload in &args.workloads {
@@ -595,3 +595,5 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
 
 #[path = "common/churn_table.rs"]
 mod table;
+#[path = "common/machine.rs"]
+mod machine;

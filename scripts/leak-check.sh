@@ -28,7 +28,9 @@ binary() {
 
 # target source | test-binary arguments (filters, skips)
 runs=(
-    "unittests src/lib.rs|"
+    # The carver's property test is thousands of sequences of bookkeeping that maps nothing:
+    # minutes under valgrind for no leak it could show.
+    "unittests src/lib.rs|--skip arena::carve::fuzz"
     "tests/allocator_api.rs|"
     "tests/global_allocator.rs|"
     "tests/env_config.rs|"

@@ -181,6 +181,13 @@ impl<A> NumaGpuAlloc<A> {
         self
     }
 
+    /// Whether a thread gives idle memory back while the program allocates nothing large
+    /// (default on; see the README on decay).
+    pub const fn decay_thread(mut self, on: bool) -> Self {
+        self.config.decay_thread = on;
+        self
+    }
+
     /// Idle bytes (free space of chunks that may be resident, cached dedicated blocks) a node's
     /// arena keeps before the oldest are given back at once (default 4 GiB).
     pub const fn cache_limit(mut self, bytes: usize) -> Self {

@@ -132,7 +132,12 @@ impl Runtime {
             .arena(node)
             .map(|mut arena| arena.add_chunk(key, chunk));
         match added {
-            Some(Ok(())) => Some(()),
+            Some(Ok(())) => {
+                if self.config.decay_thread {
+                    crate::decay_thread::ensure_running(self.config.decay_ms);
+                }
+                Some(())
+            }
             Some(Err(chunk)) => {
                 self.count_release(chunk.release());
                 None

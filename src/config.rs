@@ -140,6 +140,8 @@ pub struct Config {
     pub reserve: Reserve,
     /// Milliseconds after which idle free memory is given back to the kernel (`u64::MAX`: never).
     pub decay_ms: u64,
+    /// A thread that gives idle memory back while the program allocates nothing large.
+    pub decay_thread: bool,
 }
 
 impl Config {
@@ -160,6 +162,7 @@ impl Config {
         stats_at_exit: StatsAtExit::Off,
         reserve: Reserve::NONE,
         decay_ms: DEFAULT_DECAY_MS,
+        decay_thread: true,
     };
 
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
@@ -191,6 +194,7 @@ impl Config {
             Setting::StatsAtExit(format) => self.stats_at_exit = format,
             Setting::Reserve(reserve) => self.reserve = reserve,
             Setting::DecayMs(ms) => self.decay_ms = ms,
+            Setting::DecayThread(on) => self.decay_thread = on,
         }
     }
 }
@@ -212,6 +216,7 @@ pub(crate) enum Setting {
     StatsAtExit(StatsAtExit),
     Reserve(Reserve),
     DecayMs(u64),
+    DecayThread(bool),
 }
 
 /// A `NUMA_GPU_ALLOC`-style string, parsed: the accepted entries in order (a later one of the
@@ -288,12 +293,13 @@ fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
         "stats" => Setting::StatsAtExit(parse_stats(value)?),
         "reserve" => Setting::Reserve(parse_reserve(value)?),
         "decay" => Setting::DecayMs(parse_decay(value)?),
+        "decay_thread" => Setting::DecayThread(parse_switch(key, value)?),
         _ => {
             return Err(config_error(
                 key,
                 value,
                 "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                 readonly, threads, stats, reserve, decay",
+                 readonly, threads, stats, reserve, decay, decay_thread",
             ))
         }
     })

@@ -30,6 +30,7 @@ mod carved;
 mod cgroup;
 mod chunk;
 mod config;
+mod decay_thread;
 mod guard;
 mod lock;
 mod pinning;

@@ -94,6 +94,7 @@ pub(crate) fn in_child() -> bool {
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
     IN_CHILD.store(true, Ordering::Relaxed);
+    crate::decay_thread::forget_in_child();
     let _inside = Inside::enter();
     for arena in NODES.arenas().rev() {
         // SAFETY: `prepare` took this arena lock before the fork, and the child has no other

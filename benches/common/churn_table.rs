@@ -3,54 +3,11 @@
 
 use serde_json::{json, Value};
 
+use super::machine::{machine, utc_now};
 use super::{med, Peer, Sample, Scale, Workload};
 
 /// Ours/glibc wall time over glibc's, on every workload.
 const GLIBC_TARGET: f64 = 0.8;
-
-/// The CPU model, CPU count and memory of this machine.
-fn machine() -> String {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
-        .map_or("unknown CPU", |(_, m)| m.trim());
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kib: f64 = meminfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("MemTotal:")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0.0);
-    format!("{model}, {cpus} CPUs, {:.1} GiB", kib / (1 << 20) as f64)
-}
-
-/// Now, `YYYY-MM-DD HH:MM:SS UTC` (days to a civil date: Howard Hinnant's `civil_from_days`).
-pub fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs()) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
-}
 
 pub fn header(runs: usize, quick: bool, date: &str) -> String {
     format!(

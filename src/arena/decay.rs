@@ -139,6 +139,19 @@ impl Arena {
         released
     }
 
+    /// Takes the free ranges of unpinned chunks idle for at least `age` milliseconds out, into
+    /// `out`, to purge (the decay thread: chunks and cached blocks stay).
+    pub(crate) fn purge_idle_ranges(&mut self, age: u64, out: &mut Released) {
+        let Some(since) = self.now().checked_sub(age) else {
+            return;
+        };
+        for h in 0..self.heaps.len() {
+            if !self.heaps[h].key.kind.pinned {
+                self.purge_idle(h, since, usize::MAX, out);
+            }
+        }
+    }
+
     /// Gives back idle memory for a request that failed for want of `bytes`: free ranges and
     /// wholly free chunks whatever their age, then cached dedicated blocks. Returns the bytes
     /// given back (fewer when `out` filled up: call again after releasing it).
