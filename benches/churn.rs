@@ -593,7 +593,7 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
     Ok(())
 }
 
-#[path = "common/churn_table.rs"]
-mod table;
 #[path = "common/machine.rs"]
 mod machine;
+#[path = "common/churn_table.rs"]
+mod table;

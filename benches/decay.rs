@@ -8,10 +8,10 @@
 //! 8 MiB buffers, then builds and drops maps of small strings, and prints its resident memory
 //! (`VmRSS`) when the large buffers were freed and at fixed times into the small phase.
 
-#[path = "../examples/support/peers.rs"]
-mod peers;
 #[path = "common/machine.rs"]
 mod machine;
+#[path = "../examples/support/peers.rs"]
+mod peers;
 
 use std::alloc::System;
 use std::collections::BTreeMap;
@@ -93,7 +93,11 @@ fn main() {
         return child();
     }
     // `cargo test --benches` runs it once.
-    let runs = if std::env::args().any(|a| a == "--bench") { 5 } else { 1 };
+    let runs = if std::env::args().any(|a| a == "--bench") {
+        5
+    } else {
+        1
+    };
     println!(
         "decay: resident MiB after 256 MiB of 8 MiB buffers were freed, then into a phase of \
          small objects only (median of {runs}; {}, {})",

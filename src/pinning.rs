@@ -73,11 +73,7 @@ impl Runtime {
     /// What the blocks made for `target` are made with (see [`Kind`]); under `pin=strict`, why
     /// none can be made when they could not be page-locked.
     pub(crate) fn kind(&self, target: &Resolved) -> Result<Kind, Error> {
-        // Tests inject a registration failure where no GPU could register (fault-injection).
-        let injected =
-            cfg!(feature = "fault-injection") && crate::sys::fault::register_fault_pending();
-        let pinned =
-            self.config.pin != PinMode::Off && (target.gpu.is_some_and(Gpu::usable) || injected);
+        let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
         if self.config.pin == PinMode::Strict && !pinned {
             // Resolved with a usable GPU, a target loses it only to a fork.
             return Err(target.unpinnable.unwrap_or(Unpinnable::Forked).error());

@@ -762,11 +762,10 @@ pub mod fault {
         Populate,
         /// The `move_pages` of [`page_nodes`](super::page_nodes) (first batch).
         MovePages,
-        /// The CUDA registration (`cuMemHostRegister_v2`) of a new block. The injected value is
-        /// the `CUresult` code. It is checked where a block would be registered, even when no GPU
-        /// is present, so that `pin=on` can be tested without one (not checked with `pin=off`,
-        /// which never registers, nor reached by `pin=strict` without a GPU, which refuses the
-        /// request before mapping: test its registration failures against the driver simulator).
+        /// The CUDA registration (`cuMemHostRegister_v2`) of a chunk or a dedicated block. The
+        /// injected value is the `CUresult` code. A chunk meets it where it would be registered
+        /// (a GPU targeted, pinning on); a dedicated block wherever pinning is on, even without
+        /// a GPU (not checked with `pin=off`, which never registers).
         Register,
     }
 
@@ -799,12 +798,6 @@ pub mod fault {
     /// How many calls at `point` will still fail (`u32::MAX`: until cleared).
     pub fn remaining(point: FaultPoint) -> u32 {
         slot(point).load(Ordering::SeqCst) as u32
-    }
-
-    /// Whether a registration fault is pending: blocks are then made to be registered even
-    /// where no GPU is, so that the fault is met.
-    pub(crate) fn register_fault_pending() -> bool {
-        remaining(FaultPoint::Register) > 0
     }
 
     static IGNORE_IN_FLIGHT: AtomicBool = AtomicBool::new(false);
@@ -860,11 +853,6 @@ pub(crate) mod fault {
 
     #[inline(always)]
     pub(crate) fn in_flight_ignored() -> bool {
-        false
-    }
-
-    #[inline(always)]
-    pub(crate) fn register_fault_pending() -> bool {
         false
     }
 }

@@ -43,4 +43,3 @@ pub fn utc_now() -> String {
         rem % 60
     )
 }
-

@@ -96,7 +96,12 @@ impl Arena {
                 break;
             };
             released += chunk.len();
-            heap.next_chunk = (heap.next_chunk / 2).max(CHUNK_FIRST);
+            // Growth starts over when the heap is empty again.
+            heap.next_chunk = if heap.carver.regions().next().is_none() {
+                CHUNK_FIRST
+            } else {
+                (heap.next_chunk / 2).max(CHUNK_FIRST)
+            };
             let _ = out.chunks.push(chunk);
         }
         released
