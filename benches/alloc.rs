@@ -1,4 +1,4 @@
-//! Allocator benchmarks against named peers, measured side by side in one run (issue 6).
+//! Allocator benchmarks against named peers, measured side by side in one run.
 //!
 //! `cargo bench --bench alloc` runs every group; `python3 scripts/bench-table.py` then turns
 //! criterion's estimates (and the computed rounding figure written next to them) into the
@@ -21,10 +21,9 @@
 //!   time, as for the small path (a 2-core machine has fewer cores than threads).
 //! - `rounding_waste` (computed, not timed): bytes reserved / bytes requested for 1000
 //!   log-uniform sizes in 2 MiB..512 MiB — ours (from `stats()`) vs power-of-two rounding.
-//! - `cache_index_misses` (timed outside criterion, medians written to `rows.json`): 2,000 cache
-//!   misses of 100 KiB on an allocator with 70,000 cached 8 KiB blocks vs one with an empty
-//!   cache (`threshold=4KiB`); each repetition builds its allocators afresh, since misses held
-//!   and freed would turn into hits.
+//! - `carver_free_ranges` (timed outside criterion, medians written to `rows.json`): 2,000
+//!   blocks of 100 KiB in an arena beside 70,000 free 8 KiB ranges none of them fits, vs an
+//!   empty arena (`threshold=4KiB`); each repetition builds its arena afresh.
 //!
 //! libnuma is opened at run time with `dlopen("libnuma.so.1")`, so nothing links it; without it
 //! the libnuma peers are skipped (and say so).
@@ -503,7 +502,7 @@ fn arena_contention(c: &mut Criterion) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 7. Cache index: misses next to many cached blocks.
+// 7. The carver: requests beside many free ranges that cannot serve them.
 
 /// The median of `values` (not empty).
 fn median(values: &mut [f64]) -> f64 {
@@ -511,59 +510,69 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
-/// Milliseconds to allocate `count` blocks of `size` bytes, each a cache miss, on an allocator
-/// holding `cached` freed 8 KiB blocks. The blocks are held until the allocator is dropped.
-fn time_misses(cached: usize, count: usize, size: usize) -> f64 {
-    // The cache limit keeps every block; a first 1 GiB block lifts the allocator's live high-water
-    // mark, so that the cache policy never evicts during the timed misses either.
-    let alloc = NumaGpuAlloc::new().threshold(4 * KIB).cache_limit(4 * GIB);
+/// Milliseconds to allocate `count` blocks of `size` bytes in an arena holding `free_ranges`
+/// free 8 KiB ranges (every other of twice as many 8 KiB blocks freed, so that none merge),
+/// none of which can serve them.
+fn time_beside_free_ranges(free_ranges: usize, count: usize, size: usize) -> f64 {
+    let alloc = NumaGpuAlloc::new()
+        .threshold(4 * KIB)
+        .decay_ms(u64::MAX)
+        .cache_limit(4 * GIB);
+    alloc.trim();
     let free = |ptr: *mut u8, len: usize| {
         // SAFETY: allocated below from `alloc` with `layout(len)`.
         unsafe { alloc.dealloc(ptr, layout(len)) }
     };
-    // SAFETY: non-zero layout.
-    free(unsafe { alloc.alloc(layout(GIB)) }, GIB);
-    alloc.trim();
     // SAFETY: non-zero layouts.
-    let small: Vec<*mut u8> = (0..cached)
-        .map(|_| unsafe { alloc.alloc(layout(8 * KIB)) })
+    let small: Vec<*mut u8> = (0..2 * free_ranges)
+        .map(|_| unsafe { alloc.alloc(page_layout(8 * KIB)) })
         .collect();
     assert!(small.iter().all(|p| !p.is_null()), "8 KiB blocks");
-    small.into_iter().for_each(|p| free(p, 8 * KIB));
-    assert_eq!(alloc.stats().cached_bytes(), cached * 8 * KIB);
+    small.iter().step_by(2).for_each(|&p| free(p, 8 * KIB));
+    let ranges: usize = alloc.stats().nodes.iter().map(|n| n.cached_blocks).sum();
+    assert!(ranges >= free_ranges, "{ranges} free ranges");
     let start = Instant::now();
     // SAFETY: non-zero layouts.
     let held: Vec<*mut u8> = (0..count)
         .map(|_| unsafe { alloc.alloc(layout(size)) })
         .collect();
     let elapsed = start.elapsed();
-    assert!(held.iter().all(|p| !p.is_null()), "misses");
-    assert_eq!(alloc.stats().cache_misses as usize, cached + count + 1);
+    assert!(
+        held.iter().all(|p| !p.is_null()),
+        "blocks beside the free ranges"
+    );
+    held.into_iter().for_each(|p| free(p, size));
+    small
+        .iter()
+        .skip(1)
+        .step_by(2)
+        .for_each(|&p| free(p, 8 * KIB));
+    alloc.trim();
     elapsed.as_secs_f64() * 1e3
 }
 
-fn cache_index_misses(repetitions: usize) {
-    const CACHED: usize = 70_000;
-    const MISSES: usize = 2_000;
+fn carver_free_ranges(repetitions: usize) {
+    const FREE_RANGES: usize = 70_000;
+    const BLOCKS: usize = 2_000;
     const SIZE: usize = 100 * KIB;
     let (mut full, mut empty) = (Vec::new(), Vec::new());
     for _ in 0..repetitions {
-        full.push(time_misses(CACHED, MISSES, SIZE));
-        empty.push(time_misses(0, MISSES, SIZE));
+        full.push(time_beside_free_ranges(FREE_RANGES, BLOCKS, SIZE));
+        empty.push(time_beside_free_ranges(0, BLOCKS, SIZE));
     }
     let (full, empty) = (median(&mut full), median(&mut empty));
     println!(
-        "cache_index_misses: {MISSES} misses of 100 KiB, median of {repetitions}: {full:.1} ms \
-         with {CACHED} cached 8 KiB blocks, {empty:.1} ms with an empty cache: {:.3}x (target \
+        "carver_free_ranges: {BLOCKS} blocks of 100 KiB, median of {repetitions}: {full:.1} ms \
+         beside {FREE_RANGES} free 8 KiB ranges, {empty:.1} ms in an empty arena: {:.3}x (target \
          <= 1.2x)",
         full / empty
     );
     rows::write(
-        "cache_index_misses",
+        "carver_free_ranges",
         &[rows::row(
-            "2,000 cache misses of 100 KiB (threshold 4 KiB) with 70,000 cached 8 KiB blocks",
+            "2,000 blocks of 100 KiB (threshold 4 KiB) beside 70,000 free 8 KiB ranges",
             full,
-            "empty cache",
+            "empty arena",
             empty,
             "ms",
             Some(1.2),
@@ -633,8 +642,8 @@ fn main() {
     if selected("rounding_waste") {
         rounding_waste(if bench_mode { 1000 } else { 16 });
     }
-    if selected("cache_index_misses") {
-        cache_index_misses(if bench_mode { 9 } else { 1 });
+    if selected("carver_free_ranges") {
+        carver_free_ranges(if bench_mode { 9 } else { 1 });
     }
     c.final_summary();
 }

@@ -2,7 +2,7 @@
 //! objects are allocated for a few seconds. The small path never enters this crate, so only the
 //! decay thread can give the large buffers' free space back meanwhile.
 //!
-//! `cargo bench --bench decay` runs each allocator as the `#[global_allocator]` of a child
+//! `cargo bench --bench decay` (`-- --quick`: one run each) runs each allocator as the `#[global_allocator]` of a child
 //! process (this binary again, `DECAY_BENCH_ALLOCATOR=...`): ours with the decay thread, ours
 //! without it (`decay_thread=off`), mimalloc and glibc. Each child fills and frees 256 MiB of
 //! 8 MiB buffers, then builds and drops maps of small strings, and prints its resident memory
@@ -92,12 +92,10 @@ fn main() {
     if std::env::var_os(GLOBAL.var()).is_some() {
         return child();
     }
-    // `cargo test --benches` runs it once.
-    let runs = if std::env::args().any(|a| a == "--bench") {
-        5
-    } else {
-        1
-    };
+    // `cargo test --benches` and `-- --quick` run it once.
+    let args: Vec<String> = std::env::args().collect();
+    let full = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--quick");
+    let runs = if full { 5 } else { 1 };
     println!(
         "decay: resident MiB after 256 MiB of 8 MiB buffers were freed, then into a phase of \
          small objects only (median of {runs}; {}, {})",

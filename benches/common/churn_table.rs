@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::machine::{machine, utc_now};
+use super::machine::machine;
 use super::{med, Peer, Sample, Scale, Workload};
 
 /// Ours/glibc wall time over glibc's, on every workload.
