@@ -40,7 +40,52 @@ impl Runtime {
         kind: Kind,
     ) -> Option<Block> {
         let mut made = false;
-        let block = self.carve_counting(size, align, zeroed, target, kind, &mut made);
+        let block = (|| {
+            let key = HeapKey {
+                kind,
+                huge: self.config.huge_pages && size >= HUGE_PAGE,
+            };
+            // Another thread may carve the new chunk first: then make another, twice at most.
+            for _ in 0..3 {
+                let mut out = Released::default();
+                let carving = {
+                    let mut arena = self.arena(target.host_node)?;
+                    arena.settle_pending(self.config.cache_limit, &mut out);
+                    arena.decay(self.config.decay_ms, &mut out);
+                    let carving = arena.carve(key, size, align, target.ordinal);
+                    if matches!(carving, Ok(None)) {
+                        let fit = Fit::new(size, size, align, kind);
+                        if arena.pending_fits(fit) {
+                            self.counters.reuse_deferred.incr();
+                        }
+                    }
+                    carving
+                };
+                self.finish(target.host_node, &mut out);
+                match carving {
+                    Ok(Some(carving)) => return self.prepare(carving, zeroed, target),
+                    Err(()) => return None,
+                    Ok(None) => {
+                        let need = size + align.saturating_sub(self.page_size);
+                        let chunk = self.new_chunk(key, need, target).ok()?;
+                        let key = HeapKey {
+                            kind: Kind {
+                                pinned: chunk.pinned(),
+                                ..key.kind
+                            },
+                            ..key
+                        };
+                        made = true;
+                        if key.kind != kind {
+                            // Registration failed under `pin=on`: this request is served unpinned.
+                            return self.carve_from(chunk, key, size, align, zeroed, target);
+                        }
+                        self.add_chunk(target.host_node, key, chunk)?;
+                    }
+                }
+            }
+            None
+        })();
         // A hit: carved from chunks there were; anything else (a new chunk, a failure) a miss.
         let counter = if block.is_some() && !made {
             &self.counters.cache_hits
@@ -49,62 +94,6 @@ impl Runtime {
         };
         counter.incr();
         block
-    }
-
-    /// [`Self::carve`]; `made` tells whether a chunk was made for the request.
-    fn carve_counting(
-        &self,
-        size: usize,
-        align: usize,
-        zeroed: bool,
-        target: &Resolved,
-        kind: Kind,
-        made: &mut bool,
-    ) -> Option<Block> {
-        let key = HeapKey {
-            kind,
-            huge: self.config.huge_pages && size >= HUGE_PAGE,
-        };
-        // Another thread may carve the new chunk's room first: then make another, twice at most.
-        for _ in 0..3 {
-            let mut out = Released::default();
-            let carving = {
-                let mut arena = self.arena(target.host_node)?;
-                arena.settle_pending(self.config.cache_limit, &mut out);
-                arena.decay(self.config.decay_ms, &mut out);
-                let carving = arena.carve(key, size, align, target.ordinal);
-                if matches!(carving, Ok(None)) {
-                    let fit = Fit::new(size, size, align, kind);
-                    if arena.pending_fits(fit) {
-                        self.counters.reuse_deferred.incr();
-                    }
-                }
-                carving
-            };
-            self.finish(target.host_node, &mut out);
-            match carving {
-                Ok(Some(carving)) => return self.prepare(carving, zeroed, target),
-                Err(()) => return None,
-                Ok(None) => {
-                    let need = size + align.saturating_sub(self.page_size);
-                    let chunk = self.new_chunk(key, need, target).ok()?;
-                    let key = HeapKey {
-                        kind: Kind {
-                            pinned: chunk.pinned(),
-                            ..key.kind
-                        },
-                        ..key
-                    };
-                    *made = true;
-                    if key.kind != kind {
-                        // Registration failed under `pin=on`: this request is served unpinned.
-                        return self.carve_from(chunk, key, size, align, zeroed, target);
-                    }
-                    self.add_chunk(target.host_node, key, chunk)?;
-                }
-            }
-        }
-        None
     }
 
     /// Adds `chunk` to `node`'s arena, then carves from the chunks of `key` (for a chunk whose
