@@ -21,6 +21,7 @@ use crate::config::PinMode;
 use crate::lock::Guard;
 use crate::runtime::{Resolved, Runtime};
 use crate::sys::{self, NodeMask};
+use crate::sysfs;
 use crate::Error;
 
 /// Whether a request of `size` bytes at `align` is carved (else it gets a mapping of its own).
@@ -143,6 +144,12 @@ impl Runtime {
             dirty,
         } = carving;
         if let Some(span) = populate {
+            // A node running low (a cpuset confined to it, say) gets its idle memory back first:
+            // the kernel cannot reclaim it, and the OOM killer would come before a failure.
+            let root = std::path::Path::new(self.config.sysfs_root);
+            if span.len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
+                self.give_back_for(block.node, span.len, Shortage::Memory);
+            }
             let mut populated = self.populate_span(span, &target.nodes);
             if let Err(e) = &populated {
                 // Idle memory of the node may make room (the block itself is live: it stays).

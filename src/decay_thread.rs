@@ -13,21 +13,19 @@
 //! operation), and `madvise`s outside it; a forked child has no such thread until its own first
 //! chunk.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::arena::{Released, NODES};
 use crate::chunk;
 use crate::guard::Inside;
-use crate::sysfs::read_text;
+use crate::sysfs::node_memory_low;
 
 /// Whether the thread runs (or is being started) in this process.
 static RUNNING: AtomicBool = AtomicBool::new(false);
 /// The shortest decay time of the allocator values that started or found it (milliseconds).
 static DECAY_MS: AtomicU64 = AtomicU64::new(u64::MAX);
-
-/// A node whose free memory is below this share of its total has all its idle memory purged.
-const LOW_MEMORY_SHARE: u64 = 16;
 
 /// Starts the thread unless it runs, for a value whose idle memory decays after `decay_ms`.
 /// Called inside the re-entrancy guard (starting a thread allocates).
@@ -64,7 +62,8 @@ fn run() {
             let node = {
                 let mut arena = arena.lock();
                 let node = arena.node();
-                let age = if node_low_on_memory(node) { 0 } else { decay };
+                let low = node_memory_low(Path::new("/sys"), node);
+                let age = if low { 0 } else { decay };
                 arena.purge_idle_ranges(age, &mut out);
                 node
             };
@@ -79,22 +78,5 @@ fn run() {
                 arena.lock().purged(out.purges.drain());
             }
         }
-    }
-}
-
-/// Whether `node`'s free memory is below 1/16 of its total (the kernel's per-node counters).
-fn node_low_on_memory(node: usize) -> bool {
-    let path = format!("/sys/devices/system/node/node{node}/meminfo");
-    let Ok(text) = read_text(std::path::Path::new(&path)) else {
-        return false;
-    };
-    let kib = |key: &str| {
-        text.lines()
-            .find_map(|line| line.split_once(key).map(|(_, rest)| rest))
-            .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
-    };
-    match (kib("MemFree:"), kib("MemTotal:")) {
-        (Some(free), Some(total)) => free < total / LOW_MEMORY_SHARE,
-        _ => false,
     }
 }
