@@ -697,3 +697,51 @@ sim_test!(
         assert_eq!(stats.fallbacks.unpinned_blocks, 0, "{stats}");
     }
 );
+
+sim_test!(
+    /// The simulator refuses, as the driver does, a copy whose host range spans two
+    /// registrations: the double that shows the next test's blocks never do.
+    the_simulator_refuses_a_copy_spanning_two_registrations,
+    env: [],
+    {
+        let (ctx, stream) = stream();
+        ctx.bind_to_thread().expect("a current context");
+        let host: &'static mut [u8] = Box::leak(vec![7u8; 2 * MIB].into_boxed_slice());
+        let half = MIB;
+        let sim = Sim::get();
+        assert_eq!(sim.register(host.as_mut_ptr(), half), 0);
+        // SAFETY: inside the leaked buffer.
+        assert_eq!(sim.register(unsafe { host.as_mut_ptr().add(half) }, half), 0);
+        let mut dev = stream.alloc_zeros::<u8>(2 * MIB).expect("alloc_zeros");
+        assert!(stream.memcpy_htod(&host[..half], &mut dev).is_ok(), "inside one");
+        let spanning = stream.memcpy_htod(&host[half - 4096..half + 4096], &mut dev);
+        assert!(spanning.is_err(), "a copy across two registrations must fail");
+    }
+);
+
+sim_test!(
+    /// Pinned blocks of many sizes, carved from several chunks: every block's copy lies inside
+    /// one chunk's registration (the simulator fails one that spans two).
+    pinned_blocks_never_straddle_registrations,
+    env: [],
+    {
+        let alloc = NumaGpuAlloc::new().pin(PinMode::On);
+        let (_ctx, stream) = stream();
+        let mut dev = stream.alloc_zeros::<u8>(15 * MIB).expect("alloc_zeros");
+        let mut live = Vec::new();
+        for step in 0..60usize {
+            let len = (1 + step % 15) * MIB - 4096 * (step % 7);
+            let buf = PinnedBuf::from_slice(&alloc, &pattern(len, step as u8)).expect("PinnedBuf");
+            stream
+                .memcpy_htod(&buf, &mut dev.slice_mut(..len))
+                .unwrap_or_else(|e| panic!("block {step} of {len} bytes: {e:?}"));
+            live.push(buf);
+            if step % 3 == 0 {
+                live.swap_remove(step % live.len());
+            }
+        }
+        let stats = alloc.stats();
+        assert!(stats.registrations >= 2, "several chunks: {stats}");
+        stream.synchronize().expect("synchronize");
+    }
+);

@@ -167,6 +167,17 @@ impl Sim {
         }
     }
 
+    /// `cuMemHostRegister_v2(ptr, len, PORTABLE)` on the simulator, with a context current on
+    /// this thread; the `CUresult`.
+    pub fn register(&self, ptr: *mut u8, len: usize) -> u32 {
+        type RegisterFn = unsafe extern "C" fn(*mut std::ffi::c_void, usize, u32) -> u32;
+        // SAFETY: `CUresult cuMemHostRegister_v2(void *, size_t, unsigned)`; the simulator only
+        // records the range.
+        unsafe {
+            (self.lib.get::<RegisterFn>(b"cuMemHostRegister_v2").unwrap())(ptr.cast(), len, 1)
+        }
+    }
+
     /// Makes the call `name` fail with `code` after `skip` good calls, `count` times.
     pub fn fail(&self, name: &str, code: u32, skip: u32, count: u32) {
         let name = std::ffi::CString::new(name).unwrap();

@@ -23,6 +23,8 @@
  *   - cuSimHold(1) keeps page-locked copies queued until cuSimHold(0), so that tests decide when
  *     a DMA completes; unregistering or freeing page-locked memory that a queued copy still uses
  *     aborts the process, as it would corrupt memory with a real driver.
+ *   - A copy whose host range spans two registrations (or registered and unregistered memory)
+ *     fails with CUDA_ERROR_INVALID_VALUE, as the driver's does.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
  *
@@ -271,6 +273,19 @@ static int pinned_locked(const void *p, size_t len) {
     return 0;
 }
 
+/* Whether `p`..`p+len` touches page-locked memory without lying inside one registered range:
+ * it spans two registrations, or registered and unregistered memory. The driver refuses such a
+ * copy with CUDA_ERROR_INVALID_VALUE (the documentation of cuMemcpy*). */
+static int straddles_locked(const void *p, size_t len) {
+    uintptr_t a = (uintptr_t)p;
+    int overlaps = 0;
+    for (int i = 0; i < range_count; i++) {
+        if (a >= ranges[i].base && a + len <= ranges[i].base + ranges[i].len) return 0;
+        if (a < ranges[i].base + ranges[i].len && ranges[i].base < a + len) overlaps++;
+    }
+    return overlaps > 0;
+}
+
 /* Simulated duration of a copy, and its place on the virtual timeline. */
 static void account_copy_locked(struct sim_stream *s, size_t len, int engine, int pinned) {
     double duration = (double)len / (pinned ? PINNED_BYTES_PER_US : PAGEABLE_BYTES_PER_US);
@@ -296,6 +311,10 @@ static CUresult copy(void *dst, const void *src, size_t len, const void *host, i
     if (len == 0) return SUCCESS;
     if (!dst || !src) return INVALID_VALUE;
     pthread_mutex_lock(&lock);
+    if (host && straddles_locked(host, len)) {
+        pthread_mutex_unlock(&lock);
+        return INVALID_VALUE;
+    }
     struct sim_stream *s = stream_of(h);
     int is_async = host == NULL || pinned_locked(host, len);
     account_copy_locked(s, len, engine, is_async);
