@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use crate::arena::{
     release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, Released, Shortage, CHUNK_ALIGN,
-    CHUNK_MAX,
+    CHUNK_MAX, NODES,
 };
 use crate::block::{shortage, HUGE_PAGE};
 use crate::chunk::{self, Chunk, Mapping, Span};
@@ -42,7 +42,7 @@ impl Runtime {
     ) -> Option<Block> {
         let mut made = false;
         let block = (|| {
-            let key = HeapKey {
+            let mut key = HeapKey {
                 kind,
                 huge: self.config.huge_pages && size >= HUGE_PAGE,
             };
@@ -51,9 +51,15 @@ impl Runtime {
                 let mut out = Released::default();
                 let carving = {
                     let mut arena = self.arena(target.host_node)?;
+                    if key.kind.pinned && arena.registration_failed_lately() {
+                        // `pin=on` after a failed registration: unpinned chunks for a while,
+                        // rather than mapping and populating one to try again at each request.
+                        key.kind = Kind::unpinned(key.kind.policy);
+                    }
                     arena.settle_pending(self.config.cache_limit, &mut out);
-                    arena.decay(self.config.decay_ms, &mut out);
                     let carving = arena.carve(key, size, align, target.ordinal);
+                    // After carving: idle ranges taken out to purge must not be the room needed.
+                    arena.decay(self.config.decay_ms, &mut out);
                     if matches!(carving, Ok(None)) {
                         let fit = Fit::new(size, size, align, kind);
                         if arena.pending_fits(fit) {
@@ -69,17 +75,14 @@ impl Runtime {
                     Ok(None) => {
                         let need = size + align.saturating_sub(self.page_size);
                         let chunk = self.new_chunk(key, need, target).ok()?;
-                        let key = HeapKey {
-                            kind: Kind {
-                                pinned: chunk.pinned(),
-                                ..key.kind
-                            },
-                            ..key
-                        };
                         made = true;
-                        if key.kind != kind {
-                            // Registration failed under `pin=on`: this request is served unpinned.
-                            return self.carve_from(chunk, key, size, align, zeroed, target);
+                        if key.kind.pinned && !chunk.pinned() {
+                            // Registration failed under `pin=on`: served unpinned (the next
+                            // round carves from the unpinned chunks).
+                            key.kind = Kind::unpinned(key.kind.policy);
+                            if let Some(mut arena) = self.arena(target.host_node) {
+                                arena.registration_failed();
+                            }
                         }
                         self.add_chunk(target.host_node, key, chunk)?;
                     }
@@ -95,25 +98,6 @@ impl Runtime {
         };
         counter.incr();
         block
-    }
-
-    /// Adds `chunk` to `node`'s arena, then carves from the chunks of `key` (for a chunk whose
-    /// kind is not the one asked for).
-    fn carve_from(
-        &self,
-        chunk: Chunk,
-        key: HeapKey,
-        size: usize,
-        align: usize,
-        zeroed: bool,
-        target: &Resolved,
-    ) -> Option<Block> {
-        self.add_chunk(target.host_node, key, chunk)?;
-        let carving = self
-            .arena(target.host_node)?
-            .carve(key, size, align, target.ordinal)
-            .ok()??;
-        self.prepare(carving, zeroed, target)
     }
 
     /// Adds a chunk made for `key` to `node`'s arena (releasing it when that fails).
@@ -161,7 +145,7 @@ impl Runtime {
             if let Err(e) = populated {
                 self.counters.record_block_failure(&e);
                 if let Some(mut arena) = self.arena(block.node) {
-                    arena.populate_failed(block, span);
+                    arena.populate_failed(block);
                 }
                 return None;
             }
@@ -185,7 +169,7 @@ impl Runtime {
         }
         // Not a failed request: the caller moves the block instead.
         if let Some(mut arena) = self.arena(node) {
-            arena.grow_failed(old, span);
+            arena.grow_failed(old);
         }
         false
     }
@@ -320,10 +304,7 @@ impl Runtime {
     /// Populates and checks a whole chunk (before it is registered, or for a reservation).
     pub(crate) fn populate_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
         if let Some(span) = chunk.plan_populate(chunk.base(), chunk.len()) {
-            if let Err(e) = self.populate_span(span, &target.nodes) {
-                chunk.populate_failed(span);
-                return Err(e);
-            }
+            self.populate_span(span, &target.nodes)?;
         }
         Ok(())
     }
@@ -364,15 +345,8 @@ impl Runtime {
             unsafe { self.release_block(block) };
         }
         release_chunks(out, |released| self.count_release(released));
-        if out.purges.is_empty() {
-            return;
-        }
-        for purge in out.purges.iter() {
-            // SAFETY: the arena took each range out of its carver for this: unused, unpinned.
-            let _ = unsafe { chunk::purge(purge.span) };
-        }
-        if let Some(mut arena) = self.arena(node) {
-            arena.purged(out.purges.drain());
+        if let Some(arena) = NODES.existing(node) {
+            out.purge_into(arena);
         }
     }
 

@@ -37,6 +37,16 @@ impl Span {
     pub(crate) fn ptr(self) -> Option<NonNull<u8>> {
         NonNull::new(self.addr as *mut u8)
     }
+
+    /// The part of the span inside `addr..addr+len`, if any.
+    fn clip(self, addr: usize, len: usize) -> Option<Span> {
+        let start = self.addr.max(addr);
+        let end = (self.addr + self.len).min(addr.saturating_add(len));
+        (start < end).then_some(Span {
+            addr: start,
+            len: end - start,
+        })
+    }
 }
 
 /// An anonymous mapping; unmapped on drop.
@@ -258,8 +268,15 @@ impl Chunk {
         }
     }
 
-    /// Marks the granules of `addr..addr+len` resident and returns the span the caller must
-    /// populate now (from the first to the last granule that was not), if any.
+    /// Marks the granules of `addr..addr+len` resident and returns the part of that range the
+    /// caller must populate now (from the first to the last granule that was not), if any.
+    /// Clipped to the range: a granule shared with a neighbour is populated only in the
+    /// caller's part (the rest faults in on first touch; in a huge-page chunk the kernel makes
+    /// the whole huge page resident anyway), so that populating never writes to memory another
+    /// block may use (the touch fallback of old kernels writes a zero per page).
+    ///
+    /// A populate that fails leaves the granules marked: "resident" only ever means "may be
+    /// resident", which is what zeroing and purging must assume.
     pub(crate) fn plan_populate(&mut self, addr: usize, len: usize) -> Option<Span> {
         let (first, last) = self.touched(addr, len)?;
         let mut todo: Option<(usize, usize)> = None;
@@ -270,19 +287,26 @@ impl Chunk {
                 todo = Some(todo.map_or((g, g), |(f, _)| (f, g)));
             }
         }
-        todo.map(|(f, l)| self.span(f, l))
+        todo.and_then(|(f, l)| self.span(f, l).clip(addr, len))
     }
 
-    /// Undoes [`Self::plan_populate`] for `span` after populating it failed.
-    pub(crate) fn populate_failed(&mut self, span: Span) {
+    /// Marks the granules of `span` resident and dirty again (a purge of it failed).
+    pub(crate) fn purge_failed(&mut self, span: Span) {
         if let Some((first, last)) = self.touched(span.addr, span.len) {
             for g in first..=last {
-                if self.populated.get(g) {
-                    self.populated.set(g, false);
-                    self.resident = self.resident.saturating_sub(1 << self.granule_shift);
+                if !self.populated.get(g) {
+                    self.populated.set(g, true);
+                    self.resident += 1 << self.granule_shift;
                 }
+                self.dirty.set(g, true);
             }
         }
+    }
+
+    /// Whether any granule that `addr..addr+len` touches may be resident.
+    pub(crate) fn any_resident(&self, addr: usize, len: usize) -> bool {
+        self.touched(addr, len)
+            .is_some_and(|(first, last)| (first..=last).any(|g| self.populated.get(g)))
     }
 
     /// Hands `addr..addr+len` out: marks it dirty, and returns the part that may not be zero
@@ -296,18 +320,13 @@ impl Chunk {
             }
             self.dirty.set(g, true);
         }
-        let span = dirty.map(|(f, l)| self.span(f, l))?;
-        let start = span.addr.max(addr);
-        let end = (span.addr + span.len).min(addr + len);
-        (start < end).then_some(Span {
-            addr: start,
-            len: end - start,
-        })
+        dirty.and_then(|(f, l)| self.span(f, l).clip(addr, len))
     }
 
     /// Marks the whole granules inside the free range `addr..addr+len` as neither resident nor
-    /// dirty and returns the span the caller must purge (`MADV_DONTNEED`), if any was resident.
-    /// Never for a pinned chunk (registered pages cannot be dropped).
+    /// dirty and returns the span the caller must purge (`MADV_DONTNEED`): every one of them that
+    /// may be resident or hold data. Never for a pinned chunk (registered pages cannot be
+    /// dropped).
     pub(crate) fn plan_purge(&mut self, addr: usize, len: usize) -> Option<Span> {
         if self.pinned() {
             return None;
@@ -326,11 +345,14 @@ impl Chunk {
         let (first, last) = (start >> self.granule_shift, (end - 1) >> self.granule_shift);
         let mut resident: Option<(usize, usize)> = None;
         for g in first..=last {
-            if self.populated.get(g) {
-                self.populated.set(g, false);
-                self.resident = self.resident.saturating_sub(granule);
+            if self.populated.get(g) || self.dirty.get(g) {
                 resident = Some(resident.map_or((g, g), |(f, _)| (f, g)));
             }
+            if self.populated.get(g) {
+                self.resident = self.resident.saturating_sub(granule);
+            }
+            // Every such granule lies in the span returned: cleared only as it is purged.
+            self.populated.set(g, false);
             self.dirty.set(g, false);
         }
         resident.map(|(f, l)| self.span(f, l))
@@ -395,15 +417,15 @@ mod tests {
     }
 
     #[test]
-    fn each_granule_is_populated_once() {
+    fn each_granule_is_populated_once_in_the_callers_range() {
         let mut c = chunk(8 * MIB, 2 * MIB);
         let base = c.base();
-        // 3 MiB at 1 MiB touches granules 0 and 1.
+        // 3 MiB at 1 MiB touches granules 0 and 1: populated in the range only.
         assert_eq!(
             c.plan_populate(base + MIB, 3 * MIB),
             Some(Span {
-                addr: base,
-                len: 4 * MIB
+                addr: base + MIB,
+                len: 3 * MIB
             })
         );
         assert_eq!(c.resident(), 4 * MIB);
@@ -416,14 +438,11 @@ mod tests {
             c.plan_populate(base + 3 * MIB, 2 * MIB),
             Some(Span {
                 addr: base + 4 * MIB,
-                len: 2 * MIB
+                len: MIB
             })
         );
-        c.populate_failed(Span {
-            addr: base + 4 * MIB,
-            len: 2 * MIB,
-        });
-        assert_eq!(c.resident(), 4 * MIB);
+        assert!(c.any_resident(base + 5 * MIB, 100));
+        assert!(!c.any_resident(base + 6 * MIB, MIB));
     }
 
     #[test]

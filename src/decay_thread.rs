@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::arena::{Released, NODES};
-use crate::chunk;
 use crate::guard::Inside;
+use crate::sys::MAX_NODES;
 use crate::sysfs::node_memory_low;
 
 /// Whether the thread runs (or is being started) in this process.
@@ -57,26 +57,19 @@ fn run() {
     loop {
         let decay = DECAY_MS.load(Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis((decay / 2).clamp(10, 1000)));
-        for arena in NODES.arenas() {
-            let mut out = Released::default();
-            let node = {
-                let mut arena = arena.lock();
-                let node = arena.node();
-                let low = node_memory_low(Path::new("/sys"), node);
-                let age = if low { 0 } else { decay };
-                arena.purge_idle_ranges(age, &mut out);
-                node
-            };
-            if out.purges.is_empty() {
+        for node in 0..MAX_NODES {
+            let Some(arena) = NODES.existing(node) else {
                 continue;
-            }
-            for purge in out.purges.iter() {
-                // SAFETY: the arena took each range out of its carver for this: unused, unpinned.
-                let _ = unsafe { chunk::purge(purge.span) };
-            }
-            if let Some(arena) = NODES.existing(node) {
-                arena.lock().purged(out.purges.drain());
-            }
+            };
+            // Read before locking: the arena's users do not wait for a file.
+            let age = if node_memory_low(Path::new("/sys"), node) {
+                0
+            } else {
+                decay
+            };
+            let mut out = Released::default();
+            arena.lock().purge_idle_ranges(age, &mut out);
+            out.purge_into(arena);
         }
     }
 }

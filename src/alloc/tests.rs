@@ -324,3 +324,66 @@ fn pin_strict_never_takes_an_unpinned_cached_block() {
     );
     assert_eq!(stats.cached_bytes(), cached, "the unpinned chunks stay");
 }
+
+/// A failed populate, then a trim: a later zeroed request still gets zeros.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn zeroed_memory_is_zero_after_a_failed_populate() {
+    use crate::sys::fault;
+    let _serial = serial();
+    let alloc = allocator().decay_ms(u64::MAX).decay_thread(false);
+    let l = |mib: usize| layout(mib << 20);
+    let [pad, x, gap, keep] = [2, 4, 20, 2].map(|mib| alloc.allocate(l(mib), false));
+    // SAFETY: x is live and 4 MiB long; the others are freed with their layouts, once.
+    unsafe {
+        x.write_bytes(0xAA, 4 << 20);
+        alloc.deallocate(gap, l(20));
+        alloc.deallocate(pad, l(2));
+        alloc.trim();
+        alloc.deallocate(x, l(4));
+    }
+    fault::inject(fault::FaultPoint::Populate, libc::ENOMEM, 2);
+    let failed = alloc.allocate(l(8), true);
+    fault::clear();
+    alloc.trim();
+    let z = alloc.allocate(l(8), true);
+    // SAFETY: z is live and 8 MiB long.
+    let nonzero = unsafe { std::slice::from_raw_parts(z, 8 << 20) }
+        .iter()
+        .filter(|&&b| b != 0)
+        .count();
+    // SAFETY: live blocks of these layouts, freed once.
+    unsafe {
+        if !failed.is_null() {
+            alloc.deallocate(failed, l(8));
+        }
+        alloc.deallocate(z, l(8));
+        alloc.deallocate(keep, l(2));
+    }
+    assert_eq!(nonzero, 0, "a zeroed block held old data");
+}
+
+/// Idle free space is looked at after carving: the range that fits is not held out to purge
+/// while a new chunk is mapped beside it.
+#[test]
+fn decay_never_holds_out_the_room_a_request_needs() {
+    let _serial = serial();
+    let alloc = allocator().decay_ms(20).decay_thread(false);
+    let chunks = || -> usize { alloc.stats().nodes.iter().map(|n| n.chunks).sum() };
+    let [a, k] = [24, 8].map(|mib| alloc.allocate(layout(mib << 20), false));
+    let before = chunks();
+    // SAFETY: live with this layout, freed once.
+    unsafe { alloc.deallocate(a, layout(24 << 20)) };
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    let b = alloc.allocate(layout(24 << 20), false);
+    let after = chunks();
+    // SAFETY: live blocks of these layouts, freed once.
+    unsafe {
+        alloc.deallocate(b, layout(24 << 20));
+        alloc.deallocate(k, layout(8 << 20));
+    }
+    assert_eq!(
+        before, after,
+        "a chunk was mapped although the idle range fits"
+    );
+}

@@ -58,19 +58,17 @@ impl Arena {
         }))
     }
 
-    /// Undoes a carving whose populate failed: its granules are marked not resident again and
-    /// the block goes back, unused.
-    pub(crate) fn populate_failed(&mut self, block: Block, span: Span) {
+    /// Takes back a carved block whose populate failed, unused (its granules stay marked as
+    /// may-be-resident: populating may have got some of them in).
+    pub(crate) fn populate_failed(&mut self, block: Block) {
         let Some(live) = self.remove_live(block.addr) else {
             return;
         };
         if let Some(slot) = live.slot {
-            let heap = &mut self.heaps[slot.heap];
-            if let Some(range) = heap.carver.free(slot.handle, block.addr, 0) {
-                if let Some(chunk) = heap.chunk_mut(range.region) {
-                    chunk.populate_failed(span);
-                }
-            }
+            let now = self.now();
+            let _ = self.heaps[slot.heap]
+                .carver
+                .free(slot.handle, block.addr, now);
         }
     }
 
@@ -128,6 +126,8 @@ impl Arena {
         if self.pinned_cache_stale {
             self.pinned_cache_stale = false;
             let mut kept = CacheIndex::default();
+            // Room for all of them; short of it, `out` takes what does not fit.
+            let _ = kept.reserve(self.cached.len() + self.live_dedicated + self.pending.len());
             while let Some(block) = self.cached.pop_oldest() {
                 let block = if block.kind.pinned {
                     self.forget_pinned(&block);
@@ -165,9 +165,18 @@ impl Arena {
     ) {
         match slot {
             Some(slot) => {
-                let _ = self.heaps[slot.heap]
+                let heap = &mut self.heaps[slot.heap];
+                let reserved = heap
                     .carver
-                    .free(slot.handle, block.addr, now);
+                    .used_containing(block.addr)
+                    .and_then(|range| heap.chunk_mut(range.region))
+                    .is_some_and(|chunk| chunk.reserved());
+                // A reserved chunk's free space is not idle: out of the decay's sight.
+                let _ = if reserved {
+                    heap.carver.give_back_clean(slot.handle, block.addr)
+                } else {
+                    heap.carver.free(slot.handle, block.addr, now)
+                };
             }
             None => self.cache(block, limit, out),
         }
@@ -189,9 +198,11 @@ impl Arena {
     /// Gives the oldest idle memory back while idle memory that may be resident (dirty free
     /// ranges, cached dedicated blocks) is above `limit`.
     pub(super) fn hold_within(&mut self, limit: usize, out: &mut Released) {
-        let idle = self.heaps.iter().map(Heap::idle_resident).sum::<usize>() + self.cached.bytes();
+        // Pinned chunks' free space cannot be purged: it does not count (it decays whole).
+        let unpinned = self.heaps.iter().filter(|h| !h.key.kind.pinned);
+        let idle = unpinned.map(Heap::idle_resident).sum::<usize>() + self.cached.bytes();
         if idle > limit {
-            self.release_idle(0, idle - limit, Shortage::Memory, out);
+            self.release_idle(0, idle - limit, Shortage::Memory, false, out);
         }
     }
 
@@ -200,6 +211,14 @@ impl Arena {
     /// with the span to populate (growth into granules never resident); `None`: not carved, or
     /// no room (nothing changed).
     pub(crate) fn resize_carved(&mut self, addr: usize, new_size: usize) -> Option<Option<Span>> {
+        let live = self.live.get_mut(&addr)?;
+        // A tail GPU work may still use must not be carved again: such a block moves instead.
+        if new_size < live.block.capacity && !live.work.is_empty() {
+            if !settle(&mut live.work) {
+                return None;
+            }
+            self.live_with_work = self.live_with_work.saturating_sub(1);
+        }
         let live = self.live.get(&addr)?;
         let (slot, old) = (live.slot?, live.block);
         let now = self.now();
@@ -242,18 +261,8 @@ impl Arena {
         Some(populate)
     }
 
-    /// Undoes a growth in place whose populate failed: the block is `old` again, and the
-    /// granules of `span` are marked not resident.
-    pub(crate) fn grow_failed(&mut self, old: Block, span: Span) {
+    /// Undoes a growth in place whose populate failed: the block is `old` again.
+    pub(crate) fn grow_failed(&mut self, old: Block) {
         let _ = self.resize_carved(old.addr, old.capacity);
-        let slot = self.live.get(&old.addr).and_then(|live| live.slot);
-        if let Some(slot) = slot {
-            let heap = &mut self.heaps[slot.heap];
-            if let Some(range) = heap.carver.used_containing(old.addr) {
-                if let Some(chunk) = heap.chunk_mut(range.region) {
-                    chunk.populate_failed(span);
-                }
-            }
-        }
     }
 }

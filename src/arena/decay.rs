@@ -2,6 +2,7 @@
 //! (`MADV_DONTNEED`, outside the lock), chunks wholly free as long are released (pinned ones
 //! after ten times as long), and the same at once for memory pressure and `trim()`.
 
+use super::carve::Range;
 use super::{Arena, Purge, Released, Shortage, CHUNK_FIRST, PINNED_DECAY_FACTOR};
 use crate::chunk::Chunk;
 
@@ -15,18 +16,20 @@ impl Arena {
             return;
         }
         self.next_decay = now.saturating_add(decay_ms / 4);
-        self.release_idle(decay_ms, usize::MAX, Shortage::Memory, out);
+        self.release_idle(decay_ms, usize::MAX, Shortage::Memory, false, out);
     }
 
     /// Gives back memory idle for at least `age` milliseconds — chunks wholly free for as long
     /// released (pinned ones: idle ten times as long), free ranges purged, then cached dedicated
     /// blocks — until `bytes` were given back or `out` is full; `Shortage::AddressSpace` counts
-    /// only what unmaps (purging keeps the mapping). Returns the bytes given back.
+    /// only what unmaps (purging keeps the mapping). Reserved chunks go only with `everything`
+    /// (trim, memory pressure). Returns the bytes given back.
     pub(super) fn release_idle(
         &mut self,
         age: u64,
         bytes: usize,
         want: Shortage,
+        everything: bool,
         out: &mut Released,
     ) -> usize {
         let now = self.now();
@@ -44,7 +47,7 @@ impl Arena {
             };
             if let Some(since) = now.checked_sub(chunk_age) {
                 let left = bytes - released.min(bytes);
-                released += self.release_free_chunks(h, since, age == 0, left, out);
+                released += self.release_free_chunks(h, since, everything, left, out);
             }
             if let Some(since) = now.checked_sub(age).filter(|_| !pinned) {
                 let purged = self.purge_idle(h, since, bytes - released.min(bytes), out);
@@ -166,14 +169,14 @@ impl Arena {
         want: Shortage,
         out: &mut Released,
     ) -> usize {
-        self.release_idle(0, bytes, want, out)
+        self.release_idle(0, bytes, want, true, out)
     }
 
     /// Everything idle now, for `trim()`: completed pending blocks, free ranges, wholly free
     /// chunks, cached dedicated blocks. `false` when `out` filled up before the end.
     pub(crate) fn trim(&mut self, out: &mut Released) -> bool {
         self.settle_pending(0, out);
-        self.release_idle(0, usize::MAX, Shortage::Memory, out);
+        self.release_idle(0, usize::MAX, Shortage::Memory, true, out);
         !out.full()
     }
 
@@ -185,13 +188,34 @@ impl Arena {
     }
 
     /// Takes back ranges purged outside the lock: free again, and known to be zero.
-    pub(crate) fn purged(&mut self, purges: impl Iterator<Item = Purge>) {
-        for purge in purges {
-            if let Some(heap) = self.heaps.get_mut(purge.heap) {
-                let _ = heap
-                    .carver
-                    .give_back_clean(purge.range.handle, purge.range.addr);
-            }
+    ///
+    /// Each comes with whether its purge worked: one that failed (`MADV_DONTNEED` refuses locked
+    /// memory) keeps its data, so it goes back dirty and resident. A range still touching a
+    /// resident granule (one shared with a neighbour, purged with neither) goes back dirty too,
+    /// so that a later merge purges it.
+    pub(crate) fn purged(&mut self, purges: impl Iterator<Item = (Purge, bool)>) {
+        let now = self.now();
+        for (purge, done) in purges {
+            let Some(heap) = self.heaps.get_mut(purge.heap) else {
+                continue;
+            };
+            let Range {
+                addr,
+                size,
+                region,
+                handle,
+            } = purge.range;
+            let resident = heap.chunk_mut(region).is_some_and(|chunk| {
+                if !done {
+                    chunk.purge_failed(purge.span);
+                }
+                chunk.any_resident(addr, size)
+            });
+            let _ = if resident {
+                heap.carver.free(handle, addr, now)
+            } else {
+                heap.carver.give_back_clean(handle, addr)
+            };
         }
     }
 }

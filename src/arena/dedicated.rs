@@ -38,7 +38,10 @@ impl Arena {
     /// Records a dedicated block handed out to the user (room reserved first: `false` when none
     /// could be had, and the block is not recorded).
     pub(crate) fn insert_dedicated(&mut self, block: Block) -> bool {
-        if self.live.try_reserve(1).is_err() {
+        // Room in the cache for every dedicated block out (this one too, and those pending): a
+        // free must not allocate.
+        let out = self.live_dedicated + self.pending.len() + 1;
+        if self.live.try_reserve(1).is_err() || !self.cached.reserve(out) {
             return false;
         }
         self.insert_live(block, None);
@@ -95,6 +98,8 @@ impl Arena {
     /// budget follows (see [`Self::budget`]) to everything held now plus the block; only `limit`
     /// can evict it.
     pub(crate) fn insert_reserved(&mut self, block: Block, limit: usize, out: &mut Released) {
+        // No room to be had: `cache` hands it out for release instead.
+        let _ = self.cached.reserve(1);
         self.note_created(&block);
         let held = self.live_bytes() + self.pending.bytes() + self.cached.bytes() + block.capacity;
         self.peak_in_use = self.peak_in_use.max(held);

@@ -18,10 +18,16 @@ pub(crate) struct CacheIndex {
 }
 
 impl CacheIndex {
-    /// Adds a block freed at `now` as the newest; gives it back when there is no room and none
-    /// can be had (the inner allocator is exhausted): the caller releases it instead.
+    /// Makes room for `more` blocks beyond those cached now (for the live dedicated blocks,
+    /// whose frees must not allocate); false when none can be had.
+    pub(crate) fn reserve(&mut self, more: usize) -> bool {
+        self.blocks.try_reserve(more).is_ok()
+    }
+
+    /// Adds a block freed at `now` as the newest, within the room reserved for it; gives it back
+    /// when there is none (the caller releases it instead). Never allocates.
     pub(crate) fn insert(&mut self, block: Block, now: u64) -> Result<(), Block> {
-        if self.blocks.len() == self.blocks.capacity() && self.blocks.try_reserve(4).is_err() {
+        if self.blocks.len() == self.blocks.capacity() {
             return Err(block);
         }
         self.blocks.push((self.next_seq, now, block));
@@ -113,6 +119,7 @@ mod tests {
     #[test]
     fn takes_the_newest_of_the_smallest_fitting_capacity() {
         let mut index = CacheIndex::default();
+        assert!(index.reserve(3));
         for (addr, mib) in [(0x100_0000, 4), (0x200_0000, 4), (0x300_0000, 3)] {
             index.insert(block(addr, mib * MIB), 0).unwrap();
         }
@@ -135,6 +142,7 @@ mod tests {
     #[test]
     fn a_misaligned_block_is_skipped() {
         let mut index = CacheIndex::default();
+        assert!(index.reserve(2));
         index.insert(block(0x10_1000, 4 * MIB), 0).unwrap();
         index.insert(block(0x40_0000, 5 * MIB), 0).unwrap();
         let fits = fit(4 * MIB, 5 * MIB, 2 * MIB);
@@ -145,6 +153,9 @@ mod tests {
     #[test]
     fn eviction_goes_oldest_first_across_capacities() {
         let mut index = CacheIndex::default();
+        assert!(index.reserve(4));
+        assert!(index.insert(block(0x9000, MIB), 0).is_ok());
+        assert_eq!(index.pop_oldest().map(|b| b.addr), Some(0x9000));
         for (addr, mib) in [(0x1000, 4), (0x2000, 2), (0x3000, 4)] {
             index.insert(block(addr, mib * MIB), 0).unwrap();
         }

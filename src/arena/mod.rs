@@ -54,6 +54,9 @@ pub(crate) const CHUNK_ALIGN: usize = 2 << 20;
 /// pages (`mremap`) rather than by copying (a `Vec` growing to 256 MiB: 0.49× mimalloc's time,
 /// where carving every size up to 512 MiB took 1.02×).
 pub(crate) const DEDICATED_MIN: usize = 64 << 20;
+/// After a chunk's registration failed under `pin=on`, requests for page-locked blocks are served
+/// unpinned for this long (milliseconds) before registering is tried again.
+const REGISTRATION_RETRY_MS: u64 = 1000;
 /// Wholly free pinned chunks decay this many times more slowly than unpinned memory: making one
 /// again costs a populate and a registration.
 const PINNED_DECAY_FACTOR: u64 = 10;
@@ -82,15 +85,22 @@ pub(crate) struct Kind {
     pub(crate) read_only: bool,
 }
 
-impl Default for Kind {
-    /// An unpinned block under the default policy.
-    fn default() -> Self {
+impl Kind {
+    /// An unpinned block under `policy`.
+    pub(crate) const fn unpinned(policy: MemPolicy) -> Kind {
         Kind {
-            policy: MemPolicy::Preferred,
+            policy,
             pinned: false,
             devicemap: false,
             read_only: false,
         }
+    }
+}
+
+impl Default for Kind {
+    /// An unpinned block under the default policy.
+    fn default() -> Self {
+        Kind::unpinned(MemPolicy::Preferred)
     }
 }
 
@@ -254,6 +264,8 @@ pub(crate) struct Arena {
     live: HashMap<usize, Live, BuildHasherDefault<AddrHasher>>,
     /// Live blocks with GPU work recorded: the pending list keeps room for each.
     live_with_work: usize,
+    /// Live dedicated blocks: the dedicated cache keeps room for each.
+    live_dedicated: usize,
     heaps: Vec<Heap>,
     cached: CacheIndex,
     pending: PendingList,
@@ -272,6 +284,8 @@ pub(crate) struct Arena {
     pinned_cache_stale: bool,
     /// When idle memory is looked at next (arena milliseconds).
     next_decay: u64,
+    /// When a chunk's registration last failed (arena milliseconds).
+    registration_failed_at: Option<u64>,
 }
 
 impl Arena {
@@ -283,6 +297,7 @@ impl Arena {
             epoch: Instant::now(),
             live: HashMap::default(),
             live_with_work: 0,
+            live_dedicated: 0,
             heaps: Vec::new(),
             cached: CacheIndex::default(),
             pending: PendingList::default(),
@@ -294,12 +309,24 @@ impl Arena {
             in_child: false,
             pinned_cache_stale: false,
             next_decay: 0,
+            registration_failed_at: None,
         }
     }
 
     /// The node whose blocks this arena holds.
     pub(crate) fn node(&self) -> usize {
         self.node
+    }
+
+    /// Records that a chunk's registration failed (under `pin=on`).
+    pub(crate) fn registration_failed(&mut self) {
+        self.registration_failed_at = Some(self.now());
+    }
+
+    /// Whether a chunk's registration failed within the last [`REGISTRATION_RETRY_MS`].
+    pub(crate) fn registration_failed_lately(&self) -> bool {
+        self.registration_failed_at
+            .is_some_and(|at| self.now().saturating_sub(at) < REGISTRATION_RETRY_MS)
     }
 
     /// Milliseconds since the arena was made.
@@ -321,6 +348,7 @@ impl Arena {
     /// Records a live block; the map has room (reserved by the caller).
     fn insert_live(&mut self, block: Block, slot: Option<Slot>) {
         self.account(&block, true);
+        self.live_dedicated += usize::from(slot.is_none());
         let work = Work::new();
         self.live.insert(block.addr, Live { block, slot, work });
         let live = self.live_bytes();
@@ -339,7 +367,16 @@ impl Arena {
                 self.tracker.release(&buffer)
             };
         }
-        if let Some(row) = self.gpu_row(block.for_gpu) {
+        // A free finds the row its allocation made (it adds none: the free path allocates nothing).
+        let row = if live {
+            self.gpu_row(block.for_gpu)
+        } else {
+            let ordinal = block.for_gpu;
+            self.gpus
+                .iter_mut()
+                .find(|row| Some(row.ordinal) == ordinal)
+        };
+        if let Some(row) = row {
             let pinned = if block.kind.pinned { block.capacity } else { 0 };
             if live {
                 row.live_bytes += block.capacity;
@@ -418,6 +455,7 @@ impl Arena {
     /// this arena.
     pub(crate) fn remove_live(&mut self, addr: usize) -> Option<Live> {
         let live = self.live.remove(&addr)?;
+        self.live_dedicated -= usize::from(live.slot.is_none());
         if !live.work.is_empty() {
             self.live_with_work = self.live_with_work.saturating_sub(1);
         }

@@ -2,8 +2,9 @@
 //! them without allocating.
 
 use super::carve::Range;
-use super::Block;
-use crate::chunk::{Chunk, ChunkRelease, Span};
+use super::{Arena, Block};
+use crate::chunk::{self, Chunk, ChunkRelease, Span};
+use crate::lock::Lock;
 
 /// What an arena operation leaves for the caller to do outside the lock: dedicated blocks to
 /// release, chunks to release, idle ranges to purge (then [`Arena::purged`]). Fixed-size, so that
@@ -12,7 +13,7 @@ use crate::chunk::{Chunk, ChunkRelease, Span};
 pub(crate) struct Released {
     pub(crate) blocks: Bounded<Block, 8>,
     pub(crate) chunks: Bounded<Chunk, 4>,
-    pub(crate) purges: Bounded<Purge, 16>,
+    pub(crate) purges: Bounded<Purge, PURGES>,
 }
 
 impl Released {
@@ -23,6 +24,25 @@ impl Released {
 
     pub(super) fn full(&self) -> bool {
         self.blocks.is_full() || self.chunks.is_full() || self.purges.is_full()
+    }
+}
+
+/// Idle ranges one operation hands out to purge, at most.
+const PURGES: usize = 16;
+
+impl Released {
+    /// Purges the ranges handed out (`MADV_DONTNEED`, outside the lock), then gives them back
+    /// to `arena`, with whether each purge worked.
+    pub(crate) fn purge_into(&mut self, arena: &Lock<Arena>) {
+        if self.purges.is_empty() {
+            return;
+        }
+        let mut done = [false; PURGES];
+        for (purge, done) in self.purges.iter().zip(&mut done) {
+            // SAFETY: the arena took each range out of its carver for this: unused, unpinned.
+            *done = unsafe { chunk::purge(purge.span) }.is_ok();
+        }
+        arena.lock().purged(self.purges.drain().zip(done));
     }
 }
 

@@ -123,7 +123,7 @@ fn idle_free_space_decays_and_is_populated_again_after() {
         arena.carve(HUGE, 30 * MIB, PAGE, None).unwrap().is_none(),
         "held out while purged"
     );
-    arena.purged(out.purges.drain());
+    arena.purged(out.purges.drain().map(|p| (p, true)));
     let again = carve(&mut arena, 8 * MIB);
     assert_eq!(again.block.addr, block.addr);
     assert_eq!(again.populate.map(|s| s.len), Some(8 * MIB));
@@ -164,7 +164,7 @@ fn a_wholly_free_chunk_is_released_by_trim_and_by_the_idle_limit() {
         "nothing idle may stay resident above a zero limit"
     );
     assert_eq!(row(&arena).resident_bytes, 4 * MIB, "the live block's");
-    arena.purged(out.purges.drain());
+    arena.purged(out.purges.drain().map(|p| (p, true)));
     let out = free(&mut arena, keep.addr, 0);
     assert_eq!(out.chunks.iter().count(), 1, "wholly free: released");
 }
@@ -277,6 +277,8 @@ fn dedicated(addr: usize, capacity: usize, pinned: bool) -> Block {
 fn arena_that_held(peak: usize) -> Arena {
     let mut arena = arena();
     arena.peak_in_use = peak;
+    // The room live dedicated blocks would have reserved.
+    assert!(arena.cached.reserve(8));
     arena
 }
 
@@ -410,4 +412,145 @@ fn live_blocks_are_counted_per_node_and_gpu() {
     );
     arena.reset_peak();
     assert_eq!(arena.gpus()[1].peak_live_bytes, 4 * MIB);
+}
+
+/// Decay with age 0 that really purges what it hands out (the chunk's memory is real).
+fn purge_now(arena: &mut Arena) {
+    let mut out = Released::default();
+    arena.next_decay = 0;
+    arena.decay(0, &mut out);
+    let done: Vec<bool> = out
+        .purges
+        .iter()
+        // SAFETY: taken out of the carver for this: unused, unpinned.
+        .map(|p| unsafe { crate::chunk::purge(p.span) }.is_ok())
+        .collect();
+    arena.purged(out.purges.drain().zip(done));
+}
+
+/// Populates a span the arena planned (the chunk's memory is real).
+fn populate(span: Option<Span>) {
+    if let Some(s) = span {
+        // SAFETY: a span of a chunk of this arena, planned for the block the test holds.
+        unsafe { crate::sys::populate(s.ptr().unwrap(), s.len) }.unwrap();
+    }
+}
+
+/// Whether `byte` at `addr` would reach a zeroed request whose dirty span is `dirty`.
+fn zeroed_would_see(addr: usize, dirty: Option<Span>) -> u8 {
+    let covered = dirty.is_some_and(|d| d.addr <= addr && addr < d.addr + d.len);
+    // SAFETY: inside a populated block of the test's chunk.
+    let byte = unsafe { (addr as *const u8).read_volatile() };
+    if covered {
+        0
+    } else {
+        byte
+    }
+}
+
+#[test]
+fn a_failed_populate_never_loses_what_may_hold_old_data() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let pad = carve(&mut arena, 2 * MIB);
+    populate(pad.populate);
+    let x = carve(&mut arena, 4 * MIB);
+    populate(x.populate);
+    // SAFETY: x is ours and populated.
+    unsafe { (x.block.addr as *mut u8).write_volatile(0xAA) };
+    let gap = carve(&mut arena, 20 * MIB).block;
+    let _keep = carve(&mut arena, 2 * MIB);
+    let _ = free(&mut arena, gap.addr, usize::MAX);
+    let _ = free(&mut arena, pad.block.addr, usize::MAX);
+    purge_now(&mut arena);
+    let _ = free(&mut arena, x.block.addr, usize::MAX);
+    let b = carve(&mut arena, 8 * MIB).block;
+    // Its populate fails (ENOMEM, a memory limit, a misplaced page under policy=bind).
+    arena.populate_failed(b);
+    purge_now(&mut arena);
+    let c = carve(&mut arena, 8 * MIB);
+    assert_eq!(c.block.addr, b.addr);
+    populate(c.populate);
+    assert_eq!(zeroed_would_see(x.block.addr, c.dirty), 0);
+}
+
+#[test]
+fn a_neighbour_in_a_shared_granule_keeps_its_data_and_dirt() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let b = carve(&mut arena, 3 * MIB);
+    let c = carve(&mut arena, 3 * MIB);
+    let _keep = carve(&mut arena, 2 * MIB);
+    populate(c.populate);
+    // SAFETY: c is ours; its page faults in if not populated.
+    unsafe { (c.block.addr as *mut u8).write_volatile(0xCC) };
+    // B's populate, planned first, never writes into C's part of the granule they share.
+    populate(b.populate);
+    // SAFETY: as above.
+    assert_eq!(unsafe { (c.block.addr as *const u8).read_volatile() }, 0xCC);
+    arena.populate_failed(b.block);
+    let _ = free(&mut arena, c.block.addr, usize::MAX);
+    purge_now(&mut arena);
+    let z = carve(&mut arena, 6 * MIB);
+    populate(z.populate);
+    assert_eq!(zeroed_would_see(c.block.addr, z.dirty), 0);
+}
+
+#[test]
+fn a_failed_purge_keeps_the_range_dirty() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let x = carve(&mut arena, 4 * MIB);
+    let _keep = carve(&mut arena, 2 * MIB);
+    populate(x.populate);
+    // SAFETY: x is ours and populated; locked, MADV_DONTNEED refuses it (EINVAL).
+    let locked = unsafe {
+        (x.block.addr as *mut u8).write_bytes(0xAA, 4 * MIB);
+        libc::mlock(x.block.addr as *const libc::c_void, 4 * MIB) == 0
+    };
+    let _ = free(&mut arena, x.block.addr, usize::MAX);
+    purge_now(&mut arena);
+    let z = carve(&mut arena, 4 * MIB);
+    let seen = zeroed_would_see(z.block.addr, z.dirty);
+    // SAFETY: locked above.
+    unsafe { libc::munlock(x.block.addr as *const libc::c_void, 4 * MIB) };
+    assert!(locked, "mlock of 4 MiB");
+    assert_eq!(seen, 0, "a zeroed request would see old data");
+}
+
+#[test]
+fn pinned_free_space_does_not_count_against_the_idle_limit() {
+    let pinned = HeapKey {
+        kind: Kind {
+            pinned: true,
+            ..HUGE.kind
+        },
+        ..HUGE
+    };
+    let mut arena = arena();
+    let mut chunk = Chunk::new(Mapping::new(32 * MIB, CHUNK_ALIGN).unwrap(), 2 * MIB).unwrap();
+    // What registration does to the bits: all resident.
+    let _ = chunk.plan_populate(chunk.base(), chunk.len());
+    assert!(arena.add_chunk(pinned, chunk).is_ok());
+    let _keep = arena.carve(pinned, 2 * MIB, PAGE, None).unwrap().unwrap();
+    let block = dedicated(0x7000_0000_0000, 8 * MIB, false);
+    assert!(arena.insert_dedicated(block));
+    let live = arena.remove_live(block.addr).unwrap();
+    let mut out = Released::default();
+    arena.free(live, 16 * MIB, &mut out);
+    assert_eq!(
+        out.blocks.iter().count(),
+        0,
+        "8 MiB under a 16 MiB limit stays cached"
+    );
+}
+
+#[test]
+fn a_block_with_gpu_work_does_not_shrink_in_place() {
+    let mut arena = arena_with_chunk(HUGE, 32 * MIB);
+    let (block, done) = live_in_use(&mut arena, 8 * MIB);
+    assert_eq!(
+        arena.resize_carved(block.addr, 4 * MIB),
+        None,
+        "its tail may be in use"
+    );
+    done.store(true, Ordering::Release);
+    assert_eq!(arena.resize_carved(block.addr, 4 * MIB), Some(None));
 }
