@@ -352,7 +352,10 @@ fn populate_enomem_in_one_of_several_threads_fails_the_block() {
     let s = alloc.stats();
     assert_eq!(s.fallbacks.populate_failures, 2, "{s}");
     assert_eq!(s.fallbacks.failed_allocations, 2);
-    assert_eq!(s.released_blocks, 2, "each failed mapping of its own unmapped");
+    assert_eq!(
+        s.released_blocks, 2,
+        "each failed mapping of its own unmapped"
+    );
     round_trip(&alloc, 64 * MIB, 6);
     assert_balanced(&alloc.stats());
 }
