@@ -1,5 +1,9 @@
 //! [`NumaGpuAlloc`]: the allocator value, its const builder, and the routing shared by both front
 //! ends (`GlobalAlloc` in `global.rs`, allocator-api2 in `api2.rs`).
+//!
+//! Unsafe code here relies on the front ends' contracts (a pointer freed with the layout it was
+//! allocated with) and the runtime box `process::initialise` made.
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
@@ -731,4 +735,5 @@ impl<A> Drop for NumaGpuAlloc<A> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 pub(crate) mod tests;

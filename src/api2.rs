@@ -1,6 +1,10 @@
 //! The `allocator_api2::alloc::Allocator` front end (for `Vec::new_in`, `Box::new_in`), for
 //! allocator-api2 0.4 and — because hashbrown uses it — 0.2. The two traits have the same shape;
 //! one macro implements both over the shared routing in `alloc.rs`.
+//!
+//! Unsafe code here relies on allocator-api2's contract, forwarded to the shared routing of
+//! `alloc.rs`.
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::ptr::NonNull;

@@ -8,6 +8,10 @@
 //! 3. When no chunk has room: make one (map, advise, bind; pinned: populate whole, check,
 //!    register), add it, carve again. A shortage gives idle memory of the node back and
 //!    retries, unless what could be given back is too little to help.
+//!
+//! Unsafe code here relies on spans the arena planned for a block this call holds (populated or
+//! zeroed outside the lock), and ranges the arena handed out to purge.
+#![allow(unsafe_code)]
 
 use std::time::Instant;
 

@@ -18,6 +18,10 @@
 //! The bit bookkeeping runs under the arena lock and makes no system call; the calls themselves
 //! ([`populate`](crate::runtime::Runtime) of a [`Span`], [`purge`]) run outside it, on ranges
 //! the caller owns for the time being.
+//!
+//! Unsafe code here relies on the guards own their mapping and registration alone; `purge` is
+//! called only on a range taken out of its carver.
+#![allow(unsafe_code)]
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};

@@ -1,4 +1,8 @@
 //! The `#[global_allocator]` front end.
+//!
+//! Unsafe code here relies on `GlobalAlloc`'s contract, forwarded to the shared routing of
+//! `alloc.rs`.
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout};
 

@@ -6,6 +6,10 @@
 //! lock's whole state is one word (0 unlocked, 1 locked, 2 locked with sleepers, as in Drepper's
 //! "Futexes Are Tricky"), so a child sets it to 0: none of the parent's other threads exist there
 //! to sleep on it or be woken.
+//!
+//! Unsafe code here relies on the state word: one guard at a time holds the value; `release` and
+//! `reset_in_child` are for the fork handlers, which hold or reset the lock on the forking thread.
+#![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};

@@ -13,6 +13,10 @@
 //! another thread (a block's mapping, populating and pinning happen outside the arena lock and do
 //! not delay a fork). The child never calls CUDA (see `cuda/`); each arena is told it is in a
 //! child, so that page-locked blocks are not reused there.
+//!
+//! Unsafe code here relies on the fork handlers run on the forking thread, holding (then releasing
+//! or resetting) every lock in one order.
+#![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 

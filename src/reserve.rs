@@ -124,6 +124,7 @@ pub(crate) fn check(
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests {
     use std::alloc::{GlobalAlloc, Layout};
 

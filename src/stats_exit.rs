@@ -17,6 +17,10 @@
 //! Only allocators that live in a static (the `#[global_allocator]`, any `static`) are reported:
 //! the handler reads them after `main` has returned, and only a static is sure to be neither moved
 //! nor dropped by then. `dladdr` tells whether the allocator lies in a loaded object's image.
+//!
+//! Unsafe code here relies on the exit handler reads reports leaked at registration, and
+//! `dladdr`/`atexit`/`write` with valid arguments.
+#![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
 use std::fmt::{self, Write};

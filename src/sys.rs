@@ -8,6 +8,10 @@
 //! The pipeline is [`map_anonymous`] → [`bind`] → [`populate`]. Never map with `MAP_POPULATE`:
 //! pages faulted in before `mbind` sets the policy stay on whichever node the faulting CPU chose.
 //! [`page_nodes`] and [`census`] check afterwards where the pages really are.
+//!
+//! Unsafe code here relies on the raw calls themselves: each wrapper checks its range and documents
+//! what the caller must own.
+#![allow(unsafe_code)]
 
 use std::ffi::{c_int, c_long, c_void};
 use std::ptr::{self, NonNull};

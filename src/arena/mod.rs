@@ -504,4 +504,5 @@ impl Arena {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests;

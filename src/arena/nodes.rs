@@ -4,6 +4,9 @@
 //! lives as long as the process (a block may be freed through any value at any time, so no value
 //! may own one). A slot is filled under the initialisation lock, which the fork handlers take
 //! first: the list of arenas they lock, in node order, cannot grow during a fork.
+//!
+//! Unsafe code here relies on slots hold arenas leaked on first use and never freed.
+#![allow(unsafe_code)]
 
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};

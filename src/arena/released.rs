@@ -1,5 +1,9 @@
 //! What an arena operation leaves to do outside the lock, in fixed-size arrays: a free fills
 //! them without allocating.
+//!
+//! Unsafe code here relies on ranges the arena took out of its carver to purge: unused and unpinned
+//! while purged.
+#![allow(unsafe_code)]
 
 use super::carve::Range;
 use super::{Arena, Block};

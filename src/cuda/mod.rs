@@ -24,6 +24,10 @@
 //! and `pinned.rs` order reuse after stream work; `names.rs` names every `CUresult`; this file
 //! holds the public items and error naming; `tests.rs` runs the code against a fake driver
 //! table.
+//!
+//! Unsafe code here relies on the driver's function pointers, resolved once with C types, called
+//! with live handles of this module.
+#![allow(unsafe_code)]
 
 mod context;
 mod device;
