@@ -9,7 +9,7 @@
 //! guest_check --topology NAME --numactl FILE --device DDDD:BB:DD.F
 //!             --expect-home NODE --expect-host NODE [--unknown-device DDDD:BB:DD.F]
 //!             [--alloc-report FILE] [--limit-report FILE] [--routes-report FILE]
-//!             [--sysfs /sys]
+//!             [--cpuset-report NAME=FILE]... [--sysfs /sys]
 //! ```
 //!
 //! * `--numactl`: the saved `numactl --hardware` output, the reference for node ids, CPUs,
@@ -25,7 +25,11 @@
 //! * `--limit-report`: the same for `guest_alloc --mode limit`, run by `guest/init` inside a
 //!   cgroup with a `memory.max` (topologies that set `MEMORY_MAX`);
 //! * `--routes-report`: the same for `examples/guest_routes.rs` (threads bound to devices on
-//!   different nodes; topologies that set `ROUTES`).
+//!   different nodes; topologies that set `ROUTES`);
+//! * `--cpuset-report NAME=FILE` (once per allocator): the same for `examples/guest_mixed.rs`
+//!   with allocator `NAME`, run by `guest/init` inside a cgroup whose cpuset confines it to one
+//!   node (topologies that set `CPUSET_NODE`), followed by the cgroup's `memory.events` line:
+//!   lines `cpuset.NAME.*`, and `cpuset.NAME.no_oom_kill`.
 //!
 //! The allocator checks make their own `NumaGpuAlloc` values (`.node(N)`, `.policy(..)`) and use
 //! them through allocator-api2: one per node with memory, an interleaved block, two handles on
@@ -115,6 +119,8 @@ struct Args {
     alloc_report: Option<PathBuf>,
     limit_report: Option<PathBuf>,
     routes_report: Option<PathBuf>,
+    /// `(allocator, report)` of each `guest_mixed` run.
+    cpuset_reports: Vec<(String, PathBuf)>,
     sysfs: PathBuf,
 }
 
@@ -206,6 +212,7 @@ const GROUPS: &[Group] = &[
     global_allocator,
     memory_limit,
     routes,
+    cpuset,
     node_allocators,
     interleave,
     two_handles,
@@ -426,6 +433,30 @@ fn routes(cx: &Ctx) -> Vec<Check> {
         .map_or_else(Vec::new, |path| report(path, "routes"))
 }
 
+/// A client program confined to one node by a cgroup's cpuset (`guest_mixed`,
+/// `--cpuset-report`): its lines, and that the kernel's OOM killer never ran in its cgroup
+/// (`memory.events`, appended by `guest/init`).
+fn cpuset(cx: &Ctx) -> Vec<Check> {
+    let mut out = Vec::new();
+    for (name, path) in &cx.args.cpuset_reports {
+        let prefix = format!("cpuset.{name}");
+        out.extend(report(path, &prefix));
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let events = text.lines().find_map(|l| l.strip_prefix("memory.events:"));
+        let value = |key: &str| -> Option<u64> {
+            let mut words = events?.split_whitespace();
+            words.find(|&w| w == key)?;
+            words.next()?.parse().ok()
+        };
+        out.push(Check::eq(
+            format!("{prefix}.no_oom_kill"),
+            (Some(0), Some(0)),
+            (value("oom"), value("oom_kill")),
+        ));
+    }
+    out
+}
+
 /// The checks of one `guest_alloc` run: its lines, whether it printed its `<prefix>: ` summary,
 /// and its exit status.
 fn report(path: &Path, prefix: &str) -> Vec<Check> {
@@ -491,10 +522,22 @@ fn numactl_and_target<'a>(cx: &'a Ctx, name: &str) -> Result<(&'a Numactl, usize
         .ok_or_else(|| Check::fail(name, "numactl output", "unavailable"))
 }
 
-/// The crate's capacity for a request of `size` bytes: 8 size classes per power of two, whole
-/// pages (as `class_size` in src/arena.rs).
-fn class_size(size: usize) -> usize {
+/// Requests of at least this size get a mapping of their own (as `DEDICATED_MIN` in
+/// src/arena/mod.rs); smaller ones are carved from the node's chunks.
+const DEDICATED_MIN: usize = 64 * MIB;
+/// Chunks are whole multiples of this (as `CHUNK_ALIGN` in src/arena/mod.rs).
+const CHUNK_ALIGN: usize = 2 * MIB;
+/// A node's first chunk (as `CHUNK_FIRST` in src/arena/mod.rs).
+const CHUNK_FIRST: usize = 32 * MIB;
+
+/// The crate's capacity for a request of `size` bytes: carved, the request in whole pages;
+/// dedicated, 8 size classes per power of two, whole pages (as `class_size` in
+/// src/arena/mod.rs).
+fn capacity(size: usize) -> usize {
     let size = size.max(1);
+    if size < DEDICATED_MIN {
+        return size.next_multiple_of(sys::page_size());
+    }
     let octave = usize::BITS - 1 - size.leading_zeros();
     let step = (1usize << octave.saturating_sub(3)).max(sys::page_size());
     size.next_multiple_of(step)
@@ -680,7 +723,9 @@ fn interleave(cx: &Ctx) -> Vec<Check> {
 
 /// Two `Allocator` handles on two nodes in one process keep their blocks apart: each block is on
 /// its handle's node, both handles' stats show the same node rows (the process's arenas), and one
-/// handle never reuses a block the other freed on another node.
+/// handle never reuses space the other freed on another node: each node carves its handle's
+/// blocks from a chunk of its own (one 32 MiB chunk holds them all), the freed space stays in
+/// its node's chunk.
 fn two_handles(cx: &Ctx) -> Vec<Check> {
     let (n, a_node) = match numactl_and_target(cx, "alloc.handles") {
         Ok(found) => found,
@@ -744,13 +789,40 @@ fn two_handles(cx: &Ctx) -> Vec<Check> {
     drop(a1);
     let b3 = filled(&b, 8 * MIB, 0xb3);
     let (sa, sb) = (a.stats(), b.stats());
+    // Per node: (live bytes, live blocks, cached bytes, chunks, mapped bytes).
+    let chunk_rows = |s: &Stats| -> Vec<_> {
+        s.nodes
+            .iter()
+            .filter(|r| r.mapped_bytes != 0 || r.live_bytes != 0)
+            .map(|r| {
+                (
+                    r.node,
+                    (
+                        r.live_bytes,
+                        r.live_blocks,
+                        r.cached_bytes,
+                        r.chunks,
+                        r.mapped_bytes,
+                    ),
+                )
+            })
+            .collect()
+    };
+    let mut expected = vec![
+        (
+            a_node,
+            (16 * MIB, 1, CHUNK_FIRST - 16 * MIB, 1, CHUNK_FIRST),
+        ),
+        (
+            b_node,
+            (24 * MIB, 3, CHUNK_FIRST - 24 * MIB, 1, CHUNK_FIRST),
+        ),
+    ];
+    expected.sort();
     out.push(Check::eq(
         format!("alloc.handles.{na}.after_free"),
-        (
-            by_node([(a_node, 16 * MIB, 1), (b_node, 24 * MIB, 3)]),
-            8 * MIB,
-        ),
-        (live_rows(&sa), sa.cached_bytes()),
+        expected,
+        chunk_rows(&sa),
     ));
     // b asks for the size a just freed: a's cached block must not be handed to b.
     out.push(match &b3 {
@@ -766,9 +838,10 @@ fn two_handles(cx: &Ctx) -> Vec<Check> {
             e.clone(),
         ),
     });
+    // b's requests: the first made b's node's chunk (a miss), the other two were carved from it.
     out.push(Check::eq(
         format!("alloc.handles.{nb}.no_cross_reuse"),
-        (0, 3),
+        (2, 1),
         (sb.cache_hits, sb.cache_misses),
     ));
     let intact = a2.iter().all(|&x| x == 0xa2)
@@ -802,7 +875,8 @@ fn free_bytes(sysfs: &Path, nodes: &[usize]) -> Result<BTreeMap<usize, usize>, S
 }
 
 /// `policy=bind` on the node with the least free memory, for more than it has free (but less
-/// than the guest has): a clean `AllocError`, counted, and the allocator still works. The same
+/// than the guest has): a clean `AllocError`, counted (a carved request's chunk stays, wholly
+/// free; a dedicated mapping is unmapped), and the allocator still works. The same
 /// request under `preferred` with `verify`: it succeeds, and the pages that spilled to other
 /// nodes are counted as misplaced.
 fn bind_exhausted(cx: &Ctx) -> Vec<Check> {
@@ -820,7 +894,7 @@ fn bind_exhausted(cx: &Ctx) -> Vec<Check> {
     let Some((&node, &node_free)) = free.iter().min_by_key(|(_, &bytes)| bytes) else {
         return Vec::new();
     };
-    let request = class_size(node_free + BIND_EXCESS);
+    let request = capacity(node_free + BIND_EXCESS);
     let others: usize = free.values().sum::<usize>() - node_free;
     if others < request - node_free + BIND_MARGIN {
         let need = (request - node_free + BIND_MARGIN) >> 20;
@@ -858,14 +932,36 @@ fn bind_exhausted(cx: &Ctx) -> Vec<Check> {
         }
     }];
     let s = bind.stats();
+    if let Ok(after) = free_bytes(&cx.args.sysfs, &[node]) {
+        let n = s.nodes.iter().find(|r| r.node == node);
+        eprintln!(
+            "note alloc.bind: after the refusal {} MiB free on node {node}; chunks {:?}, \
+             resident {:?} MiB",
+            after.get(&node).copied().unwrap_or(0) >> 20,
+            n.map(|r| r.chunks),
+            n.map(|r| r.resident_bytes >> 20),
+        );
+    }
+    // A carved request's chunk stays for later requests (all of it free: cached); a dedicated
+    // mapping is unmapped.
+    let chunk = if request < DEDICATED_MIN {
+        let len = request.next_multiple_of(CHUNK_ALIGN).max(CHUNK_FIRST);
+        (1, len, len)
+    } else {
+        (0, 0, 0)
+    };
     out.push(Check::eq(
         "alloc.bind.counted",
-        (1, 1, 0, 0),
+        (1, 1, 0, chunk),
         (
             s.fallbacks.failed_allocations,
             s.fallbacks.bind_exhausted,
             s.live_bytes(),
-            s.cached_bytes(),
+            (
+                s.nodes.iter().map(|r| r.chunks).sum::<usize>(),
+                s.cached_bytes(),
+                s.nodes.iter().map(|r| r.mapped_bytes).sum::<usize>(),
+            ),
         ),
     ));
     out.push(match filled(&bind, NODE_BYTES, 0x42) {
@@ -930,6 +1026,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         alloc_report: None,
         limit_report: None,
         routes_report: None,
+        cpuset_reports: Vec::new(),
         sysfs: PathBuf::from("/sys"),
     };
     let node = |v: String| match v.as_str() {
@@ -946,6 +1043,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         "--alloc-report",
         "--limit-report",
         "--routes-report",
+        "--cpuset-report",
         "--sysfs",
     ];
     while let Some(flag) = it.next() {
@@ -963,6 +1061,12 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--alloc-report" => args.alloc_report = Some(value.into()),
             "--limit-report" => args.limit_report = Some(value.into()),
             "--routes-report" => args.routes_report = Some(value.into()),
+            "--cpuset-report" => {
+                let (name, path) = value
+                    .split_once('=')
+                    .ok_or_else(|| format!("--cpuset-report {value:?}: NAME=FILE"))?;
+                args.cpuset_reports.push((name.to_owned(), path.into()));
+            }
             "--sysfs" => args.sysfs = value.into(),
             _ => return Err(format!("unknown argument {flag:?}")),
         }

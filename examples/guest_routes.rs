@@ -12,8 +12,9 @@
 //! What it checks: one thread per device, bound to it (`bind_thread(Route::Gpu(Pci))`), gets a
 //! `Vec` through the `#[global_allocator]` and one through `Vec::new_in` on a handle with the
 //! default target, every page on that device's host node (`move_pages`); per-node live bytes are
-//! those buffers; freed by the main thread (unbound), each block goes back to its node's arena;
-//! a second round of bound threads gets the same blocks back (cache hits), still on their nodes.
+//! those buffers, carved from one chunk of the node (32 MiB, the rest cached); freed by the main
+//! thread (unbound), each block goes back to its node's chunk; a second round of bound threads
+//! gets the same space back (cache hits, the same addresses), still on their nodes.
 
 use std::process::ExitCode;
 
@@ -32,9 +33,11 @@ static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
 static HANDLE: NumaGpuAlloc = NumaGpuAlloc::new();
 
 const MIB: usize = 1 << 20;
-/// Buffer sizes that are size classes themselves, so that live bytes are their sum.
+/// Buffer sizes in whole pages, so that live bytes are their sum.
 const GLOBAL_LEN: usize = 8 * MIB;
 const HANDLE_LEN: usize = 6 * MIB;
+/// A node's first chunk (as `CHUNK_FIRST` in src/arena/mod.rs): both buffers fit in it.
+const CHUNK_FIRST: usize = 32 * MIB;
 
 /// One device's buffers: through the global allocator and through the handle.
 type Buffers = (Vec<u8>, AVec<u8, &'static NumaGpuAlloc>);
@@ -74,29 +77,37 @@ fn round(r: &mut Report, name: &str, devices: &[(PciAddress, usize)]) -> Vec<Buf
     buffers
 }
 
-/// (node, live bytes, cached bytes) of each node, from the process's arenas.
-fn rows(stats: &Stats) -> Vec<(usize, usize, usize)> {
+/// (node, live bytes, cached bytes, chunks, mapped bytes) of each node, from the process's
+/// arenas.
+fn rows(stats: &Stats) -> Vec<(usize, usize, usize, usize, usize)> {
     stats
         .nodes
         .iter()
-        .map(|n| (n.node, n.live_bytes, n.cached_bytes))
+        .map(|n| {
+            (
+                n.node,
+                n.live_bytes,
+                n.cached_bytes,
+                n.chunks,
+                n.mapped_bytes,
+            )
+        })
         .collect()
 }
 
-/// Checks the node rows: each host node holds its devices' buffers, live or cached.
+/// Checks the node rows: each host node holds its devices' buffers, live or freed, in one chunk
+/// whose other bytes are cached; other nodes hold nothing.
 fn check_rows(r: &mut Report, name: &str, devices: &[(PciAddress, usize)], live: bool) {
     let stats = ALLOC.stats();
     let expected: Vec<_> = stats
         .nodes
         .iter()
         .map(|n| {
-            let bytes =
-                (GLOBAL_LEN + HANDLE_LEN) * devices.iter().filter(|d| d.1 == n.node).count();
-            if live {
-                (n.node, bytes, 0)
-            } else {
-                (n.node, 0, bytes)
-            }
+            let count = devices.iter().filter(|d| d.1 == n.node).count();
+            let bytes = (GLOBAL_LEN + HANDLE_LEN) * count;
+            let (chunks, mapped) = if count > 0 { (1, CHUNK_FIRST) } else { (0, 0) };
+            let live = if live { bytes } else { 0 };
+            (n.node, live, mapped - live, chunks, mapped)
         })
         .collect();
     r.eq(&format!("{name}.node_rows"), expected, rows(&stats));

@@ -3,7 +3,9 @@
 # topologies in guest/topologies/*.topo and runs examples/guest_alloc.rs (the allocator as the
 # #[global_allocator]; again inside a cgroup with a memory.max where the topology sets
 # MEMORY_MAX), examples/guest_routes.rs (threads bound to devices on several nodes, where the
-# topology sets ROUTES) and examples/guest_check.rs inside each guest.
+# topology sets ROUTES), examples/guest_mixed.rs (a client's allocations with glibc and with ours,
+# each inside a cgroup whose cpuset confines it to one node, where the topology sets CPUSET_NODE)
+# and examples/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -187,9 +189,9 @@ NUMACTL=$(command -v numactl) || die "numactl not found"
 # --- 2. Guest program and initramfs --------------------------------------------------------
 
 T0=$(now)
-log "building examples/guest_check, guest_alloc and guest_routes (release)"
+log "building examples/guest_check, guest_alloc, guest_routes and guest_mixed (release)"
 (cd "$ROOT" && cargo build --release --quiet --example guest_check --example guest_alloc \
-    --example guest_routes) || {
+    --example guest_routes --example guest_mixed) || {
     log "error: cargo build --release of the guest examples failed"
     exit 2
 }
@@ -198,7 +200,8 @@ TARGET_DIR=${CARGO_TARGET_DIR:-target}
 GUEST_CHECK="$TARGET_DIR/release/examples/guest_check"
 GUEST_ALLOC="$TARGET_DIR/release/examples/guest_alloc"
 GUEST_ROUTES="$TARGET_DIR/release/examples/guest_routes"
-for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES"; do
+GUEST_MIXED="$TARGET_DIR/release/examples/guest_mixed"
+for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED"; do
     [ -x "$bin" ] || die "built binary not found at $bin"
 done
 
@@ -211,9 +214,10 @@ install -m 0755 "$NUMACTL" "$RD/bin/numactl"
 install -m 0755 "$GUEST_CHECK" "$RD/guest_check"
 install -m 0755 "$GUEST_ALLOC" "$RD/guest_alloc"
 install -m 0755 "$GUEST_ROUTES" "$RD/guest_routes"
+install -m 0755 "$GUEST_MIXED" "$RD/guest_mixed"
 # Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
 # directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
-for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES"; do
+for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED"; do
     { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
 done | sort -u | while read -r lib; do
     mkdir -p "$RD$(dirname "$lib")"
@@ -232,7 +236,7 @@ log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel 
 load_topology() {
     local file=$1 name=$2 spec id cpus mem c pair nodes=()
     DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST="" MEMORY_MAX=""
-    ROUTES=""
+    ROUTES="" CPUSET_NODE=""
     # shellcheck source=/dev/null
     . "$file"
     if [ -z "$SMP" ] || [ -z "$NODES" ] || [ -z "$DEVICE_NODE" ]; then
@@ -279,6 +283,7 @@ load_topology() {
     APPEND+=" GUEST_DEVICE_ID=$DEVICE_ID GUEST_EXPECT_HOME=$EXPECT_HOME GUEST_EXPECT_HOST=$EXPECT_HOST"
     if [ -n "$MEMORY_MAX" ]; then APPEND+=" GUEST_MEMORY_MAX=$MEMORY_MAX"; fi
     if [ -n "$ROUTES" ]; then APPEND+=" GUEST_ROUTES=${ROUTES// /,}"; fi
+    if [ -n "$CPUSET_NODE" ]; then APPEND+=" GUEST_CPUSET_NODE=$CPUSET_NODE"; fi
 }
 
 # Turns a serial log into the lines compared with guest/expected/<name>.txt: the topology as
