@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use crate::arena::{Block, Kind, Released, NODES};
 use crate::carved::shortage_kind;
+use crate::chunk::ChunkRelease;
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::guard::Inside;
@@ -532,26 +533,36 @@ impl Runtime {
     /// `block` came from [`Self::create_block`], is no longer handed out or cached, and is released
     /// once.
     pub(crate) unsafe fn release_block(&self, block: Block) {
-        let Some(ptr) = NonNull::new(block.addr as *mut u8) else {
-            return;
-        };
-        // Through the process's context of the device that registered it.
-        if let Some(gpu) = block.gpu.and_then(Gpu::by_ordinal) {
-            let start = Instant::now();
-            // SAFETY: the block was registered by `pin` and is still mapped.
-            let unregistered = unsafe { gpu.unregister(ptr) };
-            self.counters.unpin.record(start.elapsed());
-            if let Err(e) = unregistered {
-                // Unmapping a range the driver still holds would make a later mapping at this
-                // address fail to register (712), and in a forked child the range may not be
-                // this block's any more: leak it instead, counted.
-                self.counters.record_unregister_failure(&e);
-                return;
-            }
-            self.counters.unregistrations.incr();
-        }
-        // SAFETY: the caller guarantees the block is ours and unused.
-        let _ = unsafe { sys::unmap(ptr, block.capacity) };
-        self.counters.released_blocks.incr();
+        // SAFETY: forwarded from the caller.
+        self.count_release(unsafe { release_dedicated(block) });
     }
+}
+
+/// Unregisters (if pinned) and unmaps a dedicated block nobody uses any more; what it did, for
+/// the caller's counters. A failed unregistration leaves the block mapped: unmapping a range the
+/// driver still holds would make a later mapping at this address fail to register (712), and in
+/// a forked child the range may not be this block's any more.
+///
+/// # Safety
+/// As [`Runtime::release_block`].
+pub(crate) unsafe fn release_dedicated(block: Block) -> ChunkRelease {
+    let mut outcome = ChunkRelease::default();
+    let Some(ptr) = NonNull::new(block.addr as *mut u8) else {
+        return outcome;
+    };
+    // Through the process's context of the device that registered it.
+    if let Some(gpu) = block.gpu.and_then(Gpu::by_ordinal) {
+        let start = Instant::now();
+        // SAFETY: the block was registered by `pin` and is still mapped.
+        let unregistered = unsafe { gpu.unregister(ptr) };
+        let failed = unregistered.is_err();
+        outcome.unregistered = Some((start.elapsed(), unregistered));
+        if failed {
+            return outcome;
+        }
+    }
+    // SAFETY: the caller guarantees the block is ours and unused.
+    let _ = unsafe { sys::unmap(ptr, block.capacity) };
+    outcome.unmapped = true;
+    outcome
 }

@@ -230,7 +230,7 @@ impl Runtime {
         let Some(mut arena) = self.arena(node) else {
             return false;
         };
-        if arena.releasable() < bytes {
+        if arena.releasable(want) < bytes {
             return false;
         }
         let mut given = 0;

@@ -4,20 +4,25 @@
 //! memory), and a program in a phase of small objects never enters it: the free space its large
 //! buffers left stays resident, and in a container whose cpuset confines it to one node, small
 //! objects then run that node out of memory. So the first chunk made starts one thread for the
-//! process (`decay_thread=off` turns it off). Every half decay time it purges the free ranges of
-//! every node's arena idle for the decay time, and all idle free ranges of a node whose free
-//! memory (`/sys/devices/system/node/nodeN/meminfo`) runs low. It only purges: releasing chunks
-//! and cached blocks stays with the large path, which counts them.
+//! process (`decay_thread=off` turns it off). Every quarter decay time (at most 250 ms) it purges
+//! the free ranges of every node's arena idle for the decay time and releases cached dedicated
+//! blocks as idle, and does so with all idle memory of a node whose free memory
+//! (`/sys/devices/system/node/nodeN/meminfo`) runs low. Chunks stay mapped (purged) until the
+//! large path releases them.
 //!
 //! It holds one arena lock at a time, briefly (the fork handlers wait for it like for any arena
 //! operation), and `madvise`s outside it; a forked child has no such thread until its own first
 //! chunk.
+//!
+//! Unsafe code here relies on the arena: what it hands out to release or purge is used by nobody.
+#![allow(unsafe_code)]
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::arena::{Released, NODES};
+use crate::block::release_dedicated;
 use crate::guard::Inside;
 use crate::sys::MAX_NODES;
 use crate::sysfs::node_memory_low;
@@ -56,7 +61,8 @@ fn run() {
     let _inside = Inside::enter();
     loop {
         let decay = DECAY_MS.load(Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis((decay / 2).clamp(10, 1000)));
+        // Often enough to see a node run low before the small objects exhaust it.
+        std::thread::sleep(Duration::from_millis((decay / 4).clamp(10, 250)));
         for node in 0..MAX_NODES {
             let Some(arena) = NODES.existing(node) else {
                 continue;
@@ -68,7 +74,15 @@ fn run() {
                 decay
             };
             let mut out = Released::default();
-            arena.lock().purge_idle_ranges(age, &mut out);
+            {
+                let mut arena = arena.lock();
+                arena.purge_idle_ranges(age, &mut out);
+                arena.release_idle_dedicated(age, &mut out);
+            }
+            for block in out.blocks.drain() {
+                // SAFETY: the arena handed it out for release: no longer cached or handed out.
+                let _ = unsafe { release_dedicated(block) };
+            }
             out.purge_into(arena);
         }
     }

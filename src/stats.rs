@@ -402,6 +402,9 @@ pub struct NodeStats {
     pub registrations: u64,
     /// Bytes of idle free ranges given back to the kernel (`MADV_DONTNEED`) so far.
     pub purged_bytes: u64,
+    /// Idle cached dedicated blocks the decay thread released (they count in no value's
+    /// `released_blocks`).
+    pub decay_released: u64,
 }
 
 impl NodeStats {

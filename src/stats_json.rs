@@ -206,6 +206,7 @@ json_object! {
         largest_free,
         registrations,
         purged_bytes,
+        decay_released,
     }
     HeapStats {
         node,

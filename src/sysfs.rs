@@ -63,7 +63,7 @@ fn io_error(path: &Path, err: &std::io::Error) -> Error {
 }
 
 /// Reads a small text file, mapping failures to [`Error::Io`] / [`Error::Parse`] with its path.
-/// Whether node `node`'s free memory is below 1/16 of its total (`nodeN/meminfo` under
+/// Whether node `node`'s free memory is below 1/8 of its total (`nodeN/meminfo` under
 /// `root`, the kernel's per-node counters): then idle memory of the node is given back before
 /// more is populated there, and by the decay thread. `false` when the file cannot be read.
 pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
@@ -77,7 +77,7 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
             .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
     };
     match (kib("MemFree:"), kib("MemTotal:")) {
-        (Some(free), Some(total)) => free < total / 16,
+        (Some(free), Some(total)) => free < total / 8,
         _ => false,
     }
 }
@@ -375,16 +375,16 @@ mod tests {
     }
 
     #[test]
-    fn a_node_is_low_on_memory_below_a_sixteenth_free() {
+    fn a_node_is_low_on_memory_below_an_eighth_free() {
         let root = std::env::temp_dir().join(format!("numa-gpu-alloc-low-{}", std::process::id()));
         let dir = root.join("devices/system/node/node1");
         std::fs::create_dir_all(&dir).unwrap();
         let meminfo = |free: u64| {
             format!("Node 1 MemTotal:       307200 kB\nNode 1 MemFree:        {free} kB\n")
         };
-        std::fs::write(dir.join("meminfo"), meminfo(19_199)).unwrap();
+        std::fs::write(dir.join("meminfo"), meminfo(38_399)).unwrap();
         assert!(node_memory_low(&root, 1));
-        std::fs::write(dir.join("meminfo"), meminfo(19_200)).unwrap();
+        std::fs::write(dir.join("meminfo"), meminfo(38_400)).unwrap();
         assert!(!node_memory_low(&root, 1));
         assert!(!node_memory_low(&root, 2), "no such node: not low");
         std::fs::remove_dir_all(root).unwrap();

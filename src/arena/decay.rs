@@ -160,6 +160,21 @@ impl Arena {
         }
     }
 
+    /// Takes cached dedicated blocks cached at least `age` milliseconds ago out, into `out`, to
+    /// release (the decay thread; counted in the node's `decay_released`).
+    pub(crate) fn release_idle_dedicated(&mut self, age: u64, out: &mut Released) {
+        let Some(since) = self.now().checked_sub(age) else {
+            return;
+        };
+        while !out.blocks.is_full() {
+            let Some(block) = self.cached.pop_cached_by(since) else {
+                break;
+            };
+            self.decay_released += 1;
+            self.evict(block, out);
+        }
+    }
+
     /// Gives back idle memory for a request that failed for want of `bytes`: free ranges and
     /// wholly free chunks whatever their age, then cached dedicated blocks. Returns the bytes
     /// given back (fewer when `out` filled up: call again after releasing it).
@@ -180,11 +195,20 @@ impl Arena {
         !out.full()
     }
 
-    /// Bytes that giving idle memory back could free now: resident free space and cached
-    /// dedicated blocks.
-    pub(crate) fn releasable(&self) -> usize {
-        let free: usize = self.heaps.iter().map(|h| h.carver.stats().free_bytes).sum();
-        free + self.cached.bytes()
+    /// Bytes that giving idle memory back could free now for a request short of `want`:
+    /// resident idle memory (free space of unpinned chunks, wholly free pinned chunks) or, for
+    /// address space, every free byte of the chunks; and cached dedicated blocks.
+    pub(crate) fn releasable(&self, want: Shortage) -> usize {
+        let chunks: usize = self
+            .heaps
+            .iter()
+            .map(|h| match want {
+                Shortage::AddressSpace => h.carver.stats().free_bytes,
+                Shortage::Memory if h.key.kind.pinned => h.wholly_free_bytes(),
+                Shortage::Memory => h.idle_resident(),
+            })
+            .sum();
+        chunks + self.cached.bytes()
     }
 
     /// Takes back ranges purged outside the lock: free again, and known to be zero.

@@ -249,6 +249,16 @@ impl Heap {
         resident.saturating_sub(self.carver.used_bytes())
     }
 
+    /// Bytes of the chunks that are wholly free.
+    fn wholly_free_bytes(&self) -> usize {
+        let carver = &self.carver;
+        carver
+            .regions()
+            .filter(|&(region, _, _)| carver.wholly_free(region).is_some())
+            .map(|(_, _, len)| len)
+            .sum()
+    }
+
     fn chunk_mut(&mut self, region: u32) -> Option<&mut Chunk> {
         self.chunks.get_mut(region as usize)?.as_mut()
     }
@@ -286,6 +296,8 @@ pub(crate) struct Arena {
     next_decay: u64,
     /// When a chunk's registration last failed (arena milliseconds).
     registration_failed_at: Option<u64>,
+    /// Cached dedicated blocks the decay thread released.
+    decay_released: u64,
 }
 
 impl Arena {
@@ -310,6 +322,7 @@ impl Arena {
             pinned_cache_stale: false,
             next_decay: 0,
             registration_failed_at: None,
+            decay_released: 0,
         }
     }
 

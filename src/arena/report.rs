@@ -25,6 +25,7 @@ impl Arena {
         row.largest_free = heaps.largest_free;
         row.registrations = heaps.registrations;
         row.purged_bytes = heaps.purged_bytes;
+        row.decay_released = self.decay_released;
     }
 
     /// One row per kind of chunk this arena holds.
