@@ -1,4 +1,4 @@
-//! Peak memory of a whole program with each allocator as `#[global_allocator]` (issue 12, item 5).
+//! Peak memory of a whole program with each allocator as `#[global_allocator]`.
 //!
 //! `cargo bench --bench rss` runs the same client workload in fresh child processes (this binary
 //! again, `RSS_BENCH_ALLOCATOR=ours|mimalloc|glibc`), interleaved, 9 times each, and reports the
@@ -154,7 +154,7 @@ fn main() {
         ours_ms / mi_ms,
         ours_ms / glibc_ms
     );
-    let workload = "client of issue 12 (2 threads: 24 MiB buffer reused, Vec pushed to 64 MiB, \
+    let workload = "client program (2 threads: 24 MiB buffer reused, Vec pushed to 64 MiB, \
                     hash map + JSON), peak RSS";
     let rows = [
         rows::row(workload, ours_rss, "mimalloc", mi_rss, "MiB", Some(1.3)),

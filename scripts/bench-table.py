@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown table of ratios from `cargo bench --bench alloc` (issue 6).
+"""Markdown table of ratios from `cargo bench --bench alloc`.
 
 Reads criterion's estimates (target/criterion/<group>/<function>/new/estimates.json, matched by
 the group and function ids in the neighbouring benchmark.json), the computed rounding figure

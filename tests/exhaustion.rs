@@ -169,8 +169,8 @@ fn child() {
     println!("{CHILD_OK}");
 }
 
-/// The case: 900 MiB reserved and freed (960 MiB cached), then 700 MiB under a limit that
-/// only fits one of the two.
+/// A large cached block given back: 900 MiB reserved and freed (960 MiB cached), then 700 MiB
+/// under a limit that only fits one of the two.
 fn cache_child() {
     let local = NumaGpuAlloc::new();
     set_address_space_limit(vm_size() + 1600 * MIB);

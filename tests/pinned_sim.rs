@@ -71,7 +71,7 @@ fn wrong_bytes(got: &[u8], expected: &[u8]) -> usize {
     got.iter().zip(expected).filter(|(a, b)| a != b).count()
 }
 
-/// The loop of issue 10: upload a batch, drop it, allocate another batch, download; with
+/// A loader's loop: upload a batch, drop it, allocate another batch, download; with
 /// implicit pinning the download read unfinished DMA and the dropped batch was reused while
 /// its upload was still reading it. Returns the number of wrong bytes.
 fn clone_loop(stream: &Arc<CudaStream>, rounds: u8, len: usize) -> usize {
