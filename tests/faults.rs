@@ -127,9 +127,10 @@ fn mmap_enomem_fails_cleanly_then_recovers() {
     assert_balanced(&s);
 }
 
-/// Leaves a wholly free chunk of another kind (policy) on node 0: idle memory to give back.
+/// Leaves a wholly free chunk of another kind (policy) on node 0, 16 MiB of it resident: idle
+/// memory to give back.
 fn idle_chunk_of_another_kind() {
-    round_trip(&local().policy(MemPolicy::Interleave), 8 * MIB, 1);
+    round_trip(&local().policy(MemPolicy::Interleave), 16 * MIB, 1);
 }
 
 fn mapped(s: &Stats) -> usize {
