@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::*;
 use crate::arena::pending_double::Flag;
+use crate::PinMode;
 
 const BLOCK: usize = 256 << 10;
 

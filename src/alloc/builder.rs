@@ -1,0 +1,120 @@
+//! The const builder of [`NumaGpuAlloc`]: each setting of [`Config`](crate::Config), usable
+//! in a `static`.
+
+use std::sync::atomic::AtomicUsize;
+
+use super::{clamp_threshold, Threshold};
+use crate::config::{GpuSelector, PinMode, Reserve, Target};
+use crate::pci::PciAddress;
+use crate::sys::MemPolicy;
+use crate::NumaGpuAlloc;
+
+impl<A> NumaGpuAlloc<A> {
+    /// Requests of at least `bytes` take the large path (default 2 MiB). Values outside
+    /// 4 KiB..=64 GiB are clamped; [`Config::apply`](crate::Config::apply) with `"threshold"` reports them instead.
+    pub const fn threshold(mut self, bytes: usize) -> Self {
+        self.config.threshold = clamp_threshold(bytes);
+        self.threshold = Threshold(AtomicUsize::new(self.config.threshold));
+        self
+    }
+
+    /// Places blocks on NUMA node `node` (no GPU, no pinning).
+    pub const fn node(mut self, node: usize) -> Self {
+        self.config.target = Target::Node(node);
+        self
+    }
+
+    /// Serves the GPU the selector names.
+    pub const fn gpu(mut self, selector: GpuSelector) -> Self {
+        self.config.target = Target::Gpu(selector);
+        self
+    }
+
+    /// Serves the GPU with this CUDA ordinal.
+    pub const fn gpu_ordinal(self, ordinal: u32) -> Self {
+        self.gpu(GpuSelector::Ordinal(ordinal))
+    }
+
+    /// Serves the GPU at this PCI address; placement works without the CUDA driver.
+    pub const fn gpu_pci(self, address: PciAddress) -> Self {
+        self.gpu(GpuSelector::Pci(address))
+    }
+
+    /// NUMA policy of large blocks (default [`MemPolicy::Preferred`]).
+    pub const fn policy(mut self, policy: MemPolicy) -> Self {
+        self.config.policy = policy;
+        self
+    }
+
+    /// Idle memory given back to the kernel after this many milliseconds (default 1000;
+    /// `u64::MAX`: never): free space of chunks is purged, wholly free chunks unmapped (pinned
+    /// ones after ten times as long).
+    pub const fn decay_ms(mut self, ms: u64) -> Self {
+        self.config.decay_ms = ms;
+        self
+    }
+
+    /// Whether a thread gives idle memory back while the program allocates nothing large
+    /// (default on; see the README on decay).
+    pub const fn decay_thread(mut self, on: bool) -> Self {
+        self.config.decay_thread = on;
+        self
+    }
+
+    /// Idle bytes (free space of chunks that may be resident, cached dedicated blocks) a node's
+    /// arena keeps before the oldest are given back at once (default 4 GiB).
+    pub const fn cache_limit(mut self, bytes: usize) -> Self {
+        self.config.cache_limit = bytes;
+        self
+    }
+
+    /// `MADV_HUGEPAGE` and 2 MiB alignment for blocks of at least 2 MiB (default on).
+    pub const fn huge_pages(mut self, on: bool) -> Self {
+        self.config.huge_pages = on;
+        self
+    }
+
+    /// Checks every page's node after populating and counts misplaced pages (default off).
+    pub const fn verify(mut self, on: bool) -> Self {
+        self.config.verify = on;
+        self
+    }
+
+    /// Page-locking mode (default [`PinMode::Off`]; see the README on what pinning changes).
+    pub const fn pin(mut self, mode: PinMode) -> Self {
+        self.config.pin = mode;
+        self
+    }
+
+    /// Registers with `CU_MEMHOSTREGISTER_DEVICEMAP` (default off).
+    pub const fn pin_devicemap(mut self, on: bool) -> Self {
+        self.config.pin_devicemap = on;
+        self
+    }
+
+    /// Registers with `CU_MEMHOSTREGISTER_READ_ONLY` (default off).
+    pub const fn pin_read_only(mut self, on: bool) -> Self {
+        self.config.pin_read_only = on;
+        self
+    }
+
+    /// Threads that populate one big block; 0 (default) picks from the available cores.
+    pub const fn populate_threads(mut self, threads: usize) -> Self {
+        self.config.populate_threads = threads;
+        self
+    }
+
+    /// Places `blocks` blocks of `block_size` bytes into the cache at initialisation (see
+    /// [`reserve`](Self::reserve); default none).
+    pub const fn reserve_at_init(mut self, blocks: usize, block_size: usize) -> Self {
+        self.config.reserve = Reserve { blocks, block_size };
+        self
+    }
+
+    /// Root of sysfs (default `/sys`), for tests against fixture trees. Another root describes
+    /// another machine, so this process's cpuset (allowed memory nodes) is then not applied.
+    pub const fn sysfs_root(mut self, root: &'static str) -> Self {
+        self.config.sysfs_root = root;
+        self
+    }
+}

@@ -1,0 +1,292 @@
+//! The allocator's counters: relaxed atomics, one per event, no lock (the last pin error's
+//! lock is only tried).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use super::{CudaErrorCount, Fallbacks, Stats, TimeStats};
+use crate::Error;
+
+/// A monotonically increasing event counter.
+#[derive(Default)]
+pub(crate) struct Counter(AtomicU64);
+
+impl Counter {
+    pub(crate) fn add(&self, n: u64) {
+        self.0.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn incr(&self) {
+        self.add(1);
+    }
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// Total and maximum of a duration, in nanoseconds.
+#[derive(Default)]
+pub(crate) struct Timer {
+    total_ns: Counter,
+    max_ns: AtomicU64,
+}
+
+impl Timer {
+    pub(crate) fn record(&self, elapsed: Duration) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.total_ns.add(ns);
+        self.max_ns.fetch_max(ns, Relaxed);
+    }
+    pub(super) fn snapshot(&self) -> TimeStats {
+        TimeStats {
+            total: Duration::from_nanos(self.total_ns.get()),
+            max: Duration::from_nanos(self.max_ns.load(Relaxed)),
+        }
+    }
+    /// Forgets the maximum; the total stays.
+    fn reset_max(&self) {
+        self.max_ns.store(0, Relaxed);
+    }
+}
+
+/// How many distinct CUDA error codes are counted separately; the rest share the last slot.
+pub(crate) const ERROR_CODE_SLOTS: usize = 8;
+pub(super) const FREE_SLOT: u32 = u32::MAX;
+
+/// Registration failures counted by CUDA error code, lock-free.
+pub(crate) struct CodeCounts {
+    codes: [AtomicU32; ERROR_CODE_SLOTS],
+    names: [std::sync::OnceLock<&'static str>; ERROR_CODE_SLOTS],
+    counts: [AtomicU64; ERROR_CODE_SLOTS],
+    /// The last slot also counts codes that found no slot of their own.
+    overflowed: std::sync::atomic::AtomicBool,
+}
+
+impl Default for CodeCounts {
+    fn default() -> Self {
+        CodeCounts {
+            codes: std::array::from_fn(|_| AtomicU32::new(FREE_SLOT)),
+            names: std::array::from_fn(|_| std::sync::OnceLock::new()),
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            overflowed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+}
+
+impl CodeCounts {
+    pub(crate) fn record(&self, code: u32, name: &'static str) {
+        for slot in 0..ERROR_CODE_SLOTS {
+            let claimed = self.codes[slot]
+                .compare_exchange(FREE_SLOT, code, Relaxed, Relaxed)
+                .unwrap_or_else(|current| current);
+            if claimed == code || claimed == FREE_SLOT || slot == ERROR_CODE_SLOTS - 1 {
+                if claimed != code && claimed != FREE_SLOT {
+                    self.overflowed.store(true, Relaxed);
+                }
+                let _ = self.names[slot].set(name);
+                self.counts[slot].fetch_add(1, Relaxed);
+                return;
+            }
+        }
+    }
+    /// The codes counted so far, in slot order.
+    pub(super) fn counts(&self) -> impl Iterator<Item = CudaErrorCount> + '_ {
+        (0..ERROR_CODE_SLOTS).filter_map(|slot| {
+            let count = self.counts[slot].load(Relaxed);
+            let mixed = slot == ERROR_CODE_SLOTS - 1 && self.overflowed.load(Relaxed);
+            (count > 0).then(|| CudaErrorCount {
+                code: if mixed {
+                    FREE_SLOT
+                } else {
+                    self.codes[slot].load(Relaxed)
+                },
+                name: if mixed {
+                    "other"
+                } else {
+                    self.names[slot].get().copied().unwrap_or("?")
+                },
+                count,
+            })
+        })
+    }
+}
+
+/// The lock's guard when it is free (a poisoned lock still holds a valid `Option<Error>`).
+fn try_lock<T>(lock: &std::sync::Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
+    match lock.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+/// Buckets of [`Stats::requests_by_octave`]: 4 KiB up to 8 TiB and beyond.
+pub(crate) const OCTAVES: usize = 32;
+/// The smallest bucket's lower bound (the smallest threshold), as a power of two.
+pub(super) const FIRST_OCTAVE: u32 = 12;
+
+/// The bucket of a request of `size` bytes.
+pub(super) fn octave(size: usize) -> usize {
+    let log2 = usize::BITS - 1 - size.max(1).leading_zeros();
+    (log2.saturating_sub(FIRST_OCTAVE) as usize).min(OCTAVES - 1)
+}
+
+/// The allocator's atomic counters.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) frees: Counter,
+    pub(crate) cache_hits: Counter,
+    pub(crate) cache_misses: Counter,
+    pub(crate) failed_allocations: Counter,
+    pub(crate) unplaced_blocks: Counter,
+    pub(crate) unpinned_blocks: Counter,
+    pub(crate) pin_failures: Counter,
+    pub(crate) pin_failure_codes: CodeCounts,
+    pub(crate) registrations: Counter,
+    pub(crate) unregistrations: Counter,
+    pub(crate) unregister_failures: Counter,
+    pub(crate) bind_exhausted: Counter,
+    pub(crate) map_failures: Counter,
+    pub(crate) populate_failures: Counter,
+    pub(crate) placement_failures: Counter,
+    pub(crate) unverified_blocks: Counter,
+    pub(crate) foreign_frees: Counter,
+    pub(crate) released_blocks: Counter,
+    pub(crate) in_place_reallocs: Counter,
+    pub(crate) grown_without_copy: Counter,
+    pub(crate) in_flight_recorded: Counter,
+    pub(crate) reuse_deferred: Counter,
+    pub(crate) pressure_retries: Counter,
+    pub(crate) pressure_released: Counter,
+    pub(crate) memory_limited: Counter,
+    pub(crate) strict_refused: Counter,
+    pub(crate) pages_checked: Counter,
+    pub(crate) pages_misplaced: Counter,
+    pub(crate) populate: Timer,
+    pub(crate) pin: Timer,
+    pub(crate) unpin: Timer,
+    pub(crate) requests_by_octave: [Counter; OCTAVES],
+    /// The latest registration or unregistration error (taken on failures and snapshots only; std's
+    /// futex mutex does not allocate).
+    pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
+}
+
+impl Counters {
+    /// Counts a failed registration under its CUDA error code.
+    pub(crate) fn record_pin_failure(&self, error: &Error) {
+        self.pin_failures.incr();
+        self.set_last_pin_error(error);
+        if let Error::Cuda { code, name, .. } = error {
+            self.pin_failure_codes.record(*code, name);
+        }
+    }
+
+    /// Counts a block or chunk that could not be made under the step that failed: the cgroup
+    /// limit, `mmap`, populating, or a `policy=bind` node out of memory (others are counted
+    /// where they happen, or are not memory failures).
+    pub(crate) fn record_block_failure(&self, error: &Error) {
+        let counter = match error {
+            Error::MemoryLimit { .. } => &self.memory_limited,
+            Error::Syscall { call: "mmap", .. } => &self.map_failures,
+            Error::Syscall {
+                call: "madvise(MADV_POPULATE_WRITE)",
+                ..
+            } => &self.populate_failures,
+            Error::Syscall {
+                call: "mbind(MPOL_BIND)",
+                ..
+            } => &self.bind_exhausted,
+            _ => return,
+        };
+        counter.incr();
+    }
+
+    /// Counts a request `pin=strict` refused before mapping anything, with why.
+    pub(crate) fn record_strict_refusal(&self, error: &Error) {
+        self.strict_refused.incr();
+        self.set_last_pin_error(error);
+    }
+
+    /// Counts a failed unregistration (the block is then leaked, not unmapped).
+    pub(crate) fn record_unregister_failure(&self, error: &Error) {
+        self.unregister_failures.incr();
+        self.set_last_pin_error(error);
+        if let Error::Cuda { code, name, .. } = error {
+            self.pin_failure_codes.record(*code, name);
+        }
+    }
+
+    /// Starts the maxima over (see [`NumaGpuAlloc::reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
+    pub(crate) fn reset_peaks(&self) {
+        self.populate.reset_max();
+        self.pin.reset_max();
+        self.unpin.reset_max();
+    }
+
+    /// Counts a large request in its power-of-two size bucket.
+    pub(crate) fn record_request(&self, size: usize) {
+        self.requests_by_octave[octave(size)].incr();
+    }
+
+    fn set_last_pin_error(&self, error: &Error) {
+        // Only tried: a forked child inherits this lock in whatever state another thread of the
+        // parent left it, and a contended update loses nothing but the latest message. Cloning a
+        // CUDA error copies numbers and static strings: no allocation.
+        if let Some(mut last) = try_lock(&self.last_pin_error) {
+            *last = Some(error.clone());
+        }
+    }
+
+    /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
+    /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
+    pub(crate) fn fill(&self, stats: &mut Stats) {
+        // Only tried, as above (the exit report must not block); contended: the snapshot's own.
+        if let Some(last) = try_lock(&self.last_pin_error) {
+            stats.last_pin_error = last.clone();
+        }
+        stats.frees = self.frees.get();
+        stats.cache_hits = self.cache_hits.get();
+        stats.cache_misses = self.cache_misses.get();
+        // Every large request is one or the other: derived, and so always consistent with them.
+        stats.large_allocations = stats.cache_hits + stats.cache_misses;
+        stats.in_place_reallocs = self.in_place_reallocs.get();
+        stats.grown_without_copy = self.grown_without_copy.get();
+        stats.in_flight_recorded = self.in_flight_recorded.get();
+        stats.reuse_deferred = self.reuse_deferred.get();
+        stats.pressure_retries = self.pressure_retries.get();
+        stats.pressure_released_blocks = self.pressure_released.get();
+        stats.released_blocks = self.released_blocks.get();
+        stats.registrations = self.registrations.get();
+        stats.unregistrations = self.unregistrations.get();
+        stats.pages_checked = self.pages_checked.get();
+        stats.pages_misplaced = self.pages_misplaced.get();
+        stats.populate_time = self.populate.snapshot();
+        stats.pin_time = self.pin.snapshot();
+        stats.unpin_time = self.unpin.snapshot();
+        for (count, counter) in stats
+            .requests_by_octave
+            .iter_mut()
+            .zip(&self.requests_by_octave)
+        {
+            *count = counter.get();
+        }
+        stats.pin_failures_by_code.clear();
+        stats
+            .pin_failures_by_code
+            .extend(self.pin_failure_codes.counts());
+        stats.fallbacks = Fallbacks {
+            unplaced_blocks: self.unplaced_blocks.get(),
+            unpinned_blocks: self.unpinned_blocks.get(),
+            pin_failures: self.pin_failures.get(),
+            unregister_failures: self.unregister_failures.get(),
+            failed_allocations: self.failed_allocations.get(),
+            bind_exhausted: self.bind_exhausted.get(),
+            map_failures: self.map_failures.get(),
+            populate_failures: self.populate_failures.get(),
+            memory_limited: self.memory_limited.get(),
+            strict_refused: self.strict_refused.get(),
+            placement_failures: self.placement_failures.get(),
+            unverified_blocks: self.unverified_blocks.get(),
+            foreign_frees: self.foreign_frees.get(),
+        };
+    }
+}

@@ -1,0 +1,210 @@
+//! The [`Stats`] table (`Display`), written without allocating: the exit report prints it.
+
+use std::fmt;
+
+use super::Stats;
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / f64::from(1u32 << 20)
+}
+
+/// A byte count in the largest binary unit that keeps a whole or one-decimal number: `4 KiB`,
+/// `2.5 MiB`, `64 GiB` (the threshold ranges from 4 KiB to 64 GiB). Without allocating.
+pub(super) struct Size(pub(super) usize);
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let units = ["B", "KiB", "MiB", "GiB"];
+        let mut value = self.0 as f64;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < units.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        let tenths = (value * 10.0).round();
+        if tenths % 10.0 == 0.0 {
+            write!(f, "{} {}", tenths / 10.0, units[unit])
+        } else {
+            write!(f, "{value:.1} {}", units[unit])
+        }
+    }
+}
+
+/// A node id, or `-` when unknown (without allocating: the exit report prints this).
+struct Opt(Option<usize>);
+
+impl fmt::Display for Opt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(v) => write!(f, "{v}"),
+            None => f.write_str("-"),
+        }
+    }
+}
+
+impl fmt::Display for Stats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {}",
+            Opt(self.host_node),
+            self.gpu.as_deref().unwrap_or("none"),
+            Opt(self.home_node),
+            if self.pinning { "on" } else { "off" },
+            Size(self.threshold)
+        )?;
+        writeln!(
+            f,
+            "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>5}",
+            "node",
+            "live MiB",
+            "peak MiB",
+            "cached MiB",
+            "pinned MiB",
+            "live",
+            "cached",
+            "chunks",
+            "mapped MiB",
+            "resident MiB",
+            "largest MiB",
+            "frag"
+        )?;
+        for n in &self.nodes {
+            writeln!(
+                f,
+                "{:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>6} {:>6} {:>6} {:>12.1} {:>12.1} \
+                 {:>12.1} {:>5.2}",
+                n.node,
+                mib(n.live_bytes),
+                mib(n.peak_live_bytes),
+                mib(n.cached_bytes),
+                mib(n.pinned_bytes),
+                n.live_blocks,
+                n.cached_blocks,
+                n.chunks,
+                mib(n.mapped_bytes),
+                mib(n.resident_bytes),
+                mib(n.largest_free),
+                n.fragmentation()
+            )?;
+        }
+        for h in &self.heaps {
+            writeln!(
+                f,
+                "chunks on node {} ({:?}{}{}): {} ({:.1} MiB, {:.1} resident, {:.1} free in {} \
+                 ranges, largest {:.1}), made {}, registered {}, purged {:.1} MiB",
+                h.node,
+                h.policy,
+                if h.pinned { ", pinned" } else { "" },
+                if h.huge_pages { ", huge pages" } else { "" },
+                h.chunks,
+                mib(h.mapped_bytes),
+                mib(h.resident_bytes),
+                mib(h.free_bytes),
+                h.free_ranges,
+                mib(h.largest_free),
+                h.chunks_made,
+                h.registrations,
+                h.purged_bytes as f64 / f64::from(1u32 << 20)
+            )?;
+        }
+        for g in &self.gpus {
+            writeln!(
+                f,
+                "gpu {} on node {}: live {:.1} MiB ({} blocks, {:.1} MiB pinned), peak {:.1} MiB",
+                g.ordinal,
+                g.node,
+                mib(g.live_bytes),
+                g.live_blocks,
+                mib(g.pinned_bytes),
+                mib(g.peak_live_bytes)
+            )?;
+        }
+        writeln!(
+            f,
+            "large allocations {} (cache hits {}, misses {}), frees {}, in-place reallocs {}, \
+             grown without copy {}, released blocks {}",
+            self.large_allocations,
+            self.cache_hits,
+            self.cache_misses,
+            self.frees,
+            self.in_place_reallocs,
+            self.grown_without_copy,
+            self.released_blocks
+        )?;
+        writeln!(
+            f,
+            "populate {:.3?} total, {:.3?} max; pin {:.3?} total, {:.3?} max; unpin {:.3?} total, \
+             {:.3?} max; registrations {}, unregistrations {}",
+            self.populate_time.total,
+            self.populate_time.max,
+            self.pin_time.total,
+            self.pin_time.max,
+            self.unpin_time.total,
+            self.unpin_time.max,
+            self.registrations,
+            self.unregistrations
+        )?;
+        if self.requests_by_octave.iter().any(|&n| n > 0) {
+            f.write_str("requests by size:")?;
+            for (k, &n) in self.requests_by_octave.iter().enumerate() {
+                if n > 0 {
+                    write!(f, " {}+ {n}", Size(Stats::octave_start(k)))?;
+                }
+            }
+            writeln!(f)?;
+        }
+        writeln!(
+            f,
+            "pages checked {}, misplaced {}",
+            self.pages_checked, self.pages_misplaced
+        )?;
+        let (blocks, bytes) = self.nodes.iter().fold((0, 0), |(n, b), row| {
+            (n + row.pending_blocks, b + row.pending_bytes)
+        });
+        writeln!(
+            f,
+            "pending {blocks} blocks ({:.1} MiB), GPU uses recorded {}, reuse deferred {}; \
+             retries after giving back {} cached blocks: {}",
+            mib(bytes),
+            self.in_flight_recorded,
+            self.reuse_deferred,
+            self.pressure_released_blocks,
+            self.pressure_retries
+        )?;
+        let fb = &self.fallbacks;
+        writeln!(
+            f,
+            "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, unregister \
+             failures {}, failed \
+             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}, memory limit \
+             {}, strict refused {}), foreign frees {}",
+            fb.unplaced_blocks,
+            fb.unpinned_blocks,
+            fb.unverified_blocks,
+            fb.pin_failures,
+            fb.unregister_failures,
+            fb.failed_allocations,
+            fb.bind_exhausted,
+            fb.map_failures,
+            fb.placement_failures,
+            fb.populate_failures,
+            fb.memory_limited,
+            fb.strict_refused,
+            fb.foreign_frees
+        )?;
+        for c in &self.pin_failures_by_code {
+            writeln!(f, "pin failure {} ({}): {}", c.name, c.code, c.count)?;
+        }
+        if let Some(e) = &self.last_pin_error {
+            writeln!(f, "last pin failure: {e}")?;
+        }
+        if let Some(e) = &self.numa_unavailable {
+            writeln!(f, "NUMA unavailable: {e}")?;
+        }
+        for e in &self.config_errors {
+            writeln!(f, "setup: {e}")?;
+        }
+        Ok(())
+    }
+}
