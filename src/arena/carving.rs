@@ -48,6 +48,7 @@ impl Arena {
         };
         let slot = Slot {
             heap,
+            region: range.region,
             handle: range.handle,
         };
         self.insert_live(block, Some(slot));
@@ -166,11 +167,7 @@ impl Arena {
         match slot {
             Some(slot) => {
                 let heap = &mut self.heaps[slot.heap];
-                let reserved = heap
-                    .carver
-                    .used_containing(block.addr)
-                    .and_then(|range| heap.chunk_mut(range.region))
-                    .is_some_and(|chunk| chunk.reserved());
+                let reserved = heap.chunk_mut(slot.region).is_some_and(|c| c.reserved());
                 // A reserved chunk's free space is not idle: out of the decay's sight.
                 let _ = if reserved {
                     heap.carver.give_back_clean(slot.handle, block.addr)
@@ -237,14 +234,11 @@ impl Arena {
         }
         let populate = if new_size > old.capacity {
             let grown = (addr + old.capacity, new_size - old.capacity);
-            heap.carver
-                .used_containing(addr)
-                .and_then(|range| heap.chunk_mut(range.region))
-                .and_then(|chunk| {
-                    let span = chunk.plan_populate(grown.0, grown.1);
-                    let _ = chunk.hand_out(grown.0, grown.1);
-                    span
-                })
+            heap.chunk_mut(slot.region).and_then(|chunk| {
+                let span = chunk.plan_populate(grown.0, grown.1);
+                let _ = chunk.hand_out(grown.0, grown.1);
+                span
+            })
         } else {
             None
         };

@@ -143,6 +143,8 @@ pub(crate) struct Block {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Slot {
     heap: usize,
+    /// The carver region (chunk) it lies in: stable while the block is used.
+    region: u32,
     handle: Handle,
 }
 
@@ -468,7 +470,9 @@ impl Arena {
     /// this arena.
     pub(crate) fn remove_live(&mut self, addr: usize) -> Option<Live> {
         let live = self.live.remove(&addr)?;
-        self.live_dedicated -= usize::from(live.slot.is_none());
+        self.live_dedicated = self
+            .live_dedicated
+            .saturating_sub(usize::from(live.slot.is_none()));
         if !live.work.is_empty() {
             self.live_with_work = self.live_with_work.saturating_sub(1);
         }
