@@ -17,7 +17,6 @@ use crate::process;
 use crate::route;
 use crate::runtime::{Placement, Resolved, Runtime};
 use crate::stats::Stats;
-use crate::Error;
 
 /// A NUMA- and GPU-aware allocator.
 ///
@@ -195,30 +194,6 @@ impl<A> NumaGpuAlloc<A> {
         }
     }
 
-    /// Places `blocks` blocks of `block_size` bytes, populated and (when pinning) page-locked,
-    /// into the cache of the node where the calling thread's blocks go (its
-    /// [route](crate::bind_thread), or this value's target) now, initialising the large path if
-    /// needed: the next requests of about
-    /// that size (up to a ninth smaller) are cache hits instead of paying for placement and
-    /// pinning. Reserved blocks are ordinary cached blocks: they count against the cache limit
-    /// (older cached blocks make room for them), the cache keeps them as memory in use at once,
-    /// and [`trim`](Self::trim) releases them.
-    ///
-    /// Takes as long as allocating the blocks; call it at start-up, or on a thread of its own.
-    /// `NUMA_GPU_ALLOC=reserve=COUNTxSIZE` (or [`reserve_at_init`](Self::reserve_at_init)) does
-    /// the same at initialisation, on the thread that initialises.
-    ///
-    /// # Errors
-    /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
-    /// the cache limit; [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked
-    /// for the target; the placement or pinning error of a block that could not be made (the
-    /// blocks made before it stay cached, unless memory pressure made the allocator give cached
-    /// blocks back).
-    pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
-        let _inside = Inside::enter();
-        self.runtime().reserve(blocks, block_size)
-    }
-
     /// Attaches `work` to the live large block containing `ptr` (anywhere inside it): when the
     /// block is freed before `work` completed, it waits in the pending list instead of the cache.
     /// Gives `work` back when no live large block contains `ptr`, so that the caller can wait on
@@ -328,6 +303,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let align = layout.align().max(rt.page_size);
         let block = if carved(size, align) {
             rt.carve(size, align, zeroed, &target, kind)?
+        } else if let Some(block) = rt.carve_reserved(size, align, zeroed, &target, kind) {
+            block
         } else {
             self.dedicated(rt, layout, zeroed, &target, kind)?
         };
@@ -625,6 +602,7 @@ impl<A> Drop for NumaGpuAlloc<A> {
 }
 
 mod builder;
+mod reserving;
 #[cfg(test)]
 #[allow(unsafe_code)]
 pub(crate) mod tests;

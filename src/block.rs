@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use crate::arena::{Block, Kind, Released, NODES};
 use crate::carved::shortage_kind;
-use crate::chunk::ChunkRelease;
+use crate::chunk::{ChunkRelease, Registration};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
-use crate::guard::Inside;
+use crate::populate_pool;
 use crate::route;
 use crate::runtime::{Resolved, Runtime};
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
@@ -189,7 +189,7 @@ impl Runtime {
         let placed = unsafe { self.place(ptr, len, nodes) }.map_err(|e| (Cause::Other, e))?;
         let start = Instant::now();
         // SAFETY: forwarded from the caller.
-        let populated = unsafe { self.populate(ptr, len) };
+        let populated = unsafe { self.populate(ptr, len, nodes) };
         self.counters.populate.record(start.elapsed());
         populated.map_err(|e| (Cause::Populate, e))?;
         if placed {
@@ -370,58 +370,56 @@ impl Runtime {
         Ok(())
     }
 
-    /// Populates the range, with several threads for big blocks.
+    /// Populates the range for `nodes`: big ranges with the pooled workers of the node (bound
+    /// to its CPUs), up to `populate_threads` threads in all.
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
-    pub(crate) unsafe fn populate(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+    pub(crate) unsafe fn populate(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        nodes: &NodeMask,
+    ) -> Result<(), Error> {
         let threads = if len >= PARALLEL_POPULATE_MIN {
             self.populate_threads
         } else {
             1
         };
-        if threads <= 1 {
-            // SAFETY: forwarded from the caller.
-            return unsafe { sys::populate(ptr, len) }.map(drop);
-        }
-        let chunk = len.div_ceil(threads).next_multiple_of(HUGE_PAGE);
-        let base = ptr.as_ptr() as usize;
-        let populate_chunk = move |offset: usize| {
-            let _inside = Inside::enter();
-            let chunk_len = chunk.min(len - offset);
-            // Cannot be null: base is a live mapping and offset < len.
-            let Some(start) = NonNull::new((base + offset) as *mut u8) else {
-                return Ok(());
-            };
-            // SAFETY: start..start+chunk_len lies inside the caller's mapping; chunks are disjoint.
-            unsafe { sys::populate(start, chunk_len) }.map(drop)
+        let mut only = nodes.iter();
+        // Pages spread over several nodes (interleave) get workers bound to none.
+        let node = match (only.next(), only.next()) {
+            (Some(node), None) => Some(node),
+            _ => None,
         };
-        std::thread::scope(|scope| {
-            let mut first_error = Ok(());
-            let mut workers = Vec::with_capacity(threads);
-            for offset in (chunk..len).step_by(chunk) {
-                match std::thread::Builder::new()
-                    .spawn_scoped(scope, move || populate_chunk(offset))
-                {
-                    Ok(worker) => workers.push(worker),
-                    // No thread to be had: do the chunk here.
-                    Err(_) => first_error = first_error.and(populate_chunk(offset)),
-                }
-            }
-            first_error = first_error.and(populate_chunk(0));
-            for worker in workers {
-                let result = worker.join().unwrap_or(Err(Error::Syscall {
-                    call: "populate thread",
-                    errno: libc::EFAULT,
-                }));
-                first_error = first_error.and(result);
-            }
-            first_error
-        })
+        let cpus = || node.map_or_else(Vec::new, |node| self.node_cpus(node));
+        // SAFETY: forwarded from the caller.
+        unsafe { populate_pool::populate(node, cpus, ptr, len, threads) }
+    }
+
+    /// The CPUs of `node` that this process may run on (its cpuset, as the calling thread's
+    /// affinity shows it): none when the node has no CPU or they cannot be read.
+    fn node_cpus(&self, node: usize) -> Vec<usize> {
+        let Ok(allowed) = populate_pool::thread_cpus() else {
+            return Vec::new();
+        };
+        self.topology
+            .nodes()
+            .iter()
+            .find(|n| n.id == node)
+            .map(|n| {
+                n.cpus
+                    .iter()
+                    .copied()
+                    .filter(|c| allowed.contains(c))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Registers the block through `gpu`'s context when pinning is on; returns whether it is
-    /// pinned.
+    /// pinned (the registration is kept in the block, and released with it). Under `pin=strict`
+    /// a failure fails the block; otherwise it is served unpinned, counted.
     ///
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
@@ -431,50 +429,19 @@ impl Runtime {
         len: usize,
         gpu: Option<&'static Gpu>,
     ) -> Result<bool, Error> {
-        // Tests simulate a failed registration, GPU or not (never compiled without the feature).
-        #[cfg(feature = "fault-injection")]
-        if self.config.pin != crate::PinMode::Off {
-            if let Some(code) = sys::fault::injected(sys::fault::FaultPoint::Register) {
-                return self.registered(Err(crate::cuda::simulated_register_error(code as u32)));
-            }
-        }
-        let Some(gpu) = gpu else {
-            if self.config.pin == PinMode::Strict {
-                // Strict means pinned or nothing. `Runtime::kind` refuses such a target before
-                // anything is mapped; this keeps any other way here from handing one out.
-                return Err(Error::CudaUnavailable {
-                    reason: "pin=strict, but there is no GPU to register blocks with",
-                });
-            }
+        if self.config.pin == PinMode::Off {
             self.counters.unpinned_blocks.incr();
             return Ok(false);
-        };
-        let start = Instant::now();
-        // SAFETY: forwarded from the caller; the range is not registered yet.
-        let registered = unsafe {
-            gpu.register(
-                ptr,
-                len,
-                self.config.pin_devicemap,
-                self.config.pin_read_only,
-            )
-        };
-        self.counters.pin.record(start.elapsed());
-        self.registered(registered)
-    }
-
-    /// Counts a registration's outcome; under `pin=strict` a failure fails the block.
-    fn registered(&self, registered: Result<(), Error>) -> Result<bool, Error> {
-        match registered {
-            Ok(()) => {
-                self.counters.registrations.incr();
+        }
+        // SAFETY: forwarded from the caller; the range is not registered yet, and stays mapped
+        // until `release_dedicated` adopts the registration back.
+        match unsafe { self.register(gpu, ptr, len) } {
+            Ok(registration) => {
+                registration.keep();
                 Ok(true)
             }
-            Err(e) => {
-                self.counters.record_pin_failure(&e);
-                if self.config.pin == PinMode::Strict {
-                    return Err(e);
-                }
+            Err(e) if self.config.pin == PinMode::Strict => Err(e),
+            Err(_) => {
                 self.counters.unpinned_blocks.incr();
                 Ok(false)
             }
@@ -553,8 +520,9 @@ pub(crate) unsafe fn release_dedicated(block: Block) -> ChunkRelease {
     // Through the process's context of the device that registered it.
     if let Some(gpu) = block.gpu.and_then(Gpu::by_ordinal) {
         let start = Instant::now();
-        // SAFETY: the block was registered by `pin` and is still mapped.
-        let unregistered = unsafe { gpu.unregister(ptr) };
+        // SAFETY: the block's registration, kept by `pin`, adopted once (the block is released
+        // once); the block is still mapped.
+        let unregistered = unsafe { Registration::adopt(gpu, ptr, block.capacity) }.release();
         let failed = unregistered.is_err();
         outcome.unregistered = Some((start.elapsed(), unregistered));
         if failed {

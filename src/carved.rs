@@ -44,6 +44,48 @@ impl Runtime {
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
+        // A reservation's chunks are populated whole: small blocks may share their huge pages.
+        if size < HUGE_PAGE && self.config.huge_pages {
+            if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
+                return Some(block);
+            }
+        }
+        self.carve_from(size, align, zeroed, target, kind, true)
+    }
+
+    /// A block carved from the room of reserved chunks (served before any other for sizes that
+    /// would otherwise go to small-page chunks or a mapping of their own), when the target's
+    /// heap has them and they have room; `None` (nothing counted) otherwise.
+    pub(crate) fn carve_reserved(
+        &self,
+        size: usize,
+        align: usize,
+        zeroed: bool,
+        target: &Resolved,
+        kind: Kind,
+    ) -> Option<Block> {
+        let key = HeapKey {
+            kind,
+            huge: self.config.huge_pages,
+        };
+        if size.saturating_add(align) > CHUNK_MAX
+            || !self.arena(target.host_node)?.has_reserved(key)
+        {
+            return None;
+        }
+        self.carve_from(size, align, zeroed, target, kind, false)
+    }
+
+    /// [`Self::carve`]; `make`: whether a chunk is made when none has room.
+    fn carve_from(
+        &self,
+        size: usize,
+        align: usize,
+        zeroed: bool,
+        target: &Resolved,
+        kind: Kind,
+        make: bool,
+    ) -> Option<Block> {
         let mut made = false;
         let block = (|| {
             let mut key = HeapKey {
@@ -76,6 +118,7 @@ impl Runtime {
                 match carving {
                     Ok(Some(carving)) => return self.prepare(carving, zeroed, target),
                     Err(()) => return None,
+                    Ok(None) if !make => return None,
                     Ok(None) => {
                         let need = size + align.saturating_sub(self.page_size);
                         let chunk = self.new_chunk(key, need, target).ok()?;
@@ -94,13 +137,13 @@ impl Runtime {
             }
             None
         })();
-        // A hit: carved from chunks there were; anything else (a new chunk, a failure) a miss.
-        let counter = if block.is_some() && !made {
-            &self.counters.cache_hits
-        } else {
-            &self.counters.cache_misses
-        };
-        counter.incr();
+        // A hit: carved from chunks there were; anything else (a new chunk, a failure) a miss,
+        // except reserved room not found (the dedicated path counts that request).
+        match (block.is_some() && !made, make) {
+            (true, _) => self.counters.cache_hits.incr(),
+            (false, true) => self.counters.cache_misses.incr(),
+            (false, false) => {}
+        }
         block
     }
 
@@ -190,7 +233,7 @@ impl Runtime {
         // SAFETY: the span lies in a chunk of this process whose granules it covers were never
         // populated: no block handed out uses them yet (a neighbour sharing a boundary granule
         // sees it as populated and only ever writes to it, which populating does not disturb).
-        let populated = unsafe { self.populate(ptr, span.len) };
+        let populated = unsafe { self.populate(ptr, span.len, nodes) };
         self.counters.populate.record(start.elapsed());
         populated?;
         if self.numa_placement() {
@@ -278,19 +321,7 @@ impl Runtime {
         mapping: Mapping,
         target: &Resolved,
     ) -> Result<Chunk, Error> {
-        let (ptr, len) = (mapping.ptr(), mapping.len());
-        // SAFETY: the mapping is ours, fresh and used by nobody. Without THP this is a no-op.
-        let _ = unsafe {
-            if key.huge {
-                sys::advise_hugepage(ptr, len)
-            } else {
-                sys::advise_nohugepage(ptr, len)
-            }
-        };
-        // SAFETY: as above.
-        unsafe { self.place(ptr, len, &target.nodes) }?;
-        let granule = if key.huge { HUGE_PAGE } else { self.page_size };
-        let mut chunk = Chunk::new(mapping, granule)?;
+        let mut chunk = self.placed_chunk(key, mapping, target)?;
         if key.kind.pinned {
             self.populate_chunk(&mut chunk, target)?;
             if let Err(e) = self.register_chunk(&mut chunk, target) {
@@ -305,6 +336,28 @@ impl Runtime {
         Ok(chunk)
     }
 
+    /// Steps 2 and 3 of a chunk: advised and placed, nothing populated.
+    pub(crate) fn placed_chunk(
+        &self,
+        key: HeapKey,
+        mapping: Mapping,
+        target: &Resolved,
+    ) -> Result<Chunk, Error> {
+        let (ptr, len) = (mapping.ptr(), mapping.len());
+        // SAFETY: the mapping is ours, fresh and used by nobody. Without THP this is a no-op.
+        let _ = unsafe {
+            if key.huge {
+                sys::advise_hugepage(ptr, len)
+            } else {
+                sys::advise_nohugepage(ptr, len)
+            }
+        };
+        // SAFETY: as above.
+        unsafe { self.place(ptr, len, &target.nodes) }?;
+        let granule = if key.huge { HUGE_PAGE } else { self.page_size };
+        Chunk::new(mapping, granule)
+    }
+
     /// Populates and checks a whole chunk (before it is registered, or for a reservation).
     pub(crate) fn populate_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
         if let Some(span) = chunk.plan_populate(chunk.base(), chunk.len()) {
@@ -314,31 +367,11 @@ impl Runtime {
     }
 
     /// Registers a populated chunk through the target's GPU, counted.
-    fn register_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
-        #[cfg(feature = "fault-injection")]
-        if let Some(code) = sys::fault::injected(sys::fault::FaultPoint::Register) {
-            let e = crate::cuda::simulated_register_error(code as u32);
-            self.counters.record_pin_failure(&e);
-            return Err(e);
-        }
-        let Some(gpu) = target.gpu else {
-            return Err(Error::CudaUnavailable {
-                reason: "pin=strict, but there is no GPU to register chunks with",
-            });
-        };
-        let start = Instant::now();
-        let registered = chunk.register(gpu, self.config.pin_devicemap, self.config.pin_read_only);
-        self.counters.pin.record(start.elapsed());
-        match registered {
-            Ok(()) => {
-                self.counters.registrations.incr();
-                Ok(())
-            }
-            Err(e) => {
-                self.counters.record_pin_failure(&e);
-                Err(e)
-            }
-        }
+    pub(crate) fn register_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
+        let gpu = target.gpu;
+        // SAFETY: the chunk's mapping, populated and checked by the caller, not registered yet;
+        // the chunk releases its registration before its mapping.
+        chunk.register(|ptr, len| unsafe { self.register(gpu, ptr, len) })
     }
 
     /// Does what an arena operation on `node` left to do outside its lock: releases dedicated

@@ -24,6 +24,7 @@
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::cuda::Gpu;
@@ -94,39 +95,104 @@ impl Drop for Mapping {
     }
 }
 
-/// A `cuMemHostRegister` of a whole chunk.
+/// Bytes the process holds page-locked through the allocator: registered chunks and dedicated
+/// blocks, counted from before each registration (so that two threads cannot both pass the
+/// limit) until it is released.
+static PAGE_LOCKED: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes page-locked through the allocator now, in the whole process.
+pub(crate) fn page_locked_bytes() -> usize {
+    PAGE_LOCKED.load(Ordering::Relaxed)
+}
+
+/// Counts `len` more bytes as page-locked, unless that would pass `limit`.
+pub(crate) fn take_page_locked(len: usize, limit: usize) -> Result<(), Error> {
+    PAGE_LOCKED
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |pinned| {
+            pinned.checked_add(len).filter(|&total| total <= limit)
+        })
+        .map(drop)
+        .map_err(|pinned| Error::PinLimit {
+            requested: len,
+            pinned,
+            limit,
+        })
+}
+
+/// Counts `len` page-locked bytes as released (an unregistration, or a registration that
+/// failed after [`take_page_locked`]).
+pub(crate) fn give_page_locked(len: usize) {
+    PAGE_LOCKED.fetch_sub(len, Ordering::AcqRel);
+}
+
+/// A `cuMemHostRegister` of a whole chunk, counted in the page-locked bytes while it lasts.
 #[derive(Debug)]
 pub(crate) struct Registration {
     gpu: &'static Gpu,
     ptr: NonNull<u8>,
+    len: usize,
 }
 
 // SAFETY: a registration may be released from any thread (the context is pushed for the call).
 unsafe impl Send for Registration {}
 
 impl Registration {
-    /// Registers `mapping` whole through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as asked).
-    pub(crate) fn new(
+    /// Registers `ptr..ptr+len` whole through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as
+    /// asked), unless that would page-lock more than `flags.limit` bytes in the process.
+    ///
+    /// # Safety
+    /// The range is a live mapping of this crate, not registered yet, that stays mapped until
+    /// the registration is released (a chunk releases it before its mapping, in
+    /// `Chunk::release` and `Drop`).
+    pub(crate) unsafe fn new(
         gpu: &'static Gpu,
-        mapping: &Mapping,
-        devicemap: bool,
-        read_only: bool,
+        ptr: NonNull<u8>,
+        len: usize,
+        flags: PinFlags,
     ) -> Result<Registration, Error> {
-        // SAFETY: the mapping is live and not registered yet; the chunk that keeps this
-        // registration releases it before the mapping (`Chunk::release` and `Drop`).
-        unsafe { gpu.register(mapping.ptr(), mapping.len(), devicemap, read_only) }?;
-        Ok(Registration {
-            gpu,
-            ptr: mapping.ptr(),
-        })
+        take_page_locked(len, flags.limit)?;
+        // SAFETY: forwarded from the caller.
+        let registered = unsafe { gpu.register(ptr, len, flags.devicemap, flags.read_only) };
+        if let Err(e) = registered {
+            give_page_locked(len);
+            return Err(e);
+        }
+        Ok(Registration { gpu, ptr, len })
     }
 
-    /// Unregisters; an error means the range may still be the driver's and must stay mapped.
-    fn release(self) -> Result<(), Error> {
+    /// Lets the registration outlive this value without releasing it (releasing is always
+    /// explicit: a chunk does it before unmapping): a dedicated block records it in its
+    /// `Block`, and [`Self::adopt`] takes it back to release it.
+    pub(crate) fn keep(self) {}
+
+    /// The registration of `ptr..ptr+len` through `gpu` that [`Self::keep`] kept.
+    ///
+    /// # Safety
+    /// That registration exists, is adopted once, and the range is still mapped.
+    pub(crate) unsafe fn adopt(gpu: &'static Gpu, ptr: NonNull<u8>, len: usize) -> Registration {
+        Registration { gpu, ptr, len }
+    }
+
+    /// Unregisters; an error means the range may still be the driver's and must stay mapped
+    /// (and counted page-locked).
+    pub(crate) fn release(self) -> Result<(), Error> {
         // SAFETY: `ptr` is the base of a successful registration, still mapped (the mapping is
         // released after this).
-        unsafe { self.gpu.unregister(self.ptr) }
+        unsafe { self.gpu.unregister(self.ptr) }?;
+        give_page_locked(self.len);
+        Ok(())
     }
+}
+
+/// How a range is registered: the driver's flags, and the pinned limit it must stay within.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PinFlags {
+    /// `CU_MEMHOSTREGISTER_DEVICEMAP`.
+    pub(crate) devicemap: bool,
+    /// `CU_MEMHOSTREGISTER_READ_ONLY`.
+    pub(crate) read_only: bool,
+    /// The most bytes the process may hold page-locked through the allocator.
+    pub(crate) limit: usize,
 }
 
 /// What releasing a chunk did, for the counters.
@@ -209,19 +275,17 @@ impl Chunk {
         self.reserved
     }
 
-    /// Registers the whole chunk through `gpu`, which faults in every page not yet resident
+    /// Registers the whole chunk with `register`, which faults in every page not yet resident
     /// (under the chunk's policy): all of it is resident afterwards. The caller populated and
     /// checked it first.
     pub(crate) fn register(
         &mut self,
-        gpu: &'static Gpu,
-        devicemap: bool,
-        read_only: bool,
+        register: impl FnOnce(NonNull<u8>, usize) -> Result<Registration, Error>,
     ) -> Result<(), Error> {
         let Some(mapping) = &self.mapping else {
             return Ok(());
         };
-        self.registration = Some(Registration::new(gpu, mapping, devicemap, read_only)?);
+        self.registration = Some(register(mapping.ptr(), mapping.len())?);
         let granules = mapping.len().div_ceil(1 << self.granule_shift);
         for g in 0..granules {
             self.populated.set(g, true);

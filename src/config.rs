@@ -130,7 +130,12 @@ pub struct Config {
     pub pin_devicemap: bool,
     /// Register with `CU_MEMHOSTREGISTER_READ_ONLY`.
     pub pin_read_only: bool,
-    /// Threads that populate one block; 0 picks by block size and available cores.
+    /// The most bytes the process keeps page-locked through the allocator (`usize::MAX`: no
+    /// limit); past it `pin=on` serves blocks unpinned, `pin=strict` fails them.
+    pub pin_limit: usize,
+    /// Threads that populate one large block or chunk, the caller's among them (the others are
+    /// the node's pooled workers); 0: the CPUs this process may use, at most 8 (more rarely
+    /// help: the kernel's page clearing saturates a node's memory bandwidth).
     pub populate_threads: usize,
     /// Root of sysfs (`/sys`); tests point it at fixture trees.
     pub sysfs_root: &'static str,
@@ -157,6 +162,7 @@ impl Config {
         pin: PinMode::Off,
         pin_devicemap: false,
         pin_read_only: false,
+        pin_limit: usize::MAX,
         populate_threads: 0,
         sysfs_root: "/sys",
         stats_at_exit: StatsAtExit::Off,
@@ -190,6 +196,7 @@ impl Config {
             Setting::Pin(mode) => self.pin = mode,
             Setting::PinDevicemap(on) => self.pin_devicemap = on,
             Setting::PinReadOnly(on) => self.pin_read_only = on,
+            Setting::PinLimit(bytes) => self.pin_limit = bytes,
             Setting::PopulateThreads(threads) => self.populate_threads = threads,
             Setting::StatsAtExit(format) => self.stats_at_exit = format,
             Setting::Reserve(reserve) => self.reserve = reserve,
@@ -212,6 +219,7 @@ pub(crate) enum Setting {
     Pin(PinMode),
     PinDevicemap(bool),
     PinReadOnly(bool),
+    PinLimit(usize),
     PopulateThreads(usize),
     StatsAtExit(StatsAtExit),
     Reserve(Reserve),
@@ -289,6 +297,10 @@ fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
         "pin" => Setting::Pin(parse_pin(value)?),
         "devicemap" => Setting::PinDevicemap(parse_switch(key, value)?),
         "readonly" => Setting::PinReadOnly(parse_switch(key, value)?),
+        "pin_limit" if value == "none" => Setting::PinLimit(usize::MAX),
+        "pin_limit" => Setting::PinLimit(
+            parse_size(value).ok_or_else(|| config_error(key, value, PIN_LIMIT_FORMAT))?,
+        ),
         "threads" => Setting::PopulateThreads(parse_threads(value)?),
         "stats" => Setting::StatsAtExit(parse_stats(value)?),
         "reserve" => Setting::Reserve(parse_reserve(value)?),
@@ -299,7 +311,7 @@ fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
                 key,
                 value,
                 "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                 readonly, threads, stats, reserve, decay, decay_thread",
+                 readonly, pin_limit, threads, stats, reserve, decay, decay_thread",
             ))
         }
     })
@@ -312,6 +324,7 @@ impl Default for Config {
 }
 
 const SIZE_FORMAT: &str = "a size such as 4096, 512KiB, 4MiB or 8GiB";
+const PIN_LIMIT_FORMAT: &str = "a size such as 512MiB or 64GiB, or none";
 
 pub(crate) fn config_error(key: &str, value: &str, expected: &'static str) -> Error {
     Error::Config {

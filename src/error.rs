@@ -168,6 +168,15 @@ pub enum Error {
         /// The allocator's cache limit.
         cache_limit: usize,
     },
+    /// Page-locking `requested` more bytes would pass the pinned limit (`pin_limit=`).
+    PinLimit {
+        /// Bytes that were to be page-locked.
+        requested: usize,
+        /// Bytes the process held page-locked through the allocator then.
+        pinned: usize,
+        /// The limit.
+        limit: usize,
+    },
 }
 
 fn errno_text(errno: i32) -> String {
@@ -294,6 +303,15 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "no GPU matches {selector:?} ({device_count} visible CUDA devices)"
+            ),
+            Error::PinLimit {
+                requested,
+                pinned,
+                limit,
+            } => write!(
+                f,
+                "page-locking {requested} more bytes would pass the pinned limit: {pinned} of \
+                 {limit} bytes are page-locked (pin_limit=)"
             ),
         }
     }

@@ -2,8 +2,18 @@
 //! page-locked, or the request fails. When nothing can be page-locked for the request's target (no
 //! driver, no GPU for it, a forked child) the request fails before its kind is even looked up in
 //! the cache, so that no cached unpinned block serves it and nothing is mapped or populated.
+//!
+//! Every registration the allocator makes goes through [`Runtime::register`]: counted, timed,
+//! and held within the pinned limit.
+//!
+//! Unsafe code here relies on callers registering only ranges of their own, once.
+#![allow(unsafe_code)]
 
-use crate::arena::Kind;
+use std::ptr::NonNull;
+use std::time::Instant;
+
+use crate::arena::{Kind, Shortage};
+use crate::chunk::{page_locked_bytes, PinFlags, Registration};
 use crate::config::{Config, PinMode};
 use crate::cuda::{self, Gpu};
 use crate::process;
@@ -84,5 +94,70 @@ impl Runtime {
             devicemap: pinned && self.config.pin_devicemap,
             read_only: pinned && self.config.pin_read_only,
         })
+    }
+}
+
+impl Runtime {
+    /// The flags and limit this value registers with.
+    pub(crate) fn pin_flags(&self) -> PinFlags {
+        PinFlags {
+            devicemap: self.config.pin_devicemap,
+            read_only: self.config.pin_read_only,
+            limit: self.config.pin_limit,
+        }
+    }
+
+    /// Registers `ptr..ptr+len` through `gpu` (none: an error), timed and counted. Past the pinned limit, idle
+    /// page-locked memory (wholly free pinned chunks not reserved, cached pinned blocks) is given
+    /// back first, then the limit refuses ([`Error::PinLimit`], counted in `pin_limited`).
+    ///
+    /// # Safety
+    /// As [`Registration::new`]; the range is populated.
+    pub(crate) unsafe fn register(
+        &self,
+        gpu: Option<&'static Gpu>,
+        ptr: NonNull<u8>,
+        len: usize,
+    ) -> Result<Registration, Error> {
+        // Tests simulate a failed registration, GPU or not (never compiled without the feature).
+        #[cfg(feature = "fault-injection")]
+        if let Some(code) = crate::sys::fault::injected(crate::sys::fault::FaultPoint::Register) {
+            let e = cuda::simulated_register_error(code as u32);
+            self.counters.record_pin_failure(&e);
+            return Err(e);
+        }
+        let Some(gpu) = gpu else {
+            // Strict means pinned or nothing. `Runtime::kind` refuses such a target before
+            // anything is mapped; this keeps any other way here from handing one out.
+            return Err(Error::CudaUnavailable {
+                reason: "pin=strict, but there is no GPU to register blocks with",
+            });
+        };
+        let flags = self.pin_flags();
+        let over = page_locked_bytes()
+            .saturating_add(len)
+            .saturating_sub(flags.limit);
+        if over > 0 {
+            for node in self.topology.nodes().iter().map(|n| n.id) {
+                if self.give_back_for(node, over, Shortage::PageLocked) {
+                    break;
+                }
+            }
+        }
+        let start = Instant::now();
+        // SAFETY: forwarded from the caller.
+        let registered = unsafe { Registration::new(gpu, ptr, len, flags) };
+        match &registered {
+            Ok(_) => {
+                self.counters.pin.record(start.elapsed());
+                self.counters.registrations.incr();
+            }
+            Err(Error::PinLimit { .. }) => self.counters.pin_limited.incr(),
+            Err(e) => {
+                self.counters.pin.record(start.elapsed());
+                self.counters.record_pin_failure(e);
+            }
+        }
+        registered
     }
 }

@@ -1,14 +1,25 @@
-//! Reservations: blocks made ahead of the requests that will want them and put straight into the
-//! cache (as PyTorch's `pinned_reserve_segment_size_mb` avoids a first batch's stall). A reserved
-//! block is an ordinary cached block: a request of its size class takes it as a cache hit, it
-//! counts against the cache limit, and `trim()` releases it.
+//! Reservations: memory made ahead of the requests that will want it (as PyTorch's
+//! `pinned_reserve_segment_size_mb` avoids a first batch's stall).
+//!
+//! - Blocks of a size (`reserve=COUNTxSIZE`, [`Runtime::reserve`]) go straight into the cache,
+//!   as chunks with room for them or cached dedicated blocks: they count against the cache
+//!   limit, and `trim()` releases them.
+//! - Bytes ([`Runtime::reserve_bytes`], in the background or not) are made chunk by chunk, each
+//!   at most [`CHUNK_MAX`]: mapped, placed, populated by the node's bound workers and (pinned)
+//!   registered with one driver call, then added to the arena, where requests carve from it at
+//!   once while later chunks are still being made. Reserved chunks outlive decay; `trim()` and
+//!   memory pressure release them.
 
 use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
-use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_MAX};
+use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX};
 use crate::block::HUGE_PAGE;
 use crate::carved::carved;
+use crate::chunk::Mapping;
 use crate::config::{Config, Reserve};
+use crate::lock::Lock;
 use crate::route;
 use crate::runtime::{Resolved, Runtime};
 use crate::Error;
@@ -90,6 +101,127 @@ impl Runtime {
             left -= n;
         }
         Ok(())
+    }
+}
+
+impl Runtime {
+    /// Makes `bytes` (rounded up to whole 2 MiB) of reserved chunks for `target`, of `kind`,
+    /// counting each step in `tally`; stops at the first failure (what was made stays, usable)
+    /// or when the tally is cancelled. Chunk lengths double from the first chunk's, so that the
+    /// first is usable soon, up to [`CHUNK_MAX`].
+    pub(crate) fn reserve_bytes(
+        &self,
+        bytes: usize,
+        target: &Resolved,
+        kind: Kind,
+        tally: &Tally,
+    ) -> Result<(), Error> {
+        let key = HeapKey {
+            kind,
+            huge: self.config.huge_pages,
+        };
+        let total = bytes
+            .checked_next_multiple_of(CHUNK_ALIGN)
+            .ok_or(Error::ReserveRejected {
+                blocks: 1,
+                block_size: bytes,
+                threshold: self.config.threshold,
+                cache_limit: self.config.cache_limit,
+            })?;
+        let mut made = 0;
+        let mut next = CHUNK_FIRST;
+        while made < total && !tally.cancel.load(Ordering::Acquire) {
+            let len = next.min(total - made);
+            next = (next * 2).min(CHUNK_MAX);
+            let mapping = Mapping::new(len, CHUNK_ALIGN)?;
+            let mut chunk = self.placed_chunk(key, mapping, target)?;
+            tally.placed.fetch_add(len, Ordering::Relaxed);
+            self.populate_chunk(&mut chunk, target)?;
+            tally.populated.fetch_add(len, Ordering::Relaxed);
+            if kind.pinned {
+                let start = Instant::now();
+                let registered = self.register_chunk(&mut chunk, target);
+                tally.driver_call(start.elapsed());
+                registered?;
+                tally.registered.fetch_add(len, Ordering::Relaxed);
+            }
+            chunk.set_reserved();
+            self.add_chunk(target.host_node, key, chunk)
+                .ok_or(Error::Syscall {
+                    call: "arena bookkeeping",
+                    errno: libc::ENOMEM,
+                })?;
+            tally.chunk_added(len);
+            made += len;
+        }
+        Ok(())
+    }
+}
+
+/// What a reservation of bytes has done so far, updated as it goes (read by its handle).
+pub(crate) struct Tally {
+    pub(crate) requested: usize,
+    pub(crate) start: Instant,
+    pub(crate) placed: AtomicUsize,
+    pub(crate) populated: AtomicUsize,
+    pub(crate) registered: AtomicUsize,
+    pub(crate) chunks: AtomicUsize,
+    /// Bytes of the chunks added.
+    pub(crate) usable: AtomicUsize,
+    /// Nanoseconds of the longest registration.
+    pub(crate) longest_call_ns: AtomicU64,
+    /// Nanoseconds from the start to the first chunk added (0: none yet).
+    pub(crate) first_chunk_ns: AtomicU64,
+    /// Set to stop after the chunk in progress.
+    pub(crate) cancel: AtomicBool,
+    /// 1 once the reservation ended (a futex word: waiters sleep on it).
+    pub(crate) finished: AtomicU32,
+    /// Why it ended early.
+    pub(crate) error: Lock<Option<Error>>,
+}
+
+impl Tally {
+    pub(crate) fn new(requested: usize) -> Tally {
+        Tally {
+            requested,
+            start: Instant::now(),
+            placed: AtomicUsize::new(0),
+            populated: AtomicUsize::new(0),
+            registered: AtomicUsize::new(0),
+            chunks: AtomicUsize::new(0),
+            usable: AtomicUsize::new(0),
+            longest_call_ns: AtomicU64::new(0),
+            first_chunk_ns: AtomicU64::new(0),
+            cancel: AtomicBool::new(false),
+            finished: AtomicU32::new(0),
+            error: Lock::new(None),
+        }
+    }
+
+    fn driver_call(&self, took: Duration) {
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    fn chunk_added(&self, len: usize) {
+        self.usable.fetch_add(len, Ordering::Relaxed);
+        self.chunks.fetch_add(1, Ordering::Release);
+        let ns = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let _ = self.first_chunk_ns.compare_exchange(
+            0,
+            ns.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Records the outcome and wakes the waiters.
+    pub(crate) fn finish(&self, outcome: Result<(), Error>) {
+        if let Err(e) = outcome {
+            *self.error.lock() = Some(e);
+        }
+        self.finished.store(1, Ordering::Release);
+        crate::sys::futex_wake_all(&self.finished);
     }
 }
 

@@ -723,6 +723,19 @@ pub(crate) fn futex_wake_one(word: &AtomicU32) {
     };
 }
 
+/// Wakes every thread sleeping in [`futex_wait`] on `word`.
+pub(crate) fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live, aligned u32.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            i32::MAX,
+        )
+    };
+}
+
 /// Registers fork handlers with `pthread_atfork(3)`: `prepare` runs in the forking thread before
 /// `fork`, `parent` and `child` after it in each process.
 ///

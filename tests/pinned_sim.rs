@@ -5,7 +5,9 @@
 //! Its own binary: `NumaGpuAlloc` with its default configuration is the global allocator here,
 //! and each test body runs in a child process that loads the simulator as libcuda.
 
+#[macro_use]
 mod common {
+    #[macro_use]
     pub mod sim;
 }
 
@@ -29,24 +31,6 @@ static PINNING: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
 const IGNORE_IN_FLIGHT_VAR: &str = "NUMA_GPU_ALLOC_TEST_IGNORE_IN_FLIGHT";
 
 const MIB: usize = 1 << 20;
-
-/// A test whose body runs against the simulator (in a child process, with `env` added) or, under
-/// `NUMA_GPU_ALLOC_REAL_DRIVER=1`, in place against the real driver.
-macro_rules! sim_test {
-    ($(#[$attr:meta])* $name:ident, env: [$(($k:expr, $v:expr)),* $(,)?], $body:block) => {
-        $(#[$attr])*
-        #[test]
-        fn $name() {
-            if sim::in_body() {
-                $body
-            } else {
-                let (passed, output) = sim::run_child(stringify!($name), &[$(($k, $v)),*]);
-                assert!(passed, "the test failed against the simulator:\n{output}");
-                eprintln!("{output}");
-            }
-        }
-    };
-}
 
 fn context() -> Arc<CudaContext> {
     assert!(numa_gpu_alloc::cuda_driver_present(), "no CUDA driver");

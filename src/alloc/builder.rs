@@ -98,6 +98,15 @@ impl<A> NumaGpuAlloc<A> {
         self
     }
 
+    /// The most bytes the process keeps page-locked through the allocator (`pin_limit=`):
+    /// past it `pin=on` serves blocks unpinned (counted) after giving idle page-locked memory
+    /// back, `pin=strict` fails them with [`Error::PinLimit`](crate::Error::PinLimit), and a
+    /// reservation stops there.
+    pub const fn pin_limit(mut self, bytes: usize) -> Self {
+        self.config.pin_limit = bytes;
+        self
+    }
+
     /// Threads that populate one big block; 0 (default) picks from the available cores.
     pub const fn populate_threads(mut self, threads: usize) -> Self {
         self.config.populate_threads = threads;

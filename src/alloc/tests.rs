@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::*;
 use crate::arena::pending_double::Flag;
-use crate::PinMode;
+use crate::{Error, PinMode};
 
 const BLOCK: usize = 256 << 10;
 

@@ -81,6 +81,18 @@ impl Arena {
         next.max(need.next_multiple_of(CHUNK_ALIGN))
     }
 
+    /// Whether `key`'s heap holds a reserved chunk (whose room also serves blocks too large to
+    /// be carved otherwise).
+    pub(crate) fn has_reserved(&self, key: HeapKey) -> bool {
+        self.heap_index(key).is_some_and(|heap| {
+            self.heaps[heap]
+                .chunks
+                .iter()
+                .flatten()
+                .any(Chunk::reserved)
+        })
+    }
+
     /// Adds a chunk made for `key` outside the lock; gives it back when the bookkeeping could not
     /// grow (the caller releases it).
     pub(crate) fn add_chunk(&mut self, key: HeapKey, chunk: Chunk) -> Result<(), Chunk> {

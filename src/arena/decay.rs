@@ -34,10 +34,13 @@ impl Arena {
     ) -> usize {
         let now = self.now();
         let mut released = 0usize;
+        let page_locked = want == Shortage::PageLocked;
+        // The pinned limit: reservations keep their page-locked chunks.
+        let everything = everything && !page_locked;
         for h in 0..self.heaps.len() {
             let pinned = self.heaps[h].key.kind.pinned;
             // A forked child's pinned chunks are the parent's registrations: left alone.
-            if pinned && self.in_child {
+            if (pinned && self.in_child) || (page_locked && !pinned) {
                 continue;
             }
             let chunk_age = if pinned {
@@ -58,7 +61,10 @@ impl Arena {
         }
         let cached_by = now.saturating_sub(age);
         while released < bytes && !out.blocks.is_full() && age != u64::MAX {
-            let Some(old) = self.cached.pop_cached_by(cached_by) else {
+            let old = self
+                .cached
+                .pop_cached_where(cached_by, |block| !page_locked || block.kind.pinned);
+            let Some(old) = old else {
                 break;
             };
             released += old.capacity;
@@ -197,7 +203,9 @@ impl Arena {
 
     /// Bytes that giving idle memory back could free now for a request short of `want`:
     /// resident idle memory (free space of unpinned chunks, wholly free pinned chunks) or, for
-    /// address space, every free byte of the chunks; and cached dedicated blocks.
+    /// address space, every free byte of the chunks, or, for page-locked bytes, wholly free
+    /// pinned chunks not reserved; and cached dedicated blocks (pinned ones for page-locked
+    /// bytes).
     pub(crate) fn releasable(&self, want: Shortage) -> usize {
         let chunks: usize = self
             .heaps
@@ -206,9 +214,15 @@ impl Arena {
                 Shortage::AddressSpace => h.carver.stats().free_bytes,
                 Shortage::Memory if h.key.kind.pinned => h.wholly_free_bytes(),
                 Shortage::Memory => h.idle_resident(),
+                Shortage::PageLocked if h.key.kind.pinned => h.wholly_free_unreserved_bytes(),
+                Shortage::PageLocked => 0,
             })
             .sum();
-        chunks + self.cached.bytes()
+        let cached = match want {
+            Shortage::PageLocked => self.cached.pinned_bytes(),
+            _ => self.cached.bytes(),
+        };
+        chunks + cached
     }
 
     /// Takes back ranges purged outside the lock: free again, and known to be zero.

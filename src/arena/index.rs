@@ -65,11 +65,20 @@ impl CacheIndex {
 
     /// Removes the block cached longest ago if it was cached at `since` or before.
     pub(crate) fn pop_cached_by(&mut self, since: u64) -> Option<Block> {
+        self.pop_cached_where(since, |_| true)
+    }
+
+    /// Removes the block cached longest ago of those cached at `since` or before that `wanted`.
+    pub(crate) fn pop_cached_where(
+        &mut self,
+        since: u64,
+        wanted: impl Fn(&Block) -> bool,
+    ) -> Option<Block> {
         let at = self
             .blocks
             .iter()
             .enumerate()
-            .filter(|(_, (_, at, _))| *at <= since)
+            .filter(|(_, (_, at, block))| *at <= since && wanted(block))
             .min_by_key(|(_, (seq, _, _))| *seq)
             .map(|(at, _)| at)?;
         let (_, _, block) = self.blocks.swap_remove(at);
@@ -85,6 +94,15 @@ impl CacheIndex {
     /// Sum of the cached blocks' capacities.
     pub(crate) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Sum of the cached page-locked blocks' capacities.
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        self.blocks
+            .iter()
+            .filter(|(_, _, block)| block.kind.pinned)
+            .map(|(_, _, block)| block.capacity)
+            .sum()
     }
 }
 

@@ -47,7 +47,7 @@ const CLASSES_PER_DOUBLING: u32 = 8;
 /// The largest chunk, and the most one registration covers.
 pub(crate) const CHUNK_MAX: usize = 1 << 30;
 /// A heap's first chunk; each next one doubles, up to [`CHUNK_MAX`].
-const CHUNK_FIRST: usize = 32 << 20;
+pub(crate) const CHUNK_FIRST: usize = 32 << 20;
 /// Chunks are whole multiples of this (a huge page), and aligned to it.
 pub(crate) const CHUNK_ALIGN: usize = 2 << 20;
 /// Requests of at least this size get a mapping of their own: cached whole, grown by moving its
@@ -119,6 +119,8 @@ pub(crate) enum Shortage {
     Memory,
     /// Address space (a failed `mmap`): only unmapping helps.
     AddressSpace,
+    /// Page-locked bytes (the pinned limit): only unregistering helps, and reserved chunks stay.
+    PageLocked,
 }
 
 /// One block handed out: carved from a chunk, or a dedicated mapping.
@@ -253,10 +255,22 @@ impl Heap {
 
     /// Bytes of the chunks that are wholly free.
     fn wholly_free_bytes(&self) -> usize {
+        self.wholly_free_where(|_| true)
+    }
+
+    /// Bytes of the chunks that are wholly free and not reserved.
+    fn wholly_free_unreserved_bytes(&self) -> usize {
+        self.wholly_free_where(|chunk| !chunk.is_some_and(Chunk::reserved))
+    }
+
+    fn wholly_free_where(&self, wanted: impl Fn(Option<&Chunk>) -> bool) -> usize {
         let carver = &self.carver;
         carver
             .regions()
             .filter(|&(region, _, _)| carver.wholly_free(region).is_some())
+            .filter(|&(region, _, _)| {
+                wanted(self.chunks.get(region as usize).and_then(Option::as_ref))
+            })
             .map(|(_, _, len)| len)
             .sum()
     }

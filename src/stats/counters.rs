@@ -139,6 +139,7 @@ pub(crate) struct Counters {
     pub(crate) failed_allocations: Counter,
     pub(crate) unplaced_blocks: Counter,
     pub(crate) unpinned_blocks: Counter,
+    pub(crate) pin_limited: Counter,
     pub(crate) pin_failures: Counter,
     pub(crate) pin_failure_codes: CodeCounts,
     pub(crate) registrations: Counter,

@@ -6,12 +6,32 @@
 //! With `NUMA_GPU_ALLOC_REAL_DRIVER=1` (as `scripts/gpu-check.sh` sets on a GPU machine) nothing
 //! is built and the bodies run in the test process against the real driver; checks that read
 //! the simulator's clock are then skipped, said so.
+// Each test binary that includes this module uses part of it.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
 use numa_gpu_alloc::ENV_VAR;
+
+/// A test whose body runs against the simulator (in a child process, with `env` added) or, under
+/// `NUMA_GPU_ALLOC_REAL_DRIVER=1`, in place against the real driver.
+macro_rules! sim_test {
+    ($(#[$attr:meta])* $name:ident, env: [$(($k:expr, $v:expr)),* $(,)?], $body:block) => {
+        $(#[$attr])*
+        #[test]
+        fn $name() {
+            if $crate::common::sim::in_body() {
+                $body
+            } else {
+                let (passed, output) = $crate::common::sim::run_child(stringify!($name), &[$(($k, $v)),*]);
+                assert!(passed, "the test failed against the simulator:\n{output}");
+                eprintln!("{output}");
+            }
+        }
+    };
+}
 
 /// Set in the child process that runs one test body against the simulator.
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_SIM_CHILD";
@@ -105,6 +125,8 @@ pub struct SimStats {
     pub registrations: u64,
     /// The longest range one of them covered, in bytes.
     pub largest_registration: u64,
+    /// The longest time one of them took, µs (real time, the global lock held).
+    pub longest_registration_us: u64,
 }
 
 impl SimStats {

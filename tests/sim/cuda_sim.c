@@ -25,12 +25,16 @@
  *     aborts the process, as it would corrupt memory with a real driver.
  *   - A copy whose host range spans two registrations (or registered and unregistered memory)
  *     fails with CUDA_ERROR_INVALID_VALUE, as the driver's does.
+ *   - Registration takes time under the driver's global lock, as the real one's does (its page-table
+ *     work): CUDA_SIM_REGISTER_US_PER_GIB microseconds per GiB, spent
+ *     holding the lock every other call takes, so copies and queries stall behind a long one.
+ *     cuSimStats reports the longest single registration call.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
  *
  * Environment: CUDA_SIM_DEVICES (default 1), CUDA_SIM_HOST_NUMA_ID (comma list per device,
  * default 0; -1 reports "unknown"), CUDA_SIM_PCI (comma list, default 0000:0N:00.0),
- * CUDA_SIM_DELAY_US.
+ * CUDA_SIM_DELAY_US, CUDA_SIM_REGISTER_US_PER_GIB.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -75,6 +79,8 @@ static int device_count = 1;
 static int numa_ids[MAX_DEVICES];
 static char pci_ids[MAX_DEVICES][32];
 static unsigned delay_us = 3000;
+/* Real time a registration takes per GiB, under the global lock (CUDA_SIM_REGISTER_US_PER_GIB). */
+static unsigned long long register_us_per_gib;
 static int held; /* cuSimHold: page-locked copies wait until released */
 
 struct sim_ctx {
@@ -365,6 +371,8 @@ static void read_environment(void) {
     }
     v = getenv("CUDA_SIM_DELAY_US");
     if (v) delay_us = (unsigned)atoi(v);
+    v = getenv("CUDA_SIM_REGISTER_US_PER_GIB");
+    if (v) register_us_per_gib = strtoull(v, NULL, 10);
     const char *fail = getenv("CUDA_SIM_FAIL");
     if (fail) {
         char name[64];
@@ -823,8 +831,15 @@ static int find_range_locked(void *p, int host_alloc) {
     return -1;
 }
 
-/* Successful cuMemHostRegister_v2 calls since the start, and the longest range one covered. */
-static unsigned long long registrations, largest_registration;
+/* Successful cuMemHostRegister_v2 calls since the start, the longest range one covered and the
+ * longest time one took (microseconds, real time). */
+static unsigned long long registrations, largest_registration, longest_registration_us;
+
+static unsigned long long now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (unsigned long long)t.tv_sec * 1000000ull + (unsigned long long)t.tv_nsec / 1000;
+}
 
 CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     (void)flags;
@@ -832,11 +847,22 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     INJECT("cuMemHostRegister_v2");
     if (!p || len == 0) return INVALID_VALUE;
     if (!current) return INVALID_CONTEXT;
+    unsigned long long start = now_us();
     pthread_mutex_lock(&lock);
     CUresult r = add_range_locked(p, len, 0);
     if (r == SUCCESS) {
         registrations++;
         if (len > largest_registration) largest_registration = len;
+        /* The page-table work, holding the lock as the driver does. */
+        unsigned long long us = (unsigned long long)((double)register_us_per_gib *
+                                                     (double)len / (double)(1ull << 30));
+        while (us > 0) {
+            unsigned step = us > 100000 ? 100000 : (unsigned)us;
+            sleep_us(step);
+            us -= step;
+        }
+        unsigned long long took = now_us() - start;
+        if (took > longest_registration_us) longest_registration_us = took;
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -897,6 +923,7 @@ struct sim_stats {
     unsigned long long async_copies, sync_copies;
     unsigned long long registered_ranges;
     unsigned long long registrations, largest_registration;
+    unsigned long long longest_registration_us;
 };
 
 void cuSimStats(struct sim_stats *out) {
@@ -909,6 +936,7 @@ void cuSimStats(struct sim_stats *out) {
     out->registered_ranges = (unsigned long long)range_count;
     out->registrations = registrations;
     out->largest_registration = largest_registration;
+    out->longest_registration_us = longest_registration_us;
     pthread_mutex_unlock(&lock);
 }
 

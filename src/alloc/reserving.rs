@@ -1,0 +1,106 @@
+//! Reservations: blocks of a size into the cache, or bytes of chunks, now or in the background.
+
+use std::alloc::GlobalAlloc;
+use std::sync::Arc;
+
+use super::NumaGpuAlloc;
+use crate::guard::Inside;
+use crate::reservation::{self, Reservation, ReserveProgress};
+use crate::reserve::Tally;
+use crate::route;
+use crate::runtime::Runtime;
+use crate::Error;
+
+impl<A: GlobalAlloc> NumaGpuAlloc<A> {
+    /// Places `blocks` blocks of `block_size` bytes, populated and (when pinning) page-locked,
+    /// into the cache of the node where the calling thread's blocks go (its
+    /// [route](crate::bind_thread), or this value's target) now, initialising the large path if
+    /// needed: the next requests of about
+    /// that size (up to a ninth smaller) are cache hits instead of paying for placement and
+    /// pinning. Reserved blocks are ordinary cached blocks: they count against the cache limit
+    /// (older cached blocks make room for them), the cache keeps them as memory in use at once,
+    /// and [`trim`](Self::trim) releases them.
+    ///
+    /// Takes as long as allocating the blocks; call it at start-up, or on a thread of its own.
+    /// `NUMA_GPU_ALLOC=reserve=COUNTxSIZE` (or [`reserve_at_init`](Self::reserve_at_init)) does
+    /// the same at initialisation, on the thread that initialises.
+    ///
+    /// # Errors
+    /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
+    /// the cache limit; [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked
+    /// for the target; the placement or pinning error of a block that could not be made (the
+    /// blocks made before it stay cached, unless memory pressure made the allocator give cached
+    /// blocks back).
+    pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
+        let _inside = Inside::enter();
+        self.runtime().reserve(blocks, block_size)
+    }
+
+    /// Reserves `bytes` (rounded up to 2 MiB) for the node where the calling thread's blocks go
+    /// (its [route](crate::bind_thread), or this value's target; pinned when this value pins),
+    /// and waits for it: chunks of at most 1 GiB, each mapped, placed, populated by the node's
+    /// populate workers and registered with a single driver call, added to the arena as it is
+    /// made. Requests of any size up to a chunk's are carved from them first; they are kept
+    /// when idle (decay leaves them) until [`trim`](Self::trim) or memory pressure. Reserved
+    /// bytes do not count against the cache limit; pinned ones count against the pinned limit.
+    ///
+    /// # Errors
+    /// [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked for the target;
+    /// else the error of the chunk that failed (a CUDA error with its code, [`Error::PinLimit`]
+    /// at the pinned limit, [`Error::MemoryLimit`]...): the reservation stops there, and the
+    /// chunks made before it stay usable.
+    pub fn reserve_bytes(&self, bytes: usize) -> Result<ReserveProgress, Error> {
+        let _inside = Inside::enter();
+        let tally = Tally::new(bytes);
+        let rt = self.runtime();
+        let outcome = reserve_for_caller(rt, bytes, &tally);
+        tally.finish(outcome);
+        let done = reservation::progress(&tally);
+        match &done.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(done),
+        }
+    }
+
+    /// [`reserve_bytes`](Self::reserve_bytes) on a thread of its own: returns at once with a
+    /// handle to watch it ([`Reservation::progress`]), wait for it or cancel it. The target is
+    /// the calling thread's, resolved now. Each chunk is usable as soon as it is registered;
+    /// requests that find no room in the chunks made so far are served as without a
+    /// reservation (as the pin mode says), not held back.
+    ///
+    /// # Errors
+    /// [`Error::StrictPinning`] as for `reserve_bytes`; a failure to start the thread
+    /// ([`Error::Syscall`], `call: "reservation thread"`). Later errors come from the handle.
+    pub fn reserve_in_background(&'static self, bytes: usize) -> Result<Reservation, Error>
+    where
+        A: Sync,
+    {
+        let inside = Inside::enter();
+        let rt = self.runtime();
+        let target = route::target(rt);
+        let kind = rt.kind(&target)?;
+        drop(inside);
+        let tally = Arc::new(Tally::new(bytes));
+        let shared = Arc::clone(&tally);
+        let thread = std::thread::Builder::new()
+            .name("numa-reserve".into())
+            .spawn(move || {
+                let _inside = Inside::enter();
+                // Alive while `self` is: `'static`.
+                let rt = self.runtime();
+                shared.finish(rt.reserve_bytes(bytes, &target, kind, &shared));
+            })
+            .map_err(|e| Error::Syscall {
+                call: "reservation thread",
+                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+            })?;
+        Ok(Reservation::new(tally, thread))
+    }
+}
+
+/// Reserves for the calling thread's target.
+fn reserve_for_caller(rt: &Runtime, bytes: usize, tally: &Tally) -> Result<(), Error> {
+    let target = route::target(rt);
+    let kind = rt.kind(&target)?;
+    rt.reserve_bytes(bytes, &target, kind, tally)
+}

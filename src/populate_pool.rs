@@ -1,0 +1,283 @@
+//! The populate workers: one pool of threads per node, bound to that node's CPUs, made lazily and
+//! kept for every later block and reservation.
+//!
+//! Faulting memory in is CPU work (the kernel clears each page) done on the node the pages land
+//! on: a thread on another socket clears remote memory, at a fraction of the speed, and a thread
+//! spawned per block pays its start-up each time. So each node's workers are bound
+//! (`sched_setaffinity`) to the node's CPUs that this process may use (its cpuset, read as the
+//! affinity of the thread that first needs them); a node with no such CPU gets unbound workers.
+//!
+//! A range is cut into pieces that the caller and the workers take in turn from one cursor; the
+//! caller works too, so a range is populated even when no worker could be started, and it
+//! returns once every piece is done. A job asks for at most its runtime's `populate_threads`
+//! threads (the caller included); a pool grows to the most any job asked for.
+//!
+//! After a fork the child has none of the parent's threads: the first job in the child finds the
+//! pool made in another process and makes its own (the old one is left as it is, its lock
+//! perhaps held by a thread that no longer exists).
+//!
+//! Unsafe code here relies on each job's range being the caller's for the job's whole life,
+//! which lasts until the caller has seen every piece done.
+#![allow(unsafe_code)]
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::guard::Inside;
+use crate::lock::Lock;
+use crate::sys;
+use crate::Error;
+
+/// How many nodes get a pool of their own; ranges on nodes beyond, or on several nodes, share
+/// one unbound pool.
+const MAX_NODES: usize = 64;
+/// The smallest piece a job is cut into: below this, handing a piece over costs more than it
+/// saves. A multiple of the huge page, so that no two threads fault the same one.
+const MIN_PIECE: usize = 8 << 20;
+/// How many pieces per thread: enough that a slow thread (a remote CPU, a compaction stall)
+/// does not hold up the rest.
+const PIECES_PER_THREAD: usize = 4;
+/// Workers do nothing but fault pages in; a small stack is plenty.
+const WORKER_STACK: usize = 256 << 10;
+
+/// The pools of nodes `0..MAX_NODES`, then the unbound one.
+static POOLS: [AtomicPtr<Pool>; MAX_NODES + 1] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_NODES + 1];
+
+/// Populates `ptr..ptr+len` with up to `threads` threads (the caller among them): the workers
+/// of `node`, bound to the CPUs `cpus` gives when the pool is made (empty: unbound), or unbound
+/// ones when the range is on no single node.
+///
+/// # Safety
+/// The range lies in a mapping the caller owns, which nothing else writes to or unmaps until
+/// this returns.
+pub(crate) unsafe fn populate(
+    node: Option<usize>,
+    cpus: impl FnOnce() -> Vec<usize>,
+    ptr: NonNull<u8>,
+    len: usize,
+    threads: usize,
+) -> Result<(), Error> {
+    let threads = threads.min(len / MIN_PIECE).max(1);
+    let Some(pool) = (threads > 1).then(|| pool(node, cpus)) else {
+        // SAFETY: forwarded from the caller.
+        return unsafe { sys::populate(ptr, len) }.map(drop);
+    };
+    let piece = (len / (threads * PIECES_PER_THREAD))
+        .max(MIN_PIECE)
+        .next_multiple_of(MIN_PIECE);
+    let job = Arc::new(Job {
+        base: ptr.as_ptr() as usize,
+        len,
+        piece,
+        cursor: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        finished: AtomicU32::new(0),
+        helpers: AtomicUsize::new(threads - 1),
+        error: Lock::new(None),
+    });
+    pool.grow_to(threads - 1);
+    pool.post(Arc::clone(&job));
+    job.work();
+    while job.finished.load(Ordering::Acquire) == 0 {
+        sys::futex_wait(&job.finished, 0);
+    }
+    pool.jobs.lock().retain(|j| !Arc::ptr_eq(j, &job));
+    let error = job.error.lock().take();
+    error.map_or(Ok(()), Err)
+}
+
+/// The pool of `node` (or the unbound one), made for this process if there is none (or only
+/// the parent's, after a fork).
+fn pool(node: Option<usize>, cpus: impl FnOnce() -> Vec<usize>) -> &'static Pool {
+    let node = node.filter(|&n| n < MAX_NODES);
+    let slot = &POOLS[node.unwrap_or(MAX_NODES)];
+    let pid = std::process::id();
+    let current = slot.load(Ordering::Acquire);
+    // SAFETY: pools are leaked boxes, never freed.
+    if let Some(pool) = unsafe { current.as_ref() }.filter(|p| p.pid == pid) {
+        return pool;
+    }
+    let made = Box::into_raw(Box::new(Pool {
+        pid,
+        cpus: node.map_or_else(Vec::new, |_| cpus()),
+        node,
+        workers: AtomicUsize::new(0),
+        grow: Lock::new(()),
+        jobs: Lock::new(Vec::new()),
+        posted: AtomicU32::new(0),
+    }));
+    match slot.compare_exchange(current, made, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: just leaked.
+        Ok(_) => unsafe { &*made },
+        Err(other) => {
+            // SAFETY: `made` was never shared; `other` is another thread's pool, leaked and
+            // never null (the exchange only ever stores pools).
+            unsafe {
+                drop(Box::from_raw(made));
+                &*other
+            }
+        }
+    }
+}
+
+/// A node's workers and the jobs they take pieces of.
+struct Pool {
+    /// The process that made the pool: its threads exist only there.
+    pid: u32,
+    /// `None` for the unbound pool.
+    node: Option<usize>,
+    cpus: Vec<usize>,
+    workers: AtomicUsize,
+    /// Serialises growing, so that two jobs do not both start the missing workers.
+    grow: Lock<()>,
+    jobs: Lock<Vec<Arc<Job>>>,
+    /// Bumped at each posted job; idle workers sleep on it.
+    posted: AtomicU32,
+}
+
+impl Pool {
+    /// Starts workers until there are `count` (fewer if threads cannot be had: the caller then
+    /// does more of the work).
+    fn grow_to(&'static self, count: usize) {
+        if self.workers.load(Ordering::Acquire) >= count {
+            return;
+        }
+        let _growing = self.grow.lock();
+        while self.workers.load(Ordering::Acquire) < count {
+            let started = std::thread::Builder::new()
+                .name(match self.node {
+                    Some(node) => format!("numa-populate-{node}"),
+                    None => "numa-populate".into(),
+                })
+                .stack_size(WORKER_STACK)
+                .spawn(move || self.serve());
+            if started.is_err() {
+                return;
+            }
+            self.workers.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    fn post(&self, job: Arc<Job>) {
+        self.jobs.lock().push(job);
+        self.posted.fetch_add(1, Ordering::Release);
+        for _ in 0..self.workers.load(Ordering::Acquire) {
+            sys::futex_wake_one(&self.posted);
+        }
+    }
+
+    /// A worker's life: bound to the node's CPUs, it takes pieces of posted jobs, or sleeps.
+    fn serve(&self) {
+        // Allocations made here (none on the way, but the thread's own start) go to the inner
+        // allocator, as inside the allocator.
+        let _inside = Inside::enter();
+        if !self.cpus.is_empty() {
+            // Unbound if the kernel refuses: the pages still land where the policy says.
+            let _ = bind_thread_to_cpus(&self.cpus);
+        }
+        loop {
+            let seen = self.posted.load(Ordering::Acquire);
+            let job = self
+                .jobs
+                .lock()
+                .iter()
+                .find(|job| job.wants_helper())
+                .cloned();
+            match job {
+                Some(job) => job.work(),
+                None => sys::futex_wait(&self.posted, seen),
+            }
+        }
+    }
+}
+
+/// One range being populated.
+struct Job {
+    base: usize,
+    len: usize,
+    piece: usize,
+    /// The next piece's offset.
+    cursor: AtomicUsize,
+    /// Bytes populated (or failed) so far.
+    done: AtomicUsize,
+    /// Set, and the caller woken, when `done` reaches `len`.
+    finished: AtomicU32,
+    /// Workers the job may still take on.
+    helpers: AtomicUsize,
+    /// The first piece's failure.
+    error: Lock<Option<Error>>,
+}
+
+impl Job {
+    /// Takes a helper's place, if one is left and there is work left.
+    fn wants_helper(&self) -> bool {
+        self.cursor.load(Ordering::Acquire) < self.len
+            && self
+                .helpers
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_ok()
+    }
+
+    /// Populates pieces until none is left.
+    fn work(&self) {
+        loop {
+            let offset = self.cursor.fetch_add(self.piece, Ordering::AcqRel);
+            if offset >= self.len {
+                return;
+            }
+            let len = self.piece.min(self.len - offset);
+            // Never null: `base` is a live mapping's address and `offset < len`.
+            if let Some(start) = NonNull::new((self.base + offset) as *mut u8) {
+                // SAFETY: the piece lies in the caller's range, which stays the caller's until it
+                // has seen `finished`, set only after this piece counts in `done`; pieces are
+                // disjoint.
+                if let Err(e) = unsafe { sys::populate(start, len) } {
+                    self.error.lock().get_or_insert(e);
+                }
+            }
+            if self.done.fetch_add(len, Ordering::AcqRel) + len == self.len {
+                self.finished.store(1, Ordering::Release);
+                sys::futex_wake_one(&self.finished);
+            }
+        }
+    }
+}
+
+// Stand-in until the raw call lives with the others.
+fn bind_thread_to_cpus(cpus: &[usize]) -> Result<(), Error> {
+    // SAFETY: a zeroed cpu_set_t is an empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &cpu in cpus {
+        if cpu < libc::CPU_SETSIZE as usize {
+            // SAFETY: CPU_SET checks no bounds; `cpu` is below the set's size.
+            unsafe { libc::CPU_SET(cpu, &mut set) };
+        }
+    }
+    // SAFETY: `set` is a valid cpu_set_t of the size passed.
+    match unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) } {
+        0 => Ok(()),
+        _ => Err(Error::Syscall {
+            call: "sched_setaffinity",
+            errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+        }),
+    }
+}
+
+// Stand-in until the raw call lives with the others.
+pub(crate) fn thread_cpus() -> Result<Vec<usize>, Error> {
+    // SAFETY: a zeroed cpu_set_t is an empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
+        return Err(Error::Syscall {
+            call: "sched_getaffinity",
+            errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+        });
+    }
+    // SAFETY: reading bits of an initialised set.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}

@@ -1,0 +1,147 @@
+//! The handle of a reservation of bytes made in the background, and what it reports.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::reserve::Tally;
+use crate::Error;
+
+/// A reservation of bytes under way on a thread of its own (see
+/// [`NumaGpuAlloc::reserve_in_background`](crate::NumaGpuAlloc::reserve_in_background)).
+///
+/// Its chunks join the arena one by one as they are made: requests are served from them while
+/// later ones are still being made. Dropping the handle lets the reservation go on to its end;
+/// [`cancel`](Self::cancel) stops it after the chunk in progress.
+pub struct Reservation {
+    tally: Arc<Tally>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reservation {
+    pub(crate) fn new(tally: Arc<Tally>, thread: std::thread::JoinHandle<()>) -> Reservation {
+        Reservation {
+            tally,
+            thread: Some(thread),
+        }
+    }
+
+    /// What it has done so far.
+    pub fn progress(&self) -> ReserveProgress {
+        progress(&self.tally)
+    }
+
+    /// Whether it ended (all made, failed or cancelled).
+    pub fn is_finished(&self) -> bool {
+        self.tally.finished.load(Ordering::Acquire) != 0
+    }
+
+    /// Stops it after the chunk in progress; what was made stays.
+    pub fn cancel(&self) {
+        self.tally.cancel.store(true, Ordering::Release);
+    }
+
+    /// Waits for its end; what it did.
+    ///
+    /// # Errors
+    /// Why it stopped early: the error of the chunk that failed (a CUDA error names its code;
+    /// [`Error::PinLimit`] at the pinned limit). The chunks made before it stay usable.
+    pub fn wait(mut self) -> Result<ReserveProgress, Error> {
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let done = self.progress();
+        match &done.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(done),
+        }
+    }
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Reservation")
+            .field(&self.progress())
+            .finish()
+    }
+}
+
+/// A snapshot of a reservation of bytes. Each count is read on its own, at about the same time.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ReserveProgress {
+    /// Bytes asked for.
+    pub requested: usize,
+    /// Bytes mapped and placed on the node.
+    pub placed: usize,
+    /// Bytes populated (faulted in).
+    pub populated: usize,
+    /// Bytes registered with the driver (page-locked).
+    pub registered: usize,
+    /// Chunks added to the arena, where requests are served from them.
+    pub chunks: usize,
+    /// Bytes of those chunks.
+    pub usable: usize,
+    /// The longest single registration (`cuMemHostRegister`) so far.
+    pub longest_driver_call: Duration,
+    /// From the start to the first chunk usable, once there is one.
+    pub first_chunk: Option<Duration>,
+    /// Since the start.
+    pub elapsed: Duration,
+    /// Whether it ended.
+    pub finished: bool,
+    /// Why it stopped early, if it did.
+    pub error: Option<Error>,
+}
+
+pub(crate) fn progress(tally: &Tally) -> ReserveProgress {
+    let first = tally.first_chunk_ns.load(Ordering::Relaxed);
+    ReserveProgress {
+        requested: tally.requested,
+        placed: tally.placed.load(Ordering::Relaxed),
+        populated: tally.populated.load(Ordering::Relaxed),
+        registered: tally.registered.load(Ordering::Relaxed),
+        chunks: tally.chunks.load(Ordering::Acquire),
+        usable: tally.usable.load(Ordering::Relaxed),
+        longest_driver_call: Duration::from_nanos(tally.longest_call_ns.load(Ordering::Relaxed)),
+        first_chunk: (first != 0).then(|| Duration::from_nanos(first)),
+        elapsed: tally.start.elapsed(),
+        finished: tally.finished.load(Ordering::Acquire) != 0,
+        error: tally.error.lock().clone(),
+    }
+}
+
+impl fmt::Display for ReserveProgress {
+    /// One line, usable of requested first: `reserve 12.0/64.0 GiB: placed 13.0, populated 12.5, registered 12.0 GiB in 12
+    /// chunks, first in 150 ms, longest driver call 21 ms, 3.20 s`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const GIB: f64 = (1u64 << 30) as f64;
+        let gib = |bytes: usize| bytes as f64 / GIB;
+        write!(
+            f,
+            "reserve {:.1}/{:.1} GiB: placed {:.1}, populated {:.1}, registered {:.1} GiB in {} \
+             chunks",
+            gib(self.usable),
+            gib(self.requested),
+            gib(self.placed),
+            gib(self.populated),
+            gib(self.registered),
+            self.chunks
+        )?;
+        if let Some(first) = self.first_chunk {
+            write!(f, ", first in {} ms", first.as_millis())?;
+        }
+        write!(
+            f,
+            ", longest driver call {} ms, {:.2} s",
+            self.longest_driver_call.as_millis(),
+            self.elapsed.as_secs_f64()
+        )?;
+        match (&self.error, self.finished) {
+            (Some(e), _) => write!(f, "; stopped: {e}"),
+            (None, true) => write!(f, "; done"),
+            (None, false) => Ok(()),
+        }
+    }
+}
