@@ -1,0 +1,102 @@
+//! A KV-cache offload pool: reserve page-locked host memory in the background while the GPU keeps
+//! working, and watch what it costs the work.
+//!
+//! Run: `cargo run --release --example kv_reserve -- 64` (GiB; default 8).
+//!
+//! The reservation is made in chunks of at most 1 GiB, each registered with one driver call, on
+//! a thread of its own; a progress line is printed every quarter second. Meanwhile small
+//! host-to-device copies run on a stream of their own, as a serving engine's would: their
+//! latency during the reservation against idle is the stall the reservation causes. Without a
+//! CUDA driver the reservation is made unpinned and no copy is timed.
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use numa_gpu_alloc::{cuda_driver_present, NumaGpuAlloc, PinMode};
+
+const GIB: usize = 1 << 30;
+/// Bytes of each timed copy.
+const COPY: usize = 64 << 10;
+
+static POOL: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
+
+/// A stream of its own, a device buffer and a pageable source for the timed copies.
+struct Copier {
+    stream: std::sync::Arc<CudaStream>,
+    source: Vec<u8>,
+    device: CudaSlice<u8>,
+}
+
+impl Copier {
+    fn new() -> Option<Copier> {
+        if !cuda_driver_present() {
+            return None;
+        }
+        let stream = CudaContext::new(0).ok()?.new_stream().ok()?;
+        let device = stream.alloc_zeros::<u8>(COPY).ok()?;
+        Some(Copier {
+            stream,
+            source: vec![7; COPY],
+            device,
+        })
+    }
+
+    /// One copy, waited for.
+    fn time(&mut self) -> Duration {
+        let start = Instant::now();
+        self.stream
+            .memcpy_htod(&self.source, &mut self.device)
+            .expect("memcpy_htod");
+        self.stream.synchronize().expect("synchronize");
+        start.elapsed()
+    }
+}
+
+/// Median and maximum, in milliseconds.
+fn summary(mut times: Vec<Duration>) -> String {
+    if times.is_empty() {
+        return "none".into();
+    }
+    times.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    format!(
+        "median {:.3} ms, max {:.3} ms ({} copies)",
+        ms(times[times.len() / 2]),
+        ms(times[times.len() - 1]),
+        times.len()
+    )
+}
+
+fn main() {
+    let gib: usize = std::env::args()
+        .nth(1)
+        .map_or(8, |a| a.parse().expect("the size in GiB"));
+    let mut copier = Copier::new();
+    let idle: Vec<Duration> = match &mut copier {
+        Some(c) => (0..200).map(|_| c.time()).collect(),
+        None => {
+            println!("no CUDA driver: the reservation is made unpinned, no copy is timed");
+            Vec::new()
+        }
+    };
+    let reservation = POOL.reserve_in_background(gib * GIB).expect("reservation");
+    let mut during = Vec::new();
+    let mut next_line = Instant::now();
+    while !reservation.is_finished() {
+        match &mut copier {
+            Some(c) => during.push(c.time()),
+            None => std::thread::sleep(Duration::from_millis(5)),
+        }
+        if Instant::now() >= next_line {
+            println!("{}", reservation.progress());
+            next_line += Duration::from_millis(250);
+        }
+    }
+    match reservation.wait() {
+        Ok(done) => println!("{done}"),
+        Err(e) => println!("stopped early: {e}"),
+    }
+    println!("small copy, idle:   {}", summary(idle));
+    println!("small copy, during: {}", summary(during));
+    println!("{}", POOL.stats());
+}
