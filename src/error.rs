@@ -80,6 +80,14 @@ pub enum Error {
         /// The errno it returned.
         errno: i32,
     },
+    /// A CPU list for a thread's affinity that is empty, or that names a CPU a `cpu_set_t`
+    /// cannot hold.
+    InvalidCpuList {
+        /// The first CPU at or above `limit`; `None` when the list is empty.
+        cpu: Option<usize>,
+        /// How many CPUs a `cpu_set_t` holds (`CPU_SETSIZE`).
+        limit: usize,
+    },
     /// A system call failed for another reason.
     Syscall {
         /// The system call, e.g. `"mmap"`.
@@ -233,6 +241,17 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "cannot allocate a buffer of {len} elements of {element_size} bytes: {reason}"
+            ),
+            Error::InvalidCpuList { cpu: None, .. } => {
+                write!(f, "a thread cannot be bound to an empty list of CPUs")
+            }
+            Error::InvalidCpuList {
+                cpu: Some(cpu),
+                limit,
+            } => write!(
+                f,
+                "CPU {cpu} cannot be bound: a cpu_set_t holds CPUs 0 to {}",
+                limit.saturating_sub(1)
             ),
             Error::Syscall { call, errno } => {
                 write!(f, "{call} failed: {} (errno {errno})", errno_text(*errno))

@@ -33,7 +33,6 @@ mod chunk;
 mod config;
 mod decay_thread;
 mod guard;
-mod lock;
 mod pinning;
 mod process;
 mod reserve;

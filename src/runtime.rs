@@ -10,13 +10,13 @@ use crate::arena::{Arena, NODES};
 use crate::cgroup::MemoryLimits;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
-use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
 use crate::pinning::Unpinnable;
 use crate::process;
 use crate::route::Route;
 use crate::setup::{Problems, Setup};
 use crate::stats::{Counters, NodeStats, Stats};
+use crate::sys::lock::{Guard, Lock};
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::{Error, NumaTopology};
 
