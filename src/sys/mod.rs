@@ -8,7 +8,8 @@
 //! - `pages.rs`: where pages are — [`page_nodes`] and [`census`] (`move_pages`);
 //! - `affinity.rs`: which CPUs a thread runs on (`sched_setaffinity`, `sched_getaffinity`);
 //! - `lock.rs`: the allocator's fork-safe lock (`futex`);
-//! - `process.rs`: fork handlers (`pthread_atfork`);
+//! - `process.rs`: fork handlers (`pthread_atfork`); `exit.rs`: the exit handler, its stderr
+//!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
 //!
 //! Everything here runs inside a memory allocator, so nothing allocates on the heap, nothing
@@ -29,6 +30,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::{Error, Result};
 
 mod affinity;
+mod exit;
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub mod fault;
@@ -46,6 +48,7 @@ mod process;
     reason = "for the populate thread pool, not written yet"
 )]
 pub(crate) use affinity::{bind_thread_to_cpus, thread_cpus};
+pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
 pub use mem::{
     advise_dontneed, advise_hugepage, advise_nohugepage, map_anonymous, move_mapping, unmap,
 };
