@@ -11,12 +11,10 @@
 mod error;
 pub use error::{Error, Result};
 
-pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
-pub mod sysfs;
 mod topology;
-pub use buffer::{NumaAllocTracker, NumaBuffer};
-mod buffer;
-pub mod pci;
+pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
+pub use topology::{pci, sysfs};
+pub use topology::{NumaAllocTracker, NumaBuffer};
 
 mod cuda;
 pub mod sys;
@@ -28,7 +26,6 @@ pub use cuda::{PinnedBuf, PinnedSliceMut};
 mod arena;
 mod block;
 mod carved;
-mod cgroup;
 mod chunk;
 mod config;
 mod decay_thread;
