@@ -9,7 +9,7 @@
 // Pipeline order: topology → GPU lookup → placement syscalls → CUDA registration → arenas →
 // stats/config → front ends.
 mod error;
-pub use error::{Error, Result};
+pub use error::{cuda_error_name, Error, Result};
 
 mod topology;
 pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
@@ -18,7 +18,7 @@ pub use topology::{NumaAllocTracker, NumaBuffer};
 
 mod cuda;
 pub mod sys;
-pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
+pub use cuda::{cuda_driver_present, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
 pub use cuda::{PinnedBuf, PinnedSliceMut};

@@ -3,9 +3,17 @@
 //! Every variant carries the values that made the operation fail, so that the `Display` text alone
 //! tells an operator what to fix. Allocation paths never return these to the caller of
 //! `GlobalAlloc`/`Allocator` (they return null / `AllocError`); they are counted in the stats instead.
+//!
+//! `cuda_codes.rs` names `CUresult` codes and holds the hints of [`Error::Cuda`]'s text, so that
+//! this layer imports nothing above it.
 
 use std::fmt;
 use std::path::PathBuf;
+
+mod cuda_codes;
+
+pub use cuda_codes::cuda_error_name;
+pub(crate) use cuda_codes::{error_hint, known_error_name};
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -280,7 +288,7 @@ impl fmt::Display for Error {
             }
             Error::Cuda { call, code, name } => {
                 write!(f, "{call} failed: {name} ({code})")?;
-                match crate::cuda::error_hint(call, *code) {
+                match error_hint(call, *code) {
                     Some(hint) => write!(f, ": {hint}"),
                     None => Ok(()),
                 }
