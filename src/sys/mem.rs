@@ -14,8 +14,8 @@ use crate::{Error, Result};
 /// Maps `len` bytes of fresh, zeroed, private anonymous memory aligned to `align`.
 ///
 /// The mapping is readable and writable and has no pages yet (never `MAP_POPULATE`: pages must
-/// be faulted in only after [`bind`] has set the policy). `len` must be a non-zero multiple of
-/// [`page_size`] and `align` a power of two; alignments above the page size (up to 1 GiB and
+/// be faulted in only after [`bind`](super::bind) has set the policy). `len` must be a non-zero
+/// multiple of [`page_size`] and `align` a power of two; alignments above the page size (up to 1 GiB and
 /// beyond) are obtained by over-mapping and unmapping the excess, so exactly `len` bytes stay
 /// mapped. Bad `len`/`align` give [`Error::InvalidRange`] (with `addr` 0); a failed `mmap` gives
 /// [`Error::Syscall`] (`call: "mmap"`), a failed trim `call: "munmap"`.

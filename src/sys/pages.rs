@@ -38,6 +38,10 @@ pub struct PageCensus {
 /// (`call: "move_pages"`) for EPERM/ENOSYS (Docker's default seccomp profile always refuses
 /// `move_pages`), [`Error::Syscall`] otherwise.
 ///
+/// [`Error::InvalidRange`]: crate::Error::InvalidRange
+/// [`Error::NumaUnavailable`]: crate::Error::NumaUnavailable
+/// [`Error::Syscall`]: crate::Error::Syscall
+///
 /// # Safety
 ///
 /// `ptr..ptr+len` should be a mapping this crate created. The kernel only reads page tables (it

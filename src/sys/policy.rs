@@ -123,7 +123,7 @@ pub enum MemPolicy {
     #[default]
     Preferred,
     /// `MPOL_BIND`: allocate only on the mask's nodes. An exhausted node means ENOMEM from
-    /// [`populate`], or the OOM killer / SIGBUS at a later fault.
+    /// [`populate`](super::populate), or the OOM killer / SIGBUS at a later fault.
     Bind,
     /// `MPOL_INTERLEAVE`: spread pages round-robin over the mask's nodes.
     Interleave,
@@ -171,8 +171,8 @@ impl MbindFlags {
 ///
 /// # Safety
 ///
-/// `ptr..ptr+len` must be a mapping this crate created (with [`map_anonymous`]) that nobody else
-/// uses: with `move_existing` the kernel migrates its pages, and a policy change affects every
+/// `ptr..ptr+len` must be a mapping this crate created (with
+/// [`map_anonymous`](super::map_anonymous)) that nobody else uses: with `move_existing` the kernel migrates its pages, and a policy change affects every
 /// later fault in the range.
 pub unsafe fn bind(
     ptr: NonNull<u8>,

@@ -43,8 +43,8 @@ const METHOD_TOUCH: u8 = 2;
 ///
 /// # Safety
 ///
-/// `ptr..ptr+len` must be a writable mapping this crate created with [`map_anonymous`], that
-/// nobody else uses, and whose content is still all zeros (the fallback writes zeros).
+/// `ptr..ptr+len` must be a writable mapping this crate created with
+/// [`map_anonymous`](super::map_anonymous), that nobody else uses, and whose content is still all zeros (the fallback writes zeros).
 pub unsafe fn populate(ptr: NonNull<u8>, len: usize) -> Result<PopulateMethod> {
     let pages = check_range(ptr, len)?;
     let method = POPULATE_METHOD.load(Ordering::Relaxed);
