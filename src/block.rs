@@ -400,7 +400,7 @@ impl Runtime {
     /// The CPUs of `node` that this process may run on (its cpuset, as the calling thread's
     /// affinity shows it): none when the node has no CPU or they cannot be read.
     fn node_cpus(&self, node: usize) -> Vec<usize> {
-        let Ok(allowed) = populate_pool::thread_cpus() else {
+        let Ok(allowed) = sys::thread_cpus() else {
             return Vec::new();
         };
         self.topology

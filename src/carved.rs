@@ -22,8 +22,8 @@ use crate::arena::{
 use crate::block::{shortage, HUGE_PAGE};
 use crate::chunk::{self, Chunk, Mapping, Span};
 use crate::config::PinMode;
-use crate::lock::Guard;
 use crate::runtime::{Resolved, Runtime};
+use crate::sys::lock::Guard;
 use crate::sys::{self, NodeMask};
 use crate::sysfs;
 use crate::Error;

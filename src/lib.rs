@@ -6,53 +6,56 @@
 #![deny(clippy::missing_safety_doc)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Pipeline order: topology → GPU lookup → placement syscalls → CUDA registration → arenas →
-// stats/config → front ends.
+// Modules by layer, bottom first. A layer imports only the layers before it; layers 1 and 2 do
+// (but for cuda/'s use of the guard and the front end), the upper ones do not all yet.
+// 1. The error type (with its CUDA error names) and the only raw system calls.
 mod error;
-pub use error::{Error, Result};
-
-pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
-pub mod sysfs;
-mod topology;
-pub use buffer::{NumaAllocTracker, NumaBuffer};
-mod buffer;
-pub mod pci;
-
-mod cuda;
+pub use error::{cuda_error_name, Error, Result};
 pub mod sys;
-pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
+pub use sys::MemPolicy;
+
+// 2. The host's NUMA topology (sysfs, PCI, cgroups), the settings, the CUDA driver.
+mod topology;
+pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
+pub use topology::{pci, sysfs};
+pub use topology::{NumaAllocTracker, NumaBuffer};
+mod config;
+pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
+mod cuda;
+pub use cuda::{cuda_driver_present, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
 pub use cuda::{PinnedBuf, PinnedSliceMut};
 
+// 3. Arenas, chunks and blocks: placed (and pinned) memory, carved and given back.
 mod arena;
 mod block;
 mod carved;
-mod cgroup;
 mod chunk;
-mod config;
 mod decay_thread;
-mod guard;
-mod lock;
 mod pinning;
+mod reserve;
+
+// 4. Process-wide state, the re-entrancy guard, the runtime and its routes.
+mod guard;
 mod populate_pool;
 mod process;
-mod reservation;
-mod reserve;
+mod route;
 mod runtime;
 mod setup;
+pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};
+pub use runtime::Placement;
+
+// 5. Statistics and the report at exit.
 mod stats;
 mod stats_exit;
 mod stats_json;
-pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
-pub use reservation::{Reservation, ReserveProgress};
-pub use runtime::Placement;
 pub use stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
-pub use sys::MemPolicy;
 
+// 6. The front ends: GlobalAlloc, allocator-api2, the const builder.
 mod alloc;
 mod api2;
+mod reservation;
+pub use reservation::{Reservation, ReserveProgress};
 mod global;
-mod route;
 pub use alloc::NumaGpuAlloc;
-pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};

@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::guard::Inside;
-use crate::lock::Lock;
 use crate::sys;
+use crate::sys::lock::Lock;
 use crate::Error;
 
 /// How many nodes get a pool of their own; ranges on nodes beyond, or on several nodes, share
@@ -164,7 +164,7 @@ impl Pool {
         self.jobs.lock().push(job);
         self.posted.fetch_add(1, Ordering::Release);
         for _ in 0..self.workers.load(Ordering::Acquire) {
-            sys::futex_wake_one(&self.posted);
+            sys::futex_wake(&self.posted, 1);
         }
     }
 
@@ -175,7 +175,7 @@ impl Pool {
         let _inside = Inside::enter();
         if !self.cpus.is_empty() {
             // Unbound if the kernel refuses: the pages still land where the policy says.
-            let _ = bind_thread_to_cpus(&self.cpus);
+            let _ = sys::bind_thread_to_cpus(&self.cpus);
         }
         loop {
             let seen = self.posted.load(Ordering::Acquire);
@@ -239,45 +239,8 @@ impl Job {
             }
             if self.done.fetch_add(len, Ordering::AcqRel) + len == self.len {
                 self.finished.store(1, Ordering::Release);
-                sys::futex_wake_one(&self.finished);
+                sys::futex_wake(&self.finished, 1);
             }
         }
     }
-}
-
-// Stand-in until the raw call lives with the others.
-fn bind_thread_to_cpus(cpus: &[usize]) -> Result<(), Error> {
-    // SAFETY: a zeroed cpu_set_t is an empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    for &cpu in cpus {
-        if cpu < libc::CPU_SETSIZE as usize {
-            // SAFETY: CPU_SET checks no bounds; `cpu` is below the set's size.
-            unsafe { libc::CPU_SET(cpu, &mut set) };
-        }
-    }
-    // SAFETY: `set` is a valid cpu_set_t of the size passed.
-    match unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) } {
-        0 => Ok(()),
-        _ => Err(Error::Syscall {
-            call: "sched_setaffinity",
-            errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-        }),
-    }
-}
-
-// Stand-in until the raw call lives with the others.
-pub(crate) fn thread_cpus() -> Result<Vec<usize>, Error> {
-    // SAFETY: a zeroed cpu_set_t is an empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid cpu_set_t of the size passed.
-    if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
-        return Err(Error::Syscall {
-            call: "sched_getaffinity",
-            errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-        });
-    }
-    // SAFETY: reading bits of an initialised set.
-    Ok((0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .collect())
 }

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::arena::NODES;
 use crate::guard::Inside;
-use crate::lock::Lock;
 use crate::runtime::Runtime;
 use crate::setup::Setup;
 use crate::sys;
+use crate::sys::lock::Lock;
 
 /// Held while a runtime is built or a node's arena made, so that a fork never copies a
 /// half-built one, and the arenas the fork handlers lock are all there is. It holds what the

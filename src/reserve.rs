@@ -19,9 +19,9 @@ use crate::block::HUGE_PAGE;
 use crate::carved::carved;
 use crate::chunk::Mapping;
 use crate::config::{Config, Reserve};
-use crate::lock::Lock;
 use crate::route;
 use crate::runtime::{Resolved, Runtime};
+use crate::sys::lock::Lock;
 use crate::Error;
 
 impl Runtime {
@@ -221,7 +221,7 @@ impl Tally {
             *self.error.lock() = Some(e);
         }
         self.finished.store(1, Ordering::Release);
-        crate::sys::futex_wake_all(&self.finished);
+        crate::sys::futex_wake(&self.finished, u32::MAX);
     }
 }
 

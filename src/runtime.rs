@@ -7,17 +7,17 @@ use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::{Arena, NODES};
-use crate::cgroup::MemoryLimits;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
-use crate::lock::{Guard, Lock};
 use crate::pci::{self, PciAddress};
 use crate::pinning::Unpinnable;
 use crate::process;
 use crate::route::Route;
 use crate::setup::{Problems, Setup};
 use crate::stats::{Counters, NodeStats, Stats};
+use crate::sys::lock::{Guard, Lock};
 use crate::sys::{self, MemPolicy, NodeMask};
+use crate::topology::cgroup::MemoryLimits;
 use crate::{Error, NumaTopology};
 
 /// Where an allocator places its blocks, as resolved at initialisation.

@@ -18,8 +18,10 @@
 //! the handler reads them after `main` has returned, and only a static is sure to be neither moved
 //! nor dropped by then. `dladdr` tells whether the allocator lies in a loaded object's image.
 //!
-//! Unsafe code here relies on the exit handler reads reports leaked at registration, and
-//! `dladdr`/`atexit`/`write` with valid arguments.
+//! The raw calls (`atexit`, `write`, `dladdr`) are in [`crate::sys`].
+//!
+//! Unsafe code here relies on the exit handler reading reports leaked at registration, which
+//! nothing else touches once published.
 #![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
@@ -36,6 +38,7 @@ use crate::config::StatsAtExit;
 use crate::guard::Inside;
 use crate::runtime::Runtime;
 use crate::stats::{Stats, ERROR_CODE_SLOTS};
+use crate::sys;
 use crate::NumaGpuAlloc;
 
 /// One allocator to report on at exit.
@@ -87,12 +90,8 @@ pub(crate) fn register<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) {
             Err(current) => head = current,
         }
     }
-    if !INSTALLED.swap(true, AcqRel) {
-        // SAFETY: `print_reports` is a C-ABI function without arguments, as atexit expects; it
-        // stays valid until exit (glibc runs a library's handlers when that library is unloaded).
-        if unsafe { libc::atexit(print_reports) } != 0 {
-            note("stats at exit: atexit refused the handler; nothing will be printed");
-        }
+    if !INSTALLED.swap(true, AcqRel) && sys::at_exit(print_reports).is_err() {
+        note("stats at exit: atexit refused the handler; nothing will be printed");
     }
 }
 
@@ -101,9 +100,7 @@ pub(crate) fn register<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) {
 /// so neither is the runtime it boxed (freed only by the allocator's `Drop`).
 fn as_static<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) -> Option<&'static Runtime> {
     let owner: *const NumaGpuAlloc<A> = owner;
-    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
-    // SAFETY: dladdr reads the loader's list of loaded objects and writes only `info`.
-    let in_image = unsafe { libc::dladdr(owner.cast(), info.as_mut_ptr()) } != 0;
+    let in_image = sys::in_loaded_image(owner);
     let rt: *const Runtime = rt;
     // SAFETY: a static lives until the process exits, or until its library is unloaded, which
     // first runs that library's atexit handlers (the only reader of the reference); its runtime
@@ -203,19 +200,7 @@ impl Default for Fd2 {
 
 impl Fd2 {
     fn flush(&mut self) {
-        let mut rest = &self.buf[..self.len];
-        while !rest.is_empty() {
-            // SAFETY: `rest` is valid for reads of `rest.len()` bytes.
-            let written =
-                unsafe { libc::write(libc::STDERR_FILENO, rest.as_ptr().cast(), rest.len()) };
-            if written < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            match usize::try_from(written) {
-                Ok(n) if n > 0 => rest = &rest[n.min(rest.len())..],
-                _ => break,
-            }
-        }
+        sys::write_stderr(&self.buf[..self.len]);
         self.len = 0;
     }
 }

@@ -35,10 +35,10 @@ use pending::PendingList;
 pub(crate) use pending::{settle, InFlight, Work};
 pub(crate) use released::{release_chunks, Purge, Released};
 
-use crate::buffer::{NumaAllocTracker, NumaBuffer};
 use crate::chunk::{Chunk, Span};
 use crate::stats::GpuStats;
 use crate::sys::MemPolicy;
+use crate::topology::{NumaAllocTracker, NumaBuffer};
 use crate::NumaTopology;
 
 /// Size classes per power of two: with 8, rounding wastes at most 1/8 = 12.5% of a request.

@@ -12,7 +12,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::Arena;
-use crate::lock::{Guard, Lock};
+use crate::sys::lock::{Guard, Lock};
 use crate::sys::MAX_NODES;
 use crate::{process, NumaTopology};
 

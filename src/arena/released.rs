@@ -8,7 +8,7 @@
 use super::carve::Range;
 use super::{Arena, Block};
 use crate::chunk::{self, Chunk, ChunkRelease, Span};
-use crate::lock::Lock;
+use crate::sys::lock::Lock;
 
 /// What an arena operation leaves for the caller to do outside the lock: dedicated blocks to
 /// release, chunks to release, idle ranges to purge (then [`Arena::purged`]). Fixed-size, so that

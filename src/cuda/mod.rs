@@ -21,8 +21,8 @@
 //!
 //! Files: `driver.rs` loads libcuda and holds the entry-point table and the probe; `device.rs`
 //! finds a device; `context.rs` retains its primary context and registers memory; `event.rs`
-//! and `pinned.rs` order reuse after stream work; `names.rs` names every `CUresult`; this file
-//! holds the public items and error naming; `tests.rs` runs the code against a fake driver
+//! and `pinned.rs` order reuse after stream work; this file holds the public items and error
+//! naming (the `CUresult` names themselves are in [`crate::error`]); `tests.rs` runs the code against a fake driver
 //! table.
 //!
 //! Unsafe code here relies on the driver's function pointers, resolved once with C types, called
@@ -33,7 +33,6 @@ mod context;
 mod device;
 mod driver;
 mod event;
-mod names;
 #[cfg(feature = "pinned-buffer")]
 mod pinned;
 #[cfg(test)]
@@ -42,10 +41,10 @@ mod tests;
 pub(crate) use context::{Gpu, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
-use names::known_error_name;
 #[cfg(feature = "pinned-buffer")]
 pub use pinned::{PinnedBuf, PinnedSliceMut};
 
+use crate::error::known_error_name;
 use crate::Error;
 
 /// Whether the CUDA driver is usable in this process: `libcuda` loads, exports the functions this
@@ -92,36 +91,6 @@ pub fn cuda_unavailable_reason() -> Option<Error> {
 /// The driver probe's error, kept for the life of the process (probing first if needed).
 pub(crate) fn probe_error() -> Option<&'static Error> {
     driver::driver_state().as_ref().err()
-}
-
-/// The name of a `CUresult` code, e.g. `cuda_error_name(2) == Some("CUDA_ERROR_OUT_OF_MEMORY")`,
-/// for every code of CUDA 11.4 to 13.2; `None` for codes this crate does not know (report
-/// those as numbers).
-pub fn cuda_error_name(code: u32) -> Option<&'static str> {
-    known_error_name(code)
-}
-
-/// What to check when `call` failed with `code`, where the cause is usually outside the program.
-pub(crate) fn error_hint(call: &str, code: u32) -> Option<&'static str> {
-    if call != "cuInit" {
-        return None;
-    }
-    Some(match code {
-        2 => "the driver could not allocate memory while starting",
-        3 | 4 => "the driver is shutting down or was not initialised",
-        34 => "libcuda.so is the CUDA toolkit's stub, not the driver's library",
-        35 => "the driver is too old for this CUDA (compatibility) library",
-        46 => "the GPUs are busy or in exclusive-process compute mode",
-        100 => "no GPU is visible to this process; check CUDA_VISIBLE_DEVICES and /dev/nvidia*",
-        101 => "CUDA_VISIBLE_DEVICES names a device that does not exist",
-        304 => "a system call in the driver failed (device file permissions in a container?)",
-        802 => "the system is not ready: on NVSwitch (HGX) systems start nvidia-fabricmanager",
-        803 => "libcuda and the nvidia kernel module are different versions",
-        804 => "the forward-compatibility libcuda does not support this GPU",
-        805 => "the MPS control daemon could not be reached",
-        999 => "unknown driver error: is the nvidia kernel module loaded?",
-        _ => return None,
-    })
 }
 
 /// Name used when neither the table nor the driver knows a code.

@@ -11,6 +11,7 @@ use super::device::*;
 use super::driver::*;
 use super::*;
 use crate::config::GpuSelector;
+use crate::error::error_hint;
 use crate::pci::PciAddress;
 
 fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {

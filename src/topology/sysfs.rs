@@ -2,12 +2,15 @@
 //!
 //! The parsers take the file's text and never panic: every malformed input gives
 //! [`Error::Parse`] with the path `"<input>"`; the readers in this crate replace that path with the
-//! file's real path. They are public so they can be fuzzed and reused.
+//! file's real path.
+//!
+//! Public as `numa_gpu_alloc::sysfs` so the parsers can be fuzzed and reused (the node lists of
+//! `cpulist`, `distance` rows, `meminfo`); the readers stay inside the crate. Nothing here knows
+//! the topology types: [`NumaTopology`](crate::NumaTopology) is built from what it reads.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use crate::topology::NodeInfo;
 use crate::{Error, Result};
 
 /// The largest id [`parse_list`] accepts (2²⁰ − 1).
@@ -301,12 +304,34 @@ pub fn parse_numa_node(s: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Reads the node facts and the position-ordered distance matrix under `<root>/devices/system/node`.
-///
-/// If `root` exists but that directory does not (a kernel built without NUMA), the machine is one node 0 holding every
-/// online CPU (`<root>/devices/system/cpu/online`) and the memory of `<root>/../proc/meminfo`
-/// (that is `/proc/meminfo` for `/sys`; 0 bytes if it is missing).
-pub(crate) fn read_node_tree(root: &Path) -> Result<(Vec<NodeInfo>, Vec<u8>)> {
+/// One online node as its files describe it: `nodeN/cpulist`, `MemTotal` of `nodeN/meminfo`,
+/// and whether `has_memory` and `has_cpu` list it.
+pub(crate) struct NodeFiles {
+    pub(crate) id: usize,
+    pub(crate) cpus: Vec<usize>,
+    pub(crate) memory_bytes: u64,
+    pub(crate) has_memory: bool,
+    pub(crate) has_cpu: bool,
+}
+
+/// What [`read_node_tree`] found under `<root>/devices/system/node`.
+pub(crate) enum NodeTree {
+    /// The online nodes, ascending by id, and their `distance` rows in the same order
+    /// (row-major, one distance per online node in each row).
+    Nodes {
+        nodes: Vec<NodeFiles>,
+        distances: Vec<u8>,
+    },
+    /// No such directory (a kernel built without NUMA): the online CPUs
+    /// (`<root>/devices/system/cpu/online`, none if missing) and the `MemTotal` of
+    /// `<root>/../proc/meminfo` (that is `/proc/meminfo` for `/sys`; 0 if missing).
+    NoNuma { cpus: Vec<usize>, memory_bytes: u64 },
+}
+
+/// Reads the node files and the distance rows under `<root>/devices/system/node`, or, when `root`
+/// exists but that directory does not, what a machine without NUMA has ([`NodeTree::NoNuma`]).
+/// What the facts make (a topology) is for the caller to build.
+pub(crate) fn read_node_tree(root: &Path) -> Result<NodeTree> {
     let node_dir = root.join("devices/system/node");
     if !node_dir.is_dir() {
         // A mistyped root must not pass for a non-NUMA machine.
@@ -339,7 +364,7 @@ pub(crate) fn read_node_tree(root: &Path) -> Result<(Vec<NodeInfo>, Vec<u8>)> {
             ));
         }
         distances.extend_from_slice(&row);
-        nodes.push(NodeInfo {
+        nodes.push(NodeFiles {
             id,
             cpus,
             memory_bytes,
@@ -348,22 +373,15 @@ pub(crate) fn read_node_tree(root: &Path) -> Result<(Vec<NodeInfo>, Vec<u8>)> {
             has_cpu: has_cpu.binary_search(&id).is_ok(),
         });
     }
-    Ok((nodes, distances))
+    Ok(NodeTree::Nodes { nodes, distances })
 }
 
-fn read_non_numa(root: &Path) -> Result<(Vec<NodeInfo>, Vec<u8>)> {
+fn read_non_numa(root: &Path) -> Result<NodeTree> {
     let cpus = read_parsed_optional(&root.join("devices/system/cpu/online"), parse_list)?
         .unwrap_or_default();
     let memory_bytes =
         read_parsed_optional(&root.join("../proc/meminfo"), parse_meminfo_total)?.unwrap_or(0);
-    let node = NodeInfo {
-        id: 0,
-        cpus,
-        memory_bytes,
-        has_memory: true,
-        has_cpu: true,
-    };
-    Ok((vec![node], vec![crate::LOCAL_NUMA_DISTANCE]))
+    Ok(NodeTree::NoNuma { cpus, memory_bytes })
 }
 
 #[cfg(test)]

@@ -1,17 +1,22 @@
-//! Descriptors of NUMA-bound host buffers and per-node accounting of them.
+//! Placement records of host buffers (the seed specification's API) and per-node accounting of
+//! them.
 //!
-//! A [`NumaBuffer`] records which node an allocation is bound to and its size: the result of an
-//! mmap + mbind + `cuMemHostRegister`, without owning the pointer. A [`NumaAllocTracker`] sums the
-//! outstanding bytes per node.
+//! A [`NumaBuffer`] is not a buffer: it holds no memory and no pointer, only the node a buffer
+//! lives on (or is planned for) and its size. Making one maps nothing and dropping one frees
+//! nothing; the mapping, `mbind` and `cuMemHostRegister` happen elsewhere (the allocator's
+//! chunks). A [`NumaAllocTracker`] sums the bytes of such records per node.
 
 use std::fmt;
 
-use crate::topology::{closest_node_to_gpu, NumaTopology};
+use super::{closest_node_to_gpu, NumaTopology};
 use crate::{Error, Result};
 
-/// Host-side descriptor of a host allocation bound to a NUMA node.
+/// Where a host buffer lives: its NUMA node and its size in bytes, a placement record.
 ///
-/// `node` is a real Linux node id of the topology it was planned against (see
+/// It owns no memory and points to none, so it is `Copy` and can describe a buffer that does not
+/// exist yet (a plan) as well as one the allocator handed out; [`is_local_to`](Self::is_local_to)
+/// and [`access_distance`](Self::access_distance) say what an access from a given node would
+/// cost. `node` is a real Linux node id of the topology it was planned against (see
 /// [`NumaTopology`] on sparse ids).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NumaBuffer {

@@ -3,9 +3,17 @@
 //! Every variant carries the values that made the operation fail, so that the `Display` text alone
 //! tells an operator what to fix. Allocation paths never return these to the caller of
 //! `GlobalAlloc`/`Allocator` (they return null / `AllocError`); they are counted in the stats instead.
+//!
+//! `cuda_codes.rs` names `CUresult` codes and holds the hints of [`Error::Cuda`]'s text, so that
+//! this layer imports nothing above it.
 
 use std::fmt;
 use std::path::PathBuf;
+
+mod cuda_codes;
+
+pub use cuda_codes::cuda_error_name;
+pub(crate) use cuda_codes::{error_hint, known_error_name};
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -79,6 +87,14 @@ pub enum Error {
         call: &'static str,
         /// The errno it returned.
         errno: i32,
+    },
+    /// A CPU list for a thread's affinity that is empty, or that names a CPU a `cpu_set_t`
+    /// cannot hold.
+    InvalidCpuList {
+        /// The first CPU at or above `limit`; `None` when the list is empty.
+        cpu: Option<usize>,
+        /// How many CPUs a `cpu_set_t` holds (`CPU_SETSIZE`).
+        limit: usize,
     },
     /// A system call failed for another reason.
     Syscall {
@@ -243,6 +259,17 @@ impl fmt::Display for Error {
                 f,
                 "cannot allocate a buffer of {len} elements of {element_size} bytes: {reason}"
             ),
+            Error::InvalidCpuList { cpu: None, .. } => {
+                write!(f, "a thread cannot be bound to an empty list of CPUs")
+            }
+            Error::InvalidCpuList {
+                cpu: Some(cpu),
+                limit,
+            } => write!(
+                f,
+                "CPU {cpu} cannot be bound: a cpu_set_t holds CPUs 0 to {}",
+                limit.saturating_sub(1)
+            ),
             Error::Syscall { call, errno } => {
                 write!(f, "{call} failed: {} (errno {errno})", errno_text(*errno))
             }
@@ -270,7 +297,7 @@ impl fmt::Display for Error {
             }
             Error::Cuda { call, code, name } => {
                 write!(f, "{call} failed: {name} ({code})")?;
-                match crate::cuda::error_hint(call, *code) {
+                match error_hint(call, *code) {
                     Some(hint) => write!(f, ": {hint}"),
                     None => Ok(()),
                 }

@@ -13,7 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::sysfs::read_text;
+use super::sysfs::read_text;
 use crate::Error;
 
 /// The limited cgroups of this process (none: no check).

@@ -1,10 +1,14 @@
 //! PCI addresses, a device's home NUMA node, and the NVIDIA GPUs found in sysfs.
+//!
+//! Public as `numa_gpu_alloc::pci` (part of [`topology`](crate::NumaTopology)'s layer): for
+//! programs that look up a GPU's node themselves, and for the fuzz targets of [`PciAddress`]'s
+//! parser. The allocator uses it to find a GPU's home node when CUDA does not say.
 
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
-use crate::sysfs::{parse_hex_u32, parse_numa_node, read_parsed, read_parsed_optional};
+use super::sysfs::{parse_hex_u32, parse_numa_node, read_parsed, read_parsed_optional};
 use crate::{Error, Result};
 
 /// NVIDIA's PCI vendor id.
@@ -165,8 +169,8 @@ pub fn nvidia_gpus(sysfs_root: &Path) -> Result<Vec<GpuInfo>> {
         let device_path = dir.join("device");
         let device_id = read_parsed(&device_path, parse_hex_u32)?;
         let device_id = u16::try_from(device_id).map_err(|_| {
-            crate::sysfs::at_path(
-                crate::sysfs::parse_error("a 16-bit device id", &format!("{device_id:#x}")),
+            super::sysfs::at_path(
+                super::sysfs::parse_error("a 16-bit device id", &format!("{device_id:#x}")),
                 &device_path,
             )
         })?;

@@ -1,5 +1,10 @@
-//! `CUresult` names for every code in CUDA 11.8 to 13.2's `cuda.h` (as cudarc's bindings list
-//! them), so that errors are named without asking the driver, even when it failed to start.
+//! What [`Error::Cuda`](super::Error::Cuda) says about a `CUresult`: its name, for every code
+//! in the `cuda.h` of CUDA 11.4 to 13.2 (as cudarc 0.19's bindings list them), so that errors are
+//! named without asking the driver, even when it failed to start; and a hint where the cause of a
+//! failed `cuInit` usually lies outside the program.
+//!
+//! Codes added after 13.2 (13.3 and 13.4 added 47, 227, 918 and 919) are not in the table: the
+//! CUDA layer then asks the driver's `cuGetErrorName`, else reports the number.
 
 /// The name of a `CUresult` number this crate knows without asking the driver.
 ///
@@ -111,6 +116,36 @@ pub(crate) fn known_error_name(code: u32) -> Option<&'static str> {
         916 => "CUDA_ERROR_KEY_ROTATION",
         917 => "CUDA_ERROR_STREAM_DETACHED",
         999 => "CUDA_ERROR_UNKNOWN",
+        _ => return None,
+    })
+}
+
+/// The name of a `CUresult` code, e.g. `cuda_error_name(2) == Some("CUDA_ERROR_OUT_OF_MEMORY")`,
+/// for every code of CUDA 11.4 to 13.2; `None` for codes this crate does not know (report
+/// those as numbers).
+pub fn cuda_error_name(code: u32) -> Option<&'static str> {
+    known_error_name(code)
+}
+
+/// What to check when `call` failed with `code`, where the cause is usually outside the program.
+pub(crate) fn error_hint(call: &str, code: u32) -> Option<&'static str> {
+    if call != "cuInit" {
+        return None;
+    }
+    Some(match code {
+        2 => "the driver could not allocate memory while starting",
+        3 | 4 => "the driver is shutting down or was not initialised",
+        34 => "libcuda.so is the CUDA toolkit's stub, not the driver's library",
+        35 => "the driver is too old for this CUDA (compatibility) library",
+        46 => "the GPUs are busy or in exclusive-process compute mode",
+        100 => "no GPU is visible to this process; check CUDA_VISIBLE_DEVICES and /dev/nvidia*",
+        101 => "CUDA_VISIBLE_DEVICES names a device that does not exist",
+        304 => "a system call in the driver failed (device file permissions in a container?)",
+        802 => "the system is not ready: on NVSwitch (HGX) systems start nvidia-fabricmanager",
+        803 => "libcuda and the nvidia kernel module are different versions",
+        804 => "the forward-compatibility libcuda does not support this GPU",
+        805 => "the MPS control daemon could not be reached",
+        999 => "unknown driver error: is the nvidia kernel module loaded?",
         _ => return None,
     })
 }

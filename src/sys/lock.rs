@@ -7,15 +7,18 @@
 //! "Futexes Are Tricky"), so a child sets it to 0: none of the parent's other threads exist there
 //! to sleep on it or be woken.
 //!
+//! Sleeping and waking are `futex(2)` calls on the state word (`FUTEX_WAIT_PRIVATE`,
+//! `FUTEX_WAKE_PRIVATE`).
+//!
 //! Unsafe code here relies on the state word: one guard at a time holds the value; `release` and
-//! `reset_in_child` are for the fork handlers, which hold or reset the lock on the forking thread.
+//! `reset_in_child` are for the fork handlers, which hold or reset the lock on the forking thread;
+//! the futex calls only read that live, aligned word.
 #![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
+use std::ptr;
 use std::sync::atomic::{AtomicU32, Ordering};
-
-use crate::sys;
 
 const UNLOCKED: u32 = 0;
 const LOCKED: u32 = 1;
@@ -91,7 +94,7 @@ impl<T> Lock<T> {
         // Marking the word "sleepers" makes the holder's release wake one of us; a thread that
         // takes the lock this way keeps the mark, since others may still sleep.
         while self.state.swap(SLEEPERS, Ordering::Acquire) != UNLOCKED {
-            sys::futex_wait(&self.state, SLEEPERS);
+            futex_wait(&self.state, SLEEPERS);
         }
     }
 
@@ -101,7 +104,7 @@ impl<T> Lock<T> {
     /// The calling thread holds the lock through [`Self::acquire`] (not through a guard).
     pub(crate) unsafe fn release(&self) {
         if self.state.swap(UNLOCKED, Ordering::Release) == SLEEPERS {
-            sys::futex_wake_one(&self.state);
+            futex_wake(&self.state, 1);
         }
     }
 
@@ -142,6 +145,36 @@ impl<T> Drop for Guard<'_, T> {
         // SAFETY: the guard was made by `lock`, which acquired the lock on this thread.
         unsafe { self.lock.release() }
     }
+}
+
+/// Sleeps while `word` holds `expected` (`FUTEX_WAIT_PRIVATE`, no timeout). Returns on a wake-up,
+/// a signal, or at once when the value already differs: callers re-check in a loop.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32) {
+    // SAFETY: the kernel only reads the aligned u32 behind `word`, which outlives the call; the
+    // null timeout means "no timeout" and the two unused arguments are ignored for FUTEX_WAIT.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            ptr::null::<libc::timespec>(),
+        )
+    };
+}
+
+/// Wakes up to `count` threads sleeping in [`futex_wait`] on `word` (`FUTEX_WAKE_PRIVATE`).
+pub(crate) fn futex_wake(word: &AtomicU32, count: u32) {
+    let count = i32::try_from(count).unwrap_or(i32::MAX);
+    // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live, aligned u32.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            count,
+        )
+    };
 }
 
 #[cfg(test)]

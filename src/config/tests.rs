@@ -1,0 +1,144 @@
+//! Unit tests of the settings and their parsing.
+
+use super::parse::{parse_gpu, parse_reserve};
+use super::*;
+
+fn key_of(e: &Error) -> &str {
+    match e {
+        Error::Config { key, .. } => key,
+        other => panic!("not a config error: {other:?}"),
+    }
+}
+
+#[test]
+fn sizes() {
+    assert_eq!(parse_size("4096"), Some(4096));
+    assert_eq!(parse_size("4MiB"), Some(4 << 20));
+    assert_eq!(parse_size("8gib"), Some(8 << 30));
+    assert_eq!(parse_size("512K"), Some(512 << 10));
+    assert_eq!(parse_size("1TiB"), Some(1 << 40));
+    assert_eq!(parse_size(""), None);
+    assert_eq!(parse_size("MiB"), None);
+    assert_eq!(parse_size("4 PiB"), None);
+    assert_eq!(parse_size(" 4 MiB "), Some(4 << 20));
+    for control in ["4\nMiB", "4\tMiB", "4MiB\n", "\u{1b}4MiB"] {
+        assert_eq!(parse_size(control), None, "{control:?}");
+    }
+    assert_eq!(parse_size("99999999999999999999"), None);
+    assert_eq!(parse_size("18446744073709551615GiB"), None);
+}
+
+#[test]
+fn targets_that_follow_the_thread() {
+    let mut c = Config::DEFAULT;
+    assert!(c.apply_settings("node=local").is_empty());
+    assert_eq!(c.target, Target::LocalNode);
+    assert!(c.apply_settings("gpu=current").is_empty());
+    assert_eq!(c.target, Target::Gpu(GpuSelector::Current));
+}
+
+#[test]
+fn full_example_applies() {
+    let mut c = Config::DEFAULT;
+    let errors =
+        c.apply_settings("threshold=4MiB,node=1,policy=bind,cache=8GiB,huge=off,verify=on");
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(c.threshold, 4 << 20);
+    assert_eq!(c.target, Target::Node(1));
+    assert_eq!(c.policy, MemPolicy::Bind);
+    assert_eq!(c.cache_limit, 8 << 30);
+    assert!(!c.huge_pages);
+    assert!(c.verify);
+}
+
+#[test]
+fn bad_entries_are_reported_and_the_rest_applies() {
+    let mut c = Config::DEFAULT;
+    let errors = c.apply_settings("threshold=0,cache=1GiB,bogus=1,node=99999,policy=strict");
+    let keys: Vec<&str> = errors.iter().map(key_of).collect();
+    assert_eq!(keys, ["threshold", "bogus", "node", "policy"]);
+    assert_eq!(c.threshold, DEFAULT_THRESHOLD);
+    assert_eq!(c.cache_limit, 1 << 30);
+    assert_eq!(c.target, Target::Default);
+    let text = errors[0].to_string();
+    assert!(text.contains("threshold") && text.contains("\"0\"") && text.contains("4KiB"));
+}
+
+#[test]
+fn out_of_range_duplicates_and_conflicts() {
+    let mut c = Config::DEFAULT;
+    assert_eq!(c.apply_settings("threshold=1TiB").len(), 1);
+    let errors = c.apply_settings("huge=off,huge=on");
+    assert_eq!(errors.len(), 1);
+    assert!(c.huge_pages, "the last value applies");
+    let errors = c.apply_settings("node=1,gpu=pci:0000:81:00.0");
+    assert_eq!(errors.len(), 1);
+    assert!(matches!(c.target, Target::Gpu(GpuSelector::Pci(_))));
+    assert!(c.apply_settings("").is_empty());
+    assert!(c.apply_settings(",,, ,").is_empty());
+    assert_eq!(c.apply_settings("novalue").len(), 1);
+}
+
+#[test]
+fn stats_at_exit() {
+    let mut c = Config::DEFAULT;
+    assert_eq!(c.stats_at_exit, StatsAtExit::Off);
+    assert!(c.apply_settings("stats=exit").is_empty());
+    assert_eq!(c.stats_at_exit, StatsAtExit::Table);
+    assert!(c.apply_settings("stats=JSON").is_empty());
+    assert_eq!(c.stats_at_exit, StatsAtExit::Json);
+    let errors = c.apply_settings("stats=on");
+    assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["stats"]);
+    assert_eq!(
+        c.stats_at_exit,
+        StatsAtExit::Json,
+        "a rejected value changes nothing"
+    );
+}
+
+#[test]
+fn reserve_values() {
+    let reserve = |value| parse_reserve(value).map(|r| (r.blocks, r.block_size));
+    assert_eq!(reserve("8x64MiB"), Ok((8, 64 << 20)));
+    assert_eq!(reserve(" 2 X 1GiB"), Ok((2, 1 << 30)));
+    assert_eq!(reserve("256MiB"), Ok((1, 256 << 20)));
+    assert_eq!(reserve("0"), Ok((0, 0)));
+    assert_eq!(reserve("0x4MiB"), Ok((0, 0)));
+    for bad in ["", "x4MiB", "4x", "-1x4MiB", "4MiBx2", "lots"] {
+        assert!(parse_reserve(bad).is_err(), "{bad}");
+    }
+    let mut c = Config::DEFAULT;
+    assert!(c.apply_settings("reserve=4x8MiB").is_empty());
+    assert_eq!(
+        c.reserve,
+        Reserve {
+            blocks: 4,
+            block_size: 8 << 20
+        }
+    );
+}
+
+#[test]
+fn gpu_selectors() {
+    assert_eq!(parse_gpu("auto"), Ok(GpuSelector::Auto));
+    assert_eq!(parse_gpu("current"), Ok(GpuSelector::Current));
+    assert_eq!(parse_gpu("3"), Ok(GpuSelector::Ordinal(3)));
+    let uuid = parse_gpu("GPU-00112233-4455-6677-8899-aabbccddeeff").unwrap();
+    assert_eq!(
+        uuid,
+        GpuSelector::Uuid([
+            0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd,
+            0xee, 0xff
+        ])
+    );
+    assert_eq!(
+        parse_gpu("MIG-00112233-4455-6677-8899-aabbccddeeff"),
+        Ok(uuid),
+        "a MIG instance's UUID"
+    );
+    assert!(parse_gpu("GPU-0011").is_err());
+    assert!(parse_gpu("pci:zz").is_err());
+    assert!(parse_gpu("-1").is_err());
+    assert!(parse_gpu("GPU-ééé").is_err());
+    assert!(parse_gpu("aéé").is_err());
+}

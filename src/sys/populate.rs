@@ -1,0 +1,111 @@
+//! Faulting pages in under the range's policy: `madvise(MADV_POPULATE_WRITE)`, or one write per
+//! page on kernels older than 5.14 ([`populate`]).
+//!
+//! Unsafe code here relies on the caller's promise that the range is its own, writable and still
+//! all zeros, so that faulting it in (or writing zeros into it) changes no content.
+#![allow(unsafe_code)]
+
+use std::ffi::c_int;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use super::{check_range, errno, fault, page_size};
+use crate::{Error, Result};
+
+// libc only has it from 0.2.171 on; Cargo.toml allows 0.2.170.
+const MADV_POPULATE_WRITE: c_int = 23;
+
+const POPULATE_CALL: &str = "madvise(MADV_POPULATE_WRITE)";
+
+/// How [`populate`] faulted the pages in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PopulateMethod {
+    /// `madvise(MADV_POPULATE_WRITE)` (Linux ≥ 5.14).
+    MadvisePopulateWrite,
+    /// One volatile zero-byte write per page (older kernels).
+    TouchPages,
+}
+
+/// How [`populate`] faults pages in; probed once per process.
+static POPULATE_METHOD: AtomicU8 = AtomicU8::new(METHOD_UNKNOWN);
+const METHOD_UNKNOWN: u8 = 0;
+const METHOD_MADVISE: u8 = 1;
+const METHOD_TOUCH: u8 = 2;
+
+/// Faults in every page of `ptr..ptr+len` for writing, under the range's memory policy.
+///
+/// Uses `madvise(MADV_POPULATE_WRITE)` (Linux ≥ 5.14), which reports an exhausted node as ENOMEM
+/// instead of invoking the OOM killer. If the kernel answers EINVAL to the first attempt (too
+/// old), this and every later call write one zero byte per page with a volatile write instead.
+/// Returns the method used. Errors: [`Error::InvalidRange`] for an empty or misaligned range,
+/// [`Error::Syscall`] (`call: "madvise(MADV_POPULATE_WRITE)"`) otherwise (ENOMEM: no memory on
+/// the allowed nodes, or the range is not mapped; EFAULT: SIGBUS while faulting).
+///
+/// # Safety
+///
+/// `ptr..ptr+len` must be a writable mapping this crate created with
+/// [`map_anonymous`](super::map_anonymous), that nobody else uses, and whose content is still all zeros (the fallback writes zeros).
+pub unsafe fn populate(ptr: NonNull<u8>, len: usize) -> Result<PopulateMethod> {
+    let pages = check_range(ptr, len)?;
+    let method = POPULATE_METHOD.load(Ordering::Relaxed);
+    if method == METHOD_TOUCH {
+        // The fallback makes no syscall, but an injected fault should still be seen.
+        if let Some(errno) = fault::injected(fault::FaultPoint::Populate) {
+            return Err(Error::Syscall {
+                call: POPULATE_CALL,
+                errno,
+            });
+        }
+    } else {
+        let mut result = match fault::injected(fault::FaultPoint::Populate) {
+            Some(errno) => Err(errno),
+            None => madvise_populate_write(ptr, len),
+        };
+        // EINTR: a signal arrived while faulting; what was populated stays, so just retry.
+        let mut retries = 0;
+        while result == Err(libc::EINTR) && retries < 16 {
+            retries += 1;
+            result = madvise_populate_write(ptr, len);
+        }
+        match result {
+            Ok(()) => {
+                POPULATE_METHOD.store(METHOD_MADVISE, Ordering::Relaxed);
+                return Ok(PopulateMethod::MadvisePopulateWrite);
+            }
+            // Before 5.14 the advice is unknown (EINVAL). Once it has worked, EINVAL means
+            // something else (e.g. a VM_PFNMAP range) and is reported.
+            Err(libc::EINVAL) if method == METHOD_UNKNOWN => {
+                POPULATE_METHOD.store(METHOD_TOUCH, Ordering::Relaxed);
+            }
+            Err(errno) => {
+                return Err(Error::Syscall {
+                    call: POPULATE_CALL,
+                    errno,
+                })
+            }
+        }
+    }
+    let ps = page_size();
+    for page in 0..pages {
+        // SAFETY: page * ps < len rounded up to a page, inside the caller's writable mapping,
+        // which is zero-filled so writing zero keeps its content; volatile so the write (and
+        // therefore the fault) is not optimised away.
+        unsafe { ptr.as_ptr().add(page * ps).write_volatile(0) };
+    }
+    Ok(PopulateMethod::TouchPages)
+}
+
+fn madvise_populate_write(ptr: NonNull<u8>, len: usize) -> std::result::Result<(), i32> {
+    // SAFETY: MADV_POPULATE_WRITE only faults pages in (as a write would); it never changes
+    // content, and fails cleanly (ENOMEM) on unmapped parts.
+    if unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) } != 0 {
+        return Err(errno());
+    }
+    Ok(())
+}
+
+/// Forgets the probed method, so the next [`populate`] tries `MADV_POPULATE_WRITE` again.
+#[cfg(feature = "fault-injection")]
+pub(super) fn forget_method() {
+    POPULATE_METHOD.store(METHOD_UNKNOWN, Ordering::Relaxed);
+}
