@@ -41,7 +41,6 @@ mod runtime;
 mod setup;
 mod stats;
 mod stats_exit;
-mod stats_json;
 pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
 pub use runtime::Placement;
 pub use stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::Error;
 
 mod counters;
+mod json;
 mod table;
 pub(crate) use counters::{Counters, ERROR_CODE_SLOTS};
 use counters::{FIRST_OCTAVE, OCTAVES};
@@ -18,10 +19,10 @@ use counters::{FIRST_OCTAVE, OCTAVES};
 #[non_exhaustive]
 pub struct TimeStats {
     /// Sum over all blocks.
-    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats::json::nanos"))]
     pub total: Duration,
     /// The longest single block (since the last [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
-    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats::json::nanos"))]
     pub max: Duration,
 }
 
@@ -302,13 +303,13 @@ pub struct Stats {
     /// why `pin=strict` refused a request (in JSON: the message).
     #[cfg_attr(
         feature = "serde",
-        serde(serialize_with = "crate::stats_json::message")
+        serde(serialize_with = "crate::stats::json::message")
     )]
     pub last_pin_error: Option<Error>,
     /// Why NUMA placement is off, when the kernel refused it (in JSON: the message).
     #[cfg_attr(
         feature = "serde",
-        serde(serialize_with = "crate::stats_json::message")
+        serde(serialize_with = "crate::stats::json::message")
     )]
     pub numa_unavailable: Option<Error>,
     /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems: every problem that applies to
@@ -316,7 +317,7 @@ pub struct Stats {
     /// value's own settings' by this value (in JSON: the messages).
     #[cfg_attr(
         feature = "serde",
-        serde(serialize_with = "crate::stats_json::messages")
+        serde(serialize_with = "crate::stats::json::messages")
     )]
     pub config_errors: Vec<Error>,
 }

@@ -6,7 +6,7 @@
 use std::fmt::{self, Write};
 use std::time::Duration;
 
-use crate::stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
+use super::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
 use crate::Error;
 use crate::MemPolicy;
 
