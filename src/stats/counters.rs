@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use super::{CudaErrorCount, Fallbacks, Stats, TimeStats};
+use crate::lock::Lock;
 use crate::Error;
 
 /// A monotonically increasing event counter.
@@ -110,12 +111,33 @@ impl CodeCounts {
     }
 }
 
-/// The lock's guard when it is free (a poisoned lock still holds a valid `Option<Error>`).
-fn try_lock<T>(lock: &std::sync::Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
-    match lock.try_lock() {
-        Ok(guard) => Some(guard),
-        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => None,
+/// The latest error of a kind, behind the crate's futex lock (one word, never allocates), which is
+/// only ever tried, never waited for: a forked child inherits the lock in whatever state another
+/// thread of the parent left it, the exit report must not block, and a contended update loses
+/// nothing but the latest message.
+struct LastError(Lock<Option<Error>>);
+
+impl Default for LastError {
+    fn default() -> Self {
+        LastError(Lock::new(None))
+    }
+}
+
+impl LastError {
+    /// Keeps `error`, unless another thread holds the slot. Cloning a CUDA error copies numbers
+    /// and static strings: no allocation.
+    fn set(&self, error: &Error) {
+        if let Some(mut last) = self.0.try_lock() {
+            *last = Some(error.clone());
+        }
+    }
+
+    /// Copies the latest error to `out`; while another thread holds the slot, `out` keeps its
+    /// own.
+    fn copy_into(&self, out: &mut Option<Error>) {
+        if let Some(last) = self.0.try_lock() {
+            out.clone_from(&last);
+        }
     }
 }
 
@@ -165,16 +187,15 @@ pub(crate) struct Counters {
     pub(crate) pin: Timer,
     pub(crate) unpin: Timer,
     pub(crate) requests_by_octave: [Counter; OCTAVES],
-    /// The latest registration or unregistration error (taken on failures and snapshots only; std's
-    /// futex mutex does not allocate).
-    pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
+    /// The latest registration or unregistration error.
+    last_pin_error: LastError,
 }
 
 impl Counters {
     /// Counts a failed registration under its CUDA error code.
     pub(crate) fn record_pin_failure(&self, error: &Error) {
         self.pin_failures.incr();
-        self.set_last_pin_error(error);
+        self.last_pin_error.set(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -203,13 +224,13 @@ impl Counters {
     /// Counts a request `pin=strict` refused before mapping anything, with why.
     pub(crate) fn record_strict_refusal(&self, error: &Error) {
         self.strict_refused.incr();
-        self.set_last_pin_error(error);
+        self.last_pin_error.set(error);
     }
 
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
     pub(crate) fn record_unregister_failure(&self, error: &Error) {
         self.unregister_failures.incr();
-        self.set_last_pin_error(error);
+        self.last_pin_error.set(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -227,22 +248,10 @@ impl Counters {
         self.requests_by_octave[octave(size)].incr();
     }
 
-    fn set_last_pin_error(&self, error: &Error) {
-        // Only tried: a forked child inherits this lock in whatever state another thread of the
-        // parent left it, and a contended update loses nothing but the latest message. Cloning a
-        // CUDA error copies numbers and static strings: no allocation.
-        if let Some(mut last) = try_lock(&self.last_pin_error) {
-            *last = Some(error.clone());
-        }
-    }
-
     /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
     /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
-        // Only tried, as above (the exit report must not block); contended: the snapshot's own.
-        if let Some(last) = try_lock(&self.last_pin_error) {
-            stats.last_pin_error = last.clone();
-        }
+        self.last_pin_error.copy_into(&mut stats.last_pin_error);
         stats.frees = self.frees.get();
         stats.cache_hits = self.cache_hits.get();
         stats.cache_misses = self.cache_misses.get();
