@@ -283,7 +283,7 @@ impl Runtime {
             given += released;
             drop(arena);
             let count = out.blocks.iter().count() + out.chunks.iter().count();
-            self.counters.pressure_released.add(count as u64);
+            self.counters.pressure_released_blocks.add(count as u64);
             self.finish(node, &mut out);
             if released == 0 || given >= bytes {
                 return given > 0;

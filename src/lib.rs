@@ -49,7 +49,6 @@ pub use runtime::Placement;
 // 5. Statistics and the report at exit.
 mod stats;
 mod stats_exit;
-mod stats_json;
 pub use stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
 
 // 6. The front ends: GlobalAlloc, allocator-api2, the const builder.

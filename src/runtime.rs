@@ -266,6 +266,8 @@ impl Runtime {
                 .as_ref()
                 .map(|d| format!("{} ({}) {}", d.ordinal(), d.pci_address(), d.name())),
             pinning: self.default.gpu.is_some(),
+            page_locked_bytes: crate::chunk::page_locked_bytes(),
+            pin_limit: (self.config.pin_limit != usize::MAX).then_some(self.config.pin_limit),
             nodes: self
                 .topology
                 .node_ids()

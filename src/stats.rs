@@ -2,15 +2,23 @@
 //!
 //! Hot counters are relaxed atomics (one per event, no lock); per-node byte counts live in the
 //! arena and are updated under the arena lock the allocation already holds.
+//!
+//! An event counter is declared once, in the `events { … }` block of [`Stats`] or [`Fallbacks`]
+//! below: its doc, its name and, to be printed at the end of its struct's line of the table, its
+//! label. [`snapshot!`](events) makes the public field, the atomic (`counters.name.incr()` where
+//! the event happens), the snapshot copy and the JSON key from it.
 
 use std::time::Duration;
 
 use crate::Error;
 
 mod counters;
+mod events;
+mod json;
 mod table;
 pub(crate) use counters::{Counters, ERROR_CODE_SLOTS};
 use counters::{FIRST_OCTAVE, OCTAVES};
+use events::snapshot;
 
 /// Total and longest time spent in one kind of step (in JSON: nanoseconds).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -18,10 +26,10 @@ use counters::{FIRST_OCTAVE, OCTAVES};
 #[non_exhaustive]
 pub struct TimeStats {
     /// Sum over all blocks.
-    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats::json::nanos"))]
     pub total: Duration,
     /// The longest single block (since the last [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
-    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats_json::nanos"))]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::stats::json::nanos"))]
     pub max: Duration,
 }
 
@@ -37,51 +45,6 @@ pub struct CudaErrorCount {
     pub name: &'static str,
     /// How many registrations failed with it.
     pub count: u64,
-}
-
-/// Degraded modes and failures, each counted.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct Fallbacks {
-    /// Blocks mapped without NUMA placement: the kernel refuses NUMA calls (see
-    /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave` policy
-    /// (also counted in `placement_failures`).
-    pub unplaced_blocks: u64,
-    /// Blocks handed out without page-locking (pinning off, or under `pin=on` no GPU or a failed
-    /// registration).
-    pub unpinned_blocks: u64,
-    /// `cuMemHostRegister` calls that failed.
-    pub pin_failures: u64,
-    /// `cuMemHostUnregister` calls that failed; those blocks are leaked rather than unmapped
-    /// while the driver still holds them.
-    pub unregister_failures: u64,
-    /// Large requests that returned null / `AllocError`.
-    pub failed_allocations: u64,
-    /// Of those: `policy=bind` blocks that could not be placed entirely on the node.
-    pub bind_exhausted: u64,
-    /// Of those: `mmap` failures.
-    pub map_failures: u64,
-    /// Of those: populating failed (out of memory).
-    pub populate_failures: u64,
-    /// Of those: the block would have exceeded a cgroup's `memory.max` (populating it would
-    /// have summoned the OOM killer).
-    pub memory_limited: u64,
-    /// Of those: `pin=strict` requests refused before anything was mapped, since no block could
-    /// be page-locked for their target (no CUDA driver, no GPU for it, a forked child; the
-    /// reason is in `last_pin_error` and `config_errors`).
-    pub strict_refused: u64,
-    /// `mbind` or the page check failed for another reason than NUMA being unavailable (e.g.
-    /// EINVAL for a node the kernel or cpuset does not allow): the block went unplaced under
-    /// `preferred`/`interleave`, the allocation failed under `bind` or a failed page check.
-    pub placement_failures: u64,
-    /// Blocks that `verify=on` or `policy=bind` could not check page by page because the kernel
-    /// refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)` check instead.
-    pub unverified_blocks: u64,
-    /// Large frees of pointers no arena holds: memory the inner allocator served while inside
-    /// the allocator or before initialisation lowered the threshold (passed on to it). Blocks of
-    /// another `NumaGpuAlloc` value are not counted: they go back to their node's arena.
-    pub foreign_frees: u64,
 }
 
 /// Per-node byte and block counts.
@@ -220,105 +183,170 @@ pub struct GpuStats {
     pub live_blocks: usize,
 }
 
-/// A snapshot of one allocator's state, from [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
-///
-/// Each counter is read on its own (relaxed atomics), so figures read while other threads allocate
-/// may be a moment apart. `Display` gives a table, [`Stats::json`] one line of JSON, and with the
-/// `serde` feature the snapshot implements `Serialize` (the same JSON from `serde_json`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct Stats {
-    /// Whether the large path has been initialised (it is, lazily, on the first large request).
-    pub initialized: bool,
-    /// Size from which requests take the large path.
-    pub threshold: usize,
-    /// Node large blocks are placed on, when known.
-    pub host_node: Option<usize>,
-    /// The GPU's own node, when there is a GPU and it is known.
-    pub home_node: Option<usize>,
-    /// The GPU, e.g. `0 (0000:81:00.0) NVIDIA H200`, when one is used.
-    pub gpu: Option<String>,
-    /// Whether blocks are page-locked with CUDA.
-    pub pinning: bool,
-    /// Per node: the process's arenas, shared by every allocator value.
-    pub nodes: Vec<NodeStats>,
-    /// Per node and kind of chunk (policy, pinning, page size), in node order. Not refreshed by
-    /// the report at exit.
-    pub heaps: Vec<HeapStats>,
-    /// Per GPU and node, for requests routed to a GPU the CUDA driver knows (by the allocator's
-    /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the report
-    /// at exit.
-    pub gpus: Vec<GpuStats>,
-    /// Large requests that reached the cache: hits + misses. A miss whose block could not be made
-    /// failed, and is counted here and in `fallbacks.failed_allocations`; a request refused
-    /// before the cache (`pin=strict` with nothing to page-lock, a size too large to round up to
-    /// its class) is counted only there.
-    pub large_allocations: u64,
-    /// Large blocks freed by the user.
-    pub frees: u64,
-    /// Large allocations served from the cache.
-    pub cache_hits: u64,
-    /// Large requests no cached block served: a new block was made for each, or could not be
-    /// (then the request failed); growths without copy count too.
-    pub cache_misses: u64,
-    /// Reallocations done in place, within the block's capacity.
-    pub in_place_reallocs: u64,
-    /// Reallocations that grew an unpinned block by moving its pages into a larger mapping
-    /// (`mremap`, no copy; also counted as a miss and a free).
-    pub grown_without_copy: u64,
-    /// GPU uses (events) recorded against live blocks.
-    pub in_flight_recorded: u64,
-    /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
-    pub reuse_deferred: u64,
-    /// Block creations retried after cached blocks were given back for want of memory.
-    pub pressure_retries: u64,
-    /// Cached blocks given back for those retries (oldest first).
-    pub pressure_released_blocks: u64,
-    /// Blocks unmapped (cache limit, `trim()`, failed placement).
-    pub released_blocks: u64,
-    /// Successful `cuMemHostRegister` calls.
-    pub registrations: u64,
-    /// `cuMemHostUnregister` calls.
-    pub unregistrations: u64,
-    /// Pages checked with `move_pages` (`verify=on`, or `policy=bind`).
-    pub pages_checked: u64,
-    /// Checked pages found off the intended node(s).
-    pub pages_misplaced: u64,
-    /// Time spent populating blocks.
-    pub populate_time: TimeStats,
-    /// Time spent registering blocks with CUDA.
-    pub pin_time: TimeStats,
-    /// Time spent unregistering blocks (`cuMemHostUnregister`, when a pinned block is released).
-    pub unpin_time: TimeStats,
-    /// Large requests by size: entry `k` counts requests of `4 KiB << k` bytes up to (not
-    /// including) twice that; the last entry also counts everything larger.
-    pub requests_by_octave: [u64; OCTAVES],
-    /// Degraded modes and failures.
-    pub fallbacks: Fallbacks,
-    /// Registration failures by CUDA error.
-    pub pin_failures_by_code: Vec<CudaErrorCount>,
-    /// The latest failed registration or unregistration, with the CUDA call, code and name, or
-    /// why `pin=strict` refused a request (in JSON: the message).
-    #[cfg_attr(
-        feature = "serde",
-        serde(serialize_with = "crate::stats_json::message")
-    )]
-    pub last_pin_error: Option<Error>,
-    /// Why NUMA placement is off, when the kernel refused it (in JSON: the message).
-    #[cfg_attr(
-        feature = "serde",
-        serde(serialize_with = "crate::stats_json::message")
-    )]
-    pub numa_unavailable: Option<Error>,
-    /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems: every problem that applies to
-    /// this value. Each was also printed to stderr, the environment's once per process, the
-    /// value's own settings' by this value (in JSON: the messages).
-    #[cfg_attr(
-        feature = "serde",
-        serde(serialize_with = "crate::stats_json::messages")
-    )]
-    pub config_errors: Vec<Error>,
+snapshot! {
+    /// A snapshot of one allocator's state, from
+    /// [`NumaGpuAlloc::stats`](crate::NumaGpuAlloc::stats).
+    ///
+    /// Each counter is read on its own (relaxed atomics), so figures read while other threads
+    /// allocate may be a moment apart. `Display` gives a table, [`Stats::json`] one line of JSON,
+    /// and with the `serde` feature the snapshot implements `Serialize` (the same JSON from
+    /// `serde_json`).
+    #[derive(Clone, Debug, Default, PartialEq, Eq)]
+    #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+    #[non_exhaustive]
+    pub struct Stats {
+        /// Whether the large path has been initialised (it is, lazily, on the first large request).
+        pub initialized: bool,
+        /// Size from which requests take the large path.
+        pub threshold: usize,
+        /// Node large blocks are placed on, when known.
+        pub host_node: Option<usize>,
+        /// The GPU's own node, when there is a GPU and it is known.
+        pub home_node: Option<usize>,
+        /// The GPU, e.g. `0 (0000:81:00.0) NVIDIA H200`, when one is used.
+        pub gpu: Option<String>,
+        /// Whether blocks are page-locked with CUDA.
+        pub pinning: bool,
+        /// Bytes the process holds page-locked through the allocator (every value's blocks and
+        /// chunks), to compare with [`pin_limit`](Self::pin_limit).
+        pub page_locked_bytes: usize,
+        /// This value's pinned limit (`pin_limit=`), when it has one.
+        pub pin_limit: Option<usize>,
+        /// Per node: the process's arenas, shared by every allocator value.
+        pub nodes: Vec<NodeStats>,
+        /// Per node and kind of chunk (policy, pinning, page size), in node order. Not refreshed by
+        /// the report at exit.
+        pub heaps: Vec<HeapStats>,
+        /// Per GPU and node, for requests routed to a GPU the CUDA driver knows (by the allocator's
+        /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the
+        /// report at exit.
+        pub gpus: Vec<GpuStats>,
+        /// Large requests that reached the cache: hits + misses. A miss whose block could not be
+        /// made failed, and is counted here and in `fallbacks.failed_allocations`; a request
+        /// refused before the cache (`pin=strict` with nothing to page-lock, a size too large to
+        /// round up to its class) is counted only there.
+        pub large_allocations: u64,
+        events {
+            /// Large blocks freed by the user.
+            frees: "frees",
+            /// Large allocations served from the cache.
+            cache_hits,
+            /// Large requests no cached block served: a new block was made for each, or could not
+            /// be (then the request failed); growths without copy count too.
+            cache_misses,
+            /// Reallocations done in place, within the block's capacity.
+            in_place_reallocs: "in-place reallocs",
+            /// Reallocations that grew an unpinned block by moving its pages into a larger mapping
+            /// (`mremap`, no copy; also counted as a miss and a free).
+            grown_without_copy: "grown without copy",
+            /// GPU uses (events) recorded against live blocks.
+            in_flight_recorded,
+            /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.
+            reuse_deferred,
+            /// Block creations retried after cached blocks were given back for want of memory.
+            pressure_retries,
+            /// Cached blocks given back for those retries (oldest first).
+            pressure_released_blocks,
+            /// Blocks unmapped (cache limit, `trim()`, failed placement).
+            released_blocks: "released blocks",
+            /// Successful `cuMemHostRegister` calls.
+            registrations,
+            /// `cuMemHostUnregister` calls.
+            unregistrations,
+            /// Pages checked with `move_pages` (`verify=on`, or `policy=bind`).
+            pages_checked,
+            /// Checked pages found off the intended node(s).
+            pages_misplaced,
+        }
+        /// Time spent populating blocks.
+        pub populate_time: TimeStats,
+        /// Time spent registering blocks with CUDA.
+        pub pin_time: TimeStats,
+        /// Time spent unregistering blocks (`cuMemHostUnregister`, when a pinned block is
+        /// released).
+        pub unpin_time: TimeStats,
+        /// Large requests by size: entry `k` counts requests of `4 KiB << k` bytes up to (not
+        /// including) twice that; the last entry also counts everything larger.
+        pub requests_by_octave: [u64; OCTAVES],
+        /// Degraded modes and failures.
+        pub fallbacks: Fallbacks,
+        /// Registration failures by CUDA error.
+        pub pin_failures_by_code: Vec<CudaErrorCount>,
+        /// The latest failed registration or unregistration, with the CUDA call, code and name, or
+        /// why `pin=strict` refused a request (in JSON: the message).
+        #[cfg_attr(
+            feature = "serde",
+            serde(serialize_with = "crate::stats::json::message")
+        )]
+        pub last_pin_error: Option<Error>,
+        /// Why NUMA placement is off, when the kernel refused it (in JSON: the message).
+        #[cfg_attr(
+            feature = "serde",
+            serde(serialize_with = "crate::stats::json::message")
+        )]
+        pub numa_unavailable: Option<Error>,
+        /// Rejected `NUMA_GPU_ALLOC` entries and other setup problems: every problem that applies
+        /// to this value. Each was also printed to stderr, the environment's once per process, the
+        /// value's own settings' by this value (in JSON: the messages).
+        #[cfg_attr(
+            feature = "serde",
+            serde(serialize_with = "crate::stats::json::messages")
+        )]
+        pub config_errors: Vec<Error>,
+    }
+
+    /// Degraded modes and failures, each counted.
+    #[derive(Clone, Debug, Default, PartialEq, Eq)]
+    #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+    #[non_exhaustive]
+    pub struct Fallbacks {
+        events {
+            /// Blocks mapped without NUMA placement: the kernel refuses NUMA calls (see
+            /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave`
+            /// policy (also counted in `placement_failures`).
+            unplaced_blocks,
+            /// Blocks handed out without page-locking (pinning off, or under `pin=on` no GPU, a
+            /// failed registration or the pinned limit).
+            unpinned_blocks,
+            /// Registrations refused by the pinned limit (`pin_limit=`), after giving idle
+            /// page-locked memory back did not make room.
+            pin_limited: "refused by the pinned limit",
+            /// `cuMemHostRegister` calls that failed.
+            pin_failures,
+            /// `cuMemHostUnregister` calls that failed; those blocks are leaked rather than
+            /// unmapped while the driver still holds them.
+            unregister_failures,
+            /// Large requests that returned null / `AllocError`.
+            failed_allocations,
+            /// Of those: `policy=bind` blocks that could not be placed entirely on the node.
+            bind_exhausted,
+            /// Of those: `mmap` failures.
+            map_failures,
+            /// Of those: populating failed (out of memory).
+            populate_failures,
+            /// Of those: the block would have exceeded a cgroup's `memory.max` (populating it would
+            /// have summoned the OOM killer).
+            memory_limited,
+            /// Of those: `pin=strict` requests refused before anything was mapped, since no block
+            /// could be page-locked for their target (no CUDA driver, no GPU for it, a forked
+            /// child; the reason is in `last_pin_error` and `config_errors`).
+            strict_refused,
+            /// `mbind` or the page check failed for another reason than NUMA being unavailable
+            /// (e.g. EINVAL for a node the kernel or cpuset does not allow): the block went
+            /// unplaced under `preferred`/`interleave`, the allocation failed under `bind` or a
+            /// failed page check.
+            placement_failures,
+            /// Blocks that `verify=on` or `policy=bind` could not check page by page because the
+            /// kernel refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)`
+            /// check instead.
+            unverified_blocks,
+            /// Large frees of pointers no arena holds: memory the inner allocator served while
+            /// inside the allocator or before initialisation lowered the threshold (passed on to
+            /// it). Blocks of another `NumaGpuAlloc` value are not counted: they go back to their
+            /// node's arena.
+            foreign_frees: "foreign frees",
+        }
+    }
 }
 
 impl Stats {
@@ -344,21 +372,8 @@ impl Stats {
 
 #[cfg(test)]
 mod tests {
-    use super::counters::{octave, CodeCounts};
-    use super::table::Size;
+    use super::counters::octave;
     use super::*;
-
-    #[test]
-    fn error_codes_are_counted_per_code() {
-        let counts = CodeCounts::default();
-        counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
-        counts.record(712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
-        counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
-        let snap: Vec<_> = counts.counts().collect();
-        assert_eq!(snap.len(), 2);
-        assert_eq!((snap[0].code, snap[0].count), (2, 2));
-        assert_eq!((snap[1].code, snap[1].count), (712, 1));
-    }
 
     #[test]
     fn requests_fall_into_power_of_two_buckets() {
@@ -385,40 +400,5 @@ mod tests {
                 .contains("requests by size: 2 MiB+ 1 64 MiB+ 2"),
             "{stats}"
         );
-    }
-
-    #[test]
-    fn overflowing_codes_share_the_last_slot() {
-        let counts = CodeCounts::default();
-        for code in 0..20 {
-            counts.record(code, "X");
-        }
-        let snapshot: Vec<_> = counts.counts().collect();
-        let total: u64 = snapshot.iter().map(|c| c.count).sum();
-        assert_eq!(total, 20);
-        assert_eq!(snapshot.last().map(|c| c.name), Some("other"));
-    }
-
-    #[test]
-    fn display_renders_a_table() {
-        let stats = Stats {
-            threshold: 2 << 20,
-            host_node: Some(1),
-            nodes: vec![NodeStats {
-                node: 1,
-                live_bytes: 3 << 20,
-                ..NodeStats::default()
-            }],
-            ..Stats::default()
-        };
-        let text = stats.to_string();
-        assert!(text.contains("host node 1"), "{text}");
-        assert!(text.contains("threshold 2 MiB"), "{text}");
-        assert_eq!(
-            [4096, 2_621_440, 64 << 30, 1000].map(|b| Size(b).to_string()),
-            ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
-        );
-        assert!(text.contains("   1          3.0"), "{text}");
-        assert_eq!(stats.live_bytes(), 3 << 20);
     }
 }

@@ -135,6 +135,9 @@ sim_test!(
         let stats = ALLOC.stats();
         assert_eq!(stats.pinned_bytes(), 224 * MIB, "still within the limit: {stats}");
         assert_eq!(stats.fallbacks.unpinned_blocks, unpinned + 1, "{stats}");
+        assert_eq!(stats.fallbacks.pin_limited, 2, "the reservation's chunk, the block: {stats}");
+        assert_eq!((stats.page_locked_bytes, stats.pin_limit), (224 * MIB, Some(256 * MIB)));
+        assert!(stats.to_string().contains("of the pinned limit 256 MiB"), "{stats}");
         free(&ALLOC, block, 200 * MIB);
 
         assert!(allocate(&STRICT, 200 * MIB).is_null(), "pin=strict fails past the limit");

@@ -1,10 +1,12 @@
 //! The allocator's counters: relaxed atomics, one per event, no lock (the last pin error's
 //! lock is only tried).
 
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use super::{CudaErrorCount, Fallbacks, Stats, TimeStats};
+use super::{CudaErrorCount, Events, Stats, TimeStats};
+use crate::sys::lock::Lock;
 use crate::Error;
 
 /// A monotonically increasing event counter.
@@ -110,12 +112,33 @@ impl CodeCounts {
     }
 }
 
-/// The lock's guard when it is free (a poisoned lock still holds a valid `Option<Error>`).
-fn try_lock<T>(lock: &std::sync::Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
-    match lock.try_lock() {
-        Ok(guard) => Some(guard),
-        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => None,
+/// The latest error of a kind, behind the crate's futex lock (one word, never allocates), which is
+/// only ever tried, never waited for: a forked child inherits the lock in whatever state another
+/// thread of the parent left it, the exit report must not block, and a contended update loses
+/// nothing but the latest message.
+struct LastError(Lock<Option<Error>>);
+
+impl Default for LastError {
+    fn default() -> Self {
+        LastError(Lock::new(None))
+    }
+}
+
+impl LastError {
+    /// Keeps `error`, unless another thread holds the slot. Cloning a CUDA error copies numbers
+    /// and static strings: no allocation.
+    fn set(&self, error: &Error) {
+        if let Some(mut last) = self.0.try_lock() {
+            *last = Some(error.clone());
+        }
+    }
+
+    /// Copies the latest error to `out`; while another thread holds the slot, `out` keeps its
+    /// own.
+    fn copy_into(&self, out: &mut Option<Error>) {
+        if let Some(last) = self.0.try_lock() {
+            out.clone_from(&last);
+        }
     }
 }
 
@@ -133,49 +156,32 @@ pub(super) fn octave(size: usize) -> usize {
 /// The allocator's atomic counters.
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub(crate) frees: Counter,
-    pub(crate) cache_hits: Counter,
-    pub(crate) cache_misses: Counter,
-    pub(crate) failed_allocations: Counter,
-    pub(crate) unplaced_blocks: Counter,
-    pub(crate) unpinned_blocks: Counter,
-    pub(crate) pin_limited: Counter,
-    pub(crate) pin_failures: Counter,
+    /// One per event field of [`Stats`] and [`Fallbacks`](super::Fallbacks), made from their
+    /// declaration.
+    events: Events,
     pub(crate) pin_failure_codes: CodeCounts,
-    pub(crate) registrations: Counter,
-    pub(crate) unregistrations: Counter,
-    pub(crate) unregister_failures: Counter,
-    pub(crate) bind_exhausted: Counter,
-    pub(crate) map_failures: Counter,
-    pub(crate) populate_failures: Counter,
-    pub(crate) placement_failures: Counter,
-    pub(crate) unverified_blocks: Counter,
-    pub(crate) foreign_frees: Counter,
-    pub(crate) released_blocks: Counter,
-    pub(crate) in_place_reallocs: Counter,
-    pub(crate) grown_without_copy: Counter,
-    pub(crate) in_flight_recorded: Counter,
-    pub(crate) reuse_deferred: Counter,
-    pub(crate) pressure_retries: Counter,
-    pub(crate) pressure_released: Counter,
-    pub(crate) memory_limited: Counter,
-    pub(crate) strict_refused: Counter,
-    pub(crate) pages_checked: Counter,
-    pub(crate) pages_misplaced: Counter,
     pub(crate) populate: Timer,
     pub(crate) pin: Timer,
     pub(crate) unpin: Timer,
     pub(crate) requests_by_octave: [Counter; OCTAVES],
-    /// The latest registration or unregistration error (taken on failures and snapshots only; std's
-    /// futex mutex does not allocate).
-    pub(crate) last_pin_error: std::sync::Mutex<Option<Error>>,
+    /// The latest registration or unregistration error.
+    last_pin_error: LastError,
+}
+
+/// Call sites name an event counter as a field of the counters (`counters.frees.incr()`), wherever
+/// its atomic is declared.
+impl Deref for Counters {
+    type Target = Events;
+    fn deref(&self) -> &Events {
+        &self.events
+    }
 }
 
 impl Counters {
     /// Counts a failed registration under its CUDA error code.
     pub(crate) fn record_pin_failure(&self, error: &Error) {
         self.pin_failures.incr();
-        self.set_last_pin_error(error);
+        self.last_pin_error.set(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -204,13 +210,13 @@ impl Counters {
     /// Counts a request `pin=strict` refused before mapping anything, with why.
     pub(crate) fn record_strict_refusal(&self, error: &Error) {
         self.strict_refused.incr();
-        self.set_last_pin_error(error);
+        self.last_pin_error.set(error);
     }
 
     /// Counts a failed unregistration (the block is then leaked, not unmapped).
     pub(crate) fn record_unregister_failure(&self, error: &Error) {
         self.unregister_failures.incr();
-        self.set_last_pin_error(error);
+        self.last_pin_error.set(error);
         if let Error::Cuda { code, name, .. } = error {
             self.pin_failure_codes.record(*code, name);
         }
@@ -228,38 +234,14 @@ impl Counters {
         self.requests_by_octave[octave(size)].incr();
     }
 
-    fn set_last_pin_error(&self, error: &Error) {
-        // Only tried: a forked child inherits this lock in whatever state another thread of the
-        // parent left it, and a contended update loses nothing but the latest message. Cloning a
-        // CUDA error copies numbers and static strings: no allocation.
-        if let Some(mut last) = try_lock(&self.last_pin_error) {
-            *last = Some(error.clone());
-        }
-    }
-
     /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
     /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {
-        // Only tried, as above (the exit report must not block); contended: the snapshot's own.
-        if let Some(last) = try_lock(&self.last_pin_error) {
-            stats.last_pin_error = last.clone();
-        }
-        stats.frees = self.frees.get();
-        stats.cache_hits = self.cache_hits.get();
-        stats.cache_misses = self.cache_misses.get();
+        self.last_pin_error.copy_into(&mut stats.last_pin_error);
+        stats.copy_events(&self.events);
+        stats.fallbacks.copy_events(&self.events);
         // Every large request is one or the other: derived, and so always consistent with them.
         stats.large_allocations = stats.cache_hits + stats.cache_misses;
-        stats.in_place_reallocs = self.in_place_reallocs.get();
-        stats.grown_without_copy = self.grown_without_copy.get();
-        stats.in_flight_recorded = self.in_flight_recorded.get();
-        stats.reuse_deferred = self.reuse_deferred.get();
-        stats.pressure_retries = self.pressure_retries.get();
-        stats.pressure_released_blocks = self.pressure_released.get();
-        stats.released_blocks = self.released_blocks.get();
-        stats.registrations = self.registrations.get();
-        stats.unregistrations = self.unregistrations.get();
-        stats.pages_checked = self.pages_checked.get();
-        stats.pages_misplaced = self.pages_misplaced.get();
         stats.populate_time = self.populate.snapshot();
         stats.pin_time = self.pin.snapshot();
         stats.unpin_time = self.unpin.snapshot();
@@ -274,20 +256,34 @@ impl Counters {
         stats
             .pin_failures_by_code
             .extend(self.pin_failure_codes.counts());
-        stats.fallbacks = Fallbacks {
-            unplaced_blocks: self.unplaced_blocks.get(),
-            unpinned_blocks: self.unpinned_blocks.get(),
-            pin_failures: self.pin_failures.get(),
-            unregister_failures: self.unregister_failures.get(),
-            failed_allocations: self.failed_allocations.get(),
-            bind_exhausted: self.bind_exhausted.get(),
-            map_failures: self.map_failures.get(),
-            populate_failures: self.populate_failures.get(),
-            memory_limited: self.memory_limited.get(),
-            strict_refused: self.strict_refused.get(),
-            placement_failures: self.placement_failures.get(),
-            unverified_blocks: self.unverified_blocks.get(),
-            foreign_frees: self.foreign_frees.get(),
-        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_codes_are_counted_per_code() {
+        let counts = CodeCounts::default();
+        counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
+        counts.record(712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
+        counts.record(2, "CUDA_ERROR_OUT_OF_MEMORY");
+        let snap: Vec<_> = counts.counts().collect();
+        assert_eq!(snap.len(), 2);
+        assert_eq!((snap[0].code, snap[0].count), (2, 2));
+        assert_eq!((snap[1].code, snap[1].count), (712, 1));
+    }
+
+    #[test]
+    fn overflowing_codes_share_the_last_slot() {
+        let counts = CodeCounts::default();
+        for code in 0..20 {
+            counts.record(code, "X");
+        }
+        let snapshot: Vec<_> = counts.counts().collect();
+        let total: u64 = snapshot.iter().map(|c| c.count).sum();
+        assert_eq!(total, 20);
+        assert_eq!(snapshot.last().map(|c| c.name), Some("other"));
     }
 }

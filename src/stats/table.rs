@@ -42,6 +42,18 @@ impl fmt::Display for Opt {
     }
 }
 
+/// Ends a line with its struct's labelled event counters, `, label value` each: a counter declared
+/// with a label in `snapshot!` needs no code here.
+fn end_line(
+    f: &mut fmt::Formatter<'_>,
+    events: impl Iterator<Item = (&'static str, u64)>,
+) -> fmt::Result {
+    for (label, value) in events {
+        write!(f, ", {label} {value}")?;
+    }
+    writeln!(f)
+}
+
 impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
@@ -53,6 +65,14 @@ impl fmt::Display for Stats {
             if self.pinning { "on" } else { "off" },
             Size(self.threshold)
         )?;
+        if let Some(limit) = self.pin_limit {
+            writeln!(
+                f,
+                "page-locked {} of the pinned limit {} (the whole process)",
+                Size(self.page_locked_bytes),
+                Size(limit)
+            )?;
+        }
         writeln!(
             f,
             "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>5}",
@@ -120,18 +140,12 @@ impl fmt::Display for Stats {
                 mib(g.peak_live_bytes)
             )?;
         }
-        writeln!(
+        write!(
             f,
-            "large allocations {} (cache hits {}, misses {}), frees {}, in-place reallocs {}, \
-             grown without copy {}, released blocks {}",
-            self.large_allocations,
-            self.cache_hits,
-            self.cache_misses,
-            self.frees,
-            self.in_place_reallocs,
-            self.grown_without_copy,
-            self.released_blocks
+            "large allocations {} (cache hits {}, misses {})",
+            self.large_allocations, self.cache_hits, self.cache_misses
         )?;
+        end_line(f, self.labelled_events())?;
         writeln!(
             f,
             "populate {:.3?} total, {:.3?} max; pin {:.3?} total, {:.3?} max; unpin {:.3?} total, \
@@ -173,12 +187,11 @@ impl fmt::Display for Stats {
             self.pressure_retries
         )?;
         let fb = &self.fallbacks;
-        writeln!(
+        write!(
             f,
             "fallbacks: unplaced {}, unpinned {}, unverified {}, pin failures {}, unregister \
-             failures {}, failed \
-             allocations {} (bind exhausted {}, mmap {}, placement {}, populate {}, memory limit \
-             {}, strict refused {}), foreign frees {}",
+             failures {}, failed allocations {} (bind exhausted {}, mmap {}, placement {}, \
+             populate {}, memory limit {}, strict refused {})",
             fb.unplaced_blocks,
             fb.unpinned_blocks,
             fb.unverified_blocks,
@@ -190,9 +203,9 @@ impl fmt::Display for Stats {
             fb.placement_failures,
             fb.populate_failures,
             fb.memory_limited,
-            fb.strict_refused,
-            fb.foreign_frees
+            fb.strict_refused
         )?;
+        end_line(f, fb.labelled_events())?;
         for c in &self.pin_failures_by_code {
             writeln!(f, "pin failure {} ({}): {}", c.name, c.code, c.count)?;
         }
@@ -206,5 +219,54 @@ impl fmt::Display for Stats {
             writeln!(f, "setup: {e}")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Counters, NodeStats};
+    use super::*;
+
+    #[test]
+    fn display_renders_a_table() {
+        let stats = Stats {
+            threshold: 2 << 20,
+            host_node: Some(1),
+            nodes: vec![NodeStats {
+                node: 1,
+                live_bytes: 3 << 20,
+                ..NodeStats::default()
+            }],
+            ..Stats::default()
+        };
+        let text = stats.to_string();
+        assert!(text.contains("host node 1"), "{text}");
+        assert!(text.contains("threshold 2 MiB"), "{text}");
+        assert_eq!(
+            [4096, 2_621_440, 64 << 30, 1000].map(|b| Size(b).to_string()),
+            ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
+        );
+        assert!(text.contains("   1          3.0"), "{text}");
+        assert_eq!(stats.live_bytes(), 3 << 20);
+    }
+
+    /// Guards the entries of `snapshot!` without a label: each must have a place in a line here.
+    #[test]
+    fn every_event_counter_is_printed() {
+        let counters = Counters::default();
+        let values = 1001..;
+        for (counter, value) in counters.each().zip(values.clone()) {
+            counter.add(value);
+        }
+        let mut stats = Stats::default();
+        counters.fill(&mut stats);
+        let text = stats.to_string();
+        let printed: Vec<u64> = text
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        for value in values.take(counters.each().count()) {
+            assert!(printed.contains(&value), "{value} missing from\n{text}");
+        }
     }
 }

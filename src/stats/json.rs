@@ -6,7 +6,7 @@
 use std::fmt::{self, Write};
 use std::time::Duration;
 
-use crate::stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
+use super::{CudaErrorCount, GpuStats, HeapStats, NodeStats, Stats, TimeStats};
 use crate::Error;
 use crate::MemPolicy;
 
@@ -35,23 +35,27 @@ impl<T: ToJson + ?Sized> fmt::Display for Json<'_, T> {
 }
 
 /// A value that writes itself as JSON.
-trait ToJson {
+pub(super) trait ToJson {
     fn write_json(&self, out: &mut dyn Write) -> fmt::Result;
 }
 
 /// Writes `{"name":value,...}`, one `field` at a time.
-struct Object<'a> {
+pub(super) struct Object<'a> {
     out: &'a mut dyn Write,
     empty: bool,
 }
 
 impl<'a> Object<'a> {
-    fn start(out: &'a mut dyn Write) -> Result<Self, fmt::Error> {
+    pub(super) fn start(out: &'a mut dyn Write) -> Result<Self, fmt::Error> {
         out.write_char('{')?;
         Ok(Object { out, empty: true })
     }
 
-    fn field(&mut self, name: &str, value: &dyn ToJson) -> Result<&mut Self, fmt::Error> {
+    pub(super) fn field(
+        &mut self,
+        name: &str,
+        value: &dyn ToJson,
+    ) -> Result<&mut Self, fmt::Error> {
         if !self.empty {
             self.out.write_char(',')?;
         }
@@ -62,7 +66,7 @@ impl<'a> Object<'a> {
         Ok(self)
     }
 
-    fn end(&mut self) -> fmt::Result {
+    pub(super) fn end(&mut self) -> fmt::Result {
         self.out.write_char('}')
     }
 }
@@ -158,38 +162,25 @@ impl ToJson for Error {
 }
 
 /// Writes a struct as a JSON object of the fields listed. The pattern lists every field, so adding
-/// one to the struct fails to compile here until it is written too.
+/// one to the struct fails to compile here until it is written too. (Paths are spelled out:
+/// `snapshot!` expands this in `stats.rs`, for the structs it declares.)
 macro_rules! json_object {
     ($($ty:ident { $($field:ident),* $(,)? })*) => {$(
-        impl ToJson for $ty {
-            fn write_json(&self, out: &mut dyn Write) -> fmt::Result {
+        impl $crate::stats::json::ToJson for $ty {
+            fn write_json(&self, out: &mut dyn ::std::fmt::Write) -> ::std::fmt::Result {
                 let $ty { $($field),* } = self;
-                Object::start(out)?
+                $crate::stats::json::Object::start(out)?
                     $(.field(stringify!($field), $field)?)*
                     .end()
             }
         }
     )*};
 }
+pub(super) use json_object;
 
 json_object! {
     TimeStats { total, max }
     CudaErrorCount { code, name, count }
-    Fallbacks {
-        unplaced_blocks,
-        unpinned_blocks,
-        pin_failures,
-        unregister_failures,
-        failed_allocations,
-        bind_exhausted,
-        map_failures,
-        populate_failures,
-        memory_limited,
-        strict_refused,
-        placement_failures,
-        unverified_blocks,
-        foreign_frees,
-    }
     NodeStats {
         node,
         live_bytes,
@@ -231,41 +222,6 @@ json_object! {
         peak_live_bytes,
         pinned_bytes,
         live_blocks,
-    }
-    Stats {
-        initialized,
-        threshold,
-        host_node,
-        home_node,
-        gpu,
-        pinning,
-        nodes,
-        heaps,
-        gpus,
-        large_allocations,
-        frees,
-        cache_hits,
-        cache_misses,
-        in_place_reallocs,
-        grown_without_copy,
-        in_flight_recorded,
-        reuse_deferred,
-        pressure_retries,
-        pressure_released_blocks,
-        released_blocks,
-        registrations,
-        unregistrations,
-        pages_checked,
-        pages_misplaced,
-        populate_time,
-        pin_time,
-        unpin_time,
-        requests_by_octave,
-        fallbacks,
-        pin_failures_by_code,
-        last_pin_error,
-        numa_unavailable,
-        config_errors,
     }
 }
 
@@ -330,6 +286,7 @@ pub(crate) fn messages<S: serde::Serializer>(errors: &[Error], s: S) -> Result<S
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stats::Fallbacks;
 
     /// A snapshot with every kind of field set, strings that need escaping among them.
     fn sample() -> Stats {
