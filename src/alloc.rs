@@ -9,12 +9,13 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, InFlight, Kind, NODES};
-use crate::carved::carved;
+use crate::arena::{class_size, Block, Fit, InFlight, Kind};
 use crate::config::Config;
 use crate::guard::Inside;
 use crate::process;
-use crate::route;
+use crate::process::NODES;
+use crate::runtime::carved::carved;
+use crate::runtime::route;
 use crate::runtime::{Placement, Resolved, Runtime};
 use crate::stats::Stats;
 
@@ -245,7 +246,8 @@ impl<A> NumaGpuAlloc<A> {
             rt
         });
         if initialised_here {
-            rt.report_setup_errors(self);
+            rt.report_setup_errors();
+            crate::stats_exit::register(rt, crate::sys::in_loaded_image(self));
             rt.reserve_configured();
         }
         rt

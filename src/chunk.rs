@@ -184,6 +184,40 @@ impl Registration {
     }
 }
 
+/// Unregisters (if `registered_by` that device: a [`Registration`] kept) and unmaps a dedicated
+/// block of `len` bytes at `addr` nobody uses any more; what it did, for the caller's counters. A failed unregistration leaves the block mapped: unmapping a range the
+/// driver still holds would make a later mapping at this address fail to register (712), and in
+/// a forked child the range may not be this block's any more.
+///
+/// # Safety
+/// The block is a mapping of this crate no longer handed out or cached, released once.
+pub(crate) unsafe fn release_dedicated(
+    addr: usize,
+    len: usize,
+    registered_by: Option<u32>,
+) -> ChunkRelease {
+    let mut outcome = ChunkRelease::default();
+    let Some(ptr) = NonNull::new(addr as *mut u8) else {
+        return outcome;
+    };
+    // Through the process's context of the device that registered it.
+    if let Some(gpu) = registered_by.and_then(Gpu::by_ordinal) {
+        let start = Instant::now();
+        // SAFETY: the block's registration, kept by `pin`, adopted once (the block is released
+        // once); the block is still mapped.
+        let unregistered = unsafe { Registration::adopt(gpu, ptr, len) }.release();
+        let failed = unregistered.is_err();
+        outcome.unregistered = Some((start.elapsed(), unregistered));
+        if failed {
+            return outcome;
+        }
+    }
+    // SAFETY: the caller guarantees the block is ours and unused.
+    let _ = unsafe { sys::unmap(ptr, len) };
+    outcome.unmapped = true;
+    outcome
+}
+
 /// How a range is registered: the driver's flags, and the pinned limit it must stay within.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PinFlags {

@@ -29,22 +29,15 @@ pub use cuda::{PinnedBuf, PinnedSliceMut};
 
 // 3. Arenas, chunks and blocks: placed (and pinned) memory, carved and given back.
 mod arena;
-mod block;
-mod carved;
 mod chunk;
-mod decay_thread;
-mod pinning;
-mod reserve;
 
 // 4. Process-wide state, the re-entrancy guard, the runtime and its routes.
 mod guard;
-mod populate_pool;
 mod process;
-mod route;
 mod runtime;
 mod setup;
-pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};
 pub use runtime::Placement;
+pub use runtime::{bind_thread, thread_route, with_route, Route, RouteGuard};
 
 // 5. Statistics and the report at exit.
 mod stats;

@@ -33,13 +33,12 @@ use std::sync::atomic::AtomicPtr;
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
 use std::time::Duration;
 
-use crate::arena::NODES;
 use crate::config::StatsAtExit;
 use crate::guard::Inside;
+use crate::process::NODES;
 use crate::runtime::Runtime;
 use crate::stats::{Stats, ERROR_CODE_SLOTS};
 use crate::sys;
-use crate::NumaGpuAlloc;
 
 /// One allocator to report on at exit.
 struct Report {
@@ -61,14 +60,16 @@ static PRINTED: AtomicBool = AtomicBool::new(false);
 /// How often, a millisecond apart, the handler tries the arena lock before giving up on node rows.
 const ARENA_TRIES: u32 = 100;
 
-/// Registers `rt`, the runtime of `owner`, for a report at exit when its settings ask for one.
-/// Called once per allocator, right after initialisation, inside the allocator (so its own
-/// allocations go to the inner allocator).
-pub(crate) fn register<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) {
+/// Registers `rt` for a report at exit when its settings ask for one; `owner_in_image`: whether
+/// the allocator that boxed it lies in the image of a loaded object (the executable or a shared
+/// library), that is in a static, never moved or dropped — so neither is the runtime (freed only
+/// by the allocator's `Drop`). Called once per allocator, right after initialisation, inside the
+/// allocator (so its own allocations go to the inner allocator).
+pub(crate) fn register(rt: &Runtime, owner_in_image: bool) {
     if rt.config.stats_at_exit == StatsAtExit::Off {
         return;
     }
-    let Some(runtime) = as_static(rt, owner) else {
+    let Some(runtime) = as_static(rt, owner_in_image) else {
         note("stats at exit are printed for allocators in a static only; read stats() instead");
         return;
     };
@@ -95,12 +96,8 @@ pub(crate) fn register<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) {
     }
 }
 
-/// `rt` as `'static` when its allocator `owner` lies in the image of a loaded object (the
-/// executable or a shared library), that is inside a static, which is never moved or dropped —
-/// so neither is the runtime it boxed (freed only by the allocator's `Drop`).
-fn as_static<A>(rt: &Runtime, owner: &NumaGpuAlloc<A>) -> Option<&'static Runtime> {
-    let owner: *const NumaGpuAlloc<A> = owner;
-    let in_image = sys::in_loaded_image(owner);
+/// `rt` as `'static` when its allocator lies in a static (see [`register`]).
+fn as_static(rt: &Runtime, in_image: bool) -> Option<&'static Runtime> {
     let rt: *const Runtime = rt;
     // SAFETY: a static lives until the process exits, or until its library is unloaded, which
     // first runs that library's atexit handlers (the only reader of the reference); its runtime

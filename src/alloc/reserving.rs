@@ -6,8 +6,8 @@ use std::sync::Arc;
 use super::NumaGpuAlloc;
 use crate::guard::Inside;
 use crate::reservation::{self, Reservation, ReserveProgress};
-use crate::reserve::Tally;
-use crate::route;
+use crate::runtime::reserve::Tally;
+use crate::runtime::route;
 use crate::runtime::Runtime;
 use crate::Error;
 

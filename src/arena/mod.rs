@@ -21,14 +21,12 @@ mod carving;
 mod decay;
 mod dedicated;
 mod index;
-mod nodes;
 mod pending;
 mod released;
 mod report;
 
 use carve::{Carver, Handle};
 use index::CacheIndex;
-pub(crate) use nodes::NODES;
 #[cfg(test)]
 pub(crate) use pending::double as pending_double;
 use pending::PendingList;

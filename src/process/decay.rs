@@ -21,8 +21,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::arena::{Released, NODES};
-use crate::block::release_dedicated;
+use super::NODES;
+use crate::arena::Released;
+use crate::chunk::release_dedicated;
 use crate::guard::Inside;
 use crate::sys::MAX_NODES;
 use crate::sysfs::node_memory_low;
@@ -81,7 +82,7 @@ fn run() {
             }
             for block in out.blocks.drain() {
                 // SAFETY: the arena handed it out for release: no longer cached or handed out.
-                let _ = unsafe { release_dedicated(block) };
+                let _ = unsafe { release_dedicated(block.addr, block.capacity, block.gpu) };
             }
             out.purge_into(arena);
         }

@@ -14,13 +14,13 @@ use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use super::block::HUGE_PAGE;
+use super::carved::carved;
+use super::route;
+use super::{Resolved, Runtime};
 use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX};
-use crate::block::HUGE_PAGE;
-use crate::carved::carved;
 use crate::chunk::Mapping;
 use crate::config::{Config, Reserve};
-use crate::route;
-use crate::runtime::{Resolved, Runtime};
 use crate::sys::lock::Lock;
 use crate::Error;
 

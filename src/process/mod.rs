@@ -18,11 +18,15 @@
 //! or resetting) every lock in one order.
 #![allow(unsafe_code)]
 
+pub(crate) mod decay;
+mod nodes;
+pub(crate) mod populate;
+
+pub(crate) use nodes::NODES;
+
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
-use crate::arena::NODES;
 use crate::guard::Inside;
-use crate::runtime::Runtime;
 use crate::setup::Setup;
 use crate::sys;
 use crate::sys::lock::Lock;
@@ -46,13 +50,10 @@ extern "C" fn register_fork_handlers() {
     let _ = sys::at_fork(prepare, parent, child);
 }
 
-/// The runtime in `slot`, built with `make` from the process's [`Setup`] and boxed (its address
-/// is stable: the exit report finds it) if there is none yet. Waits for another
-/// thread's initialisation of the same slot. Must be called inside the re-entrancy guard.
-pub(crate) fn initialise(
-    slot: &AtomicPtr<Runtime>,
-    make: impl FnOnce(&mut Setup) -> Runtime,
-) -> &Runtime {
+/// The value in `slot` (an allocator's runtime), built with `make` from the process's [`Setup`]
+/// and boxed (its address is stable: the exit report finds it) if there is none yet. Waits for
+/// another thread's initialisation of the same slot. Must be called inside the re-entrancy guard.
+pub(crate) fn initialise<T>(slot: &AtomicPtr<T>, make: impl FnOnce(&mut Setup) -> T) -> &T {
     // Referenced, so that the linker keeps the object holding the registration.
     std::hint::black_box(&REGISTER_AT_LOAD);
     let mut setup = INIT.lock();
@@ -98,7 +99,7 @@ pub(crate) fn in_child() -> bool {
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
     IN_CHILD.store(true, Ordering::Relaxed);
-    crate::decay_thread::forget_in_child();
+    decay::forget_in_child();
     let _inside = Inside::enter();
     for arena in NODES.arenas().rev() {
         // SAFETY: `prepare` took this arena lock before the fork, and the child has no other

@@ -2,23 +2,31 @@
 //! (builder + environment), topology, the target GPU and its host node, the targets of threads'
 //! routes, and the counters. Blocks live in the process's per-node arenas (`arena/nodes.rs`).
 
+pub(crate) mod block;
+pub(crate) mod carved;
+pub(crate) mod pinning;
+pub(crate) mod reserve;
+pub(crate) mod route;
+
+pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};
+
 use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
-use crate::arena::{Arena, NODES};
+use crate::arena::Arena;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
 use crate::pci::{self, PciAddress};
-use crate::pinning::Unpinnable;
 use crate::process;
-use crate::route::Route;
+use crate::process::NODES;
 use crate::setup::{Problems, Setup};
 use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::lock::{Guard, Lock};
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::topology::cgroup::MemoryLimits;
 use crate::{Error, NumaTopology};
+use pinning::Unpinnable;
 
 /// Where an allocator places its blocks, as resolved at initialisation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,7 +159,7 @@ impl Runtime {
         if blocks > 0 {
             // Said now, with the other setup problems (the reservation itself comes later).
             problems.add(
-                crate::reserve::check(&config, page_size, blocks, block_size).err(),
+                reserve::check(&config, page_size, blocks, block_size).err(),
                 env.sets(|s| matches!(s, Setting::Reserve(_))),
             );
         }
@@ -199,10 +207,9 @@ impl Runtime {
         }
     }
 
-    /// Setup problems, printed once by `owner` after initialisation (not during it: stderr's
-    /// lock may be held by a thread waiting for this initialisation); then the report at exit
-    /// (`stats=`) is registered.
-    pub(crate) fn report_setup_errors<A>(&self, owner: &crate::NumaGpuAlloc<A>) {
+    /// Setup problems, printed once by the allocator after initialisation (not during it:
+    /// stderr's lock may be held by a thread waiting for this initialisation).
+    pub(crate) fn report_setup_errors(&self) {
         for e in &self.unprinted {
             // One line each (a key may hold a newline), marked as the crate's as every line it
             // prints.
@@ -212,7 +219,6 @@ impl Runtime {
                 one_line(&e.to_string())
             );
         }
-        crate::stats_exit::register(self, owner);
     }
 
     /// Whether blocks are still placed with `mbind`.

@@ -8,14 +8,15 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::arena::{Block, Kind, Released, NODES};
-use crate::carved::shortage_kind;
-use crate::chunk::{ChunkRelease, Registration};
+use super::carved::shortage_kind;
+use super::route;
+use super::{Resolved, Runtime};
+use crate::arena::{Block, Kind, Released};
+use crate::chunk::release_dedicated;
 use crate::config::PinMode;
 use crate::cuda::Gpu;
-use crate::populate_pool;
-use crate::route;
-use crate::runtime::{Resolved, Runtime};
+use crate::process::populate;
+use crate::process::NODES;
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
 
@@ -394,7 +395,7 @@ impl Runtime {
         };
         let cpus = || node.map_or_else(Vec::new, |node| self.node_cpus(node));
         // SAFETY: forwarded from the caller.
-        unsafe { populate_pool::populate(node, cpus, ptr, len, threads) }
+        unsafe { populate::populate(node, cpus, ptr, len, threads) }
     }
 
     /// The CPUs of `node` that this process may run on (its cpuset, as the calling thread's
@@ -501,36 +502,6 @@ impl Runtime {
     /// once.
     pub(crate) unsafe fn release_block(&self, block: Block) {
         // SAFETY: forwarded from the caller.
-        self.count_release(unsafe { release_dedicated(block) });
+        self.count_release(unsafe { release_dedicated(block.addr, block.capacity, block.gpu) });
     }
-}
-
-/// Unregisters (if pinned) and unmaps a dedicated block nobody uses any more; what it did, for
-/// the caller's counters. A failed unregistration leaves the block mapped: unmapping a range the
-/// driver still holds would make a later mapping at this address fail to register (712), and in
-/// a forked child the range may not be this block's any more.
-///
-/// # Safety
-/// As [`Runtime::release_block`].
-pub(crate) unsafe fn release_dedicated(block: Block) -> ChunkRelease {
-    let mut outcome = ChunkRelease::default();
-    let Some(ptr) = NonNull::new(block.addr as *mut u8) else {
-        return outcome;
-    };
-    // Through the process's context of the device that registered it.
-    if let Some(gpu) = block.gpu.and_then(Gpu::by_ordinal) {
-        let start = Instant::now();
-        // SAFETY: the block's registration, kept by `pin`, adopted once (the block is released
-        // once); the block is still mapped.
-        let unregistered = unsafe { Registration::adopt(gpu, ptr, block.capacity) }.release();
-        let failed = unregistered.is_err();
-        outcome.unregistered = Some((start.elapsed(), unregistered));
-        if failed {
-            return outcome;
-        }
-    }
-    // SAFETY: the caller guarantees the block is ours and unused.
-    let _ = unsafe { sys::unmap(ptr, block.capacity) };
-    outcome.unmapped = true;
-    outcome
 }

@@ -12,12 +12,12 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
+use super::{Resolved, Runtime};
 use crate::arena::{Kind, Shortage};
 use crate::chunk::{page_locked_bytes, PinFlags, Registration};
 use crate::config::{Config, PinMode};
 use crate::cuda::{self, Gpu};
 use crate::process;
-use crate::runtime::{Resolved, Runtime};
 use crate::Error;
 
 /// Why blocks for a target cannot be page-locked, found when the target is resolved (where CUDA

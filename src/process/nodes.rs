@@ -11,10 +11,10 @@
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
-use super::Arena;
+use crate::arena::Arena;
 use crate::sys::lock::{Guard, Lock};
 use crate::sys::MAX_NODES;
-use crate::{process, NumaTopology};
+use crate::NumaTopology;
 
 /// One slot per possible node id: null until that node's arena is first used.
 pub(crate) struct NodeTable {
@@ -46,7 +46,7 @@ impl NodeTable {
             return Some(arena);
         }
         let slot = self.slots.get(node)?;
-        let _init = process::INIT.lock();
+        let _init = super::INIT.lock();
         if slot.load(Ordering::Acquire).is_null() {
             let arena = Box::into_raw(Box::new(Lock::new(Arena::new(topology, node))));
             slot.store(arena, Ordering::Release);

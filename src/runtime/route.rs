@@ -5,8 +5,8 @@
 use std::cell::Cell;
 use std::marker::PhantomData;
 
+use super::{Resolved, Runtime};
 use crate::config::{GpuSelector, Target};
-use crate::runtime::{Resolved, Runtime};
 use crate::{cuda, process, sys};
 
 /// Where a bound thread's large allocations go (see [`bind_thread`]).

@@ -15,14 +15,15 @@
 
 use std::time::Instant;
 
+use super::block::{shortage, HUGE_PAGE};
+use super::{Resolved, Runtime};
 use crate::arena::{
     release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, Released, Shortage, CHUNK_ALIGN,
-    CHUNK_MAX, NODES,
+    CHUNK_MAX,
 };
-use crate::block::{shortage, HUGE_PAGE};
 use crate::chunk::{self, Chunk, Mapping, Span};
 use crate::config::PinMode;
-use crate::runtime::{Resolved, Runtime};
+use crate::process::NODES;
 use crate::sys::lock::Guard;
 use crate::sys::{self, NodeMask};
 use crate::sysfs;
@@ -155,7 +156,7 @@ impl Runtime {
         match added {
             Some(Ok(())) => {
                 if self.config.decay_thread {
-                    crate::decay_thread::ensure_running(self.config.decay_ms);
+                    crate::process::decay::ensure_running(self.config.decay_ms);
                 }
                 Some(())
             }
