@@ -32,6 +32,7 @@ mod cgroup;
 mod chunk;
 mod config;
 mod decay_thread;
+mod fork;
 mod guard;
 mod lock;
 mod pinning;

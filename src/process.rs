@@ -98,6 +98,7 @@ pub(crate) fn in_child() -> bool {
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
     IN_CHILD.store(true, Ordering::Relaxed);
+    crate::fork::count_fork_in_child();
     crate::decay_thread::forget_in_child();
     let _inside = Inside::enter();
     for arena in NODES.arenas().rev() {

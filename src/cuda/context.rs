@@ -10,7 +10,7 @@ use super::driver::{
     Api, CtxPopFn, CuContext, CuResult, ExchangeCaptureModeFn, CAPTURE_MODE_RELAXED,
     HOST_MEMORY_NOT_REGISTERED, REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
 };
-use crate::{Error, Result};
+use crate::{fork, Error, Result};
 
 /// Why a forked child does not register memory.
 pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
@@ -23,9 +23,9 @@ pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initia
 pub(crate) struct Gpu {
     device: Device,
     ctx: CuContext,
-    /// The process that retained the context: a child forked after [`Gpu::open`] must not use
-    /// it (the CUDA driver does not support use across `fork`).
-    pub(super) pid: u32,
+    /// The fork generation that retained the context: a child forked after [`Gpu::open`] must
+    /// not use it (the CUDA driver does not support use across `fork`).
+    pub(super) generation: u32,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (the driver API makes contexts current
@@ -186,13 +186,13 @@ impl Gpu {
         Ok(Gpu {
             device,
             ctx,
-            pid: std::process::id(),
+            generation: fork::generation(),
         })
     }
 
     /// Whether this is a child forked after [`Gpu::open`]: the context belongs to the parent.
     fn forked(&self) -> bool {
-        std::process::id() != self.pid
+        fork::generation() != self.generation
     }
 
     /// Makes the primary context current on this thread until the guard drops.

@@ -16,7 +16,7 @@ use super::context::push_current;
 use super::driver::{require_driver, Api, NOT_READY, SUCCESS};
 use super::{cuda_error, driver_error};
 use crate::arena::InFlight;
-use crate::{NumaGpuAlloc, Result};
+use crate::{fork, NumaGpuAlloc, Result};
 
 /// Idle events kept for reuse. The pool's vector never grows past this (its buffer is
 /// reserved once, well below the allocator's smallest threshold): pushes may happen inside the
@@ -93,9 +93,9 @@ pub(super) fn outcome(api: &Api, event: *mut c_void) -> Result<bool> {
 pub(crate) struct RecordedEvent {
     /// `None` once completed (the event went back to the pool).
     event: Option<CudaEvent>,
-    /// The process that recorded it: in a child forked since, the GPU works on the parent's
-    /// pages, never on the child's copy, and no CUDA call may be made.
-    pid: u32,
+    /// The fork generation that recorded it: in a child forked since, the GPU works on the
+    /// parent's pages, never on the child's copy, and no CUDA call may be made.
+    generation: u32,
 }
 
 impl RecordedEvent {
@@ -112,12 +112,12 @@ impl RecordedEvent {
     pub(crate) fn new(event: CudaEvent) -> RecordedEvent {
         RecordedEvent {
             event: Some(event),
-            pid: std::process::id(),
+            generation: fork::generation(),
         }
     }
 
     fn forked(&self) -> bool {
-        self.pid != std::process::id()
+        self.generation != fork::generation()
     }
 }
 

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaEvent, CudaStream, DeviceRepr, HostSlice, SyncOnDrop, V
 
 use super::context::FORKED_REASON;
 use super::event::{self, RecordedEvent};
-use crate::{Error, NumaGpuAlloc, Result};
+use crate::{fork, Error, NumaGpuAlloc, Result};
 
 /// A fixed-length, page-locked buffer of `T` on the GPU's NUMA node, for cudarc's copies
 /// (`memcpy_htod`, `memcpy_dtoh`, `clone_htod`) without blocking and without races.
@@ -59,9 +59,9 @@ pub struct PinnedBuf<'a, T, A: GlobalAlloc = System> {
     event: OnceLock<CudaEvent>,
     /// A copy recorded the event since the host last waited for it.
     in_flight: AtomicBool,
-    /// The process that made it: in a child forked since, no CUDA call is made (the GPU writes
-    /// the parent's pages, never the child's copy) and the event is left alone.
-    pid: u32,
+    /// The fork generation that made it: in a child forked since, no CUDA call is made (the GPU
+    /// writes the parent's pages, never the child's copy) and the event is left alone.
+    generation: u32,
 }
 
 // SAFETY: the buffer owns its elements like a `Box<[T]>`; the event and the allocator reference
@@ -121,7 +121,7 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
             alloc,
             event: OnceLock::new(),
             in_flight: AtomicBool::new(false),
-            pid: std::process::id(),
+            generation: fork::generation(),
         })
     }
 
@@ -161,7 +161,7 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     }
 
     fn forked(&self) -> bool {
-        self.pid != std::process::id()
+        self.generation != fork::generation()
     }
 
     fn wait_for_copies(&self) -> Result<()> {

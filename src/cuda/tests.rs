@@ -560,7 +560,7 @@ fn forked_child_leaves_the_driver_alone() {
     let (_buf, ptr) = block();
     fake::take_log();
     // As if this process were a child forked after `open`.
-    gpu.pid = gpu.pid.wrapping_add(1);
+    gpu.generation = gpu.generation.wrapping_sub(1);
     assert_eq!(
         // SAFETY: the fake driver does not touch the memory.
         unsafe { gpu.register(ptr, 4096, false, false) },
