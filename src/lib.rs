@@ -20,10 +20,7 @@ pub mod pci;
 
 mod cuda;
 pub mod sys;
-pub use cuda::{cuda_driver_present, cuda_error_name, cuda_unavailable_reason};
-#[cfg(feature = "pinned-buffer")]
-#[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
-pub use cuda::{PinnedBuf, PinnedSliceMut};
+pub use cuda::cuda_error_name;
 
 mod arena;
 mod block;
@@ -51,6 +48,11 @@ pub use sys::MemPolicy;
 mod alloc;
 mod api2;
 mod global;
+mod pinned;
 mod route;
 pub use alloc::NumaGpuAlloc;
+pub use pinned::{cuda_driver_present, cuda_unavailable_reason};
+#[cfg(feature = "pinned-buffer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
+pub use pinned::{PinnedBuf, PinnedSliceMut};
 pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};

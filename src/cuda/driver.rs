@@ -89,6 +89,7 @@ pub(super) type EventFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
 
 /// `CUDA_SUCCESS`.
 pub(super) const SUCCESS: CuResult = 0;
+#[cfg(feature = "pinned-buffer")]
 /// `CUDA_ERROR_NOT_READY`: `cuEventQuery`'s answer while the recorded work is still running.
 pub(super) const NOT_READY: CuResult = 600;
 /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.

@@ -32,10 +32,9 @@
 mod context;
 mod device;
 mod driver;
-mod event;
-mod names;
 #[cfg(feature = "pinned-buffer")]
-mod pinned;
+pub(crate) mod event;
+mod names;
 #[cfg(test)]
 mod tests;
 
@@ -43,51 +42,8 @@ pub(crate) use context::{Gpu, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
 use names::known_error_name;
-#[cfg(feature = "pinned-buffer")]
-pub use pinned::{PinnedBuf, PinnedSliceMut};
 
 use crate::Error;
-
-/// Whether the CUDA driver is usable in this process: `libcuda` loads, exports the functions this
-/// crate calls, and `cuInit` succeeds.
-///
-/// The answer is computed once and cached; the call never panics. Without a driver the allocator
-/// still places large blocks on NUMA nodes but does not page-lock them. Programs that use cudarc
-/// directly (whose raw calls panic when libcuda is missing) can check this first.
-///
-/// ```
-/// if numa_gpu_alloc::cuda_driver_present() {
-///     // safe to call cudarc's driver API here
-/// } else {
-///     println!("no CUDA driver; pinning is off");
-/// }
-/// ```
-pub fn cuda_driver_present() -> bool {
-    // The first call loads libcuda, which allocates: under `#[global_allocator]` those requests
-    // must go straight to the inner allocator, as they do inside the allocator itself.
-    let _inside = crate::guard::Inside::enter();
-    driver_present()
-}
-
-/// Why the CUDA driver is not usable in this process, or `None` when it is (the answer of the
-/// probe behind [`cuda_driver_present`], computed once).
-///
-/// [`Error::CudaUnavailable`] says that libcuda could not be loaded or lacks a function this crate
-/// calls; [`Error::Cuda`] with `call: "cuInit"` carries the code `cuInit` returned, its name
-/// (for instance 802, `CUDA_ERROR_SYSTEM_NOT_READY`: on NVSwitch systems, the fabric manager is
-/// not running) and, in its `Display` text, a hint where one is known.
-///
-/// ```
-/// match numa_gpu_alloc::cuda_unavailable_reason() {
-///     None => println!("CUDA driver ready"),
-///     Some(why) => println!("no pinning: {why}"),
-/// }
-/// ```
-pub fn cuda_unavailable_reason() -> Option<Error> {
-    // As in `cuda_driver_present`: the first call loads libcuda, which allocates.
-    let _inside = crate::guard::Inside::enter();
-    probe_error().cloned()
-}
 
 /// The driver probe's error, kept for the life of the process (probing first if needed).
 pub(crate) fn probe_error() -> Option<&'static Error> {
@@ -141,6 +97,7 @@ pub(super) fn cuda_error(
     Error::Cuda { call, code, name }
 }
 
+#[cfg(feature = "pinned-buffer")]
 /// A cudarc call's error as [`Error::Cuda`] (cudarc already read the result as its enum).
 pub(super) fn driver_error(call: &'static str, e: cudarc::driver::DriverError) -> Error {
     cuda_error(call, e.0 as u32, |_| None)

@@ -2,6 +2,10 @@
 //! asynchronously and safely, as cudarc's own `PinnedHostSlice` does: each copy waits for the
 //! buffer's earlier uses and records an event after itself; host access waits for that event;
 //! dropping hands the event to the arena, which reuses the block only once it completed.
+//!
+//! Unsafe code here relies on the buffer owning its block (allocated with its layout, freed once
+//! in `Drop`) and on `len` initialised elements in it.
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::NonNull;
@@ -10,8 +14,8 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaEvent, CudaStream, DeviceRepr, HostSlice, SyncOnDrop, ValidAsZeroBits};
 
-use super::context::FORKED_REASON;
-use super::event::{self, RecordedEvent};
+use super::record::RecordedEvent;
+use crate::cuda::{event, FORKED_REASON};
 use crate::{fork, Error, NumaGpuAlloc, Result};
 
 /// A fixed-length, page-locked buffer of `T` on the GPU's NUMA node, for cudarc's copies
