@@ -11,11 +11,11 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use parking_lot::Mutex;
 
 use super::context::push_current;
 use super::driver::{require_driver, Api, NOT_READY, SUCCESS};
 use super::{cuda_error, driver_error};
+use crate::lock::Lock;
 use crate::Result;
 
 /// Idle events kept for reuse. The pool's vector never grows past this (its buffer is
@@ -25,7 +25,12 @@ const POOL_CAPACITY: usize = 64;
 
 /// Idle events of every context, so that a copy or a freed block does not create one each time.
 /// Each keeps its context (cudarc's `Arc<CudaContext>`) alive until the process exits.
-static POOL: Mutex<Vec<CudaEvent>> = parking_lot::const_mutex(Vec::new());
+///
+/// The crate's fork-safe lock, because a forked child can take it (a `PinnedBuf` made and copied
+/// there): the fork handlers (`process.rs`) take it last, after the arenas' locks, since a
+/// pending block's event that completed comes back here under its arena's lock, and nothing is
+/// locked while it is held.
+pub(crate) static POOL: Lock<Vec<CudaEvent>> = Lock::new(Vec::new());
 
 /// An idle event of `ctx`: one from the pool, else a new one.
 pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
