@@ -21,6 +21,7 @@ pub mod pci;
 mod cuda;
 pub mod sys;
 pub use cuda::cuda_error_name;
+pub use cuda::tools as cuda_driver;
 
 mod arena;
 mod block;

@@ -37,6 +37,7 @@ pub(crate) mod event;
 mod names;
 #[cfg(test)]
 mod tests;
+pub mod tools;
 
 pub(crate) use context::{Gpu, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
