@@ -1,29 +1,40 @@
-//! The only module that talks to the CUDA driver.
+//! The only module that talks to the CUDA driver: devices, primary contexts, host registration,
+//! events and the event pool, below the allocator (it imports nothing above `error`, `config`,
+//! the topology's `pci`, `lock` and `fork`).
 //!
 //! libcuda is opened with libloading (`driver.rs`), whatever linking mode cudarc has: every driver
 //! function this module calls is resolved once, in the driver probe, as a function pointer with
 //! C types, and its `CUresult` is read as a plain `u32`. cudarc's own `sys::cu*` wrappers are not
-//! called by the allocator: they return `CUresult` as a Rust enum, and a driver newer than
-//! cudarc's bindings can return a code that enum lacks (CUDA 13 added several), which would be
-//! undefined behaviour. The one exception is the cudarc-facing side (`event.rs`, `pinned.rs`):
-//! cudarc's `SyncOnDrop::Record` needs cudarc's own `CudaEvent`, so events are created,
-//! recorded, waited on by streams and destroyed through cudarc's safe API, as the user's own
-//! copies are; querying and host waits still go through the table.
+//! called: they return `CUresult` as a Rust enum, and a driver newer than cudarc's bindings can
+//! return a code that enum lacks (CUDA 13 added several), which would be undefined behaviour.
+//! The one exception is the cudarc-facing side (`event.rs`): cudarc's `SyncOnDrop::Record` needs
+//! cudarc's own `CudaEvent`, so events are created, recorded, waited on by streams and destroyed
+//! through cudarc's safe API, as the user's own copies are; querying and host waits still go
+//! through the table.
+//!
+//! CUDA versions: the crate builds with every CUDA version cudarc 0.19 has bindings for (11.4 to
+//! 13.4 in cudarc 0.19.10), whichever the program's cudarc features, nvcc or cudarc's latest pick;
+//! CI builds 12.6, 12.8, 13.0 and the latest (`.ci/compose/`). Every required entry point exists
+//! since CUDA 11.4. Error names cover every code of `cuda.h` 11.4 to 13.2 (`names.rs`); newer
+//! codes are named by the driver (`cuGetErrorName`), else reported as numbers.
 //!
 //! Everything here is written for the allocator's large path: nothing panics, nothing calls into
 //! libcuda before [`driver_present`] has confirmed that the library loads, that every required
-//! driver function is exported, and that `cuInit` succeeds.
+//! driver function is exported, and that `cuInit` succeeds. A forked child never calls the
+//! driver through state made before the fork: each cache keeps the fork generation it was made
+//! in (`crate::fork`).
 //!
 //! Allocation: loading libcuda and resolving its symbols allocate, once, inside the probe; callers
 //! inside the allocator run it under the allocator's re-entrancy flag, so those allocations go to
 //! the inner allocator. Registering and unregistering call through the stored pointers and do
 //! not allocate.
 //!
-//! Files: `driver.rs` loads libcuda and holds the entry-point table and the probe; `device.rs`
-//! finds a device; `context.rs` retains its primary context and registers memory; `event.rs`
-//! and `pinned.rs` order reuse after stream work; `names.rs` names every `CUresult`; this file
-//! holds the public items and error naming; `tests.rs` runs the code against a fake driver
-//! table.
+//! Files: `driver.rs` loads libcuda and holds the entry-point table (one macro list) and the
+//! probe; `device.rs` finds a device; `context.rs` retains its primary context and registers
+//! memory; `event.rs` (feature `pinned-buffer`) pools, records and queries events for the pinned
+//! front end (`pinned/`); `tools.rs` is the public `cuda_driver` module for benchmarks; `names.rs`
+//! names every `CUresult`; this file holds error naming; `tests/` runs the code against a fake
+//! driver table.
 //!
 //! Unsafe code here relies on the driver's function pointers, resolved once with C types, called
 //! with live handles of this module.
