@@ -3,18 +3,15 @@
 //!
 //! `cargo bench --bench dma`. Without a CUDA driver it prints why it skipped and exits 0 (1 when
 //! `NUMA_GPU_ALLOC_REQUIRE_GPU=1`, as `scripts/gpu-check.sh` sets on a machine with a GPU). The
-//! driver is called through C-typed pointers (`examples/support/cuda.rs`).
+//! driver is called through the crate's own C-typed table (`numa_gpu_alloc::cuda_driver`).
 //! `DMA_BENCH_SIZE` (default `256MiB`) sets the copy size.
-
-#[path = "../examples/support/cuda.rs"]
-mod cuda;
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
 use criterion::{BenchmarkId, Criterion, Throughput};
-use cuda::{Copier, Direction, Driver, HostAlloc, Registered};
+use numa_gpu_alloc::cuda_driver::{Copier, Direction, Driver, HostAlloc, Registered};
 use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

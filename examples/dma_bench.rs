@@ -24,11 +24,8 @@
 //!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory;
 //!    the thread counts take turns, `--reps` rounds, median reported.
 //!
-//! The driver is called through C-typed pointers (`support/cuda.rs`), never through cudarc's
-//! `sys::cu*` wrappers.
-
-#[path = "support/cuda.rs"]
-mod cuda;
+//! The driver is called through the crate's own C-typed table (`numa_gpu_alloc::cuda_driver`),
+//! never through cudarc's `sys::cu*` wrappers.
 
 use std::error::Error;
 use std::fmt::Write as _;
@@ -36,7 +33,7 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
-use cuda::{Direction, Driver};
+use numa_gpu_alloc::cuda_driver::{Direction, Driver};
 use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn Error>>;

@@ -22,14 +22,12 @@ pub use topology::{NumaAllocTracker, NumaBuffer};
 mod config;
 pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
 mod cuda;
-pub use cuda::{cuda_driver_present, cuda_unavailable_reason};
-#[cfg(feature = "pinned-buffer")]
-#[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
-pub use cuda::{PinnedBuf, PinnedSliceMut};
+pub use cuda::tools as cuda_driver;
 
 // 3. Arenas, chunks and blocks: placed (and pinned) memory, carved and given back.
 mod arena;
 mod chunk;
+mod fork;
 
 // 4. Process-wide state, the re-entrancy guard, the runtime and its routes.
 mod guard;
@@ -51,3 +49,8 @@ mod reservation;
 pub use reservation::{Reservation, ReserveProgress};
 mod global;
 pub use alloc::NumaGpuAlloc;
+mod pinned;
+pub use pinned::{cuda_driver_present, cuda_unavailable_reason};
+#[cfg(feature = "pinned-buffer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
+pub use pinned::{PinnedBuf, PinnedSliceMut};

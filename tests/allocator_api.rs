@@ -189,6 +189,8 @@ fn verify_and_bind_on_node_zero() {
     }
 }
 
+// hashbrown implements allocator-api2 0.2's trait.
+#[cfg(feature = "allocator-api2-02")]
 #[test]
 fn hashbrown_map_in_our_allocator() {
     let _serial = serial();

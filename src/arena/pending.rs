@@ -16,6 +16,10 @@ pub(crate) trait InFlight: Send {
     fn is_complete(&mut self) -> bool;
     /// Blocks until every use completed (only where blocking is acceptable: a buffer that could
     /// not hand its work to an arena waits in its `Drop`).
+    #[cfg_attr(
+        not(feature = "pinned-buffer"),
+        allow(dead_code, reason = "only the pinned front end waits")
+    )]
     fn wait(&mut self);
 }
 

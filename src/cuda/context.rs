@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::device::Device;
 use super::driver::{
-    Api, CtxPopFn, CuContext, CuResult, ExchangeCaptureModeFn, CAPTURE_MODE_RELAXED,
-    HOST_MEMORY_NOT_REGISTERED, REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
+    exported, Api, CuContext, CuResult, CAPTURE_MODE_RELAXED, HOST_MEMORY_NOT_REGISTERED,
+    REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
 };
-use crate::{Error, Result};
+use crate::{fork, Error, Result};
 
 /// Why a forked child does not register memory.
 pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
@@ -23,9 +23,9 @@ pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initia
 pub(crate) struct Gpu {
     device: Device,
     ctx: CuContext,
-    /// The process that retained the context: a child forked after [`Gpu::open`] must not use
-    /// it (the CUDA driver does not support use across `fork`).
-    pub(super) pid: u32,
+    /// The fork generation that retained the context: a child forked after [`Gpu::open`] must
+    /// not use it (the CUDA driver does not support use across `fork`).
+    pub(super) generation: u32,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (the driver API makes contexts current
@@ -38,19 +38,19 @@ unsafe impl Sync for Gpu {}
 
 /// Pops the context pushed by [`Gpu::push`] when dropped, restoring the thread's previous one.
 /// Not `Send`: it must drop on the thread that pushed.
-pub(super) struct CurrentGuard {
-    pop: CtxPopFn,
+pub(super) struct CurrentGuard<'a> {
+    api: &'a Api,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl Drop for CurrentGuard {
+impl Drop for CurrentGuard<'_> {
     fn drop(&mut self) {
         let mut popped: CuContext = std::ptr::null_mut();
         // SAFETY: a guard exists only after a successful cuCtxPushCurrent_v2 on this thread
-        // (the guard is not Send), so the stack has our context on top; `pop` is
+        // (the guard is not Send), so the stack has our context on top; `ctx_pop` is
         // cuCtxPopCurrent_v2 and `popped` a valid out-pointer. A failure cannot be reported from
         // Drop and leaves nothing to undo.
-        let _ = unsafe { (self.pop)(&mut popped) };
+        let _ = unsafe { (self.api.ctx_pop)(&mut popped) };
     }
 }
 
@@ -58,45 +58,45 @@ impl Drop for CurrentGuard {
 ///
 /// # Safety
 /// `ctx` is a live context of the driver whose table `api` is.
-pub(super) unsafe fn push_current(api: &Api, ctx: CuContext) -> Result<CurrentGuard> {
+pub(super) unsafe fn push_current(api: &Api, ctx: CuContext) -> Result<CurrentGuard<'_>> {
     // SAFETY: `api` is the initialised driver's and `ctx` a live context (caller).
     let res = unsafe { (api.ctx_push)(ctx) };
     api.check("cuCtxPushCurrent_v2", res)?;
     Ok(CurrentGuard {
-        pop: api.ctx_pop,
+        api,
         _not_send: std::marker::PhantomData,
     })
 }
 
 /// Puts back the thread's stream capture mode saved by [`relaxed_capture`] when dropped.
 /// Not `Send`: the mode is per thread.
-pub(super) struct CaptureModeGuard {
-    exchange: ExchangeCaptureModeFn,
+pub(super) struct CaptureModeGuard<'a> {
+    api: &'a Api,
     previous: c_uint,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl Drop for CaptureModeGuard {
+impl Drop for CaptureModeGuard<'_> {
     fn drop(&mut self) {
         let mut mode = self.previous;
-        // SAFETY: `exchange` is cuThreadExchangeStreamCaptureMode; `mode` holds the value the
+        // SAFETY: `exchange_capture_mode` is cuThreadExchangeStreamCaptureMode; `mode` holds the value the
         // driver itself handed out on this thread (the guard is not Send) and is a valid
         // in/out-pointer. A failure cannot be reported from Drop.
-        let _ = unsafe { (self.exchange)(&mut mode) };
+        let _ = unsafe { (self.api.exchange_capture_mode)(&mut mode) };
     }
 }
 
 /// Sets this thread's stream capture mode to relaxed until the guard drops, so that registering
 /// or unregistering memory does not invalidate a CUDA graph another thread is capturing in
 /// global mode.
-pub(super) fn relaxed_capture(api: &Api) -> Result<CaptureModeGuard> {
+pub(super) fn relaxed_capture(api: &Api) -> Result<CaptureModeGuard<'_>> {
     let mut mode = CAPTURE_MODE_RELAXED;
     // SAFETY: `exchange_capture_mode` is cuThreadExchangeStreamCaptureMode from the initialised
     // driver; `mode` is a valid in/out-pointer (the driver stores the previous mode in it).
     let res = unsafe { (api.exchange_capture_mode)(&mut mode) };
     api.check("cuThreadExchangeStreamCaptureMode", res)?;
     Ok(CaptureModeGuard {
-        exchange: api.exchange_capture_mode,
+        api,
         previous: mode,
         _not_send: std::marker::PhantomData,
     })
@@ -186,17 +186,37 @@ impl Gpu {
         Ok(Gpu {
             device,
             ctx,
-            pid: std::process::id(),
+            generation: fork::generation(),
         })
     }
 
     /// Whether this is a child forked after [`Gpu::open`]: the context belongs to the parent.
     fn forked(&self) -> bool {
-        std::process::id() != self.pid
+        fork::generation() != self.generation
+    }
+
+    /// The driver table it calls through.
+    pub(super) fn api(&self) -> &'static Api {
+        self.device.api
+    }
+
+    /// Makes the primary context the calling thread's current one (`cuCtxSetCurrent`): the
+    /// benchmark tools' way, which keep it current, where the allocator pushes and pops it.
+    pub(super) fn set_current(&self) -> Result<()> {
+        if self.forked() {
+            return Err(Error::CudaUnavailable {
+                reason: FORKED_REASON,
+            });
+        }
+        let api = self.device.api;
+        let set = exported(api.ctx_set_current)?;
+        // SAFETY: `set` is cuCtxSetCurrent from the initialised driver; `self.ctx` is a retained
+        // primary context, valid until Drop.
+        api.check("cuCtxSetCurrent", unsafe { set(self.ctx) })
     }
 
     /// Makes the primary context current on this thread until the guard drops.
-    fn push(&self) -> Result<CurrentGuard> {
+    fn push(&self) -> Result<CurrentGuard<'_>> {
         // SAFETY: `self.ctx` is a retained primary context, valid until Drop.
         unsafe { push_current(self.device.api, self.ctx) }
     }

@@ -2,10 +2,13 @@
 //!
 //! libcuda is opened here with libloading, not through cudarc's loader: `sys::culib` exists only
 //! under cudarc's `dynamic-loading`, and a user's `dynamic-linking` or `static-linking` removes it
-//! (when libcuda is linked, opening it again returns the copy already mapped). To call another
-//! driver function: add its prototype as a type alias below, a field to [`Api`], its symbol to
-//! [`load_api`] (and to [`REQUIRED_SYMBOLS`] unless it is optional), and an entry to the fake
-//! driver in `tests.rs`.
+//! (when libcuda is linked, opening it again returns the copy already mapped). The library is held
+//! in a static and never unloaded, so the resolved pointers and the driver's static strings live
+//! for the rest of the process.
+//!
+//! To call another driver function: add one line to the [`driver_table!`] list below (its field,
+//! C prototype and symbol); the field, its loading and the unit-test fake's default come from
+//! there.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
@@ -13,33 +16,18 @@ use std::sync::OnceLock;
 use super::cuda_error;
 use crate::{Error, Result};
 
-/// Driver functions that must be exported by libcuda for the driver to count as present.
-/// `cuInit` is called once by the probe; the others are kept in [`Api`].
-pub(super) const REQUIRED_SYMBOLS: &[&CStr] = &[
-    c"cuInit",
-    c"cuGetErrorName",
-    c"cuDeviceGetCount",
-    c"cuDeviceGet",
-    c"cuDeviceGetAttribute",
-    c"cuDeviceGetName",
-    c"cuDeviceGetPCIBusId",
-    c"cuDevicePrimaryCtxRetain",
-    c"cuDevicePrimaryCtxRelease_v2",
-    c"cuCtxPushCurrent_v2",
-    c"cuCtxPopCurrent_v2",
-    c"cuMemHostRegister_v2",
-    c"cuMemHostUnregister",
-    c"cuThreadExchangeStreamCaptureMode",
-    c"cuEventQuery",
-    c"cuEventSynchronize",
-];
-
 /// `CUresult` as the raw number the driver returns (any value, known to cudarc's bindings or not).
 pub(super) type CuResult = u32;
 /// `CUdevice` (`typedef int CUdevice`).
 pub(super) type CuDevice = c_int;
+/// `CUdeviceptr` (`unsigned long long` on 64-bit hosts).
+pub(super) type CuDevicePtr = u64;
 /// `CUcontext` (an opaque pointer).
 pub(super) type CuContext = *mut c_void;
+/// `CUstream` (an opaque pointer).
+pub(super) type CuStream = *mut c_void;
+/// `CUevent` (an opaque pointer).
+pub(super) type CuEvent = *mut c_void;
 
 /// `CUuuid`: `struct { char bytes[16]; }`.
 #[repr(C)]
@@ -47,50 +35,164 @@ pub(super) struct CuUuid {
     pub(super) bytes: [u8; 16],
 }
 
-/// `CUresult cuInit(unsigned int Flags)`.
-pub(super) type InitFn = unsafe extern "C" fn(c_uint) -> CuResult;
-/// `CUresult cuGetErrorName(CUresult error, const char **pStr)`.
-pub(super) type GetErrorNameFn = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
-/// `CUresult cuDeviceGetCount(int *count)`.
-pub(super) type DeviceGetCountFn = unsafe extern "C" fn(*mut c_int) -> CuResult;
-/// `CUresult cuDeviceGet(CUdevice *device, int ordinal)`.
-pub(super) type DeviceGetFn = unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult;
-/// `CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)`.
-pub(super) type DeviceGetAttributeFn =
-    unsafe extern "C" fn(*mut c_int, c_uint, CuDevice) -> CuResult;
-/// `CUresult cuDeviceGetName(char *name, int len, CUdevice dev)`, and the same prototype for
-/// `cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)`.
-pub(super) type DeviceGetTextFn = unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult;
-/// `CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)`, and `cuDeviceGetUuid_v2`.
-pub(super) type DeviceGetUuidFn = unsafe extern "C" fn(*mut CuUuid, CuDevice) -> CuResult;
-/// `CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`.
-pub(super) type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult;
-/// `CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)`.
-pub(super) type PrimaryCtxReleaseFn = unsafe extern "C" fn(CuDevice) -> CuResult;
-/// `CUresult cuCtxPushCurrent_v2(CUcontext ctx)`.
-pub(super) type CtxPushFn = unsafe extern "C" fn(CuContext) -> CuResult;
-/// `CUresult cuCtxPopCurrent_v2(CUcontext *pctx)`.
-pub(super) type CtxPopFn = unsafe extern "C" fn(*mut CuContext) -> CuResult;
-/// `CUresult cuCtxGetCurrent(CUcontext *pctx)`.
-pub(super) type CtxGetCurrentFn = unsafe extern "C" fn(*mut CuContext) -> CuResult;
-/// `CUresult cuCtxGetDevice(CUdevice *device)`.
-pub(super) type CtxGetDeviceFn = unsafe extern "C" fn(*mut CuDevice) -> CuResult;
-/// `CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)`.
-pub(super) type MemHostRegisterFn = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult;
-/// `CUresult cuMemHostUnregister(void *p)`.
-pub(super) type MemHostUnregisterFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
-/// `CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)` (the enum is a C
-/// `unsigned int`).
-pub(super) type ExchangeCaptureModeFn = unsafe extern "C" fn(*mut c_uint) -> CuResult;
+/// Declares the entry points: for each, its field, whether the probe requires it (`required`:
+/// a plain pointer, the driver counts as absent without it; `optional`: an `Option`), its C
+/// prototype's argument types (every entry returns `CUresult`, read as a plain `u32`) and its
+/// symbol names, tried in order. Generates [`Api`], [`load_api`] and, for unit tests,
+/// `Api::UNSUPPORTED`: a table whose required entries answer `CUDA_ERROR_NOT_SUPPORTED` and whose
+/// optional ones are missing, for fakes to start from.
+macro_rules! driver_table {
+    ($(
+        $(#[doc = $doc:literal])*
+        $(#[cfg($cfg:meta)])?
+        $need:ident $field:ident: fn($($arg:ty),* $(,)?) = $($symbol:literal)|+;
+    )*) => {
+        /// The driver entry points this crate calls, resolved once by the probe: function
+        /// pointers into libcuda, which is never unloaded.
+        #[derive(Clone, Copy)]
+        pub(super) struct Api {
+            $(
+                $(#[doc = $doc])*
+                $(#[cfg($cfg)])?
+                pub(super) $field: driver_table!(@type $need ($($arg),*)),
+            )*
+        }
 
-/// `CUresult cuEventQuery(CUevent hEvent)`, and the same prototype for
-/// `cuEventSynchronize(CUevent hEvent)` (`CUevent` is an opaque pointer).
-pub(super) type EventFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
+        /// Resolves every entry point of [`Api`]; `None` when a required one is missing.
+        ///
+        /// # Safety
+        ///
+        /// libcuda must be loaded ([`libcuda`] returned it).
+        unsafe fn load_api() -> Option<Api> {
+            Some(Api {
+                $(
+                    $(#[cfg($cfg)])?
+                    $field: driver_table!(@load $need $($symbol)|+),
+                )*
+            })
+        }
+
+        #[cfg(test)]
+        impl Api {
+            /// Every required entry answers `CUDA_ERROR_NOT_SUPPORTED`; optional ones are missing.
+            pub(super) const UNSUPPORTED: Api = Api {
+                $(
+                    $(#[cfg($cfg)])?
+                    $field: driver_table!(@fake $need ($($arg),*)),
+                )*
+            };
+        }
+    };
+    (@type required ($($arg:ty),*)) => { unsafe extern "C" fn($($arg),*) -> CuResult };
+    (@type optional ($($arg:ty),*)) => { Option<unsafe extern "C" fn($($arg),*) -> CuResult> };
+    (@load required $($symbol:literal)|+) => { driver_table!(@load optional $($symbol)|+)? };
+    (@load optional $first:literal $(| $other:literal)*) => {
+        // SAFETY: libcuda is loaded (`load_api`'s caller); the pointer type `symbol` is asked for
+        // is the field's, declared with the symbol's C prototype in the same entry (checked
+        // against cudarc's bindings, with `CUresult` and enums read as plain integers).
+        unsafe { symbol($first) }
+        $(.or_else(|| {
+            // SAFETY: as above, for the entry's other name.
+            unsafe { symbol($other) }
+        }))*
+    };
+    (@fake required ($($arg:ty),*)) => {{
+        unsafe extern "C" fn unsupported($(_: $arg),*) -> CuResult {
+            NOT_SUPPORTED
+        }
+        unsupported
+    }};
+    (@fake optional ($($arg:ty),*)) => { None };
+}
+
+driver_table! {
+    /// `CUresult cuInit(unsigned int Flags)`: called once, by the probe.
+    required init: fn(c_uint) = c"cuInit";
+    /// `CUresult cuGetErrorName(CUresult error, const char **pStr)`.
+    required get_error_name: fn(CuResult, *mut *const c_char) = c"cuGetErrorName";
+    /// `CUresult cuDeviceGetCount(int *count)`.
+    required device_get_count: fn(*mut c_int) = c"cuDeviceGetCount";
+    /// `CUresult cuDeviceGet(CUdevice *device, int ordinal)`.
+    required device_get: fn(*mut CuDevice, c_int) = c"cuDeviceGet";
+    /// `CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)`.
+    required device_get_attribute: fn(*mut c_int, c_uint, CuDevice) = c"cuDeviceGetAttribute";
+    /// `CUresult cuDeviceGetName(char *name, int len, CUdevice dev)`.
+    required device_get_name: fn(*mut c_char, c_int, CuDevice) = c"cuDeviceGetName";
+    /// `CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)`.
+    required device_get_pci_bus_id: fn(*mut c_char, c_int, CuDevice) = c"cuDeviceGetPCIBusId";
+    /// `CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)`: the MIG instance's UUID under
+    /// MIG.
+    optional device_get_uuid_v2: fn(*mut CuUuid, CuDevice) = c"cuDeviceGetUuid_v2";
+    /// `CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)`: the physical GPU's UUID.
+    optional device_get_uuid: fn(*mut CuUuid, CuDevice) = c"cuDeviceGetUuid";
+    /// `CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`.
+    required primary_ctx_retain: fn(*mut CuContext, CuDevice) = c"cuDevicePrimaryCtxRetain";
+    /// `CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)`.
+    required primary_ctx_release: fn(CuDevice) = c"cuDevicePrimaryCtxRelease_v2";
+    /// `CUresult cuCtxPushCurrent_v2(CUcontext ctx)`.
+    required ctx_push: fn(CuContext) = c"cuCtxPushCurrent_v2";
+    /// `CUresult cuCtxPopCurrent_v2(CUcontext *pctx)`.
+    required ctx_pop: fn(*mut CuContext) = c"cuCtxPopCurrent_v2";
+    /// `CUresult cuCtxGetCurrent(CUcontext *pctx)`.
+    required ctx_get_current: fn(*mut CuContext) = c"cuCtxGetCurrent";
+    /// `CUresult cuCtxGetDevice(CUdevice *device)`.
+    required ctx_get_device: fn(*mut CuDevice) = c"cuCtxGetDevice";
+    /// `CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)`.
+    required mem_host_register: fn(*mut c_void, usize, c_uint) = c"cuMemHostRegister_v2";
+    /// `CUresult cuMemHostUnregister(void *p)`.
+    required mem_host_unregister: fn(*mut c_void) = c"cuMemHostUnregister";
+    /// `CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)` (the enum is a C
+    /// `unsigned int`).
+    required exchange_capture_mode: fn(*mut c_uint) = c"cuThreadExchangeStreamCaptureMode";
+    /// `CUresult cuEventQuery(CUevent hEvent)`.
+    #[cfg(feature = "pinned-buffer")]
+    required event_query: fn(CuEvent) = c"cuEventQuery";
+    /// `CUresult cuEventSynchronize(CUevent hEvent)`.
+    required event_synchronize: fn(CuEvent) = c"cuEventSynchronize";
+
+    // The benchmark tools' (`tools.rs`): optional, so the allocator's probe does not need them.
+    /// `CUresult cuCtxSetCurrent(CUcontext ctx)`.
+    optional ctx_set_current: fn(CuContext) = c"cuCtxSetCurrent";
+    /// `CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`.
+    optional mem_alloc: fn(*mut CuDevicePtr, usize) = c"cuMemAlloc_v2";
+    /// `CUresult cuMemFree_v2(CUdeviceptr dptr)`.
+    optional mem_free: fn(CuDevicePtr) = c"cuMemFree_v2";
+    /// `CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)`.
+    optional mem_host_alloc: fn(*mut *mut c_void, usize, c_uint) = c"cuMemHostAlloc";
+    /// `CUresult cuMemFreeHost(void *p)`.
+    optional mem_free_host: fn(*mut c_void) = c"cuMemFreeHost";
+    /// `CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)`.
+    optional stream_create: fn(*mut CuStream, c_uint) = c"cuStreamCreate";
+    /// `CUresult cuStreamDestroy_v2(CUstream hStream)`.
+    optional stream_destroy: fn(CuStream) = c"cuStreamDestroy_v2";
+    /// `CUresult cuStreamSynchronize(CUstream hStream)`.
+    optional stream_synchronize: fn(CuStream) = c"cuStreamSynchronize";
+    /// `CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s)`.
+    optional memcpy_htod_async: fn(CuDevicePtr, *const c_void, usize, CuStream) =
+        c"cuMemcpyHtoDAsync_v2";
+    /// `CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s)`.
+    optional memcpy_dtoh_async: fn(*mut c_void, CuDevicePtr, usize, CuStream) =
+        c"cuMemcpyDtoHAsync_v2";
+    /// `CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)`.
+    optional event_create: fn(*mut CuEvent, c_uint) = c"cuEventCreate";
+    /// `CUresult cuEventRecord(CUevent hEvent, CUstream hStream)`.
+    optional event_record: fn(CuEvent, CuStream) = c"cuEventRecord";
+    /// `CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)` (CUDA
+    /// 13's header maps the name to `_v2`; drivers export both).
+    optional event_elapsed_time: fn(*mut f32, CuEvent, CuEvent) =
+        c"cuEventElapsedTime" | c"cuEventElapsedTime_v2";
+    /// `CUresult cuEventDestroy_v2(CUevent hEvent)`.
+    optional event_destroy: fn(CuEvent) = c"cuEventDestroy_v2";
+}
 
 /// `CUDA_SUCCESS`.
 pub(super) const SUCCESS: CuResult = 0;
 /// `CUDA_ERROR_NOT_READY`: `cuEventQuery`'s answer while the recorded work is still running.
+#[cfg(feature = "pinned-buffer")]
 pub(super) const NOT_READY: CuResult = 600;
+/// `CUDA_ERROR_NOT_SUPPORTED`: what the unit tests' default entries answer.
+#[cfg(test)]
+const NOT_SUPPORTED: CuResult = 801;
 /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
 pub(super) const HOST_MEMORY_NOT_REGISTERED: CuResult = 713;
 /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`.
@@ -106,50 +208,6 @@ pub(super) const REGISTER_PORTABLE: c_uint = 1;
 pub(super) const REGISTER_DEVICEMAP: c_uint = 2;
 /// `CU_MEMHOSTREGISTER_READ_ONLY`.
 pub(super) const REGISTER_READ_ONLY: c_uint = 8;
-
-/// The driver entry points this module calls, resolved once by the probe. Function pointers
-/// into libcuda, which cudarc keeps loaded for the life of the process.
-#[derive(Clone, Copy)]
-pub(super) struct Api {
-    /// `cuGetErrorName`.
-    pub(super) get_error_name: GetErrorNameFn,
-    /// `cuDeviceGetCount`.
-    pub(super) device_get_count: DeviceGetCountFn,
-    /// `cuDeviceGet`.
-    pub(super) device_get: DeviceGetFn,
-    /// `cuDeviceGetAttribute`.
-    pub(super) device_get_attribute: DeviceGetAttributeFn,
-    /// `cuDeviceGetName`.
-    pub(super) device_get_name: DeviceGetTextFn,
-    /// `cuDeviceGetPCIBusId`.
-    pub(super) device_get_pci_bus_id: DeviceGetTextFn,
-    /// `cuDeviceGetUuid_v2` (the MIG instance's UUID under MIG), when exported.
-    pub(super) device_get_uuid_v2: Option<DeviceGetUuidFn>,
-    /// `cuDeviceGetUuid` (the physical GPU's UUID), when exported.
-    pub(super) device_get_uuid: Option<DeviceGetUuidFn>,
-    /// `cuDevicePrimaryCtxRetain`.
-    pub(super) primary_ctx_retain: PrimaryCtxRetainFn,
-    /// `cuDevicePrimaryCtxRelease_v2`.
-    pub(super) primary_ctx_release: PrimaryCtxReleaseFn,
-    /// `cuCtxPushCurrent_v2`.
-    pub(super) ctx_push: CtxPushFn,
-    /// `cuCtxPopCurrent_v2`.
-    pub(super) ctx_pop: CtxPopFn,
-    /// `cuCtxGetCurrent`.
-    pub(super) ctx_get_current: CtxGetCurrentFn,
-    /// `cuCtxGetDevice`.
-    pub(super) ctx_get_device: CtxGetDeviceFn,
-    /// `cuMemHostRegister_v2`.
-    pub(super) mem_host_register: MemHostRegisterFn,
-    /// `cuMemHostUnregister`.
-    pub(super) mem_host_unregister: MemHostUnregisterFn,
-    /// `cuThreadExchangeStreamCaptureMode`.
-    pub(super) exchange_capture_mode: ExchangeCaptureModeFn,
-    /// `cuEventQuery`.
-    pub(super) event_query: EventFn,
-    /// `cuEventSynchronize`.
-    pub(super) event_synchronize: EventFn,
-}
 
 impl std::fmt::Debug for Api {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -177,7 +235,7 @@ pub(super) fn driver_state() -> &'static DriverState {
 /// # Safety
 ///
 /// `F` must be an `unsafe extern "C" fn` type matching the C prototype of the symbol `name`.
-pub(super) unsafe fn symbol<F: Copy>(name: &CStr) -> Option<F> {
+unsafe fn symbol<F: Copy>(name: &CStr) -> Option<F> {
     // SAFETY: the caller guarantees that `F` is the symbol's function pointer type; the pointer
     // is copied out of the `Symbol` and stays valid because the library is held in a static and
     // never unloaded.
@@ -198,42 +256,6 @@ fn libcuda() -> Option<&'static libloading::Library> {
     .as_ref()
 }
 
-/// Resolves every entry point of [`Api`]; `None` when a required one is missing.
-///
-/// # Safety
-///
-/// libcuda must be loaded ([`libcuda`] returned it).
-pub(super) unsafe fn load_api() -> Option<Api> {
-    // SAFETY: libcuda loads (caller); each type passed to `symbol` is the C prototype of the
-    // symbol named, as spelt out on the type aliases above (checked against cudarc's bindings,
-    // with `CUresult` and the enums read as plain integers).
-    unsafe {
-        Some(Api {
-            get_error_name: symbol::<GetErrorNameFn>(c"cuGetErrorName")?,
-            device_get_count: symbol::<DeviceGetCountFn>(c"cuDeviceGetCount")?,
-            device_get: symbol::<DeviceGetFn>(c"cuDeviceGet")?,
-            device_get_attribute: symbol::<DeviceGetAttributeFn>(c"cuDeviceGetAttribute")?,
-            device_get_name: symbol::<DeviceGetTextFn>(c"cuDeviceGetName")?,
-            device_get_pci_bus_id: symbol::<DeviceGetTextFn>(c"cuDeviceGetPCIBusId")?,
-            device_get_uuid_v2: symbol::<DeviceGetUuidFn>(c"cuDeviceGetUuid_v2"),
-            device_get_uuid: symbol::<DeviceGetUuidFn>(c"cuDeviceGetUuid"),
-            primary_ctx_retain: symbol::<PrimaryCtxRetainFn>(c"cuDevicePrimaryCtxRetain")?,
-            primary_ctx_release: symbol::<PrimaryCtxReleaseFn>(c"cuDevicePrimaryCtxRelease_v2")?,
-            ctx_push: symbol::<CtxPushFn>(c"cuCtxPushCurrent_v2")?,
-            ctx_pop: symbol::<CtxPopFn>(c"cuCtxPopCurrent_v2")?,
-            ctx_get_current: symbol::<CtxGetCurrentFn>(c"cuCtxGetCurrent")?,
-            ctx_get_device: symbol::<CtxGetDeviceFn>(c"cuCtxGetDevice")?,
-            mem_host_register: symbol::<MemHostRegisterFn>(c"cuMemHostRegister_v2")?,
-            mem_host_unregister: symbol::<MemHostUnregisterFn>(c"cuMemHostUnregister")?,
-            exchange_capture_mode: symbol::<ExchangeCaptureModeFn>(
-                c"cuThreadExchangeStreamCaptureMode",
-            )?,
-            event_query: symbol::<EventFn>(c"cuEventQuery")?,
-            event_synchronize: symbol::<EventFn>(c"cuEventSynchronize")?,
-        })
-    }
-}
-
 /// Loads libcuda, resolves the entry points and calls `cuInit(0)`; never panics.
 pub(super) fn probe_driver() -> DriverState {
     const TOO_OLD: Error = Error::CudaUnavailable {
@@ -244,20 +266,10 @@ pub(super) fn probe_driver() -> DriverState {
             reason: "libcuda.so could not be loaded (no NVIDIA driver on this machine)",
         });
     }
-    let has = |name: &CStr| {
-        // SAFETY: libcuda loads (just checked); the symbol is only looked up, never called
-        // through this type, and the function pointer type is irrelevant to `dlsym`.
-        unsafe { symbol::<unsafe extern "C" fn()>(name) }.is_some()
-    };
-    if !REQUIRED_SYMBOLS.iter().all(|name| has(name)) {
-        return Err(TOO_OLD);
-    }
-    // SAFETY: libcuda loads (checked above); `InitFn` is cuInit's C prototype.
-    let init = unsafe { symbol::<InitFn>(c"cuInit") }.ok_or(TOO_OLD)?;
-    // SAFETY: as above.
+    // SAFETY: libcuda loads (checked above).
     let api = unsafe { load_api() }.ok_or(TOO_OLD)?;
     // SAFETY: cuInit is resolved from the loaded libcuda and takes flags 0.
-    let res = unsafe { init(0) };
+    let res = unsafe { (api.init)(0) };
     api.check("cuInit", res)?;
     Ok(api)
 }
@@ -274,6 +286,13 @@ pub(super) fn require_driver() -> Result<&'static Api> {
     driver_state().as_ref().map_err(Error::clone)
 }
 
+/// An optional entry's pointer, or the error that libcuda does not export it.
+pub(super) fn exported<F>(entry: Option<F>) -> Result<F> {
+    entry.ok_or(Error::CudaUnavailable {
+        reason: "libcuda lacks a driver function this call needs",
+    })
+}
+
 impl Api {
     /// The driver's name for `code` (`cuGetErrorName`), when it has one. Its strings are static
     /// in libcuda, which is never unloaded.
@@ -287,7 +306,7 @@ impl Api {
             return None;
         }
         // SAFETY: on success cuGetErrorName stores a pointer to a NUL-terminated string constant
-        // inside libcuda; the library is held in a static by cudarc and never unloaded, so the
+        // inside libcuda; the library is held in a static (`libcuda`) and never unloaded, so the
         // string lives for the rest of the process.
         let name: &'static CStr = unsafe { CStr::from_ptr(text) };
         name.to_str().ok()

@@ -1,6 +1,7 @@
-//! CUDA events for stream-ordered reuse: a process-wide pool of cudarc events, the non-blocking
-//! query through the crate's own `cuEventQuery` pointer, and [`RecordedEvent`], the record the
-//! arena keeps for a freed block until the GPU work that uses it has completed.
+//! CUDA events for stream-ordered reuse: a process-wide pool of cudarc events, recording one on
+//! a stream, and the non-blocking query and host wait through the crate's own `cuEventQuery` and
+//! `cuEventSynchronize` pointers. What a freed block's event means to the arena is the front
+//! end's business (`pinned/`).
 //!
 //! Events are cudarc's [`CudaEvent`]s because cudarc's safe copies record them
 //! ([`cudarc::driver::SyncOnDrop::Record`]); queries and waits go through the C-typed table, so
@@ -10,13 +11,12 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use parking_lot::Mutex;
 
 use super::context::push_current;
 use super::driver::{require_driver, Api, NOT_READY, SUCCESS};
 use super::{cuda_error, driver_error};
-use crate::arena::InFlight;
-use crate::{NumaGpuAlloc, Result};
+use crate::sys::lock::Lock;
+use crate::Result;
 
 /// Idle events kept for reuse. The pool's vector never grows past this (its buffer is
 /// reserved once, well below the allocator's smallest threshold): pushes may happen inside the
@@ -25,7 +25,12 @@ const POOL_CAPACITY: usize = 64;
 
 /// Idle events of every context, so that a copy or a freed block does not create one each time.
 /// Each keeps its context (cudarc's `Arc<CudaContext>`) alive until the process exits.
-static POOL: Mutex<Vec<CudaEvent>> = parking_lot::const_mutex(Vec::new());
+///
+/// The crate's fork-safe lock, because a forked child can take it (a `PinnedBuf` made and copied
+/// there): the fork handlers (`process.rs`) take it last, after the arenas' locks, since a
+/// pending block's event that completed comes back here under its arena's lock, and nothing is
+/// locked while it is held.
+pub(crate) static POOL: Lock<Vec<CudaEvent>> = Lock::new(Vec::new());
 
 /// An idle event of `ctx`: one from the pool, else a new one.
 pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
@@ -37,6 +42,15 @@ pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
     }
     ctx.new_event(None)
         .map_err(|e| driver_error("cuEventCreate", e))
+}
+
+/// A pooled event of `stream`'s context, recorded on `stream` after the work queued so far.
+pub(crate) fn record(stream: &CudaStream) -> Result<CudaEvent> {
+    let event = take_event(stream.context())?;
+    event
+        .record(stream)
+        .map_err(|e| driver_error("cuEventRecord", e))?;
+    Ok(event)
 }
 
 /// Returns an event whose recorded work has completed to the pool (destroys it when full).
@@ -85,99 +99,5 @@ pub(super) fn outcome(api: &Api, event: *mut c_void) -> Result<bool> {
         SUCCESS => Ok(true),
         NOT_READY => Ok(false),
         code => Err(cuda_error("cuEventQuery", code, |c| api.error_name(c))),
-    }
-}
-
-/// An event recorded on a stream after the copies that use a block: the block is reused only
-/// once it completed.
-pub(crate) struct RecordedEvent {
-    /// `None` once completed (the event went back to the pool).
-    event: Option<CudaEvent>,
-    /// The process that recorded it: in a child forked since, the GPU works on the parent's
-    /// pages, never on the child's copy, and no CUDA call may be made.
-    pid: u32,
-}
-
-impl RecordedEvent {
-    /// Records a pooled event of `stream`'s context on `stream`, after the work queued so far.
-    pub(crate) fn record(stream: &CudaStream) -> Result<RecordedEvent> {
-        let event = take_event(stream.context())?;
-        event
-            .record(stream)
-            .map_err(|e| driver_error("cuEventRecord", e))?;
-        Ok(RecordedEvent::new(event))
-    }
-
-    /// Wraps an event that is already recorded.
-    pub(crate) fn new(event: CudaEvent) -> RecordedEvent {
-        RecordedEvent {
-            event: Some(event),
-            pid: std::process::id(),
-        }
-    }
-
-    fn forked(&self) -> bool {
-        self.pid != std::process::id()
-    }
-}
-
-impl InFlight for RecordedEvent {
-    fn is_complete(&mut self) -> bool {
-        let Some(event) = &self.event else {
-            return true;
-        };
-        if self.forked() {
-            // Destroying it would call the driver in the child: keep its few bytes instead.
-            std::mem::forget(self.event.take());
-            return true;
-        }
-        match is_complete(event) {
-            Ok(true) => {
-                if let Some(event) = self.event.take() {
-                    give_back(event);
-                }
-                true
-            }
-            // An error (a context that died, say) does not tell that the DMA is over: the block
-            // stays pending, never reused and never unmapped.
-            Ok(false) | Err(_) => false,
-        }
-    }
-
-    fn wait(&mut self) {
-        if self.forked() {
-            return;
-        }
-        if let Some(event) = &self.event {
-            let _ = wait(event);
-        }
-    }
-}
-
-impl Drop for RecordedEvent {
-    fn drop(&mut self) {
-        if self.forked() {
-            std::mem::forget(self.event.take());
-        } else if let Some(event) = self.event.take() {
-            destroy(event);
-        }
-    }
-}
-
-impl<A> NumaGpuAlloc<A> {
-    /// Marks the large block that holds `ptr` as used by the work queued on `stream` so far (a
-    /// copy from or to a plain `Vec` or slice of this allocator, with pinning on): once freed,
-    /// the block is reused only after that work has completed. `Ok(false)` when `ptr` is not in
-    /// a large block of this allocator (small allocations are pageable: copies with them are
-    /// synchronous).
-    ///
-    /// This protects reuse only: reading a device-to-host destination still needs the stream
-    /// synchronised first. `PinnedBuf` (feature `pinned-buffer`) does both by itself.
-    pub fn record_stream<T>(&self, ptr: *const T, stream: &CudaStream) -> Result<bool> {
-        let recorded = RecordedEvent::record(stream)?;
-        // Not ours: dropping the record destroys its event, which CUDA allows while it runs.
-        Ok(self
-            .record_in_flight(ptr.cast(), Box::new(recorded))
-            .is_ok())
     }
 }

@@ -1,29 +1,40 @@
-//! The only module that talks to the CUDA driver.
+//! The only module that talks to the CUDA driver: devices, primary contexts, host registration,
+//! events and the event pool, below the allocator (it imports nothing above `error`, `config`,
+//! the topology's `pci`, `lock` and `fork`).
 //!
 //! libcuda is opened with libloading (`driver.rs`), whatever linking mode cudarc has: every driver
 //! function this module calls is resolved once, in the driver probe, as a function pointer with
 //! C types, and its `CUresult` is read as a plain `u32`. cudarc's own `sys::cu*` wrappers are not
-//! called by the allocator: they return `CUresult` as a Rust enum, and a driver newer than
-//! cudarc's bindings can return a code that enum lacks (CUDA 13 added several), which would be
-//! undefined behaviour. The one exception is the cudarc-facing side (`event.rs`, `pinned.rs`):
-//! cudarc's `SyncOnDrop::Record` needs cudarc's own `CudaEvent`, so events are created,
-//! recorded, waited on by streams and destroyed through cudarc's safe API, as the user's own
-//! copies are; querying and host waits still go through the table.
+//! called: they return `CUresult` as a Rust enum, and a driver newer than cudarc's bindings can
+//! return a code that enum lacks (CUDA 13 added several), which would be undefined behaviour.
+//! The one exception is the cudarc-facing side (`event.rs`): cudarc's `SyncOnDrop::Record` needs
+//! cudarc's own `CudaEvent`, so events are created, recorded, waited on by streams and destroyed
+//! through cudarc's safe API, as the user's own copies are; querying and host waits still go
+//! through the table.
+//!
+//! CUDA versions: the crate builds with every CUDA version cudarc 0.19 has bindings for (11.4 to
+//! 13.4 in cudarc 0.19.10), whichever the program's cudarc features, nvcc or cudarc's latest pick;
+//! CI builds 12.6, 12.8, 13.0 and the latest (`.ci/compose/`). Every required entry point exists
+//! since CUDA 11.4. Error names cover every code of `cuda.h` 11.4 to 13.2 (`names.rs`); newer
+//! codes are named by the driver (`cuGetErrorName`), else reported as numbers.
 //!
 //! Everything here is written for the allocator's large path: nothing panics, nothing calls into
 //! libcuda before [`driver_present`] has confirmed that the library loads, that every required
-//! driver function is exported, and that `cuInit` succeeds.
+//! driver function is exported, and that `cuInit` succeeds. A forked child never calls the
+//! driver through state made before the fork: each cache keeps the fork generation it was made
+//! in (`crate::fork`).
 //!
 //! Allocation: loading libcuda and resolving its symbols allocate, once, inside the probe; callers
 //! inside the allocator run it under the allocator's re-entrancy flag, so those allocations go to
 //! the inner allocator. Registering and unregistering call through the stored pointers and do
 //! not allocate.
 //!
-//! Files: `driver.rs` loads libcuda and holds the entry-point table and the probe; `device.rs`
-//! finds a device; `context.rs` retains its primary context and registers memory; `event.rs`
-//! and `pinned.rs` order reuse after stream work; this file holds the public items and error
-//! naming (the `CUresult` names themselves are in [`crate::error`]); `tests.rs` runs the code against a fake driver
-//! table.
+//! Files: `driver.rs` loads libcuda and holds the entry-point table (one macro list) and the
+//! probe; `device.rs` finds a device; `context.rs` retains its primary context and registers
+//! memory; `event.rs` (feature `pinned-buffer`) pools, records and queries events for the pinned
+//! front end (`pinned/`); `tools.rs` is the public `cuda_driver` module for benchmarks; this
+//! file holds error naming (the `CUresult` names themselves are in [`crate::error`]); `tests/` runs the code against a fake
+//! driver table.
 //!
 //! Unsafe code here relies on the driver's function pointers, resolved once with C types, called
 //! with live handles of this module.
@@ -32,61 +43,18 @@
 mod context;
 mod device;
 mod driver;
-mod event;
 #[cfg(feature = "pinned-buffer")]
-mod pinned;
+pub(crate) mod event;
 #[cfg(test)]
 mod tests;
+pub mod tools;
 
 pub(crate) use context::{Gpu, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
-#[cfg(feature = "pinned-buffer")]
-pub use pinned::{PinnedBuf, PinnedSliceMut};
 
 use crate::error::known_error_name;
 use crate::Error;
-
-/// Whether the CUDA driver is usable in this process: `libcuda` loads, exports the functions this
-/// crate calls, and `cuInit` succeeds.
-///
-/// The answer is computed once and cached; the call never panics. Without a driver the allocator
-/// still places large blocks on NUMA nodes but does not page-lock them. Programs that use cudarc
-/// directly (whose raw calls panic when libcuda is missing) can check this first.
-///
-/// ```
-/// if numa_gpu_alloc::cuda_driver_present() {
-///     // safe to call cudarc's driver API here
-/// } else {
-///     println!("no CUDA driver; pinning is off");
-/// }
-/// ```
-pub fn cuda_driver_present() -> bool {
-    // The first call loads libcuda, which allocates: under `#[global_allocator]` those requests
-    // must go straight to the inner allocator, as they do inside the allocator itself.
-    let _inside = crate::guard::Inside::enter();
-    driver_present()
-}
-
-/// Why the CUDA driver is not usable in this process, or `None` when it is (the answer of the
-/// probe behind [`cuda_driver_present`], computed once).
-///
-/// [`Error::CudaUnavailable`] says that libcuda could not be loaded or lacks a function this crate
-/// calls; [`Error::Cuda`] with `call: "cuInit"` carries the code `cuInit` returned, its name
-/// (for instance 802, `CUDA_ERROR_SYSTEM_NOT_READY`: on NVSwitch systems, the fabric manager is
-/// not running) and, in its `Display` text, a hint where one is known.
-///
-/// ```
-/// match numa_gpu_alloc::cuda_unavailable_reason() {
-///     None => println!("CUDA driver ready"),
-///     Some(why) => println!("no pinning: {why}"),
-/// }
-/// ```
-pub fn cuda_unavailable_reason() -> Option<Error> {
-    // As in `cuda_driver_present`: the first call loads libcuda, which allocates.
-    let _inside = crate::guard::Inside::enter();
-    probe_error().cloned()
-}
 
 /// The driver probe's error, kept for the life of the process (probing first if needed).
 pub(crate) fn probe_error() -> Option<&'static Error> {
@@ -110,6 +78,7 @@ pub(super) fn cuda_error(
     Error::Cuda { call, code, name }
 }
 
+#[cfg(feature = "pinned-buffer")]
 /// A cudarc call's error as [`Error::Cuda`] (cudarc already read the result as its enum).
 pub(super) fn driver_error(call: &'static str, e: cudarc::driver::DriverError) -> Error {
     cuda_error(call, e.0 as u32, |_| None)

@@ -1,13 +1,16 @@
-//! Process-wide state: the initialisation lock, and the fork handlers that keep it, and every
-//! node's arena lock (`arena/nodes.rs`), consistent in a forked child.
+//! Process-wide state: the initialisation lock, and the fork handlers that keep it, every node's
+//! arena lock (`arena/nodes.rs`) and the CUDA event pool's lock (`cuda/event.rs`, with the
+//! feature `pinned-buffer`) consistent in a forked child.
 //!
 //! A child inherits each lock in the state some other thread of the parent left it in, and that
 //! thread does not exist in the child. As glibc, jemalloc and mimalloc do, the `pthread_atfork`
 //! prepare handler takes every lock in one fixed order — the initialisation lock, then each node's
-//! arena lock in node order — so that no other thread is inside any of them at the fork; the
-//! parent handler releases them, and the child handler resets them to unlocked. Nothing else takes
-//! them in another order: code holds at most one arena lock at a time, and takes the
-//! initialisation lock (to build a runtime or make a node's arena) holding none.
+//! arena lock in node order, then the event pool's lock — so that no other thread is inside any of
+//! them at the fork; the parent handler releases them, and the child handler resets them to
+//! unlocked. Nothing else takes them in another order: code holds at most one arena lock at a
+//! time, takes the initialisation lock (to build a runtime or make a node's arena) holding none,
+//! and takes the event pool's lock holding at most an arena lock (a pending block's event that
+//! completed goes back to the pool), locking nothing while it holds it.
 //!
 //! The prepare handler therefore waits for an initialisation or an arena operation in progress on
 //! another thread (a block's mapping, populating and pinning happen outside the arena lock and do
@@ -26,6 +29,8 @@ pub(crate) use nodes::NODES;
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
+#[cfg(feature = "pinned-buffer")]
+use crate::cuda::event::POOL as EVENT_POOL;
 use crate::guard::Inside;
 use crate::setup::Setup;
 use crate::sys;
@@ -74,10 +79,17 @@ unsafe extern "C" fn prepare() {
     for arena in NODES.arenas() {
         arena.acquire();
     }
+    #[cfg(feature = "pinned-buffer")]
+    EVENT_POOL.acquire();
 }
 
 /// Releases what [`prepare`] took, in reverse order.
 unsafe extern "C" fn parent() {
+    #[cfg(feature = "pinned-buffer")]
+    // SAFETY: `prepare` took it on this thread.
+    unsafe {
+        EVENT_POOL.release()
+    };
     for arena in NODES.arenas().rev() {
         // SAFETY: `prepare` took this arena lock on this thread (no arena is made meanwhile:
         // that takes INIT, which `prepare` holds).
@@ -99,8 +111,14 @@ pub(crate) fn in_child() -> bool {
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
     IN_CHILD.store(true, Ordering::Relaxed);
+    crate::fork::count_fork_in_child();
     decay::forget_in_child();
     let _inside = Inside::enter();
+    #[cfg(feature = "pinned-buffer")]
+    // SAFETY: `prepare` took the pool's lock before the fork, and the child has no other thread.
+    unsafe {
+        EVENT_POOL.reset_in_child()
+    };
     for arena in NODES.arenas().rev() {
         // SAFETY: `prepare` took this arena lock before the fork, and the child has no other
         // thread.

@@ -2,6 +2,10 @@
 //! asynchronously and safely, as cudarc's own `PinnedHostSlice` does: each copy waits for the
 //! buffer's earlier uses and records an event after itself; host access waits for that event;
 //! dropping hands the event to the arena, which reuses the block only once it completed.
+//!
+//! Unsafe code here relies on the buffer owning its block (allocated with its layout, freed once
+//! in `Drop`) and on `len` initialised elements in it.
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::NonNull;
@@ -10,9 +14,9 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaEvent, CudaStream, DeviceRepr, HostSlice, SyncOnDrop, ValidAsZeroBits};
 
-use super::context::FORKED_REASON;
-use super::event::{self, RecordedEvent};
-use crate::{Error, NumaGpuAlloc, Result};
+use super::record::RecordedEvent;
+use crate::cuda::{event, FORKED_REASON};
+use crate::{fork, Error, NumaGpuAlloc, Result};
 
 /// A fixed-length, page-locked buffer of `T` on the GPU's NUMA node, for cudarc's copies
 /// (`memcpy_htod`, `memcpy_dtoh`, `clone_htod`) without blocking and without races.
@@ -59,9 +63,9 @@ pub struct PinnedBuf<'a, T, A: GlobalAlloc = System> {
     event: OnceLock<CudaEvent>,
     /// A copy recorded the event since the host last waited for it.
     in_flight: AtomicBool,
-    /// The process that made it: in a child forked since, no CUDA call is made (the GPU writes
-    /// the parent's pages, never the child's copy) and the event is left alone.
-    pid: u32,
+    /// The fork generation that made it: in a child forked since, no CUDA call is made (the GPU
+    /// writes the parent's pages, never the child's copy) and the event is left alone.
+    generation: u32,
 }
 
 // SAFETY: the buffer owns its elements like a `Box<[T]>`; the event and the allocator reference
@@ -121,7 +125,7 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
             alloc,
             event: OnceLock::new(),
             in_flight: AtomicBool::new(false),
-            pid: std::process::id(),
+            generation: fork::generation(),
         })
     }
 
@@ -161,7 +165,7 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     }
 
     fn forked(&self) -> bool {
-        self.pid != std::process::id()
+        self.generation != fork::generation()
     }
 
     fn wait_for_copies(&self) -> Result<()> {
