@@ -1,5 +1,6 @@
 //! The process's fork generation: 0 in the process that loaded the crate, one more in each child
-//! forked since (counted by the child fork handler, `process.rs`).
+//! forked since (counted by the child fork handler, `process/`). The one record of whether this
+//! process is a forked child.
 //!
 //! CUDA is unusable in a forked child: every cache of driver state (a retained context, a recorded
 //! event, a buffer's event) stores the generation it was made in, and one made in an earlier

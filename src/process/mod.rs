@@ -27,7 +27,7 @@ pub(crate) mod populate;
 
 pub(crate) use nodes::NODES;
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 #[cfg(feature = "pinned-buffer")]
 use crate::cuda::event::POOL as EVENT_POOL;
@@ -99,18 +99,15 @@ unsafe extern "C" fn parent() {
     unsafe { INIT.release() };
 }
 
-/// Set in a forked child: CUDA is not called there (`gpu=current` is not followed).
-static IN_CHILD: AtomicBool = AtomicBool::new(false);
-
-/// Whether this process is a child forked from one that loaded this crate.
+/// Whether this process is a child forked from one that loaded this crate (CUDA is not called
+/// there: `gpu=current` is not followed).
 pub(crate) fn in_child() -> bool {
-    IN_CHILD.load(Ordering::Relaxed)
+    crate::fork::generation() > 0
 }
 
 /// Resets what [`prepare`] took (the parent's other threads do not exist here) and tells each
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
-    IN_CHILD.store(true, Ordering::Relaxed);
     crate::fork::count_fork_in_child();
     decay::forget_in_child();
     let _inside = Inside::enter();

@@ -93,14 +93,14 @@ pub(crate) unsafe fn populate(
 fn pool(node: Option<usize>, cpus: impl FnOnce() -> Vec<usize>) -> &'static Pool {
     let node = node.filter(|&n| n < MAX_NODES);
     let slot = &POOLS[node.unwrap_or(MAX_NODES)];
-    let pid = std::process::id();
+    let generation = crate::fork::generation();
     let current = slot.load(Ordering::Acquire);
     // SAFETY: pools are leaked boxes, never freed.
-    if let Some(pool) = unsafe { current.as_ref() }.filter(|p| p.pid == pid) {
+    if let Some(pool) = unsafe { current.as_ref() }.filter(|p| p.generation == generation) {
         return pool;
     }
     let made = Box::into_raw(Box::new(Pool {
-        pid,
+        generation,
         cpus: node.map_or_else(Vec::new, |_| cpus()),
         node,
         workers: AtomicUsize::new(0),
@@ -124,8 +124,8 @@ fn pool(node: Option<usize>, cpus: impl FnOnce() -> Vec<usize>) -> &'static Pool
 
 /// A node's workers and the jobs they take pieces of.
 struct Pool {
-    /// The process that made the pool: its threads exist only there.
-    pid: u32,
+    /// The fork generation the pool was made in: its threads exist only there.
+    generation: u32,
     /// `None` for the unbound pool.
     node: Option<usize>,
     cpus: Vec<usize>,
