@@ -6,7 +6,7 @@
 //! - **spawned**: the way before the pool, `n` threads spawned for the block, unbound, each
 //!   populating one `1/n` slice of the same advised 4 GiB mapping.
 //!
-//! Each figure is the median of 3 runs (`-- --quick`: 1), interleaved; each run maps fresh
+//! After one discarded run of each, each figure is the median of 5 runs (`-- --quick`: 1), interleaved, alternating which goes first; each run maps fresh
 //! memory, so every page is cleared by the kernel (the cost being measured). Prints a table
 //! naming the machine and the date.
 
@@ -74,13 +74,23 @@ fn median(mut runs: Vec<Duration>) -> Duration {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let runs = if quick { 1 } else { 3 };
+    let runs = if quick { 1 } else { 5 };
+    // Discarded: the first runs after start pay for what the machine did before (page cache,
+    // fragmentation), which would land on the 1-thread row.
+    pooled(&POOLED[0]);
+    spawned(1);
     let mut table = Vec::new();
     for (i, &threads) in THREADS.iter().enumerate() {
         let (mut pool, mut spawn) = (Vec::new(), Vec::new());
-        for _ in 0..runs {
-            pool.push(pooled(&POOLED[i]));
-            spawn.push(spawned(threads));
+        for run in 0..runs {
+            // Alternate which goes first: the machine's state drifts between runs.
+            if run % 2 == 0 {
+                pool.push(pooled(&POOLED[i]));
+                spawn.push(spawned(threads));
+            } else {
+                spawn.push(spawned(threads));
+                pool.push(pooled(&POOLED[i]));
+            }
         }
         table.push((threads, median(pool), median(spawn)));
     }

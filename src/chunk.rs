@@ -27,7 +27,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::cuda::Gpu;
+use crate::cuda::{Gpu, RegisterFlags};
 use crate::sys;
 use crate::Error;
 
@@ -152,7 +152,7 @@ impl Registration {
     ) -> Result<Registration, Error> {
         take_page_locked(len, flags.limit)?;
         // SAFETY: forwarded from the caller.
-        let registered = unsafe { gpu.register(ptr, len, flags.devicemap, flags.read_only) };
+        let registered = unsafe { gpu.register(ptr, len, flags.register) };
         if let Err(e) = registered {
             give_page_locked(len);
             return Err(e);
@@ -221,10 +221,8 @@ pub(crate) unsafe fn release_dedicated(
 /// How a range is registered: the driver's flags, and the pinned limit it must stay within.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PinFlags {
-    /// `CU_MEMHOSTREGISTER_DEVICEMAP`.
-    pub(crate) devicemap: bool,
-    /// `CU_MEMHOSTREGISTER_READ_ONLY`.
-    pub(crate) read_only: bool,
+    /// The driver's flags.
+    pub(crate) register: RegisterFlags,
     /// The most bytes the process may hold page-locked through the allocator.
     pub(crate) limit: usize,
 }

@@ -34,6 +34,7 @@ pub(crate) use pending::{settle, InFlight, Work};
 pub(crate) use released::{release_chunks, Purge, Released};
 
 use crate::chunk::{Chunk, Span};
+use crate::cuda::RegisterFlags;
 use crate::stats::GpuStats;
 use crate::sys::MemPolicy;
 use crate::topology::{NumaAllocTracker, NumaBuffer};
@@ -77,10 +78,9 @@ pub(crate) struct Kind {
     /// The `mbind` policy asked for (a block left unplaced, which is counted, keeps it: it
     /// serves the same requests as a placed one would).
     pub(crate) policy: MemPolicy,
-    /// Registered with CUDA, with `CU_MEMHOSTREGISTER_DEVICEMAP` and `_READ_ONLY` as given.
+    /// Registered with CUDA, with these flags (default when not pinned).
     pub(crate) pinned: bool,
-    pub(crate) devicemap: bool,
-    pub(crate) read_only: bool,
+    pub(crate) flags: RegisterFlags,
 }
 
 impl Kind {
@@ -89,8 +89,10 @@ impl Kind {
         Kind {
             policy,
             pinned: false,
-            devicemap: false,
-            read_only: false,
+            flags: RegisterFlags {
+                devicemap: false,
+                read_only: false,
+            },
         }
     }
 }

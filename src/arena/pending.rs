@@ -150,8 +150,10 @@ mod tests {
     const PINNED: Kind = Kind {
         policy: crate::MemPolicy::Preferred,
         pinned: true,
-        devicemap: false,
-        read_only: false,
+        flags: crate::cuda::RegisterFlags {
+            devicemap: false,
+            read_only: false,
+        },
     };
 
     #[test]

@@ -32,8 +32,10 @@ const HUGE: HeapKey = HeapKey {
     kind: Kind {
         policy: MemPolicy::Preferred,
         pinned: false,
-        devicemap: false,
-        read_only: false,
+        flags: crate::cuda::RegisterFlags {
+            devicemap: false,
+            read_only: false,
+        },
     },
     huge: true,
 };

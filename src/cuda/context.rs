@@ -15,6 +15,30 @@ use crate::{fork, Error, Result};
 /// Why a forked child does not register memory.
 pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
 
+/// The `cuMemHostRegister` flags beyond PORTABLE (always set: every GPU's context may use a
+/// block). Part of a block's kind: blocks registered differently never serve each other's
+/// requests. A new flag is a field here and its bit in [`Self::bits`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct RegisterFlags {
+    /// `CU_MEMHOSTREGISTER_DEVICEMAP`.
+    pub(crate) devicemap: bool,
+    /// `CU_MEMHOSTREGISTER_READ_ONLY`.
+    pub(crate) read_only: bool,
+}
+
+impl RegisterFlags {
+    fn bits(self) -> c_uint {
+        let mut bits = REGISTER_PORTABLE;
+        if self.devicemap {
+            bits |= REGISTER_DEVICEMAP;
+        }
+        if self.read_only {
+            bits |= REGISTER_READ_ONLY;
+        }
+        bits
+    }
+}
+
 /// A CUDA device with its retained primary context, for page-locking.
 ///
 /// Dropping it releases the primary context (the driver destroys the context when the last
@@ -237,21 +261,14 @@ impl Gpu {
         &self,
         ptr: NonNull<u8>,
         len: usize,
-        devicemap: bool,
-        read_only: bool,
+        flags: RegisterFlags,
     ) -> Result<()> {
         if self.forked() {
             return Err(Error::CudaUnavailable {
                 reason: FORKED_REASON,
             });
         }
-        let mut flags: c_uint = REGISTER_PORTABLE;
-        if devicemap {
-            flags |= REGISTER_DEVICEMAP;
-        }
-        if read_only {
-            flags |= REGISTER_READ_ONLY;
-        }
+        let flags = flags.bits();
         let api = self.device.api;
         // Dropped in reverse order: the capture mode is restored, then the context popped.
         let _current = self.push()?;

@@ -49,7 +49,7 @@ pub(crate) mod event;
 mod tests;
 pub mod tools;
 
-pub(crate) use context::{Gpu, FORKED_REASON};
+pub(crate) use context::{Gpu, RegisterFlags, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
 

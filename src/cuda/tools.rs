@@ -96,7 +96,7 @@ impl Driver {
     /// The range must be mapped, not registered, and stay mapped until the result is dropped.
     pub unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Registered<'_>> {
         // SAFETY: the caller guarantees the range; it is unregistered by `Registered`'s Drop.
-        unsafe { self.gpu.register(ptr, len, false, false) }?;
+        unsafe { self.gpu.register(ptr, len, super::RegisterFlags::default()) }?;
         Ok(Registered { driver: self, ptr })
     }
 

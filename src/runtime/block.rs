@@ -168,12 +168,7 @@ impl Runtime {
         unsafe { self.place_and_populate(ptr, len, &target.nodes) }?;
         // SAFETY: forwarded from the caller.
         let pinned = unsafe { self.pin(ptr, len, target.gpu) }.map_err(|e| (Cause::Other, e))?;
-        Ok(Kind {
-            policy: self.config.policy,
-            pinned,
-            devicemap: pinned && self.config.pin_devicemap,
-            read_only: pinned && self.config.pin_read_only,
-        })
+        Ok(self.kind_of(pinned))
     }
 
     /// Places on `nodes`, populates and checks (steps 2–4 of the pipeline).

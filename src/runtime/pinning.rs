@@ -16,7 +16,7 @@ use super::{Resolved, Runtime};
 use crate::arena::{Kind, Shortage};
 use crate::chunk::{page_locked_bytes, PinFlags, Registration};
 use crate::config::{Config, PinMode};
-use crate::cuda::{self, Gpu};
+use crate::cuda::{self, Gpu, RegisterFlags};
 use crate::process;
 use crate::Error;
 
@@ -88,12 +88,21 @@ impl Runtime {
             // Resolved with a usable GPU, a target loses it only to a fork.
             return Err(target.unpinnable.unwrap_or(Unpinnable::Forked).error());
         }
-        Ok(Kind {
+        Ok(self.kind_of(pinned))
+    }
+
+    /// What a block made under this value's policy is made with, pinned or not.
+    pub(crate) fn kind_of(&self, pinned: bool) -> Kind {
+        let flags = if pinned {
+            self.pin_flags().register
+        } else {
+            RegisterFlags::default()
+        };
+        Kind {
             policy: self.config.policy,
             pinned,
-            devicemap: pinned && self.config.pin_devicemap,
-            read_only: pinned && self.config.pin_read_only,
-        })
+            flags,
+        }
     }
 }
 
@@ -101,8 +110,10 @@ impl Runtime {
     /// The flags and limit this value registers with.
     pub(crate) fn pin_flags(&self) -> PinFlags {
         PinFlags {
-            devicemap: self.config.pin_devicemap,
-            read_only: self.config.pin_read_only,
+            register: RegisterFlags {
+                devicemap: self.config.pin_devicemap,
+                read_only: self.config.pin_read_only,
+            },
             limit: self.config.pin_limit,
         }
     }

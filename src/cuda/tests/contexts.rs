@@ -40,7 +40,19 @@ fn register_relaxes_capture_and_restores_everything() {
     let gpu = fake::gpu();
     let (_buf, ptr) = block();
     // SAFETY: the fake driver does not touch the memory.
-    assert_eq!(unsafe { gpu.register(ptr, 4096, true, true) }, Ok(()));
+    assert_eq!(
+        unsafe {
+            gpu.register(
+                ptr,
+                4096,
+                RegisterFlags {
+                    devicemap: true,
+                    read_only: true,
+                },
+            )
+        },
+        Ok(())
+    );
     // SAFETY: as above.
     assert_eq!(unsafe { gpu.unregister(ptr) }, Ok(()));
     drop(gpu);
@@ -73,7 +85,7 @@ fn failures_restore_and_name_unknown_codes() {
     fake::REGISTER_RC.with(|c| c.set(920));
     assert_eq!(
         // SAFETY: the fake driver does not touch the memory.
-        unsafe { gpu.register(ptr, 4096, false, false) },
+        unsafe { gpu.register(ptr, 4096, RegisterFlags::default()) },
         Err(Error::Cuda {
             call: "cuMemHostRegister_v2",
             code: 920,
@@ -83,7 +95,7 @@ fn failures_restore_and_name_unknown_codes() {
     fake::REGISTER_RC.with(|c| c.set(919));
     assert_eq!(
         // SAFETY: as above.
-        unsafe { gpu.register(ptr, 4096, false, false) },
+        unsafe { gpu.register(ptr, 4096, RegisterFlags::default()) },
         Err(Error::Cuda {
             call: "cuMemHostRegister_v2",
             code: 919,
@@ -107,7 +119,7 @@ fn failures_restore_and_name_unknown_codes() {
     fake::take_log();
     assert!(matches!(
         // SAFETY: as above.
-        unsafe { gpu.register(ptr, 4096, false, false) },
+        unsafe { gpu.register(ptr, 4096, RegisterFlags::default()) },
         Err(Error::Cuda {
             call: "cuThreadExchangeStreamCaptureMode",
             code: 3,
@@ -127,7 +139,7 @@ fn forked_child_leaves_the_driver_alone() {
     gpu.generation = gpu.generation.wrapping_sub(1);
     assert_eq!(
         // SAFETY: the fake driver does not touch the memory.
-        unsafe { gpu.register(ptr, 4096, false, false) },
+        unsafe { gpu.register(ptr, 4096, RegisterFlags::default()) },
         Err(Error::CudaUnavailable {
             reason: FORKED_REASON
         })
