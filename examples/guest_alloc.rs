@@ -607,6 +607,34 @@ fn run(r: &mut Report, args: &Args) {
     r.on_node("parallel96MiB.pages", big.as_ptr(), big.len(), node);
     r.eq("parallel96MiB.data", true, big.iter().all(|&b| b == 7));
     drop(big);
+    // Its populate threads: the node's pooled workers, bound to the node's CPUs.
+    let cpulist = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist"))
+        .unwrap_or_default();
+    let workers = populate_workers(node);
+    r.check(
+        "populate.workers_bound",
+        !workers.is_empty() && workers.iter().all(|cpus| *cpus == cpulist.trim()),
+        || format!("workers bound to node {node}'s CPUs {}", cpulist.trim()),
+        format!("{workers:?}"),
+    );
+
+    // --- A reservation made in the background: its chunks, populated by those workers, are
+    // on the node, and a request is carved from them. ---------------------------------------
+    ALLOC.trim();
+    let reservation = ALLOC.reserve_in_background(RESERVED).expect("a reservation");
+    let done = reservation.wait();
+    r.eq(
+        "reserve.usable",
+        Ok((RESERVED, 2)),
+        done.map(|d| (d.usable, d.chunks)).map_err(|e| e.to_string()),
+    );
+    let before = counters(&ALLOC.stats());
+    let carved = vec![3u8; 24 * MIB];
+    let stats = ALLOC.stats();
+    r.eq("reserve.hit", [1, 1, 0, 0], delta(before, counters(&stats)));
+    r.on_node("reserve.pages", carved.as_ptr(), carved.len(), node);
+    drop(carved);
+    ALLOC.trim();
     let after = ALLOC.stats();
     let f = &after.fallbacks;
     r.eq(
@@ -619,6 +647,25 @@ fn run(r: &mut Report, args: &Args) {
             f.foreign_frees,
         ),
     );
+}
+
+/// Bytes reserved in the background: two chunks, of 32 MiB each.
+const RESERVED: usize = 64 * MIB;
+
+/// The CPUs (`Cpus_allowed_list`) of each of this process's populate workers for `node`.
+fn populate_workers(node: usize) -> Vec<String> {
+    let name = format!("numa-populate-{node}");
+    let tasks = std::fs::read_dir("/proc/self/task").into_iter().flatten().flatten();
+    tasks
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c.trim() == name)
+        })
+        .filter_map(|task| {
+            let status = std::fs::read_to_string(task.path().join("status")).ok()?;
+            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+            Some(cpus.trim().to_owned())
+        })
+        .collect()
 }
 
 /// Sizes of the memory-limit checks: each fits under the limit alone, the first two together do

@@ -313,6 +313,9 @@ snapshot! {
             pin_limited: "refused by the pinned limit",
             /// `cuMemHostRegister` calls that failed.
             pin_failures,
+            /// Huge-page blocks or chunks whose populating stalled (the kernel compacting memory
+            /// for each huge page) and went on in small pages.
+            huge_page_stalls: "huge-page stalls",
             /// `cuMemHostUnregister` calls that failed; those blocks are leaked rather than
             /// unmapped while the driver still holds them.
             unregister_failures,

@@ -21,8 +21,9 @@
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::guard::Inside;
 use crate::sys;
@@ -38,6 +39,11 @@ const MIN_PIECE: usize = 8 << 20;
 /// How many pieces per thread: enough that a slow thread (a remote CPU, a compaction stall)
 /// does not hold up the rest.
 const PIECES_PER_THREAD: usize = 4;
+/// The slowest a piece of a huge-page range may populate before the rest of the range is advised
+/// `MADV_NOHUGEPAGE`: slower means the kernel is compacting memory for each huge page (seen at
+/// GB per minute on busy hosts), and small pages, which need no compaction, go on at their speed
+/// (khugepaged may collapse them later).
+const STALL_BYTES_PER_SEC: u64 = 128 << 20;
 /// Workers do nothing but fault pages in; a small stack is plenty.
 const WORKER_STACK: usize = 256 << 10;
 
@@ -47,7 +53,9 @@ static POOLS: [AtomicPtr<Pool>; MAX_NODES + 1] =
 
 /// Populates `ptr..ptr+len` with up to `threads` threads (the caller among them): the workers
 /// of `node`, bound to the CPUs `cpus` gives when the pool is made (empty: unbound), or unbound
-/// ones when the range is on no single node.
+/// ones when the range is on no single node. A range advised `MADV_HUGEPAGE` (`huge`) whose
+/// pieces populate slower than [`STALL_BYTES_PER_SEC`] goes on in small pages; returns whether
+/// that happened.
 ///
 /// # Safety
 /// The range lies in a mapping the caller owns, which nothing else writes to or unmaps until
@@ -58,12 +66,13 @@ pub(crate) unsafe fn populate(
     ptr: NonNull<u8>,
     len: usize,
     threads: usize,
-) -> Result<(), Error> {
+    huge: bool,
+) -> Result<bool, Error> {
     let threads = threads.min(len / MIN_PIECE).max(1);
-    let Some(pool) = (threads > 1).then(|| pool(node, cpus)) else {
+    if threads == 1 && !(huge && len >= 2 * MIN_PIECE) {
         // SAFETY: forwarded from the caller.
-        return unsafe { sys::populate(ptr, len) }.map(drop);
-    };
+        return unsafe { sys::populate(ptr, len) }.map(|_| false);
+    }
     let piece = (len / (threads * PIECES_PER_THREAD))
         .max(MIN_PIECE)
         .next_multiple_of(MIN_PIECE);
@@ -71,21 +80,28 @@ pub(crate) unsafe fn populate(
         base: ptr.as_ptr() as usize,
         len,
         piece,
+        huge,
+        small_pages: AtomicBool::new(false),
         cursor: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
         finished: AtomicU32::new(0),
         helpers: AtomicUsize::new(threads - 1),
         error: Lock::new(None),
     });
-    pool.grow_to(threads - 1);
-    pool.post(Arc::clone(&job));
+    let pool = (threads > 1).then(|| pool(node, cpus));
+    if let Some(pool) = pool {
+        pool.grow_to(threads - 1);
+        pool.post(Arc::clone(&job));
+    }
     job.work();
     while job.finished.load(Ordering::Acquire) == 0 {
         sys::futex_wait(&job.finished, 0);
     }
-    pool.jobs.lock().retain(|j| !Arc::ptr_eq(j, &job));
+    if let Some(pool) = pool {
+        pool.jobs.lock().retain(|j| !Arc::ptr_eq(j, &job));
+    }
     let error = job.error.lock().take();
-    error.map_or(Ok(()), Err)
+    error.map_or(Ok(job.small_pages.load(Ordering::Acquire)), Err)
 }
 
 /// The pool of `node` (or the unbound one), made for this process if there is none (or only
@@ -198,6 +214,10 @@ struct Job {
     base: usize,
     len: usize,
     piece: usize,
+    /// Advised `MADV_HUGEPAGE`: watched for compaction stalls.
+    huge: bool,
+    /// Set once a stall sent the rest of the range to small pages.
+    small_pages: AtomicBool,
     /// The next piece's offset.
     cursor: AtomicUsize,
     /// Bytes populated (or failed) so far.
@@ -211,6 +231,19 @@ struct Job {
 }
 
 impl Job {
+    /// Advises what no thread took yet `MADV_NOHUGEPAGE`, once.
+    fn to_small_pages(&self) {
+        if self.small_pages.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let from = self.cursor.load(Ordering::Acquire).min(self.len);
+        if let Some(rest) = NonNull::new((self.base + from) as *mut u8).filter(|_| from < self.len) {
+            // SAFETY: part of the caller's range (see `work`); advice changes no contents, and
+            // pieces being populated meanwhile only get small pages where not yet faulted.
+            let _ = unsafe { sys::advise_nohugepage(rest, self.len - from) };
+        }
+    }
+
     /// Takes a helper's place, if one is left and there is work left.
     fn wants_helper(&self) -> bool {
         self.cursor.load(Ordering::Acquire) < self.len
@@ -230,11 +263,20 @@ impl Job {
             let len = self.piece.min(self.len - offset);
             // Never null: `base` is a live mapping's address and `offset < len`.
             if let Some(start) = NonNull::new((self.base + offset) as *mut u8) {
+                let began = Instant::now();
+                // The made-up stall of the tests lasts while the range is in huge pages.
+                #[cfg(test)]
+                if !self.small_pages.load(Ordering::Acquire) {
+                    tests::stall(self.base);
+                }
                 // SAFETY: the piece lies in the caller's range, which stays the caller's until it
                 // has seen `finished`, set only after this piece counts in `done`; pieces are
                 // disjoint.
                 if let Err(e) = unsafe { sys::populate(start, len) } {
                     self.error.lock().get_or_insert(e);
+                }
+                if self.huge && stalled(len, began.elapsed()) {
+                    self.to_small_pages();
                 }
             }
             if self.done.fetch_add(len, Ordering::AcqRel) + len == self.len {
@@ -242,5 +284,55 @@ impl Job {
                 sys::futex_wake(&self.finished, 1);
             }
         }
+    }
+}
+
+/// Whether `len` bytes taking `took` is slower than [`STALL_BYTES_PER_SEC`].
+fn stalled(len: usize, took: std::time::Duration) -> bool {
+    took.as_nanos() * u128::from(STALL_BYTES_PER_SEC) > len as u128 * 1_000_000_000
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Milliseconds each piece of the range at [`STALL_BASE`] waits before populating: a
+    /// compaction stall, made up (other tests' ranges do not wait).
+    static STALL_MS: AtomicU64 = AtomicU64::new(0);
+    static STALL_BASE: AtomicUsize = AtomicUsize::new(0);
+
+    pub(super) fn stall(base: usize) {
+        if base == STALL_BASE.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(STALL_MS.load(Ordering::Relaxed)));
+        }
+    }
+
+    /// Populates a fresh huge-page-advised mapping of `len` with `threads`; whether it went on
+    /// in small pages.
+    fn populate_fresh(len: usize, threads: usize) -> bool {
+        let ptr = sys::map_anonymous(len, 2 << 20).unwrap();
+        STALL_BASE.store(ptr.as_ptr() as usize, Ordering::Relaxed);
+        // SAFETY: a fresh mapping of this test's, unmapped below.
+        unsafe {
+            let _ = sys::advise_hugepage(ptr, len);
+            let small = populate(None, Vec::new, ptr, len, threads, true).unwrap();
+            sys::unmap(ptr, len).unwrap();
+            small
+        }
+    }
+
+    #[test]
+    fn a_stalled_huge_page_range_goes_on_in_small_pages() {
+        assert!(stalled(8 << 20, Duration::from_millis(100)));
+        assert!(!stalled(8 << 20, Duration::from_millis(10)));
+        STALL_MS.store(0, Ordering::Relaxed);
+        assert!(!populate_fresh(64 << 20, 2), "8 MiB pieces in well under 62 ms each");
+        STALL_MS.store(100, Ordering::Relaxed);
+        assert!(populate_fresh(64 << 20, 2), "pooled: the stall seen");
+        assert!(populate_fresh(64 << 20, 1), "the caller alone: the stall seen");
+        STALL_MS.store(0, Ordering::Relaxed);
     }
 }

@@ -367,7 +367,8 @@ impl Runtime {
     }
 
     /// Populates the range for `nodes`: big ranges with the pooled workers of the node (bound
-    /// to its CPUs), up to `populate_threads` threads in all.
+    /// to its CPUs), up to `populate_threads` threads in all; a huge-page range that stalls in
+    /// compaction goes on in small pages (counted).
     ///
     /// # Safety
     /// As [`Self::place_and_pin`].
@@ -389,8 +390,13 @@ impl Runtime {
             _ => None,
         };
         let cpus = || node.map_or_else(Vec::new, |node| self.node_cpus(node));
+        let huge = self.config.huge_pages && len >= HUGE_PAGE;
         // SAFETY: forwarded from the caller.
-        unsafe { populate::populate(node, cpus, ptr, len, threads) }
+        let small_pages = unsafe { populate::populate(node, cpus, ptr, len, threads, huge) }?;
+        if small_pages {
+            self.counters.huge_page_stalls.incr();
+        }
+        Ok(())
     }
 
     /// The CPUs of `node` that this process may run on (its cpuset, as the calling thread's
