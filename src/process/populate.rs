@@ -330,7 +330,7 @@ mod tests {
         assert!(!stalled(8 << 20, Duration::from_millis(10)));
         STALL_MS.store(0, Ordering::Relaxed);
         assert!(!populate_fresh(64 << 20, 2), "8 MiB pieces in well under 62 ms each");
-        STALL_MS.store(100, Ordering::Relaxed);
+        STALL_MS.store(200, Ordering::Relaxed);
         assert!(populate_fresh(64 << 20, 2), "pooled: the stall seen");
         assert!(populate_fresh(64 << 20, 1), "the caller alone: the stall seen");
         STALL_MS.store(0, Ordering::Relaxed);
