@@ -621,12 +621,15 @@ fn run(r: &mut Report, args: &Args) {
     // --- A reservation made in the background: its chunks, populated by those workers, are
     // on the node, and a request is carved from them. ---------------------------------------
     ALLOC.trim();
-    let reservation = ALLOC.reserve_in_background(RESERVED).expect("a reservation");
+    let reservation = ALLOC
+        .reserve_in_background(RESERVED)
+        .expect("a reservation");
     let done = reservation.wait();
     r.eq(
         "reserve.usable",
         Ok((RESERVED, 2)),
-        done.map(|d| (d.usable, d.chunks)).map_err(|e| e.to_string()),
+        done.map(|d| (d.usable, d.chunks))
+            .map_err(|e| e.to_string()),
     );
     let before = counters(&ALLOC.stats());
     let carved = vec![3u8; 24 * MIB];
@@ -655,14 +658,19 @@ const RESERVED: usize = 64 * MIB;
 /// The CPUs (`Cpus_allowed_list`) of each of this process's populate workers for `node`.
 fn populate_workers(node: usize) -> Vec<String> {
     let name = format!("numa-populate-{node}");
-    let tasks = std::fs::read_dir("/proc/self/task").into_iter().flatten().flatten();
+    let tasks = std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten();
     tasks
         .filter(|task| {
             std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c.trim() == name)
         })
         .filter_map(|task| {
             let status = std::fs::read_to_string(task.path().join("status")).ok()?;
-            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+            let cpus = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
             Some(cpus.trim().to_owned())
         })
         .collect()

@@ -39,10 +39,11 @@ const MIN_PIECE: usize = 8 << 20;
 /// How many pieces per thread: enough that a slow thread (a remote CPU, a compaction stall)
 /// does not hold up the rest.
 const PIECES_PER_THREAD: usize = 4;
-/// The slowest a piece of a huge-page range may populate before the rest of the range is advised
-/// `MADV_NOHUGEPAGE`: slower means the kernel is compacting memory for each huge page (seen at
-/// GB per minute on busy hosts), and small pages, which need no compaction, go on at their speed
-/// (khugepaged may collapse them later).
+/// The slowest a piece of a huge-page range may populate, while the kernel counts direct
+/// compaction stalls, before the rest of the range is advised `MADV_NOHUGEPAGE`: the kernel is
+/// compacting memory for each huge page (seen at GB per minute on busy hosts), and small pages,
+/// which need no compaction, go on at their speed (khugepaged may collapse them later). A piece
+/// slow for another reason (the CPUs busy) keeps its huge pages.
 const STALL_BYTES_PER_SEC: u64 = 128 << 20;
 /// Workers do nothing but fault pages in; a small stack is plenty.
 const WORKER_STACK: usize = 256 << 10;
@@ -82,6 +83,7 @@ pub(crate) unsafe fn populate(
         piece,
         huge,
         small_pages: AtomicBool::new(false),
+        compaction_stalls: if huge { compaction_stalls() } else { None },
         cursor: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
         finished: AtomicU32::new(0),
@@ -218,6 +220,8 @@ struct Job {
     huge: bool,
     /// Set once a stall sent the rest of the range to small pages.
     small_pages: AtomicBool,
+    /// The kernel's compaction stalls when the job began.
+    compaction_stalls: Option<u64>,
     /// The next piece's offset.
     cursor: AtomicUsize,
     /// Bytes populated (or failed) so far.
@@ -231,13 +235,22 @@ struct Job {
 }
 
 impl Job {
+    /// Whether the kernel stalled in direct compaction since the job began.
+    fn compacting(&self) -> bool {
+        match (self.compaction_stalls, compaction_stalls()) {
+            (Some(before), Some(now)) => now > before,
+            _ => false,
+        }
+    }
+
     /// Advises what no thread took yet `MADV_NOHUGEPAGE`, once.
     fn to_small_pages(&self) {
         if self.small_pages.swap(true, Ordering::AcqRel) {
             return;
         }
         let from = self.cursor.load(Ordering::Acquire).min(self.len);
-        if let Some(rest) = NonNull::new((self.base + from) as *mut u8).filter(|_| from < self.len) {
+        if let Some(rest) = NonNull::new((self.base + from) as *mut u8).filter(|_| from < self.len)
+        {
             // SAFETY: part of the caller's range (see `work`); advice changes no contents, and
             // pieces being populated meanwhile only get small pages where not yet faulted.
             let _ = unsafe { sys::advise_nohugepage(rest, self.len - from) };
@@ -275,7 +288,7 @@ impl Job {
                 if let Err(e) = unsafe { sys::populate(start, len) } {
                     self.error.lock().get_or_insert(e);
                 }
-                if self.huge && stalled(len, began.elapsed()) {
+                if self.huge && stalled(len, began.elapsed()) && self.compacting() {
                     self.to_small_pages();
                 }
             }
@@ -286,6 +299,11 @@ impl Job {
         }
     }
 }
+
+#[cfg(not(test))]
+use crate::topology::sysfs::compaction_stalls;
+#[cfg(test)]
+use tests::compaction_stalls;
 
 /// Whether `len` bytes taking `took` is slower than [`STALL_BYTES_PER_SEC`].
 fn stalled(len: usize, took: std::time::Duration) -> bool {
@@ -304,11 +322,24 @@ mod tests {
     static STALL_MS: AtomicU64 = AtomicU64::new(0);
     static STALL_BASE: AtomicUsize = AtomicUsize::new(0);
 
+    /// Compaction stalls, as the kernel's counter would show the made-up ones.
+    static STALLS: AtomicU64 = AtomicU64::new(0);
+
     pub(super) fn stall(base: usize) {
-        if base == STALL_BASE.load(Ordering::Relaxed) {
-            std::thread::sleep(Duration::from_millis(STALL_MS.load(Ordering::Relaxed)));
+        let ms = STALL_MS.load(Ordering::Relaxed);
+        if base == STALL_BASE.load(Ordering::Relaxed) && ms > 0 {
+            STALLS.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(ms));
         }
     }
+
+    /// The made-up compaction stalls; with `SLOW_BUSY` set, none (a piece slow for want of CPU).
+    pub(super) fn compaction_stalls() -> Option<u64> {
+        Some(STALLS.load(Ordering::Relaxed) * u64::from(!SLOW_BUSY.load(Ordering::Relaxed)))
+    }
+
+    /// Makes the made-up stall a busy machine rather than compaction.
+    static SLOW_BUSY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
     /// Populates a fresh huge-page-advised mapping of `len` with `threads`; whether it went on
     /// in small pages.
@@ -329,10 +360,22 @@ mod tests {
         assert!(stalled(8 << 20, Duration::from_millis(100)));
         assert!(!stalled(8 << 20, Duration::from_millis(10)));
         STALL_MS.store(0, Ordering::Relaxed);
-        assert!(!populate_fresh(64 << 20, 2), "8 MiB pieces in well under 62 ms each");
+        assert!(
+            !populate_fresh(64 << 20, 2),
+            "8 MiB pieces in well under 62 ms each"
+        );
         STALL_MS.store(200, Ordering::Relaxed);
         assert!(populate_fresh(64 << 20, 2), "pooled: the stall seen");
-        assert!(populate_fresh(64 << 20, 1), "the caller alone: the stall seen");
+        assert!(
+            populate_fresh(64 << 20, 1),
+            "the caller alone: the stall seen"
+        );
+        SLOW_BUSY.store(true, Ordering::Relaxed);
+        assert!(
+            !populate_fresh(64 << 20, 2),
+            "slow, but no compaction: huge pages kept"
+        );
+        SLOW_BUSY.store(false, Ordering::Relaxed);
         STALL_MS.store(0, Ordering::Relaxed);
     }
 }

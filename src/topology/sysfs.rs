@@ -85,6 +85,15 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
     }
 }
 
+/// The kernel's count of direct compaction stalls so far (`compact_stall` in `/proc/vmstat`):
+/// allocations that waited for memory to be compacted. `None` when it cannot be read.
+pub(crate) fn compaction_stalls() -> Option<u64> {
+    let text = read_text(Path::new("/proc/vmstat")).ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("compact_stall "))
+        .and_then(|count| count.trim().parse().ok())
+}
+
 pub(crate) fn read_text(path: &Path) -> Result<String> {
     read_optional_text(path)?.ok_or_else(|| Error::Io {
         path: path.to_path_buf(),
@@ -390,6 +399,13 @@ mod tests {
 
     fn is_parse(r: &Result<impl std::fmt::Debug>) -> bool {
         matches!(r, Err(Error::Parse { path, .. }) if path.as_os_str() == "<input>")
+    }
+
+    #[test]
+    fn the_kernel_counts_compaction_stalls() {
+        // Every kernel with compaction has the counter; it only grows.
+        let first = compaction_stalls().expect("compact_stall in /proc/vmstat");
+        assert!(compaction_stalls().unwrap() >= first);
     }
 
     #[test]

@@ -39,20 +39,12 @@ fn register_relaxes_capture_and_restores_everything() {
     fake::MODE.with(|m| m.set(1)); // the thread was in THREAD_LOCAL mode
     let gpu = fake::gpu();
     let (_buf, ptr) = block();
+    let flags = RegisterFlags {
+        devicemap: true,
+        read_only: true,
+    };
     // SAFETY: the fake driver does not touch the memory.
-    assert_eq!(
-        unsafe {
-            gpu.register(
-                ptr,
-                4096,
-                RegisterFlags {
-                    devicemap: true,
-                    read_only: true,
-                },
-            )
-        },
-        Ok(())
-    );
+    assert_eq!(unsafe { gpu.register(ptr, 4096, flags) }, Ok(()));
     // SAFETY: as above.
     assert_eq!(unsafe { gpu.unregister(ptr) }, Ok(()));
     drop(gpu);
