@@ -297,6 +297,28 @@ else
     record FAIL dma_bench 0 "dma_bench missing from $dir"
 fi
 
+# --- a pinned reservation in the background (64 GiB, or RESERVE_GIB): time to the first chunk,
+# total, the longest registration, and small-copy latency during it vs idle
+echo "--- kv_reserve"
+log=$logs/kv_reserve.txt
+limit=$(budget 150)
+if [ ! -x "$dir/kv_reserve" ]; then
+    record FAIL kv_reserve 0 "kv_reserve missing from $dir"
+elif [ "$limit" -lt 30 ]; then
+    record FAIL kv_reserve 0 "not run: only ${limit}s left before the deadline"
+else
+    t0=$(date +%s)
+    bg_step "$log" timeout -k 5 "$limit" "$dir/kv_reserve" "${RESERVE_GIB:-64}"
+    rc=$?
+    secs=$(($(date +%s) - t0))
+    if [ $rc -ne 0 ]; then
+        record FAIL kv_reserve "$secs" "$(failure_reason $rc "$log" "$limit")" "$log"
+    else
+        record PASS kv_reserve "$secs" "$(grep -m1 'done\|stopped' "$log")" "$log"
+    fi
+    grep -E "done|stopped|small copy" "$log" | sed 's/^/        /'
+fi
+
 # --- the other test binaries: no GPU visible, so none of them starts the driver
 echo "--- host tests (CUDA_VISIBLE_DEVICES empty)"
 for bin in "$dir"/tests/*; do

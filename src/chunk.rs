@@ -85,6 +85,22 @@ impl Mapping {
     fn leak(self) {
         std::mem::forget(self);
     }
+
+    /// Lets the mapping outlive this guard, as a dedicated block: the block records its address
+    /// and length, and [`release_dedicated`] adopts it back to unmap it.
+    pub(crate) fn keep(self) -> NonNull<u8> {
+        let ptr = self.ptr;
+        self.leak();
+        ptr
+    }
+
+    /// The mapping `ptr..ptr+len` that [`Self::keep`] kept.
+    ///
+    /// # Safety
+    /// That mapping exists, nothing uses it any more, and it is adopted once.
+    unsafe fn adopt(ptr: NonNull<u8>, len: usize) -> Mapping {
+        Mapping { ptr, len }
+    }
 }
 
 impl Drop for Mapping {
@@ -212,8 +228,8 @@ pub(crate) unsafe fn release_dedicated(
             return outcome;
         }
     }
-    // SAFETY: the caller guarantees the block is ours and unused.
-    let _ = unsafe { sys::unmap(ptr, len) };
+    // SAFETY: the caller guarantees the block is ours, unused and released once.
+    drop(unsafe { Mapping::adopt(ptr, len) });
     outcome.unmapped = true;
     outcome
 }

@@ -12,7 +12,7 @@ use super::carved::shortage_kind;
 use super::route;
 use super::{Resolved, Runtime};
 use crate::arena::{Block, Kind, Released};
-use crate::chunk::release_dedicated;
+use crate::chunk::{release_dedicated, Mapping};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::process::populate;
@@ -112,15 +112,15 @@ impl Runtime {
 
     /// A fresh anonymous mapping of `capacity` bytes at a multiple of `align`: 2 MiB aligned and
     /// advised `MADV_HUGEPAGE` for big blocks when huge pages are on.
-    fn map(&self, capacity: usize, align: usize) -> Result<NonNull<u8>, Error> {
+    fn map(&self, capacity: usize, align: usize) -> Result<Mapping, Error> {
         let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
         let map_align = if huge { align.max(HUGE_PAGE) } else { align };
-        let ptr = sys::map_anonymous(capacity, map_align.max(self.page_size))?;
+        let mapping = Mapping::new(capacity, map_align.max(self.page_size))?;
         if huge {
-            // SAFETY: ptr..ptr+capacity was just mapped by us. Without THP this is a no-op hint.
-            let _ = unsafe { sys::advise_hugepage(ptr, capacity) };
+            // SAFETY: the mapping was just made by us. Without THP this is a no-op hint.
+            let _ = unsafe { sys::advise_hugepage(mapping.ptr(), capacity) };
         }
-        Ok(ptr)
+        Ok(mapping)
     }
 
     /// One attempt of [`Self::create_block`].
@@ -134,11 +134,11 @@ impl Runtime {
         self.memory_limits
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
-        let ptr = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
+        let mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
         // SAFETY: the mapping is ours and not yet shared with anyone.
-        match unsafe { self.place_and_pin(ptr, capacity, target) } {
+        match unsafe { self.place_and_pin(mapping.ptr(), capacity, target) } {
             Ok(kind) => Ok(Block {
-                addr: ptr.as_ptr() as usize,
+                addr: mapping.keep().as_ptr() as usize,
                 capacity,
                 node: target.host_node,
                 kind,
@@ -146,8 +146,8 @@ impl Runtime {
                 for_gpu: target.ordinal,
             }),
             Err(e) => {
-                // SAFETY: the mapping is ours; nothing registered it (pinning is the last step).
-                let _ = unsafe { sys::unmap(ptr, capacity) };
+                // Unmapped by its guard: nothing registered it (pinning is the last step).
+                drop(mapping);
                 self.counters.released_blocks.incr();
                 Err(e)
             }
@@ -230,7 +230,8 @@ impl Runtime {
             len: block.capacity,
         })?;
         self.memory_limits.check(tail_len)?;
-        let region = self.map(capacity, align)?;
+        let mapping = self.map(capacity, align)?;
+        let region = mapping.ptr();
         // SAFETY: block.capacity < capacity: inside the region. Block capacities are whole
         // pages, so the tail starts on a page.
         let tail = unsafe { region.add(block.capacity) };
@@ -241,18 +242,12 @@ impl Runtime {
                 .map_err(|(_, e)| e)
                 .and_then(|()| sys::move_mapping(old, region, block.capacity))
         };
-        match grown {
-            Ok(()) => Ok(Block {
-                addr: region.as_ptr() as usize,
-                capacity,
-                ..block
-            }),
-            Err(e) => {
-                // SAFETY: the region is ours; the block did not move (move_mapping is last).
-                let _ = unsafe { sys::unmap(region, capacity) };
-                Err(e)
-            }
-        }
+        // On failure the guard unmaps the region: the block did not move (move_mapping is last).
+        grown.map(|()| Block {
+            addr: mapping.keep().as_ptr() as usize,
+            capacity,
+            ..block
+        })
     }
 
     /// Sets the range's NUMA policy. `Ok(false)` when placement is unavailable (counted).
