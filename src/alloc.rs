@@ -1,5 +1,5 @@
-//! [`NumaGpuAlloc`]: the allocator value, its const builder, and the routing shared by both front
-//! ends (`GlobalAlloc` in `global.rs`, allocator-api2 in `api2.rs`).
+//! [`NumaGpuAlloc`]: the allocator value, its const builder, and the large/small dispatch shared
+//! by both front ends (`GlobalAlloc` in `global.rs`, allocator-api2 in `api2.rs`).
 //!
 //! Unsafe code here relies on the front ends' contracts (a pointer freed with the layout it was
 //! allocated with) and the runtime box `process::initialise` made.
@@ -354,7 +354,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let hit = rt.with_arena(target.host_node, |arena, out| {
             arena.settle_pending(limit, out);
             let hit = arena.take_cached(fit).map(|block| Block {
-                for_gpu: target.ordinal,
+                routed_for: target.ordinal,
                 ..block
             });
             match hit {

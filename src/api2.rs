@@ -1,8 +1,8 @@
 //! The `allocator_api2::alloc::Allocator` front end (for `Vec::new_in`, `Box::new_in`), for
 //! allocator-api2 0.4 and — because hashbrown uses it — 0.2. The two traits have the same shape;
-//! one macro implements both over the shared routing in `alloc.rs`.
+//! one macro implements both over the large/small dispatch in `alloc.rs`.
 //!
-//! Unsafe code here relies on allocator-api2's contract, forwarded to the shared routing of
+//! Unsafe code here relies on allocator-api2's contract, forwarded to the large/small dispatch of
 //! `alloc.rs`.
 #![allow(unsafe_code)]
 

@@ -1,6 +1,6 @@
 //! The `#[global_allocator]` front end.
 //!
-//! Unsafe code here relies on `GlobalAlloc`'s contract, forwarded to the shared routing of
+//! Unsafe code here relies on `GlobalAlloc`'s contract, forwarded to the large/small dispatch of
 //! `alloc.rs`.
 #![allow(unsafe_code)]
 
@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout};
 
 use crate::NumaGpuAlloc;
 
-// SAFETY: every method forwards to the shared routing in `alloc.rs`, which returns memory valid for
+// SAFETY: every method forwards to the large/small dispatch in `alloc.rs`, which returns memory valid for
 // the layout (the inner allocator below the threshold, our own mappings above it), frees by the
 // same rule, and never unwinds (the inner allocator is a `GlobalAlloc`, which must not unwind).
 unsafe impl<A: GlobalAlloc> GlobalAlloc for NumaGpuAlloc<A> {

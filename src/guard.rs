@@ -3,7 +3,7 @@
 //! Code the large path calls allocates (the arena's maps, sysfs reads, libcuda loading, threads
 //! that populate). Those allocations must not re-enter the large path, so while the flag is set
 //! the large path sends every request to the inner allocator, which serves small requests anyway:
-//! every pointer that is not a block of an arena is the inner allocator's, so frees route by one
+//! every pointer that is not a block of an arena is the inner allocator's, so frees are dispatched by one
 //! rule. The flag is a const-initialised `Cell<bool>` with no destructor, so reading it never
 //! allocates and works during thread teardown.
 

@@ -43,8 +43,8 @@ impl Arena {
             capacity: range.size,
             node: self.node,
             kind: key.kind,
-            gpu: None,
-            for_gpu,
+            registered_by: None,
+            routed_for: for_gpu,
         };
         let slot = Slot {
             heap,

@@ -119,8 +119,8 @@ mod tests {
             capacity,
             node: 0,
             kind: Kind::default(),
-            gpu: None,
-            for_gpu: None,
+            registered_by: None,
+            routed_for: None,
         }
     }
 

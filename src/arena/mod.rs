@@ -136,9 +136,9 @@ pub(crate) struct Block {
     pub(crate) kind: Kind,
     /// CUDA ordinal of the device whose context registered a dedicated block (for
     /// unregistering; a carved block's chunk holds its registration).
-    pub(crate) gpu: Option<u32>,
+    pub(crate) registered_by: Option<u32>,
     /// CUDA ordinal of the GPU the request it is live for was routed to (per-GPU stats).
-    pub(crate) for_gpu: Option<u32>,
+    pub(crate) routed_for: Option<u32>,
 }
 
 /// Where a carved block came from: its heap and its carver record.
@@ -398,9 +398,9 @@ impl Arena {
         }
         // A free finds the row its allocation made (it adds none: the free path allocates nothing).
         let row = if live {
-            self.gpu_row(block.for_gpu)
+            self.gpu_row(block.routed_for)
         } else {
-            let ordinal = block.for_gpu;
+            let ordinal = block.routed_for;
             self.gpus
                 .iter_mut()
                 .find(|row| Some(row.ordinal) == ordinal)

@@ -142,8 +142,8 @@ mod tests {
             capacity: 4 * MIB,
             node: 0,
             kind: PINNED,
-            gpu: Some(0),
-            for_gpu: None,
+            registered_by: Some(0),
+            routed_for: None,
         }
     }
 

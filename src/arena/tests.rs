@@ -269,8 +269,8 @@ fn dedicated(addr: usize, capacity: usize, pinned: bool) -> Block {
             pinned,
             ..Kind::default()
         },
-        gpu: pinned.then_some(0),
-        for_gpu: None,
+        registered_by: pinned.then_some(0),
+        routed_for: None,
     }
 }
 
@@ -378,7 +378,7 @@ fn live_blocks_are_counted_per_node_and_gpu() {
     let topo = NumaTopology::two_node(20);
     let mut arena = Arena::new(&topo, 1);
     let for_gpu = |addr, gpu, pinned| Block {
-        for_gpu: gpu,
+        routed_for: gpu,
         node: 1,
         ..dedicated(addr, 4 * MIB, pinned)
     };

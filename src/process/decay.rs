@@ -82,7 +82,8 @@ fn run() {
             }
             for block in out.blocks.drain() {
                 // SAFETY: the arena handed it out for release: no longer cached or handed out.
-                let _ = unsafe { release_dedicated(block.addr, block.capacity, block.gpu) };
+                let _ =
+                    unsafe { release_dedicated(block.addr, block.capacity, block.registered_by) };
             }
             out.purge_into(arena);
         }

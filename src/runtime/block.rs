@@ -142,8 +142,8 @@ impl Runtime {
                 capacity,
                 node: target.host_node,
                 kind,
-                gpu: target.gpu.filter(|_| kind.pinned).map(Gpu::ordinal),
-                for_gpu: target.ordinal,
+                registered_by: target.gpu.filter(|_| kind.pinned).map(Gpu::ordinal),
+                routed_for: target.ordinal,
             }),
             Err(e) => {
                 // Unmapped by its guard: nothing registered it (pinning is the last step).
@@ -498,6 +498,8 @@ impl Runtime {
     /// once.
     pub(crate) unsafe fn release_block(&self, block: Block) {
         // SAFETY: forwarded from the caller.
-        self.count_release(unsafe { release_dedicated(block.addr, block.capacity, block.gpu) });
+        self.count_release(unsafe {
+            release_dedicated(block.addr, block.capacity, block.registered_by)
+        });
     }
 }
