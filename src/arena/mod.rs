@@ -37,8 +37,6 @@ use crate::chunk::{Chunk, Span};
 use crate::cuda::RegisterFlags;
 use crate::stats::GpuStats;
 use crate::sys::MemPolicy;
-use crate::topology::{NumaAllocTracker, NumaBuffer};
-use crate::NumaTopology;
 
 /// Size classes per power of two: with 8, rounding wastes at most 1/8 = 12.5% of a request.
 const CLASSES_PER_DOUBLING: u32 = 8;
@@ -283,7 +281,6 @@ impl Heap {
 /// State behind one node's lock.
 pub(crate) struct Arena {
     node: usize,
-    topology: NumaTopology,
     /// The arena's clock starts here (milliseconds for the carvers' idle stamps).
     epoch: Instant,
     /// Every live block, by address.
@@ -300,7 +297,8 @@ pub(crate) struct Arena {
     peak_live_bytes: usize,
     /// Highest live plus pending bytes seen: bounds the dedicated cache (see [`Self::budget`]).
     peak_in_use: usize,
-    tracker: NumaAllocTracker,
+    /// Bytes of the live blocks.
+    live_bytes: usize,
     /// Live blocks per GPU they were handed out for, in ordinal order.
     gpus: Vec<GpuStats>,
     /// In a forked child: page-locked memory is not reused (the child's copy is not registered,
@@ -317,11 +315,10 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
-    /// An empty arena for blocks on `node` (one of `topology`'s nodes).
-    pub(crate) fn new(topology: &NumaTopology, node: usize) -> Self {
+    /// An empty arena for blocks on `node`.
+    pub(crate) fn new(node: usize) -> Self {
         Arena {
             node,
-            topology: topology.clone(),
             epoch: Instant::now(),
             live: HashMap::default(),
             live_with_work: 0,
@@ -332,7 +329,7 @@ impl Arena {
             pinned_dedicated: 0,
             peak_live_bytes: 0,
             peak_in_use: 0,
-            tracker: NumaAllocTracker::new(topology),
+            live_bytes: 0,
             gpus: Vec::new(),
             in_child: false,
             pinned_cache_stale: false,
@@ -388,14 +385,11 @@ impl Arena {
     /// Adds (or removes) a live block's bytes to the node's and its GPU's rows. Saturating: a free
     /// path must not panic, even on accounting that drifted.
     fn account(&mut self, block: &Block, live: bool) {
-        if let Ok(buffer) = NumaBuffer::on_node(&self.topology, self.node, block.capacity) {
-            // Cannot fail: the tracker was built from the topology that contains `self.node`.
-            let _ = if live {
-                self.tracker.record(&buffer)
-            } else {
-                self.tracker.release(&buffer)
-            };
-        }
+        self.live_bytes = if live {
+            self.live_bytes.saturating_add(block.capacity)
+        } else {
+            self.live_bytes.saturating_sub(block.capacity)
+        };
         // A free finds the row its allocation made (it adds none: the free path allocates nothing).
         let row = if live {
             self.gpu_row(block.routed_for)
@@ -525,7 +519,7 @@ impl Arena {
     }
 
     fn live_bytes(&self) -> usize {
-        self.tracker.total_bytes()
+        self.live_bytes
     }
 
     /// The rows of the GPUs this node's arena has served.

@@ -7,7 +7,7 @@ use crate::stats::{HeapStats, NodeStats};
 impl Arena {
     /// Fills in this node's row.
     pub(crate) fn fill(&self, row: &mut NodeStats) {
-        row.live_bytes = self.tracker.bytes_on_node(self.node).unwrap_or(0);
+        row.live_bytes = self.live_bytes;
         row.peak_live_bytes = self.peak_live_bytes;
         row.live_blocks = self.live.len();
         row.pending_bytes = self.pending.bytes();

@@ -41,7 +41,7 @@ const HUGE: HeapKey = HeapKey {
 };
 
 fn arena() -> Arena {
-    Arena::new(&NumaTopology::single_node(), 0)
+    Arena::new(0)
 }
 
 /// An arena with one unpinned huge-page chunk of `len` bytes under `key`.
@@ -375,8 +375,7 @@ fn a_forked_child_releases_page_locked_dedicated_blocks() {
 
 #[test]
 fn live_blocks_are_counted_per_node_and_gpu() {
-    let topo = NumaTopology::two_node(20);
-    let mut arena = Arena::new(&topo, 1);
+    let mut arena = Arena::new(1);
     let for_gpu = |addr, gpu, pinned| Block {
         routed_for: gpu,
         node: 1,

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use crate::arena::Arena;
 use crate::sys::lock::{Guard, Lock};
 use crate::sys::MAX_NODES;
-use crate::NumaTopology;
 
 /// One slot per possible node id: null until that node's arena is first used.
 pub(crate) struct NodeTable {
@@ -38,25 +37,25 @@ impl NodeTable {
         unsafe { slot.load(Ordering::Acquire).as_ref() }
     }
 
-    /// The arena of `node`, made now (accounting over `topology`'s nodes) if this is its first use.
-    /// `None` for a node id beyond [`MAX_NODES`], which no topology holds. Must be called inside
-    /// the re-entrancy guard, not holding the initialisation lock (taken to make an arena).
-    pub(crate) fn arena(&self, node: usize, topology: &NumaTopology) -> Option<&Lock<Arena>> {
+    /// The arena of `node`, made now if this is its first use. `None` for a node id beyond
+    /// [`MAX_NODES`], which no topology holds. Must be called inside the re-entrancy guard, not
+    /// holding the initialisation lock (taken to make an arena).
+    pub(crate) fn arena(&self, node: usize) -> Option<&Lock<Arena>> {
         if let Some(arena) = self.existing(node) {
             return Some(arena);
         }
         let slot = self.slots.get(node)?;
         let _init = super::INIT.lock();
         if slot.load(Ordering::Acquire).is_null() {
-            let arena = Box::into_raw(Box::new(Lock::new(Arena::new(topology, node))));
+            let arena = Box::into_raw(Box::new(Lock::new(Arena::new(node))));
             slot.store(arena, Ordering::Release);
         }
         self.existing(node)
     }
 
     /// Locks `node`'s arena (see [`Self::arena`]).
-    pub(crate) fn lock(&self, node: usize, topology: &NumaTopology) -> Option<Guard<'_, Arena>> {
-        self.arena(node, topology).map(Lock::lock)
+    pub(crate) fn lock(&self, node: usize) -> Option<Guard<'_, Arena>> {
+        self.arena(node).map(Lock::lock)
     }
 
     /// Every arena made so far, in node order (the fork handlers' lock order).

@@ -308,7 +308,7 @@ impl Runtime {
     /// The arena of `node` (see [`crate::arena::NodeTable::lock`]); `None` only for a node id no
     /// topology holds.
     pub(crate) fn arena(&self, node: usize) -> Option<Guard<'_, Arena>> {
-        NODES.lock(node, &self.topology)
+        NODES.lock(node)
     }
 
     /// The nodes the policy names for blocks of `host_node`'s arena.
