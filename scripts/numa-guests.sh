@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Multi-node NUMA tests: boots real Linux kernels under QEMU (TCG, no KVM needed) with the
-# topologies in guest/topologies/*.topo and runs examples/guest_alloc.rs (the allocator as the
+# topologies in guest/topologies/*.topo and runs guest/src/bin/guest_alloc.rs (the allocator as the
 # #[global_allocator]; again inside a cgroup with a memory.max where the topology sets
-# MEMORY_MAX), examples/guest_routes.rs (threads bound to devices on several nodes, where the
-# topology sets ROUTES), examples/guest_mixed.rs (a client's allocations with glibc and with ours,
+# MEMORY_MAX), guest/src/bin/guest_routes.rs (threads bound to devices on several nodes, where the
+# topology sets ROUTES), guest/src/bin/guest_mixed.rs (a client's allocations with glibc and with ours,
 # each inside a cgroup whose cpuset confines it to one node, where the topology sets CPUSET_NODE)
-# and examples/guest_check.rs inside each guest.
+# and guest/src/bin/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -189,18 +189,19 @@ NUMACTL=$(command -v numactl) || die "numactl not found"
 # --- 2. Guest program and initramfs --------------------------------------------------------
 
 T0=$(now)
-log "building examples/guest_check, guest_alloc, guest_routes and guest_mixed (release)"
-(cd "$ROOT" && cargo build --release --quiet --example guest_check --example guest_alloc \
-    --example guest_routes --example guest_mixed) || {
-    log "error: cargo build --release of the guest examples failed"
-    exit 2
-}
 TARGET_DIR=${CARGO_TARGET_DIR:-target}
 [[ "$TARGET_DIR" == /* ]] || TARGET_DIR="$ROOT/$TARGET_DIR"
-GUEST_CHECK="$TARGET_DIR/release/examples/guest_check"
-GUEST_ALLOC="$TARGET_DIR/release/examples/guest_alloc"
-GUEST_ROUTES="$TARGET_DIR/release/examples/guest_routes"
-GUEST_MIXED="$TARGET_DIR/release/examples/guest_mixed"
+log "building guest/ (guest_check, guest_alloc, guest_routes, guest_mixed; release)"
+# The crate's target folder: the crate itself and its dependencies are built once.
+(cd "$ROOT" && cargo build --release --quiet --manifest-path guest/Cargo.toml \
+    --target-dir "$TARGET_DIR" --bins) || {
+    log "error: cargo build --release of the guest programs failed"
+    exit 2
+}
+GUEST_CHECK="$TARGET_DIR/release/guest_check"
+GUEST_ALLOC="$TARGET_DIR/release/guest_alloc"
+GUEST_ROUTES="$TARGET_DIR/release/guest_routes"
+GUEST_MIXED="$TARGET_DIR/release/guest_mixed"
 for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED"; do
     [ -x "$bin" ] || die "built binary not found at $bin"
 done

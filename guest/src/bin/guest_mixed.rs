@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use numa_gpu_alloc::NumaGpuAlloc;
 use serde_json::{Map, Value};
 
-#[path = "support/report.rs"]
+#[path = "../report.rs"]
 #[allow(dead_code)] // the page census is for the other guest programs
 mod report;
 use report::Report;

@@ -22,7 +22,7 @@ use allocator_api2::vec::Vec as AVec;
 use numa_gpu_alloc::pci::PciAddress;
 use numa_gpu_alloc::{bind_thread, GpuSelector, NumaGpuAlloc, Route, Stats};
 
-#[path = "support/report.rs"]
+#[path = "../report.rs"]
 mod report;
 use report::Report;
 
