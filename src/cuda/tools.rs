@@ -1,4 +1,4 @@
-//! The crate's thin driver table for benchmarks and tools (`examples/dma_bench.rs`,
+//! The crate's thin driver table for benchmarks and tools (`examples/dma_bench/`,
 //! `benches/dma.rs`): one device's primary context, page-locked host memory from
 //! `cuMemHostAlloc` or `cuMemHostRegister`, and timed copies on a stream of its own.
 //!
