@@ -25,7 +25,12 @@ macro_rules! sim_test {
             if $crate::common::sim::in_body() {
                 $body
             } else {
-                let (passed, output) = $crate::common::sim::run_child(stringify!($name), &[$(($k, $v)),*]);
+                // The harness names a test by its path below the crate root.
+                let name = match module_path!().split_once("::") {
+                    Some((_, module)) => format!("{module}::{}", stringify!($name)),
+                    None => stringify!($name).to_owned(),
+                };
+                let (passed, output) = $crate::common::sim::run_child(&name, &[$(($k, $v)),*]);
                 assert!(passed, "the test failed against the simulator:\n{output}");
                 eprintln!("{output}");
             }
