@@ -4,8 +4,9 @@
 //! Faulting memory in is CPU work (the kernel clears each page) done on the node the pages land
 //! on: a thread on another socket clears remote memory, at a fraction of the speed, and a thread
 //! spawned per block pays its start-up each time. So each node's workers are bound
-//! (`sched_setaffinity`) to the node's CPUs that this process may use (its cpuset, read as the
-//! affinity of the thread that first needs them); a node with no such CPU gets unbound workers.
+//! (`sched_setaffinity`) to the node's CPUs that this process may use (its cgroup's cpuset, else
+//! its main thread's affinity; never the affinity of whichever thread first needed them); the
+//! workers of a node without such CPUs, and of ranges spread over several nodes, to all of them.
 //!
 //! A range is cut into pieces that the caller and the workers take in turn from one cursor; the
 //! caller works too, so a range is populated even when no worker could be started, and it
@@ -31,7 +32,7 @@ use crate::sys::lock::Lock;
 use crate::Error;
 
 /// How many nodes get a pool of their own; ranges on nodes beyond, or on several nodes, share
-/// one unbound pool.
+/// one more.
 const MAX_NODES: usize = 64;
 /// The smallest piece a job is cut into: below this, handing a piece over costs more than it
 /// saves. A multiple of the huge page, so that no two threads fault the same one.
@@ -48,13 +49,13 @@ const STALL_BYTES_PER_SEC: u64 = 128 << 20;
 /// Workers do nothing but fault pages in; a small stack is plenty.
 const WORKER_STACK: usize = 256 << 10;
 
-/// The pools of nodes `0..MAX_NODES`, then the unbound one.
+/// The pools of nodes `0..MAX_NODES`, then the shared one.
 static POOLS: [AtomicPtr<Pool>; MAX_NODES + 1] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_NODES + 1];
 
 /// Populates `ptr..ptr+len` with up to `threads` threads (the caller among them): the workers
-/// of `node`, bound to the CPUs `cpus` gives when the pool is made (empty: unbound), or unbound
-/// ones when the range is on no single node. A range advised `MADV_HUGEPAGE` (`huge`) whose
+/// of `node` (or, for a range on no single node, the shared pool), bound to the CPUs `cpus`
+/// gives when the pool is made (empty: left unbound). A range advised `MADV_HUGEPAGE` (`huge`) whose
 /// pieces populate slower than [`STALL_BYTES_PER_SEC`] goes on in small pages; returns whether
 /// that happened.
 ///
@@ -106,7 +107,7 @@ pub(crate) unsafe fn populate(
     error.map_or(Ok(job.small_pages.load(Ordering::Acquire)), Err)
 }
 
-/// The pool of `node` (or the unbound one), made for this process if there is none (or only
+/// The pool of `node` (or the shared one), made for this process if there is none (or only
 /// the parent's, after a fork).
 fn pool(node: Option<usize>, cpus: impl FnOnce() -> Vec<usize>) -> &'static Pool {
     let node = node.filter(|&n| n < MAX_NODES);
@@ -119,7 +120,7 @@ fn pool(node: Option<usize>, cpus: impl FnOnce() -> Vec<usize>) -> &'static Pool
     }
     let made = Box::into_raw(Box::new(Pool {
         generation,
-        cpus: node.map_or_else(Vec::new, |_| cpus()),
+        cpus: cpus(),
         node,
         workers: AtomicUsize::new(0),
         grow: Lock::new(()),
@@ -144,7 +145,7 @@ fn pool(node: Option<usize>, cpus: impl FnOnce() -> Vec<usize>) -> &'static Pool
 struct Pool {
     /// The fork generation the pool was made in: its threads exist only there.
     generation: u32,
-    /// `None` for the unbound pool.
+    /// `None` for the shared pool.
     node: Option<usize>,
     cpus: Vec<usize>,
     workers: AtomicUsize,

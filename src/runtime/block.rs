@@ -384,7 +384,8 @@ impl Runtime {
             (Some(node), None) => Some(node),
             _ => None,
         };
-        let cpus = || node.map_or_else(Vec::new, |node| self.node_cpus(node));
+        // Workers for several nodes' pages run on any CPU the process may use.
+        let cpus = || node.map_or_else(process_allowed_cpus, |node| self.node_cpus(node));
         let huge = self.config.huge_pages && len >= HUGE_PAGE;
         // SAFETY: forwarded from the caller.
         let small_pages = unsafe { populate::populate(node, cpus, ptr, len, threads, huge) }?;
@@ -394,13 +395,13 @@ impl Runtime {
         Ok(())
     }
 
-    /// The CPUs of `node` that this process may run on (its cpuset, as the calling thread's
-    /// affinity shows it): none when the node has no CPU or they cannot be read.
+    /// The CPUs of `node` that this process may run on (its cgroup's cpuset, else its main
+    /// thread's affinity: never the calling thread's, which may be pinned to one core); all it
+    /// may run on when the node has none (a CPU-less memory node).
     fn node_cpus(&self, node: usize) -> Vec<usize> {
-        let Ok(allowed) = sys::thread_cpus() else {
-            return Vec::new();
-        };
-        self.topology
+        let allowed = process_allowed_cpus();
+        let on_node: Vec<usize> = self
+            .topology
             .nodes()
             .iter()
             .find(|n| n.id == node)
@@ -411,7 +412,12 @@ impl Runtime {
                     .filter(|c| allowed.contains(c))
                     .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if on_node.is_empty() {
+            allowed
+        } else {
+            on_node
+        }
     }
 
     /// Registers the block through `gpu`'s context when pinning is on; returns whether it is
@@ -502,4 +508,12 @@ impl Runtime {
             release_dedicated(block.addr, block.capacity, block.registered_by)
         });
     }
+}
+
+/// The CPUs this process may use: its cgroup's cpuset, else its main thread's affinity (empty
+/// when neither can be read: workers are then left unbound).
+fn process_allowed_cpus() -> Vec<usize> {
+    crate::topology::cgroup::allowed_cpus()
+        .or_else(|| sys::process_cpus().ok())
+        .unwrap_or_default()
 }

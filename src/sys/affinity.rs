@@ -51,12 +51,25 @@ pub(crate) fn bind_thread_to_cpus(cpus: &[usize]) -> Result<()> {
 ///
 /// Allocates the list. Errors: [`Error::Syscall`] (`call: "sched_getaffinity"`) when the kernel
 /// refuses (EINVAL on a machine with more than `CPU_SETSIZE` CPUs).
+#[cfg(test)]
 pub(crate) fn thread_cpus() -> Result<Vec<usize>> {
+    affinity_of(0)
+}
+
+/// The CPUs the process's main thread may run on (`sched_getaffinity` of the process id): a
+/// stand-in for the process's cpuset where the cgroup does not say it, narrowed by no other
+/// thread's pinning. Errors: [`Error::Syscall`] (`call: "sched_getaffinity"`).
+pub(crate) fn process_cpus() -> Result<Vec<usize>> {
+    // SAFETY: getpid has no preconditions.
+    affinity_of(unsafe { libc::getpid() })
+}
+
+fn affinity_of(pid: libc::pid_t) -> Result<Vec<usize>> {
     // SAFETY: an all-zero cpu_set_t is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: the kernel writes at most size_of::<cpu_set_t>() bytes into `set`.
     let rc =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+        unsafe { libc::sched_getaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
     if rc != 0 {
         return Err(Error::Syscall {
             call: "sched_getaffinity",

@@ -43,7 +43,7 @@ mod policy;
 mod populate;
 mod process;
 
-pub(crate) use affinity::{bind_thread_to_cpus, thread_cpus};
+pub(crate) use affinity::{bind_thread_to_cpus, process_cpus};
 pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
 pub(crate) use lock::{futex_wait, futex_wake};
 pub use mem::{

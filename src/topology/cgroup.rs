@@ -85,6 +85,18 @@ impl MemoryLimits {
     }
 }
 
+/// The CPUs this process's cgroup lets it use (`cpuset.cpus.effective` of its cgroup v2), `None`
+/// when there is no such file (no cgroup v2, or no cpuset there) or it cannot be read. Unlike a
+/// thread's affinity, no thread of the process can narrow it.
+pub(crate) fn allowed_cpus() -> Option<Vec<usize>> {
+    let mount = cgroup2_mount(&read_text(Path::new("/proc/self/mountinfo")).ok()?)?;
+    let own = read_text(Path::new("/proc/self/cgroup")).ok()?;
+    let own = own.lines().find_map(|line| line.strip_prefix("0::"))?;
+    let dir = mount.join(own.trim().trim_start_matches('/'));
+    let text = read_text(&dir.join("cpuset.cpus.effective")).ok()?;
+    crate::topology::sysfs::parse_list(text.trim()).ok()
+}
+
 /// The mount point of the cgroup2 file system in the text of `/proc/self/mountinfo`.
 fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
     mountinfo.lines().find_map(|line| {
