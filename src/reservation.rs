@@ -17,13 +17,19 @@ use crate::Error;
 pub struct Reservation {
     tally: Arc<Tally>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The fork generation it was made in: its thread runs only there.
+    generation: u32,
 }
+
+/// Why [`Reservation::wait`] in a child forked since it was made cannot wait.
+const FORKED: &str = "this is a child forked since it was made (its thread runs in the parent)";
 
 impl Reservation {
     pub(crate) fn new(tally: Arc<Tally>, thread: std::thread::JoinHandle<()>) -> Reservation {
         Reservation {
             tally,
             thread: Some(thread),
+            generation: crate::fork::generation(),
         }
     }
 
@@ -32,9 +38,14 @@ impl Reservation {
         progress(&self.tally)
     }
 
-    /// Whether it ended (all made, failed or cancelled).
+    /// Whether it ended (all made, failed or cancelled), or can go on no more (in a child forked
+    /// since it was made: the progress is what it was at the fork).
     pub fn is_finished(&self) -> bool {
-        self.tally.finished.load(Ordering::Acquire) != 0
+        self.tally.finished.load(Ordering::Acquire) != 0 || self.forked()
+    }
+
+    fn forked(&self) -> bool {
+        crate::fork::generation() != self.generation
     }
 
     /// Stops it after the chunk in progress; what was made stays.
@@ -47,8 +58,14 @@ impl Reservation {
     /// # Errors
     /// Why it stopped early: the error of the chunk that failed (a CUDA error names its code;
     /// [`Error::PinLimit`] at the pinned limit). The chunks made before it stay usable.
+    /// [`Error::ReservationLost`] when its thread panicked, or at once in a child forked since
+    /// it was made.
     pub fn wait(mut self) -> Result<ReserveProgress, Error> {
+        if self.forked() {
+            return Err(Error::ReservationLost { reason: FORKED });
+        }
         if let Some(thread) = self.thread.take() {
+            // A panic is recorded by the thread's guard (see `reserve_in_background`).
             let _ = thread.join();
         }
         let done = self.progress();
@@ -73,7 +90,7 @@ impl fmt::Debug for Reservation {
 pub struct ReserveProgress {
     /// Bytes asked for.
     pub requested: usize,
-    /// Bytes mapped and placed on the node.
+    /// Bytes mapped and placed on the node (each count includes a chunk that then failed).
     pub placed: usize,
     /// Bytes populated (faulted in).
     pub populated: usize,

@@ -114,6 +114,8 @@ pub struct HeapStats {
     pub pinned: bool,
     /// Whether they serve blocks of 2 MiB and more, advised `MADV_HUGEPAGE`.
     pub huge_pages: bool,
+    /// Whether a reservation of bytes made them (they serve requests of every size first).
+    pub reserved: bool,
     /// Chunks mapped now.
     pub chunks: usize,
     /// Their bytes.

@@ -191,3 +191,30 @@ fn fork_while_populate_threads_run() {
     assert!(during_populate > 0, "no fork hit a populate");
     children.assert_all_succeeded("fork during populate");
 }
+
+/// A reservation under way when the process forks: in the child its thread does not exist, so
+/// waiting for it reports that at once instead of blocking or panicking.
+#[test]
+fn a_background_reservation_is_lost_in_a_forked_child() {
+    static RESERVING: NumaGpuAlloc = NumaGpuAlloc::new();
+    let reservation = RESERVING
+        .reserve_in_background(512 * MIB)
+        .expect("a reservation thread");
+    let mut children = Children::default();
+    children.fork(move || {
+        let finished = reservation.is_finished();
+        let lost = matches!(
+            reservation.wait(),
+            Err(numa_gpu_alloc::Error::ReservationLost { .. })
+        );
+        finished && lost
+    });
+    assert_eq!(
+        children,
+        Children {
+            succeeded: 1,
+            ..Children::default()
+        }
+    );
+    RESERVING.trim();
+}

@@ -46,7 +46,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     ///
     /// # Errors
     /// [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked for the target;
-    /// else the error of the chunk that failed (a CUDA error with its code, [`Error::PinLimit`]
+    /// [`Error::ReserveTooLarge`] beyond the node's memory; else the error of the chunk that failed (a CUDA error with its code, [`Error::PinLimit`]
     /// at the pinned limit, [`Error::MemoryLimit`]...): the reservation stops there, and the
     /// chunks made before it stay usable.
     pub fn reserve_bytes(&self, bytes: usize) -> Result<ReserveProgress, Error> {
@@ -86,15 +86,30 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             .name("numa-reserve".into())
             .spawn(move || {
                 let _inside = Inside::enter();
+                let finished = FinishOnUnwind(&shared);
                 // Alive while `self` is: `'static`.
                 let rt = self.runtime();
                 shared.finish(rt.reserve_bytes(bytes, &target, kind, &shared));
+                drop(finished);
             })
             .map_err(|e| Error::Syscall {
                 call: "reservation thread",
                 errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
             })?;
         Ok(Reservation::new(tally, thread))
+    }
+}
+
+/// Ends a reservation whose thread unwinds, so that its handle does not wait for ever.
+struct FinishOnUnwind<'a>(&'a Tally);
+
+impl Drop for FinishOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.finish(Err(Error::ReservationLost {
+                reason: "its thread panicked",
+            }));
+        }
     }
 }
 

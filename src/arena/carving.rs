@@ -81,16 +81,10 @@ impl Arena {
         next.max(need.next_multiple_of(CHUNK_ALIGN))
     }
 
-    /// Whether `key`'s heap holds a reserved chunk (whose room also serves blocks too large to
-    /// be carved otherwise).
-    pub(crate) fn has_reserved(&self, key: HeapKey) -> bool {
-        self.heap_index(key).is_some_and(|heap| {
-            self.heaps[heap]
-                .chunks
-                .iter()
-                .flatten()
-                .any(Chunk::reserved)
-        })
+    /// Whether `key`'s heap has a chunk.
+    pub(crate) fn has_chunks(&self, key: HeapKey) -> bool {
+        self.heap_index(key)
+            .is_some_and(|heap| self.heaps[heap].chunks.iter().flatten().next().is_some())
     }
 
     /// Adds a chunk made for `key` outside the lock; gives it back when the bookkeeping could not

@@ -102,12 +102,14 @@ impl Default for Kind {
     }
 }
 
-/// The chunks one request may be carved from: its kind, and whether they are huge-page chunks
-/// (for blocks of 2 MiB and more) or small-page ones.
+/// The chunks one request may be carved from: its kind, whether they are huge-page chunks (for
+/// blocks of 2 MiB and more) or small-page ones, and whether a reservation of bytes made them
+/// (a heap of its own, populated whole, that serves requests of every size first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct HeapKey {
     pub(crate) kind: Kind,
     pub(crate) huge: bool,
+    pub(crate) reserved: bool,
 }
 
 /// What a request that failed for want of memory needs given back.

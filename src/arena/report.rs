@@ -41,6 +41,7 @@ impl Arena {
             policy: heap.key.kind.policy,
             pinned: heap.key.kind.pinned,
             huge_pages: heap.key.huge,
+            reserved: heap.key.reserved,
             chunks: carver.regions,
             mapped_bytes: carver.region_bytes,
             resident_bytes: resident,

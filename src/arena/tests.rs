@@ -38,6 +38,7 @@ const HUGE: HeapKey = HeapKey {
         },
     },
     huge: true,
+    reserved: false,
 };
 
 fn arena() -> Arena {

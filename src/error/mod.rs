@@ -184,6 +184,21 @@ pub enum Error {
         /// The allocator's cache limit.
         cache_limit: usize,
     },
+    /// A reservation of more bytes than its node has.
+    ReserveTooLarge {
+        /// Bytes asked for.
+        bytes: usize,
+        /// The node.
+        node: usize,
+        /// Its memory (`MemTotal`).
+        node_bytes: usize,
+    },
+    /// A reservation made in the background can no longer tell how it ended.
+    ReservationLost {
+        /// Why: its thread panicked, or this is a child forked since (the thread is the
+        /// parent's).
+        reason: &'static str,
+    },
     /// Page-locking `requested` more bytes would pass the pinned limit (`pin_limit=`).
     PinLimit {
         /// Bytes that were to be page-locked.
@@ -331,6 +346,17 @@ impl fmt::Display for Error {
                 f,
                 "no GPU matches {selector:?} ({device_count} visible CUDA devices)"
             ),
+            Error::ReserveTooLarge {
+                bytes,
+                node,
+                node_bytes,
+            } => write!(
+                f,
+                "cannot reserve {bytes} bytes on node {node}: it has {node_bytes} bytes of memory"
+            ),
+            Error::ReservationLost { reason } => {
+                write!(f, "a reservation made in the background is lost: {reason}")
+            }
             Error::PinLimit {
                 requested,
                 pinned,

@@ -45,18 +45,21 @@ impl Runtime {
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
-        // A reservation's chunks are populated whole: small blocks may share their huge pages.
-        if size < HUGE_PAGE && self.config.huge_pages {
-            if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
-                return Some(block);
-            }
+        if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
+            return Some(block);
         }
-        self.carve_from(size, align, zeroed, target, kind, true)
+        let key = HeapKey {
+            kind,
+            huge: self.config.huge_pages && size >= HUGE_PAGE,
+            reserved: false,
+        };
+        self.carve_from(key, size, align, zeroed, target, true)
     }
 
-    /// A block carved from the room of reserved chunks (served before any other for sizes that
-    /// would otherwise go to small-page chunks or a mapping of their own), when the target's
-    /// heap has them and they have room; `None` (nothing counted) otherwise.
+    /// A block carved from the room a reservation of bytes made for `kind` (served before any
+    /// other, whatever the size, up to a chunk's: those chunks are populated whole, so a small
+    /// block sharing a huge page makes nothing more resident), when there is such room; `None`
+    /// (nothing counted) otherwise.
     pub(crate) fn carve_reserved(
         &self,
         size: usize,
@@ -65,34 +68,29 @@ impl Runtime {
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
-        let key = HeapKey {
-            kind,
-            huge: self.config.huge_pages,
-        };
-        if size.saturating_add(align) > CHUNK_MAX
-            || !self.arena(target.host_node)?.has_reserved(key)
+        let key = reserved_key(kind, self.config.huge_pages);
+        if !super::reserve::bytes_reserved()
+            || size.saturating_add(align) > CHUNK_MAX
+            || !self.arena(target.host_node)?.has_chunks(key)
         {
             return None;
         }
-        self.carve_from(size, align, zeroed, target, kind, false)
+        self.carve_from(key, size, align, zeroed, target, false)
     }
 
-    /// [`Self::carve`]; `make`: whether a chunk is made when none has room.
+    /// [`Self::carve`] from `key`'s heap; `make`: whether a chunk is made when none has room.
     fn carve_from(
         &self,
+        mut key: HeapKey,
         size: usize,
         align: usize,
         zeroed: bool,
         target: &Resolved,
-        kind: Kind,
         make: bool,
     ) -> Option<Block> {
+        let kind = key.kind;
         let mut made = false;
         let block = (|| {
-            let mut key = HeapKey {
-                kind,
-                huge: self.config.huge_pages && size >= HUGE_PAGE,
-            };
             // Another thread may carve the new chunk first: then make another, twice at most.
             for _ in 0..3 {
                 let mut out = Released::default();
@@ -107,7 +105,7 @@ impl Runtime {
                     let carving = arena.carve(key, size, align, target.ordinal);
                     // After carving: idle ranges taken out to purge must not be the room needed.
                     arena.decay(self.config.decay_ms, &mut out);
-                    if matches!(carving, Ok(None)) {
+                    if make && matches!(carving, Ok(None)) {
                         let fit = Fit::new(size, size, align, kind);
                         if arena.pending_fits(fit) {
                             self.counters.reuse_deferred.incr();
@@ -435,5 +433,14 @@ fn shortage_bytes(error: &Error, need: usize) -> usize {
             ..
         } => requested.saturating_sub(*available),
         _ => need,
+    }
+}
+
+/// The heap a reservation of bytes makes for `kind`: huge-page chunks when huge pages are on.
+pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
+    HeapKey {
+        kind,
+        huge: huge_pages,
+        reserved: true,
     }
 }

@@ -145,14 +145,20 @@ impl Runtime {
             });
         };
         let flags = self.pin_flags();
-        let over = page_locked_bytes()
+        let mut over = page_locked_bytes()
             .saturating_add(len)
             .saturating_sub(flags.limit);
-        if over > 0 {
-            for node in self.topology.nodes().iter().map(|n| n.id) {
-                if self.give_back_for(node, over, Shortage::PageLocked) {
-                    break;
-                }
+        // Idle page-locked memory may be spread over nodes: each gives back what it can.
+        for node in self.topology.nodes().iter().map(|n| n.id) {
+            if over == 0 {
+                break;
+            }
+            let idle = self
+                .arena(node)
+                .map_or(0, |arena| arena.releasable(Shortage::PageLocked));
+            let ask = over.min(idle);
+            if ask > 0 && self.give_back_for(node, ask, Shortage::PageLocked) {
+                over -= ask;
             }
         }
         let start = Instant::now();

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::time::{Duration, Instant};
 
 use super::block::HUGE_PAGE;
-use super::carved::carved;
+use super::carved::{carved, reserved_key};
 use super::route;
 use super::{Resolved, Runtime};
 use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX};
@@ -56,6 +56,14 @@ impl Runtime {
         if carved(capacity, page) {
             return self.reserve_chunks(blocks, capacity, &target, kind);
         }
+        // Its node's arena first (one exists for every node id in the table, and stays): a block
+        // made for none would be released by nothing.
+        if self.arena(target.host_node).is_none() {
+            return Err(Error::UnknownNode {
+                node: target.host_node,
+                node_count: self.topology.node_count(),
+            });
+        }
         for _ in 0..blocks {
             let block = self.create_block(capacity, page, &target)?;
             self.with_arena(block.node, |arena, out| {
@@ -76,6 +84,7 @@ impl Runtime {
         let key = HeapKey {
             kind,
             huge: self.config.huge_pages && capacity >= HUGE_PAGE,
+            reserved: false,
         };
         // Whole blocks per chunk: a block never straddles two.
         let per_chunk = (CHUNK_MAX / capacity).max(1);
@@ -116,18 +125,26 @@ impl Runtime {
         kind: Kind,
         tally: &Tally,
     ) -> Result<(), Error> {
-        let key = HeapKey {
-            kind,
-            huge: self.config.huge_pages,
+        let key = reserved_key(kind, self.config.huge_pages);
+        let node = target.host_node;
+        // A node's size where sysfs tells it (0: unknown, then the populate's failure says it).
+        let node_bytes = self
+            .topology
+            .nodes()
+            .iter()
+            .find(|n| n.id == node)
+            .map_or(0, |n| usize::try_from(n.memory_bytes).unwrap_or(usize::MAX));
+        let too_large = Error::ReserveTooLarge {
+            bytes,
+            node,
+            node_bytes,
         };
+        if node_bytes != 0 && bytes > node_bytes {
+            return Err(too_large);
+        }
         let total = bytes
             .checked_next_multiple_of(CHUNK_ALIGN)
-            .ok_or(Error::ReserveRejected {
-                blocks: 1,
-                block_size: bytes,
-                threshold: self.config.threshold,
-                cache_limit: self.config.cache_limit,
-            })?;
+            .ok_or(too_large)?;
         let mut made = 0;
         let mut next = CHUNK_FIRST;
         while made < total && !tally.cancel.load(Ordering::Acquire) {
@@ -146,6 +163,7 @@ impl Runtime {
                 tally.registered.fetch_add(len, Ordering::Relaxed);
             }
             chunk.set_reserved();
+            BYTES_RESERVED.store(true, Ordering::Release);
             self.add_chunk(target.host_node, key, chunk)
                 .ok_or(Error::Syscall {
                     call: "arena bookkeeping",
@@ -156,6 +174,15 @@ impl Runtime {
         }
         Ok(())
     }
+}
+
+/// Set once a reservation of bytes made a chunk in this process: until then no request looks for
+/// reserved room (one load instead of an arena lock).
+static BYTES_RESERVED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a reservation of bytes may have left room to carve from.
+pub(crate) fn bytes_reserved() -> bool {
+    BYTES_RESERVED.load(Ordering::Acquire)
 }
 
 /// What a reservation of bytes has done so far, updated as it goes (read by its handle).
@@ -357,6 +384,49 @@ mod tests {
         );
         let stats = alloc.stats();
         assert_eq!((stats.cached_bytes(), mapped(&stats)), (2 * MIB, 2 * MIB));
+    }
+
+    #[test]
+    fn reserved_bytes_serve_small_and_large_requests_first() {
+        let _serial = serial();
+        let alloc = allocator();
+        alloc.trim();
+        let done = alloc.reserve_bytes(96 * MIB).unwrap();
+        assert_eq!((done.usable, done.chunks), (96 * MIB, 2));
+        let before = alloc.stats();
+        // A small block (a small-page heap's otherwise) and one too large to carve otherwise.
+        let small = Layout::from_size_align(MIB, 8).unwrap();
+        let large = Layout::from_size_align(64 * MIB, 8).unwrap();
+        // SAFETY: non-zero layouts, freed below.
+        let (a, b) = unsafe { (alloc.alloc(small), alloc.alloc(large)) };
+        assert!(!a.is_null() && !b.is_null());
+        let stats = alloc.stats();
+        assert_eq!(
+            (
+                stats.cache_hits - before.cache_hits,
+                stats.cache_misses - before.cache_misses
+            ),
+            (2, 0),
+            "{stats}"
+        );
+        assert_eq!(
+            mapped(&stats),
+            96 * MIB,
+            "no chunk or mapping of their own: {stats}"
+        );
+        assert!(matches!(
+            alloc.reserve_bytes(usize::MAX),
+            Err(Error::ReserveTooLarge {
+                bytes: usize::MAX,
+                ..
+            })
+        ));
+        // SAFETY: allocated above with these layouts.
+        unsafe {
+            alloc.dealloc(a, small);
+            alloc.dealloc(b, large);
+        }
+        alloc.trim();
     }
 
     #[test]

@@ -204,6 +204,7 @@ json_object! {
         policy,
         pinned,
         huge_pages,
+        reserved,
         chunks,
         mapped_bytes,
         resident_bytes,

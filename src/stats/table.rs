@@ -111,12 +111,13 @@ impl fmt::Display for Stats {
         for h in &self.heaps {
             writeln!(
                 f,
-                "chunks on node {} ({:?}{}{}): {} ({:.1} MiB, {:.1} resident, {:.1} free in {} \
+                "chunks on node {} ({:?}{}{}{}): {} ({:.1} MiB, {:.1} resident, {:.1} free in {} \
                  ranges, largest {:.1}), made {}, registered {}, purged {:.1} MiB",
                 h.node,
                 h.policy,
                 if h.pinned { ", pinned" } else { "" },
                 if h.huge_pages { ", huge pages" } else { "" },
+                if h.reserved { ", reserved" } else { "" },
                 h.chunks,
                 mib(h.mapped_bytes),
                 mib(h.resident_bytes),
