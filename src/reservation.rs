@@ -130,8 +130,8 @@ pub(crate) fn progress(tally: &Tally) -> ReserveProgress {
 }
 
 impl fmt::Display for ReserveProgress {
-    /// One line, usable of requested first: `reserve 12.0/64.0 GiB: placed 13.0, populated 12.5, registered 12.0 GiB in 12
-    /// chunks, first in 150 ms, longest driver call 21 ms, 3.20 s`.
+    /// One line, usable of requested first: `reserve 12.0/64.0 GiB: placed 13.0, populated 12.5,
+    /// registered 12.0 GiB in 12 chunks, first in 150 ms, longest driver call 21 ms, 3.20 s`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const GIB: f64 = (1u64 << 30) as f64;
         let gib = |bytes: usize| bytes as f64 / GIB;

@@ -46,9 +46,10 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     ///
     /// # Errors
     /// [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked for the target;
-    /// [`Error::ReserveTooLarge`] beyond the node's memory; else the error of the chunk that failed (a CUDA error with its code, [`Error::PinLimit`]
-    /// at the pinned limit, [`Error::MemoryLimit`]...): the reservation stops there, and the
-    /// chunks made before it stay usable.
+    /// [`Error::ReserveTooLarge`] beyond the node's memory; else the error of the chunk that
+    /// failed (a CUDA error with its code, [`Error::PinLimit`] at the pinned limit,
+    /// [`Error::MemoryLimit`]...): the reservation stops there, and the chunks made before it
+    /// stay usable.
     pub fn reserve_bytes(&self, bytes: usize) -> Result<ReserveProgress, Error> {
         let _inside = Inside::enter();
         let tally = Tally::new(bytes);
