@@ -186,3 +186,19 @@ sim_test!(
         ALLOC.trim();
     }
 );
+
+sim_test!(
+    /// A reservation still under way when the program ends: the exit handler lets the chunk in
+    /// progress finish and stops the rest, before the driver tears down at exit (the simulator
+    /// aborts on a registration after its teardown).
+    a_reservation_under_way_at_exit_stops_before_the_driver_tears_down,
+    env: [("CUDA_SIM_REGISTER_US_PER_GIB", "200000"), ("CUDA_SIM_TEARDOWN_US", "2000000")],
+    {
+        static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
+        let reservation = ALLOC.reserve_in_background(8 * GIB).expect("start");
+        while reservation.progress().chunks < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The body returns at once: the test harness exits with the reservation under way.
+    }
+);

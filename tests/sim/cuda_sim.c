@@ -28,13 +28,14 @@
  *   - Registration takes time under the driver's global lock, as the real one's does (its page-table
  *     work): CUDA_SIM_REGISTER_US_PER_GIB microseconds per GiB, spent
  *     holding the lock every other call takes, so copies and queries stall behind a long one.
- *     cuSimStats reports the longest single registration call.
+ *     cuSimStats reports the longest single registration call. A registration after the
+ *     library's teardown at exit aborts, as it would touch the real driver's freed state.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
  *
  * Environment: CUDA_SIM_DEVICES (default 1), CUDA_SIM_HOST_NUMA_ID (comma list per device,
  * default 0; -1 reports "unknown"), CUDA_SIM_PCI (comma list, default 0000:0N:00.0),
- * CUDA_SIM_DELAY_US, CUDA_SIM_REGISTER_US_PER_GIB.
+ * CUDA_SIM_DELAY_US, CUDA_SIM_REGISTER_US_PER_GIB, CUDA_SIM_TEARDOWN_US.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -841,6 +842,24 @@ static unsigned long long now_us(void) {
     return (unsigned long long)t.tv_sec * 1000000ull + (unsigned long long)t.tv_nsec / 1000;
 }
 
+/* Set when the library is unloaded at exit, as the driver tears down its state then: a
+ * registration after it would touch freed driver state, so the simulator aborts. */
+static int torn_down;
+
+__attribute__((destructor)) static void tear_down(void) {
+    pthread_mutex_lock(&lock);
+    torn_down = 1;
+    pthread_mutex_unlock(&lock);
+    /* The teardown takes time (CUDA_SIM_TEARDOWN_US): other threads still run meanwhile. */
+    const char *v = getenv("CUDA_SIM_TEARDOWN_US");
+    unsigned long long us = v ? strtoull(v, NULL, 10) : 0;
+    while (us > 0) {
+        unsigned step = us > 100000 ? 100000 : (unsigned)us;
+        sleep_us(step);
+        us -= step;
+    }
+}
+
 CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     (void)flags;
     REQUIRE_INIT();
@@ -849,6 +868,10 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     if (!current) return INVALID_CONTEXT;
     unsigned long long start = now_us();
     pthread_mutex_lock(&lock);
+    if (torn_down) {
+        fprintf(stderr, "cuda_sim: cuMemHostRegister_v2 after the driver was torn down at exit\n");
+        abort();
+    }
     CUresult r = add_range_locked(p, len, 0);
     if (r == SUCCESS) {
         registrations++;
