@@ -67,7 +67,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// handle to watch it ([`Reservation::progress`]), wait for it or cancel it. The target is
     /// the calling thread's, resolved now. Each chunk is usable as soon as it is registered;
     /// requests that find no room in the chunks made so far are served as without a
-    /// reservation (as the pin mode says), not held back.
+    /// reservation (as the pin mode says), not held back. When the process exits meanwhile, the
+    /// chunk in progress ends and no other is made (before the driver tears down).
     ///
     /// # Errors
     /// [`Error::StrictPinning`] as for `reserve_bytes`; a failure to start the thread
