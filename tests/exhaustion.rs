@@ -220,17 +220,28 @@ fn free_child() {
     let mut held: Vec<*mut libc::c_void> = Vec::with_capacity(1 << 20);
     set_address_space_limit(vm_size() + 8 * MIB);
     for size in [1 << 16, 1 << 12, 1 << 6, 16] {
-        loop {
+        // A failed malloc moves this thread to another of glibc's arenas (another thread's,
+        // whose heap may still have room): only several failures in a row mean none has.
+        let mut failures = 0;
+        while failures < 8 {
             // SAFETY: malloc of a non-zero size; the result is checked.
             let p = unsafe { libc::malloc(size) };
-            if p.is_null() || held.len() == held.capacity() {
-                break;
+            if p.is_null() {
+                failures += 1;
+                continue;
             }
-            held.push(p);
+            failures = 0;
+            // Beyond the room reserved, the rest is left to the child's exit: until malloc says
+            // no, however much free space glibc's heaps held.
+            if held.len() < held.capacity() {
+                held.push(p);
+            }
         }
     }
-    // SAFETY: malloc of a non-zero size.
-    assert!(unsafe { libc::malloc(16) }.is_null(), "System is exhausted");
+    // SAFETY: malloc of a non-zero size. Through `black_box`: an optimiser may assume that a
+    // malloc whose result is unused succeeded, and remove it.
+    let probe = std::hint::black_box(unsafe { libc::malloc(16) });
+    assert!(probe.is_null(), "System is exhausted");
     // SAFETY: allocated above with this layout, freed once each.
     unsafe {
         ALLOC.dealloc(a, layout);

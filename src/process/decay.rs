@@ -43,9 +43,10 @@ pub(crate) fn ensure_running(decay_ms: u64) {
     if RUNNING.swap(true, Ordering::AcqRel) {
         return;
     }
-    let spawned = std::thread::Builder::new()
-        .name("numa-gpu-alloc-decay".to_owned())
-        .spawn(run);
+    let spawned = super::spawn_started(
+        std::thread::Builder::new().name("numa-gpu-alloc-decay".to_owned()),
+        run,
+    );
     if spawned.is_err() {
         // No thread to be had now: the next chunk tries again.
         RUNNING.store(false, Ordering::Release);

@@ -125,3 +125,24 @@ unsafe extern "C" fn child() {
     // SAFETY: as above, for the initialisation lock.
     unsafe { INIT.reset_in_child() };
 }
+
+/// Spawns `body` on a thread of its own and returns once it runs: the thread's own start-up
+/// (its signal stack and guard page: memory) happens now, while the request that needed the
+/// thread can still fail cleanly, and not later, when the process may have run out of memory.
+pub(crate) fn spawn_started(
+    builder: std::thread::Builder,
+    body: impl FnOnce() + Send + 'static,
+) -> std::io::Result<()> {
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let flag = std::sync::Arc::clone(&started);
+    builder.spawn(move || {
+        flag.store(1, Ordering::Release);
+        sys::futex_wake(&flag, 1);
+        drop(flag);
+        body();
+    })?;
+    while started.load(Ordering::Acquire) == 0 {
+        sys::futex_wait(&started, 0);
+    }
+    Ok(())
+}

@@ -69,17 +69,48 @@ fn io_error(path: &Path, err: &std::io::Error) -> Error {
 /// Whether node `node`'s free memory is below 1/8 of its total (`nodeN/meminfo` under
 /// `root`, the kernel's per-node counters): then idle memory of the node is given back before
 /// more is populated there, and by the decay thread. `false` when the file cannot be read.
+///
+/// Allocates nothing (the path and the text are on the stack): the decay thread reads it while
+/// the process may have run out of memory.
 pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
-    let path = root.join(format!("devices/system/node/node{node}/meminfo"));
-    let Ok(text) = read_text(&path) else {
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::ffi::OsStrExt as _;
+    let mut path = [0u8; 512];
+    let len = {
+        let mut out = &mut path[..];
+        let written = out.write_all(root.as_os_str().as_bytes()).is_ok()
+            && write!(out, "/devices/system/node/node{node}/meminfo").is_ok();
+        if !written {
+            return false;
+        }
+        512 - out.len()
+    };
+    let path = Path::new(std::ffi::OsStr::from_bytes(&path[..len]));
+    let Ok(mut file) = std::fs::File::open(path) else {
         return false;
     };
-    let kib = |key: &str| {
-        text.lines()
-            .find_map(|line| line.split_once(key).map(|(_, rest)| rest))
-            .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+    // MemTotal and MemFree are the first lines; the rest may be cut off.
+    let mut text = [0u8; 2048];
+    let mut filled = 0;
+    while filled < text.len() {
+        match file.read(&mut text[filled..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => filled += n,
+        }
+    }
+    let kib = |key: &[u8]| {
+        text[..filled].split(|&b| b == b'\n').find_map(|line| {
+            let at = line.windows(key.len()).position(|w| w == key)?;
+            let mut digits = line[at + key.len()..]
+                .iter()
+                .skip_while(|b| b.is_ascii_whitespace())
+                .take_while(|b| b.is_ascii_digit());
+            digits.try_fold(0u64, |n, &d| {
+                n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+            })
+        })
     };
-    match (kib("MemFree:"), kib("MemTotal:")) {
+    match (kib(b"MemFree:"), kib(b"MemTotal:")) {
         (Some(free), Some(total)) => free < total / 8,
         _ => false,
     }
