@@ -35,7 +35,7 @@ runs=(
     "tests/global_allocator.rs|"
     "tests/env_config.rs|"
     # valgrind's mmap answers EINVAL, not the kernel's ENOMEM, to a half-address-space request.
-    "tests/sys_placement.rs|--skip map_anonymous_rejects_bad_sizes"
+    "tests/sys_placement/main.rs|--skip map_anonymous_rejects_bad_sizes"
     "tests/faults.rs|"
     "tests/teardown.rs|--skip processes_exit_with_blocks_outstanding"
     "tests/fuzz_corpus.rs|"
