@@ -70,6 +70,22 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     /// reservation (as the pin mode says), not held back. When the process exits meanwhile, the
     /// chunk in progress ends and no other is made (before the driver tears down).
     ///
+    /// For another GPU or node than the calling thread's, reserve under a route:
+    ///
+    /// ```
+    /// use numa_gpu_alloc::{with_route, NumaGpuAlloc, PinMode, Route};
+    ///
+    /// static KV_POOL: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
+    ///
+    /// // Node 0's memory (a GPU: `Route::Gpu(GpuSelector::Ordinal(1))`), 64 MiB in chunks.
+    /// let reservation = with_route(Route::Node(0), || KV_POOL.reserve_in_background(64 << 20))?;
+    /// println!("{}", reservation.progress()); // reserve 0.0/0.1 GiB: placed ...
+    /// let done = reservation.wait()?;
+    /// assert_eq!(done.usable, 64 << 20);
+    /// # KV_POOL.trim();
+    /// # Ok::<(), numa_gpu_alloc::Error>(())
+    /// ```
+    ///
     /// # Errors
     /// [`Error::StrictPinning`] as for `reserve_bytes`; a failure to start the thread
     /// ([`Error::Syscall`], `call: "reservation thread"`). Later errors come from the handle.
