@@ -81,12 +81,6 @@ impl Arena {
         next.max(need.next_multiple_of(CHUNK_ALIGN))
     }
 
-    /// Whether `key`'s heap has a chunk.
-    pub(crate) fn has_chunks(&self, key: HeapKey) -> bool {
-        self.heap_index(key)
-            .is_some_and(|heap| self.heaps[heap].chunks.iter().flatten().next().is_some())
-    }
-
     /// Adds a chunk made for `key` outside the lock; gives it back when the bookkeeping could not
     /// grow (the caller releases it).
     pub(crate) fn add_chunk(&mut self, key: HeapKey, chunk: Chunk) -> Result<(), Chunk> {

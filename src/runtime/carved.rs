@@ -69,10 +69,8 @@ impl Runtime {
         kind: Kind,
     ) -> Option<Block> {
         let key = reserved_key(kind, self.config.huge_pages);
-        if !super::reserve::bytes_reserved()
-            || size.saturating_add(align) > CHUNK_MAX
-            || !self.arena(target.host_node)?.has_chunks(key)
-        {
+        // A heap without room (or none at all) carves nothing: `carve_from` then returns `None`.
+        if !super::reserve::bytes_reserved() || size.saturating_add(align) > CHUNK_MAX {
             return None;
         }
         self.carve_from(key, size, align, zeroed, target, false)

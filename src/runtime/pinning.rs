@@ -17,7 +17,7 @@ use crate::arena::{Kind, Shortage};
 use crate::chunk::{page_locked_bytes, PinFlags, Registration};
 use crate::config::{Config, PinMode};
 use crate::cuda::{self, Gpu, RegisterFlags};
-use crate::process;
+use crate::process::{self, NODES};
 use crate::Error;
 
 /// Why blocks for a target cannot be page-locked, found when the target is resolved (where CUDA
@@ -153,9 +153,10 @@ impl Runtime {
             if over == 0 {
                 break;
             }
-            let idle = self
-                .arena(node)
-                .map_or(0, |arena| arena.releasable(Shortage::PageLocked));
+            // Only arenas there are: a node never used holds nothing page-locked.
+            let idle = NODES
+                .existing(node)
+                .map_or(0, |arena| arena.lock().releasable(Shortage::PageLocked));
             let ask = over.min(idle);
             if ask > 0 && self.give_back_for(node, ask, Shortage::PageLocked) {
                 over -= ask;
