@@ -10,6 +10,7 @@ use super::driver::{
     exported, Api, CuContext, CuResult, CAPTURE_MODE_RELAXED, HOST_MEMORY_NOT_REGISTERED,
     REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
 };
+use super::teardown::DriverCall;
 use crate::{fork, Error, Result};
 
 /// Why a forked child does not register memory.
@@ -201,6 +202,7 @@ impl Gpu {
     /// Retains the device's primary context, for registering memory with it.
     pub(crate) fn open(device: Device) -> Result<Gpu> {
         let api = device.api;
+        let _call = DriverCall::enter()?;
         let mut ctx: CuContext = std::ptr::null_mut();
         // SAFETY: `api` is the initialised driver's (a `Device` exists only then), and
         // `device.dev` is a valid handle from cuDeviceGet; `ctx` is a valid out-pointer.
@@ -250,8 +252,8 @@ impl Gpu {
     /// the thread's stream capture mode is set to relaxed for the call; both are restored
     /// afterwards, whatever happens.
     ///
-    /// In a child forked after [`Gpu::open`] nothing is registered: the error is
-    /// [`Error::CudaUnavailable`].
+    /// In a child forked after [`Gpu::open`], or once the process is exiting, nothing is
+    /// registered: the error is [`Error::CudaUnavailable`].
     ///
     /// # Safety
     ///
@@ -270,7 +272,9 @@ impl Gpu {
         }
         let flags = flags.bits();
         let api = self.device.api;
-        // Dropped in reverse order: the capture mode is restored, then the context popped.
+        // Dropped in reverse order: the capture mode is restored, the context popped, then the
+        // exit handler may go on.
+        let _call = DriverCall::enter()?;
         let _current = self.push()?;
         let _relaxed = relaxed_capture(api)?;
         // SAFETY: the caller guarantees the range is a live mapping it owns and that is not
@@ -288,7 +292,8 @@ impl Gpu {
     /// program reset the device). In a child forked after [`Gpu::open`] the driver is not called
     /// and the answer is [`Error::CudaUnavailable`]: the driver may have kept the parent's
     /// registered range out of the child (`MADV_DONTFORK`), so something else may be mapped
-    /// there now, and the caller must leave the range alone.
+    /// there now, and the caller must leave the range alone. Once the process is exiting the
+    /// answer is the same (the driver may be tearing down): the range stays mapped.
     ///
     /// # Safety
     ///
@@ -301,7 +306,8 @@ impl Gpu {
             });
         }
         let api = self.device.api;
-        // Dropped in reverse order: the capture mode is restored, then the context popped.
+        // Dropped in reverse order, as in `register`.
+        let _call = DriverCall::enter()?;
         let _current = self.push()?;
         let _relaxed = relaxed_capture(api)?;
         // SAFETY: the caller guarantees `ptr` is a registered, still-mapped base pointer;

@@ -55,9 +55,13 @@ thread_local! {
 
 /// The ordinal of the device of the calling thread's current CUDA context: one
 /// `cuCtxGetCurrent`, and `cuCtxGetDevice` only when the context changed since the last call on
-/// this thread. `None` without a usable driver or a current context. Allocates only on a
-/// context's first use (the driver probe); never panics.
+/// this thread. `None` without a usable driver or a current context, and in a forked child (which
+/// never calls the driver). Allocates only on a context's first use (the driver probe); never
+/// panics.
 pub(crate) fn current_ordinal() -> Option<u32> {
+    if crate::fork::generation() > 0 {
+        return None;
+    }
     current_ordinal_in(require_driver().ok()?)
 }
 

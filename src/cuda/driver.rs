@@ -11,10 +11,10 @@
 //! there.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::OnceLock;
 
-use super::cuda_error;
-use crate::{Error, Result};
+use super::{cuda_error, teardown};
+use crate::sys::once::ForkOnce;
+use crate::{fork, Error, Result};
 
 /// `CUresult` as the raw number the driver returns (any value, known to cudarc's bindings or not).
 pub(super) type CuResult = u32;
@@ -58,16 +58,17 @@ macro_rules! driver_table {
             )*
         }
 
-        /// Resolves every entry point of [`Api`]; `None` when a required one is missing.
+        /// Resolves every entry point of [`Api`] in `lib`; `None` when a required one is
+        /// missing.
         ///
         /// # Safety
         ///
-        /// libcuda must be loaded ([`libcuda`] returned it).
-        unsafe fn load_api() -> Option<Api> {
+        /// `lib` must be libcuda ([`open_libcuda`] returned it).
+        unsafe fn load_api(lib: &'static libloading::Library) -> Option<Api> {
             Some(Api {
                 $(
                     $(#[cfg($cfg)])?
-                    $field: driver_table!(@load $need $($symbol)|+),
+                    $field: driver_table!(@load lib, $need $($symbol)|+),
                 )*
             })
         }
@@ -85,15 +86,17 @@ macro_rules! driver_table {
     };
     (@type required ($($arg:ty),*)) => { unsafe extern "C" fn($($arg),*) -> CuResult };
     (@type optional ($($arg:ty),*)) => { Option<unsafe extern "C" fn($($arg),*) -> CuResult> };
-    (@load required $($symbol:literal)|+) => { driver_table!(@load optional $($symbol)|+)? };
-    (@load optional $first:literal $(| $other:literal)*) => {
-        // SAFETY: libcuda is loaded (`load_api`'s caller); the pointer type `symbol` is asked for
-        // is the field's, declared with the symbol's C prototype in the same entry (checked
+    (@load $lib:ident, required $($symbol:literal)|+) => {
+        driver_table!(@load $lib, optional $($symbol)|+)?
+    };
+    (@load $lib:ident, optional $first:literal $(| $other:literal)*) => {
+        // SAFETY: `$lib` is libcuda (`load_api`'s caller); the pointer type `symbol` is asked
+        // for is the field's, declared with the symbol's C prototype in the same entry (checked
         // against cudarc's bindings, with `CUresult` and enums read as plain integers).
-        unsafe { symbol($first) }
+        unsafe { symbol($lib, $first) }
         $(.or_else(|| {
             // SAFETY: as above, for the entry's other name.
-            unsafe { symbol($other) }
+            unsafe { symbol($lib, $other) }
         }))*
     };
     (@fake required ($($arg:ty),*)) => {{
@@ -224,53 +227,65 @@ impl std::fmt::Debug for Api {
 /// [`Error::Cuda`] with `cuInit`'s code when it failed.
 pub(super) type DriverState = std::result::Result<Api, Error>;
 
-/// The probe's answer, computed on the first call.
+/// Why a child forked while its parent was probing the driver does not use it.
+const FORKED_DURING_PROBE: &str = "the process forked while CUDA was being initialised";
+
+/// What a child forked during the probe gets: the parent's probe never finishes there.
+static ABANDONED: DriverState = Err(Error::CudaUnavailable {
+    reason: FORKED_DURING_PROBE,
+});
+
+/// The probe's answer, computed on the first call. Not a `OnceLock`: a child forked while another
+/// thread of the parent probes (loading libcuda takes hundreds of milliseconds) would wait for it
+/// forever; it gets [`ABANDONED`] instead.
 pub(super) fn driver_state() -> &'static DriverState {
-    static STATE: OnceLock<DriverState> = OnceLock::new();
-    STATE.get_or_init(probe_driver)
+    static STATE: ForkOnce<DriverState> = ForkOnce::new();
+    STATE
+        .get_or_init(fork::generation(), probe_driver)
+        .unwrap_or(&ABANDONED)
 }
 
-/// Looks up `name` in libcuda as a function pointer of type `F`.
+/// Looks up `name` in `lib` as a function pointer of type `F`.
 ///
 /// # Safety
 ///
 /// `F` must be an `unsafe extern "C" fn` type matching the C prototype of the symbol `name`.
-unsafe fn symbol<F: Copy>(name: &CStr) -> Option<F> {
+unsafe fn symbol<F: Copy>(lib: &'static libloading::Library, name: &CStr) -> Option<F> {
     // SAFETY: the caller guarantees that `F` is the symbol's function pointer type; the pointer
-    // is copied out of the `Symbol` and stays valid because the library is held in a static and
-    // never unloaded.
-    unsafe { libcuda()?.get::<F>(name) }.ok().map(|sym| *sym)
+    // is copied out of the `Symbol` and stays valid because the library is never unloaded.
+    unsafe { lib.get::<F>(name) }.ok().map(|sym| *sym)
 }
 
-/// libcuda, opened once: `libcuda.so` first (as cudarc does, so `LD_LIBRARY_PATH` can point at
-/// the simulator), then the driver's soname.
-fn libcuda() -> Option<&'static libloading::Library> {
-    static LIB: OnceLock<Option<libloading::Library>> = OnceLock::new();
-    LIB.get_or_init(|| {
-        ["libcuda.so", "libcuda.so.1"].into_iter().find_map(|name| {
-            // SAFETY: loading libcuda runs its initialisers, which take no arguments; the
-            // handle is kept for the life of the process.
+/// Opens libcuda: `libcuda.so` first (as cudarc does, so `LD_LIBRARY_PATH` can point at the
+/// simulator), then the driver's soname. The handle is leaked: never unloaded, so resolved
+/// pointers and the driver's static strings live for the rest of the process.
+fn open_libcuda() -> Option<&'static libloading::Library> {
+    let lib = ["libcuda.so", "libcuda.so.1"]
+        .into_iter()
+        .find_map(|name| {
+            // SAFETY: loading libcuda runs its initialisers, which take no arguments; the handle
+            // is kept for the life of the process.
             unsafe { libloading::Library::new(name) }.ok()
-        })
-    })
-    .as_ref()
+        })?;
+    Some(Box::leak(Box::new(lib)))
 }
 
-/// Loads libcuda, resolves the entry points and calls `cuInit(0)`; never panics.
+/// Loads libcuda, resolves the entry points, calls `cuInit(0)` and registers the exit handler
+/// that keeps later driver calls out of the driver's teardown; never panics.
 pub(super) fn probe_driver() -> DriverState {
     const TOO_OLD: Error = Error::CudaUnavailable {
         reason: "libcuda lacks a required driver function (the driver is too old)",
     };
-    if libcuda().is_none() {
-        return Err(Error::CudaUnavailable {
-            reason: "libcuda.so could not be loaded (no NVIDIA driver on this machine)",
-        });
-    }
-    // SAFETY: libcuda loads (checked above).
-    let api = unsafe { load_api() }.ok_or(TOO_OLD)?;
+    let lib = open_libcuda().ok_or(Error::CudaUnavailable {
+        reason: "libcuda.so could not be loaded (no NVIDIA driver on this machine)",
+    })?;
+    // SAFETY: `lib` is libcuda.
+    let api = unsafe { load_api(lib) }.ok_or(TOO_OLD)?;
     // SAFETY: cuInit is resolved from the loaded libcuda and takes flags 0.
     let res = unsafe { (api.init)(0) };
     api.check("cuInit", res)?;
+    // After cuInit, so that it runs before whatever teardown the driver registered there.
+    teardown::close_at_exit()?;
     Ok(api)
 }
 
@@ -306,7 +321,7 @@ impl Api {
             return None;
         }
         // SAFETY: on success cuGetErrorName stores a pointer to a NUL-terminated string constant
-        // inside libcuda; the library is held in a static (`libcuda`) and never unloaded, so the
+        // inside libcuda; the library is never unloaded (`open_libcuda` leaks it), so the
         // string lives for the rest of the process.
         let name: &'static CStr = unsafe { CStr::from_ptr(text) };
         name.to_str().ok()

@@ -30,7 +30,7 @@
 //! not allocate.
 //!
 //! Files: `driver.rs` loads libcuda and holds the entry-point table (one macro list) and the
-//! probe; `device.rs` finds a device; `context.rs` retains its primary context and registers
+//! probe; `teardown.rs` keeps registrations out of the driver's teardown at exit; `device.rs` finds a device; `context.rs` retains its primary context and registers
 //! memory; `event.rs` (feature `pinned-buffer`) pools, records and queries events for the pinned
 //! front end (`pinned/`); `tools.rs` is the public `cuda_driver` module for benchmarks; this
 //! file holds error naming (the `CUresult` names themselves are in [`crate::error`]); `tests/` runs the code against a fake
@@ -45,6 +45,7 @@ mod device;
 mod driver;
 #[cfg(feature = "pinned-buffer")]
 pub(crate) mod event;
+mod teardown;
 #[cfg(test)]
 mod tests;
 pub mod tools;
@@ -52,6 +53,7 @@ pub mod tools;
 pub(crate) use context::{Gpu, RegisterFlags, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
+pub(crate) use teardown::{exiting, EXITING_REASON};
 
 use crate::error::known_error_name;
 use crate::Error;

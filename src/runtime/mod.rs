@@ -387,9 +387,15 @@ fn resolve_target(
     let selector = match config.target {
         Target::Node(_) | Target::LocalNode => None,
         // The driver (cuInit, no context unless pinning) tells which GPU and so which node; so
-        // for `gpu=current`, on threads without a current context.
+        // for `gpu=current`, on threads without a current context. A forked child never asks
+        // it (nor waits for a probe its parent had under way): only one that wants pinning is
+        // told why it gets none.
         Target::Default | Target::Gpu(GpuSelector::Current) => {
-            cuda::driver_present().then_some(GpuSelector::Auto)
+            if process::in_child() {
+                pinning.then_some(GpuSelector::Auto)
+            } else {
+                cuda::driver_present().then_some(GpuSelector::Auto)
+            }
         }
         Target::Gpu(selector) => Some(selector),
     };

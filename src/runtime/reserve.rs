@@ -21,6 +21,7 @@ use super::{Resolved, Runtime};
 use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX};
 use crate::chunk::Mapping;
 use crate::config::{Config, Reserve};
+use crate::cuda;
 use crate::sys::lock::Lock;
 use crate::Error;
 
@@ -145,13 +146,15 @@ impl Runtime {
         let total = bytes
             .checked_next_multiple_of(CHUNK_ALIGN)
             .ok_or(too_large)?;
-        stop_at_exit();
         let mut made = 0;
         let mut next = CHUNK_FIRST;
         while made < total && !tally.cancel.load(Ordering::Acquire) {
-            let _step = ChunkStep::begin().ok_or(Error::ReservationLost {
-                reason: "the process is exiting",
-            })?;
+            // A pinned chunk could not be registered any more (`cuda/teardown.rs`).
+            if kind.pinned && cuda::exiting() {
+                return Err(Error::ReservationLost {
+                    reason: cuda::EXITING_REASON,
+                });
+            }
             let len = next.min(total - made);
             next = (next * 2).min(CHUNK_MAX);
             let mapping = Mapping::new(len, CHUNK_ALIGN)?;
@@ -177,53 +180,6 @@ impl Runtime {
             made += len;
         }
         Ok(())
-    }
-}
-
-/// Chunk steps of reservations under way (mapping to adding a chunk).
-static STEPS: AtomicU32 = AtomicU32::new(0);
-/// Set by the exit handler: reservations stop before their next chunk.
-static EXITING: AtomicBool = AtomicBool::new(false);
-
-/// One chunk of a reservation being made: the exit handler waits for it to end.
-struct ChunkStep;
-
-impl ChunkStep {
-    /// `None` once the process is exiting.
-    fn begin() -> Option<ChunkStep> {
-        STEPS.fetch_add(1, Ordering::AcqRel);
-        if EXITING.load(Ordering::Acquire) {
-            STEPS.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        Some(ChunkStep)
-    }
-}
-
-impl Drop for ChunkStep {
-    fn drop(&mut self) {
-        STEPS.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Registers, once, the exit handler that stops reservations: registered after the CUDA
-/// driver's own (the first reservation comes after the driver was loaded), it runs before the
-/// driver tears down, so that no registration runs into the teardown.
-fn stop_at_exit() {
-    static REGISTERED: AtomicBool = AtomicBool::new(false);
-    if !REGISTERED.swap(true, Ordering::AcqRel) {
-        // Only ENOMEM is possible; then a reservation under way at exit is not waited for.
-        let _ = crate::sys::at_exit(stop_reservations);
-    }
-}
-
-/// The exit handler: no reservation starts another chunk, and the chunks under way (a
-/// registration at most 1 GiB long) end first, for at most 10 s.
-extern "C" fn stop_reservations() {
-    EXITING.store(true, Ordering::Release);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while STEPS.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

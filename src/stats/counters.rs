@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::{CudaErrorCount, Events, Stats, TimeStats};
 use crate::sys::lock::Lock;
+use crate::sys::once::SetOnce;
 use crate::Error;
 
 /// A monotonically increasing event counter.
@@ -57,7 +58,9 @@ pub(super) const FREE_SLOT: u32 = u32::MAX;
 /// Registration failures counted by CUDA error code, lock-free.
 pub(crate) struct CodeCounts {
     codes: [AtomicU32; ERROR_CODE_SLOTS],
-    names: [std::sync::OnceLock<&'static str>; ERROR_CODE_SLOTS],
+    /// Not `OnceLock`s: one another thread was setting at a fork would stay "running" in the
+    /// child, and the child's next failure would wait for it forever.
+    names: [SetOnce<&'static str>; ERROR_CODE_SLOTS],
     counts: [AtomicU64; ERROR_CODE_SLOTS],
     /// The last slot also counts codes that found no slot of their own.
     overflowed: std::sync::atomic::AtomicBool,
@@ -67,7 +70,7 @@ impl Default for CodeCounts {
     fn default() -> Self {
         CodeCounts {
             codes: std::array::from_fn(|_| AtomicU32::new(FREE_SLOT)),
-            names: std::array::from_fn(|_| std::sync::OnceLock::new()),
+            names: std::array::from_fn(|_| SetOnce::new()),
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
             overflowed: std::sync::atomic::AtomicBool::new(false),
         }
@@ -84,7 +87,7 @@ impl CodeCounts {
                 if claimed != code && claimed != FREE_SLOT {
                     self.overflowed.store(true, Relaxed);
                 }
-                let _ = self.names[slot].set(name);
+                self.names[slot].set(name);
                 self.counts[slot].fetch_add(1, Relaxed);
                 return;
             }
@@ -104,7 +107,7 @@ impl CodeCounts {
                 name: if mixed {
                     "other"
                 } else {
-                    self.names[slot].get().copied().unwrap_or("?")
+                    self.names[slot].get().unwrap_or("?")
                 },
                 count,
             })

@@ -7,7 +7,8 @@
 //! - `populate.rs`: faulting pages in — [`populate`] (`madvise(MADV_POPULATE_WRITE)`);
 //! - `pages.rs`: where pages are — [`page_nodes`] and [`census`] (`move_pages`);
 //! - `affinity.rs`: which CPUs a thread runs on (`sched_setaffinity`, `sched_getaffinity`);
-//! - `lock.rs`: the allocator's fork-safe lock (`futex`);
+//! - `lock.rs`: the allocator's fork-safe lock (`futex`); `once.rs`: one-time state a fork cannot
+//!   catch half-done;
 //! - `process.rs`: fork handlers (`pthread_atfork`); `exit.rs`: the exit handler, its stderr
 //!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
@@ -38,6 +39,7 @@ pub mod fault;
 pub(crate) mod fault;
 pub(crate) mod lock;
 mod mem;
+pub(crate) mod once;
 mod pages;
 mod policy;
 mod populate;

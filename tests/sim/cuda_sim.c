@@ -35,7 +35,8 @@
  *
  * Environment: CUDA_SIM_DEVICES (default 1), CUDA_SIM_HOST_NUMA_ID (comma list per device,
  * default 0; -1 reports "unknown"), CUDA_SIM_PCI (comma list, default 0000:0N:00.0),
- * CUDA_SIM_DELAY_US, CUDA_SIM_REGISTER_US_PER_GIB, CUDA_SIM_TEARDOWN_US.
+ * CUDA_SIM_DELAY_US, CUDA_SIM_REGISTER_US_PER_GIB, CUDA_SIM_TEARDOWN_US, CUDA_SIM_INIT_US (how long
+ * the first cuInit takes).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -82,6 +83,9 @@ static char pci_ids[MAX_DEVICES][32];
 static unsigned delay_us = 3000;
 /* Real time a registration takes per GiB, under the global lock (CUDA_SIM_REGISTER_US_PER_GIB). */
 static unsigned long long register_us_per_gib;
+/* Microseconds the first cuInit takes (CUDA_SIM_INIT_US), outside the lock: loading and
+ * initialising the real driver takes hundreds of milliseconds. */
+static unsigned long long init_us;
 static int held; /* cuSimHold: page-locked copies wait until released */
 
 struct sim_ctx {
@@ -199,8 +203,8 @@ static int stream_count;
 static struct sim_stream null_stream;
 static int null_stream_started;
 
-static void sleep_us(unsigned us) {
-    struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000};
+static void sleep_us(unsigned long long us) {
+    struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
     while (nanosleep(&ts, &ts) != 0) {
     }
 }
@@ -374,6 +378,8 @@ static void read_environment(void) {
     if (v) delay_us = (unsigned)atoi(v);
     v = getenv("CUDA_SIM_REGISTER_US_PER_GIB");
     if (v) register_us_per_gib = strtoull(v, NULL, 10);
+    v = getenv("CUDA_SIM_INIT_US");
+    if (v) init_us = strtoull(v, NULL, 10);
     const char *fail = getenv("CUDA_SIM_FAIL");
     if (fail) {
         char name[64];
@@ -389,6 +395,7 @@ CUresult cuInit(unsigned flags) {
     if (!initialised) {
         pthread_mutex_unlock(&lock);
         read_environment();
+        sleep_us(init_us);
         pthread_mutex_lock(&lock);
     }
     CUresult r = injected_locked("cuInit");
@@ -852,12 +859,7 @@ __attribute__((destructor)) static void tear_down(void) {
     pthread_mutex_unlock(&lock);
     /* The teardown takes time (CUDA_SIM_TEARDOWN_US): other threads still run meanwhile. */
     const char *v = getenv("CUDA_SIM_TEARDOWN_US");
-    unsigned long long us = v ? strtoull(v, NULL, 10) : 0;
-    while (us > 0) {
-        unsigned step = us > 100000 ? 100000 : (unsigned)us;
-        sleep_us(step);
-        us -= step;
-    }
+    sleep_us(v ? strtoull(v, NULL, 10) : 0);
 }
 
 CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
@@ -877,13 +879,8 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
         registrations++;
         if (len > largest_registration) largest_registration = len;
         /* The page-table work, holding the lock as the driver does. */
-        unsigned long long us = (unsigned long long)((double)register_us_per_gib *
-                                                     (double)len / (double)(1ull << 30));
-        while (us > 0) {
-            unsigned step = us > 100000 ? 100000 : (unsigned)us;
-            sleep_us(step);
-            us -= step;
-        }
+        sleep_us((unsigned long long)((double)register_us_per_gib * (double)len /
+                                      (double)(1ull << 30)));
         unsigned long long took = now_us() - start;
         if (took > longest_registration_us) longest_registration_us = took;
     }

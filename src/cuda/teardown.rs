@@ -1,0 +1,86 @@
+//! The exit protocol: from the moment the driver's teardown can begin, no thread calls the driver
+//! to register, unregister or retain a context.
+//!
+//! libcuda tears its state down at exit (in its own exit handler or its library destructor); a
+//! registration that another thread makes afterwards touches freed driver state. Exit handlers
+//! run in reverse order of registration, and library destructors after all of them, so the
+//! handler here — registered by the driver probe right after `cuInit`, before the probe's answer
+//! lets anyone call the driver — runs before the driver's teardown. It closes the gate, then
+//! waits for the calls already through it to end.
+//!
+//! The gate is one word: the closed bit and the count of calls in flight. Entering and closing
+//! are read-modify-writes of that word, so whichever comes first in its modification order wins:
+//! a call that entered before the gate closed is waited for, one that comes after is refused.
+//! (Two separate flags, each side storing its own and loading the other's, would need `SeqCst`
+//! on all four accesses to rule out both sides missing each other.)
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::{fork, sys, Error, Result};
+
+/// Why a driver call is refused at exit.
+pub(crate) const EXITING_REASON: &str = "the process is exiting (the driver may be tearing down)";
+
+/// Set once the exit handler ran.
+const CLOSED: u32 = 1 << 31;
+
+/// [`CLOSED`], and the number of driver calls in flight.
+static GATE: AtomicU32 = AtomicU32::new(0);
+
+/// How long the exit handler waits for calls in flight: one registration of at most a chunk
+/// (1 GiB: tens of milliseconds on current drivers) or a block registered whole.
+const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
+/// Registers the exit handler that closes the gate. Called by the driver probe after `cuInit`
+/// (so that it runs before the driver's teardown) and before any other driver call.
+pub(super) fn close_at_exit() -> Result<()> {
+    sys::at_exit(close).map_err(|_| Error::CudaUnavailable {
+        reason: "the exit handler that keeps driver calls out of the driver's teardown could not \
+                 be registered (atexit failed)",
+    })
+}
+
+/// A driver call in flight: the exit handler waits for it to end.
+pub(super) struct DriverCall(());
+
+impl DriverCall {
+    /// Enters the gate, or [`Error::CudaUnavailable`] with [`EXITING_REASON`] once the process
+    /// is exiting.
+    pub(super) fn enter() -> Result<DriverCall> {
+        let before = GATE.fetch_add(1, Ordering::Acquire);
+        if before & CLOSED != 0 {
+            GATE.fetch_sub(1, Ordering::Release);
+            return Err(Error::CudaUnavailable {
+                reason: EXITING_REASON,
+            });
+        }
+        Ok(DriverCall(()))
+    }
+}
+
+impl Drop for DriverCall {
+    fn drop(&mut self) {
+        GATE.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Whether the gate is closed (the process is exiting): work that would end in a driver call
+/// can stop early. [`DriverCall::enter`] is what decides.
+pub(crate) fn exiting() -> bool {
+    GATE.load(Ordering::Relaxed) & CLOSED != 0
+}
+
+/// The exit handler: closes the gate, then waits (at most [`DRAIN_LIMIT`]) for the calls in
+/// flight. In a forked child the parent's calls in flight have no thread here: nothing to wait
+/// for (a child never calls the driver).
+extern "C" fn close() {
+    let before = GATE.fetch_or(CLOSED, Ordering::AcqRel);
+    if fork::generation() > 0 || before & CLOSED != 0 {
+        return;
+    }
+    let deadline = Instant::now() + DRAIN_LIMIT;
+    while GATE.load(Ordering::Acquire) & !CLOSED != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
