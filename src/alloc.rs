@@ -6,6 +6,7 @@
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::io::Write as _;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
@@ -251,8 +252,20 @@ impl<A> NumaGpuAlloc<A> {
         });
         if initialised_here {
             rt.report_setup_errors();
-            crate::stats_exit::register(rt, crate::sys::in_loaded_image(self));
-            rt.reserve_configured();
+            let in_static = crate::sys::in_loaded_image(self);
+            crate::stats_exit::register(rt, in_static);
+            match crate::stats_exit::as_static(rt, in_static) {
+                Some(rt) if rt.config.reserve_background => rt.reserve_configured_in_background(),
+                None if rt.config.reserve_background && !rt.config.reserve.is_none() => {
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "numa-gpu-alloc: reserve_background=on applies to allocators in a \
+                         static (a thread may outlive this one); reserving now"
+                    );
+                    rt.reserve_configured();
+                }
+                _ => rt.reserve_configured(),
+            }
         }
         rt
     }

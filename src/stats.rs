@@ -216,12 +216,10 @@ snapshot! {
         pub pin_limit: Option<usize>,
         /// Per node: the process's arenas, shared by every allocator value.
         pub nodes: Vec<NodeStats>,
-        /// Per node and kind of chunk (policy, pinning, page size), in node order. Not refreshed by
-        /// the report at exit.
+        /// Per node and kind of chunk (policy, pinning, page size), in node order.
         pub heaps: Vec<HeapStats>,
         /// Per GPU and node, for requests routed to a GPU the CUDA driver knows (by the allocator's
-        /// target or a thread's [`Route`](crate::Route)), in node order. Not refreshed by the
-        /// report at exit.
+        /// target or a thread's [`Route`](crate::Route)), in node order.
         pub gpus: Vec<GpuStats>,
         /// Large requests that reached the cache: hits + misses. A miss whose block could not be
         /// made failed, and is counted here and in `fallbacks.failed_allocations`; a request
@@ -253,6 +251,13 @@ snapshot! {
             released_blocks: "released blocks",
             /// Successful `cuMemHostRegister` calls.
             registrations,
+            /// Blocks larger than the registration bound (`register_max=`), each registered whole
+            /// with one call.
+            oversized_registrations: "registered whole above the bound",
+            /// Chunks made by reservations (`reserve=`, `reserve_bytes`, in the background).
+            reserved_chunks,
+            /// Their bytes.
+            reserved_bytes,
             /// `cuMemHostUnregister` calls.
             unregistrations,
             /// Pages checked with `move_pages` (`verify=on`, or `policy=bind`).

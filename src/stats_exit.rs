@@ -5,7 +5,7 @@
 //! handler. Other threads may still be allocating when it runs, or hold the arena lock, and the
 //! exiting thread may itself have been inside the allocator, so the handler:
 //! - allocates nothing: it refreshes, in place, a snapshot built at registration (node rows, GPU
-//!   name and setup errors already there, room for every error code), formats into a buffer on
+//!   name and setup errors already there, room for every error code and for heap and GPU rows), formats into a buffer on
 //!   its stack and writes that to fd 2 with `write(2)` (no stderr lock). It runs marked as inside
 //!   the allocator, so anything below it that does allocate (an errno's text) gets the inner
 //!   allocator, never our arena;
@@ -57,6 +57,9 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// Set by the handler's first run.
 static PRINTED: AtomicBool = AtomicBool::new(false);
 
+/// Heap rows and GPU rows the report at exit has room for (beyond those at registration).
+const EXIT_ROWS: usize = 64;
+
 /// How often, a millisecond apart, the handler tries the arena lock before giving up on node rows.
 const ARENA_TRIES: u32 = 100;
 
@@ -75,6 +78,9 @@ pub(crate) fn register(rt: &Runtime, owner_in_image: bool) {
     };
     let mut stats = runtime.stats();
     stats.pin_failures_by_code.reserve(ERROR_CODE_SLOTS);
+    // Room for the rows refreshed at exit, which allocates nothing (see `fill_nodes`).
+    stats.heaps.reserve(EXIT_ROWS);
+    stats.gpus.reserve(EXIT_ROWS);
     let report = Box::into_raw(Box::new(Report {
         runtime,
         format: runtime.config.stats_at_exit,
@@ -97,7 +103,7 @@ pub(crate) fn register(rt: &Runtime, owner_in_image: bool) {
 }
 
 /// `rt` as `'static` when its allocator lies in a static (see [`register`]).
-fn as_static(rt: &Runtime, in_image: bool) -> Option<&'static Runtime> {
+pub(crate) fn as_static(rt: &Runtime, in_image: bool) -> Option<&'static Runtime> {
     let rt: *const Runtime = rt;
     // SAFETY: a static lives until the process exits, or until its library is unloaded, which
     // first runs that library's atexit handlers (the only reader of the reference); its runtime
@@ -140,6 +146,7 @@ fn write_report(
     out: &mut dyn Write,
 ) -> fmt::Result {
     rt.counters.fill(stats);
+    stats.page_locked_bytes = crate::chunk::page_locked_bytes();
     if stats.numa_unavailable.is_none() {
         // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.
         stats.numa_unavailable = rt.mbind_refusal();
@@ -159,9 +166,12 @@ fn write_report(
     Ok(())
 }
 
-/// Refreshes the node rows under each node's arena lock, if each can be had within
-/// [`ARENA_TRIES`] milliseconds; otherwise empties them (without freeing) and returns `false`.
+/// Refreshes the node, heap and GPU rows under each node's arena lock, if each can be had
+/// within [`ARENA_TRIES`] milliseconds (rows beyond the room reserved at registration are left
+/// out: nothing is allocated); otherwise empties them (without freeing) and returns `false`.
 fn fill_nodes(stats: &mut Stats) -> bool {
+    stats.heaps.clear();
+    stats.gpus.clear();
     for row in &mut stats.nodes {
         let Some(arena) = NODES.existing(row.node) else {
             continue;
@@ -176,6 +186,10 @@ fn fill_nodes(stats: &mut Stats) -> bool {
             return false;
         };
         locked.fill(row);
+        let room = stats.heaps.capacity() - stats.heaps.len();
+        stats.heaps.extend(locked.heap_rows().take(room));
+        let room = stats.gpus.capacity() - stats.gpus.len();
+        stats.gpus.extend(locked.gpus().iter().take(room).cloned());
     }
     true
 }

@@ -202,3 +202,96 @@ fn an_exit_right_after_a_background_reservation_starts_never_registers_into_the_
     std::thread::sleep(exit_delay());
     drop(reservation);
 }
+
+/// The JSON line of the report at exit in `output`.
+fn exit_report(output: &str) -> serde_json::Value {
+    let line = output
+        .lines()
+        .rfind(|l| l.starts_with('{') && l.contains("\"page_locked_bytes\""))
+        .unwrap_or_else(|| panic!("no report at exit:\n{output}"));
+    serde_json::from_str(line).expect("the report is JSON")
+}
+
+/// `stats=json` with a pinned limit: three pinned blocks stay live at exit, and the report's
+/// page-locked bytes and heap rows are read at exit, as its node rows are (not when the report
+/// was set up).
+#[test]
+fn the_report_at_exit_reads_page_locked_bytes_at_exit() {
+    if sim::in_body() {
+        static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
+        for size in [40, 60, 80] {
+            let layout = Layout::from_size_align(size * MIB, 64).unwrap();
+            // SAFETY: a valid layout; the blocks stay live until the process exits.
+            assert!(!unsafe { ALLOC.alloc(layout) }.is_null());
+        }
+        return;
+    }
+    let (passed, output) = sim::run_child(
+        "the_report_at_exit_reads_page_locked_bytes_at_exit",
+        &[("NUMA_GPU_ALLOC", "pin=on,pin_limit=256MiB,stats=json")],
+    );
+    assert!(passed, "{output}");
+    let report = exit_report(&output);
+    let page_locked = report["page_locked_bytes"].as_u64().unwrap();
+    let node_rows: u64 = report["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["pinned_bytes"].as_u64().unwrap())
+        .sum();
+    let heap_rows = report["heaps"].as_array().unwrap().len();
+    eprintln!("at exit: page-locked {page_locked}, node rows {node_rows}, {heap_rows} heap rows");
+    assert!(page_locked >= (180 * MIB) as u64, "{report}");
+    assert_eq!(page_locked, node_rows, "{report}");
+    // None existed when the report was set up, at the first request.
+    assert!(heap_rows > 0, "heap rows read at exit: {report}");
+}
+
+/// `reserve_background=on`: the first request does not wait for the reservation (registration
+/// takes 8 s per GiB here), which prints one line when it ends.
+#[test]
+fn a_background_reservation_from_the_environment_says_once_how_it_ended() {
+    if sim::in_body() {
+        static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
+        let layout = Layout::from_size_align(2 * MIB, 64).unwrap();
+        // SAFETY: a valid layout, freed with it.
+        unsafe {
+            let p = ALLOC.alloc(layout);
+            assert!(!p.is_null());
+            assert!(
+                ALLOC.stats().reserved_bytes < (256 * MIB) as u64,
+                "not waited for"
+            );
+            ALLOC.dealloc(p, layout);
+        }
+        let start = Instant::now();
+        while ALLOC.stats().reserved_bytes < (256 * MIB) as u64 {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "{}",
+                ALLOC.stats()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The line comes after the last chunk is added.
+        std::thread::sleep(Duration::from_millis(200));
+        return;
+    }
+    let (passed, output) = sim::run_child(
+        "a_background_reservation_from_the_environment_says_once_how_it_ended",
+        &[
+            (
+                "NUMA_GPU_ALLOC",
+                "pin=on,reserve=256MiB,reserve_background=on",
+            ),
+            ("CUDA_SIM_REGISTER_US_PER_GIB", "8000000"),
+        ],
+    );
+    assert!(passed, "{output}");
+    let lines: Vec<_> = output
+        .lines()
+        .filter(|l| l.contains("reserve in the background"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{output}");
+    assert!(lines[0].contains("0.2 GiB usable in 4 chunks"), "{output}");
+}

@@ -207,7 +207,6 @@ fn cases() -> Vec<Case> {
             blocks: 2,
             block_size: 4096,
             threshold: Config::DEFAULT.threshold,
-            cache_limit: Config::DEFAULT.cache_limit,
         }],
         check: |c| assert_eq!(c.reserve.blocks, 2),
     });
@@ -375,7 +374,6 @@ fn each_bad_setting_is_printed_once_per_process() {
         blocks: 1,
         block_size: 4096,
         threshold: Config::DEFAULT.threshold,
-        cache_limit: Config::DEFAULT.cache_limit,
     };
     let count = |e: &Error| {
         let line = format!("{PREFIX}{e}");

@@ -50,7 +50,8 @@ fn environment_overrides_builder_and_reports_bad_entries() {
             key: "colour".into(),
             value: "blue".into(),
             expected: "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                       readonly, pin_limit, threads, stats, reserve, decay, decay_thread",
+                       readonly, pin_limit, register_max, threads, stats, reserve, \
+                       reserve_background, decay, decay_thread",
         }]
     );
 

@@ -113,10 +113,37 @@ impl<A> NumaGpuAlloc<A> {
         self
     }
 
-    /// Places `blocks` blocks of `block_size` bytes into the cache at initialisation (see
-    /// [`reserve`](Self::reserve); default none).
+    /// Reserves room for `blocks` blocks of `block_size` bytes at initialisation (see
+    /// [`reserve`](Self::reserve); `reserve=COUNTxSIZE`; default none).
     pub const fn reserve_at_init(mut self, blocks: usize, block_size: usize) -> Self {
-        self.config.reserve = Reserve { blocks, block_size };
+        self.config.reserve = Reserve::blocks(blocks, block_size);
+        self
+    }
+
+    /// Reserves `bytes` of room at initialisation (see [`reserve_bytes`](Self::reserve_bytes);
+    /// `reserve=SIZE`; default none).
+    pub const fn reserve_bytes_at_init(mut self, bytes: usize) -> Self {
+        self.config.reserve = Reserve::bytes(bytes);
+        self
+    }
+
+    /// Makes the reservation at initialisation on a thread of its own, for an allocator in a
+    /// static (`reserve_background=on`; default off: initialisation waits for it). One line on
+    /// stderr says how it ended; [`Stats::reservation`](crate::Stats::reservation) shows its
+    /// progress.
+    pub const fn reserve_background(mut self, on: bool) -> Self {
+        self.config.reserve_background = on;
+        self
+    }
+
+    /// The most bytes one chunk's `cuMemHostRegister` covers (`register_max=`; taken into 2 MiB
+    /// to 1 GiB and rounded up to 2 MiB). The default, 256 MiB, keeps the driver's page table
+    /// of one registration at 1 MiB: from 512 MiB up it is a 2 MiB allocation, which the kernel
+    /// may satisfy by compacting memory while the driver's global lock is held, stalling every
+    /// GPU process on the machine. Pinned chunks and reservations are made no larger; a block
+    /// larger than it gets a mapping of its own, registered whole.
+    pub const fn register_max(mut self, bytes: usize) -> Self {
+        self.config.register_max = bytes;
         self
     }
 

@@ -12,25 +12,27 @@ use crate::runtime::Runtime;
 use crate::Error;
 
 impl<A: GlobalAlloc> NumaGpuAlloc<A> {
-    /// Places `blocks` blocks of `block_size` bytes, populated and (when pinning) page-locked,
-    /// into the cache of the node where the calling thread's blocks go (its
+    /// Makes room for `blocks` blocks of `block_size` bytes, populated and (when pinning)
+    /// page-locked, for the node where the calling thread's blocks go (its
     /// [route](crate::bind_thread), or this value's target) now, initialising the large path if
-    /// needed: the next requests of about
-    /// that size (up to a ninth smaller) are cache hits instead of paying for placement and
-    /// pinning. Reserved blocks are ordinary cached blocks: they count against the cache limit
-    /// (older cached blocks make room for them), the cache keeps them as memory in use at once,
-    /// and [`trim`](Self::trim) releases them.
+    /// needed: the next requests of about that size are served from it instead of paying for
+    /// placement and pinning. The room is reserved chunks of whole blocks, each at most the
+    /// registration bound ([`register_max`](Self::register_max)) and registered once, carved
+    /// for requests of any size up to a chunk's (as [`reserve_bytes`](Self::reserve_bytes));
+    /// a block larger than the bound is a cached block of its own, registered whole. Bounded by
+    /// the node's memory and the pinned limit, not the cache limit; [`trim`](Self::trim)
+    /// releases it.
     ///
     /// Takes as long as allocating the blocks; call it at start-up, or on a thread of its own.
     /// `NUMA_GPU_ALLOC=reserve=COUNTxSIZE` (or [`reserve_at_init`](Self::reserve_at_init)) does
-    /// the same at initialisation, on the thread that initialises.
+    /// the same at initialisation.
     ///
     /// # Errors
-    /// [`Error::ReserveRejected`] when a block would be below the threshold or all of them above
-    /// the cache limit; [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked
-    /// for the target; the placement or pinning error of a block that could not be made (the
-    /// blocks made before it stay cached, unless memory pressure made the allocator give cached
-    /// blocks back).
+    /// [`Error::ReserveRejected`] when a block would be below the threshold;
+    /// [`Error::ReserveTooLarge`] beyond the node's memory; [`Error::PinLimit`] beyond the
+    /// pinned limit; [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked
+    /// for the target; the placement or pinning error of a chunk that could not be made (what
+    /// was made before it stays).
     pub fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
         let _inside = Inside::enter();
         self.runtime().reserve(blocks, block_size)
@@ -38,7 +40,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
 
     /// Reserves `bytes` (rounded up to 2 MiB) for the node where the calling thread's blocks go
     /// (its [route](crate::bind_thread), or this value's target; pinned when this value pins),
-    /// and waits for it: chunks of at most 1 GiB, each mapped, placed, populated by the node's
+    /// and waits for it: chunks of at most the registration bound
+    /// ([`register_max`](Self::register_max), 256 MiB by default), each mapped, placed, populated by the node's
     /// populate workers and registered with a single driver call, added to the arena as it is
     /// made. Requests of any size up to a chunk's are carved from them first; they are kept
     /// when idle (decay leaves them) until [`trim`](Self::trim) or memory pressure. Reserved
@@ -46,7 +49,8 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     ///
     /// # Errors
     /// [`Error::StrictPinning`] when `pin=strict` and nothing can be page-locked for the target;
-    /// [`Error::ReserveTooLarge`] beyond the node's memory; else the error of the chunk that
+    /// [`Error::ReserveTooLarge`] beyond the node's memory; [`Error::PinLimit`] beyond the
+    /// pinned limit, before anything is made; else the error of the chunk that
     /// failed (a CUDA error with its code, [`Error::PinLimit`] at the pinned limit,
     /// [`Error::MemoryLimit`]...): the reservation stops there, and the chunks made before it
     /// stay usable.

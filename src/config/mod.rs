@@ -28,6 +28,16 @@ pub const DEFAULT_CACHE_LIMIT: usize = 4 << 30;
 pub const MIN_THRESHOLD: usize = 4 << 10;
 /// Largest accepted threshold.
 pub const MAX_THRESHOLD: usize = 64 << 30;
+/// Default registration bound (`register_max=`): the most bytes one `cuMemHostRegister` of a
+/// chunk covers. The driver keeps 16 B of page table per 4 KiB page registered; from 512 MiB up
+/// that table is a 2 MiB allocation, which the kernel may satisfy by direct compaction while the
+/// driver's global lock is held (stalling every GPU process on the machine). 256 MiB keeps it at
+/// 1 MiB.
+pub const DEFAULT_REGISTER_MAX: usize = 256 << 20;
+/// Largest accepted registration bound: the largest chunk.
+pub const MAX_REGISTER_MAX: usize = 1 << 30;
+/// Smallest accepted registration bound: the chunk alignment.
+pub const MIN_REGISTER_MAX: usize = 2 << 20;
 /// Default time after which idle free memory is given back (`decay=`).
 pub const DEFAULT_DECAY_MS: u64 = 1000;
 /// Name of the environment variable read once per process, by the first allocator value that
@@ -85,15 +95,19 @@ pub enum PinMode {
     Off,
 }
 
-/// Blocks placed (and pinned, when pinning is on) into the cache at initialisation, so that the
-/// first requests of that size are cache hits (`reserve=`).
+/// Memory placed (and pinned, when pinning is on) at initialisation, so that the first requests
+/// are served from it (`reserve=`): bytes of chunked room (`reserve=3GiB`), or room for blocks
+/// of a size (`reserve=24x128MiB`). Either way in chunks of at most the registration bound, each
+/// registered once; a block larger than the bound gets a mapping of its own, registered whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Reserve {
-    /// How many blocks (0: none).
+    /// How many blocks (0: none, or bytes).
     pub blocks: usize,
     /// Bytes of each: a request of this size, or up to a ninth smaller, reuses one.
     pub block_size: usize,
+    /// Bytes of room for requests of any size up to a chunk's (with `blocks` 0).
+    pub bytes: usize,
 }
 
 impl Reserve {
@@ -101,7 +115,31 @@ impl Reserve {
     pub const NONE: Reserve = Reserve {
         blocks: 0,
         block_size: 0,
+        bytes: 0,
     };
+
+    /// Room for `blocks` blocks of `block_size` bytes.
+    pub const fn blocks(blocks: usize, block_size: usize) -> Reserve {
+        Reserve {
+            blocks,
+            block_size,
+            bytes: 0,
+        }
+    }
+
+    /// `bytes` of room, carved for requests of any size up to a chunk's.
+    pub const fn bytes(bytes: usize) -> Reserve {
+        Reserve {
+            blocks: 0,
+            block_size: 0,
+            bytes,
+        }
+    }
+
+    /// Whether nothing is reserved.
+    pub const fn is_none(&self) -> bool {
+        self.bytes == 0 && (self.blocks == 0 || self.block_size == 0)
+    }
 }
 
 /// What an allocator prints about itself when the process exits (`stats=`).
@@ -152,8 +190,14 @@ pub struct Config {
     pub sysfs_root: &'static str,
     /// Whether the stats are printed at process exit, and how.
     pub stats_at_exit: StatsAtExit,
-    /// Blocks placed into the cache at initialisation.
+    /// Memory reserved at initialisation.
     pub reserve: Reserve,
+    /// Whether that reservation is made on a thread of its own (for an allocator in a static),
+    /// so that initialisation does not wait for it; one line says how it ended.
+    pub reserve_background: bool,
+    /// The most bytes one registration of a chunk covers (a multiple of 2 MiB, 2 MiB to 1 GiB);
+    /// a block larger than that is registered whole, counted in `Stats::oversized_registrations`.
+    pub register_max: usize,
     /// Milliseconds after which idle free memory is given back to the kernel (`u64::MAX`: never).
     pub decay_ms: u64,
     /// A thread that gives idle memory back while the program allocates nothing large.
@@ -178,6 +222,8 @@ impl Config {
         sysfs_root: "/sys",
         stats_at_exit: StatsAtExit::Off,
         reserve: Reserve::NONE,
+        reserve_background: false,
+        register_max: DEFAULT_REGISTER_MAX,
         decay_ms: DEFAULT_DECAY_MS,
         decay_thread: true,
     };
@@ -211,6 +257,8 @@ impl Config {
             Setting::PopulateThreads(threads) => self.populate_threads = threads,
             Setting::StatsAtExit(format) => self.stats_at_exit = format,
             Setting::Reserve(reserve) => self.reserve = reserve,
+            Setting::ReserveBackground(on) => self.reserve_background = on,
+            Setting::RegisterMax(bytes) => self.register_max = bytes,
             Setting::DecayMs(ms) => self.decay_ms = ms,
             Setting::DecayThread(on) => self.decay_thread = on,
         }

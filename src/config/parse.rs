@@ -5,7 +5,7 @@
 //! allocations are the error values and the list of accepted entries.
 
 use super::{Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target};
-use super::{MAX_THRESHOLD, MIN_THRESHOLD};
+use super::{MAX_REGISTER_MAX, MAX_THRESHOLD, MIN_REGISTER_MAX, MIN_THRESHOLD};
 use crate::sys::{MemPolicy, MAX_NODES};
 use crate::Error;
 
@@ -26,6 +26,8 @@ pub(crate) enum Setting {
     PopulateThreads(usize),
     StatsAtExit(StatsAtExit),
     Reserve(Reserve),
+    ReserveBackground(bool),
+    RegisterMax(usize),
     DecayMs(u64),
     DecayThread(bool),
 }
@@ -107,6 +109,8 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
         "threads" => Setting::PopulateThreads(parse_threads(value)?),
         "stats" => Setting::StatsAtExit(parse_stats(value)?),
         "reserve" => Setting::Reserve(parse_reserve(value)?),
+        "reserve_background" => Setting::ReserveBackground(parse_switch(key, value)?),
+        "register_max" => Setting::RegisterMax(parse_register_max(value)?),
         "decay" => Setting::DecayMs(parse_decay(value)?),
         "decay_thread" => Setting::DecayThread(parse_switch(key, value)?),
         _ => {
@@ -114,7 +118,8 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
                 key,
                 value,
                 "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                 readonly, pin_limit, threads, stats, reserve, decay, decay_thread",
+                 readonly, pin_limit, register_max, threads, stats, reserve, reserve_background, \
+                 decay, decay_thread",
             ))
         }
     })
@@ -264,21 +269,42 @@ fn parse_stats(value: &str) -> Result<StatsAtExit, Error> {
     }
 }
 
-/// Parses a `reserve=` value: `COUNTxSIZE` (`8x64MiB`), `SIZE` (one block) or `0` (none).
+/// Parses a `reserve=` value: `COUNTxSIZE` (`8x64MiB`: room for blocks of that size), `SIZE`
+/// (`3GiB`: bytes of room) or `0` (none).
 pub(super) fn parse_reserve(value: &str) -> Result<Reserve, Error> {
-    let (blocks, size) = match value.split_once(['x', 'X']) {
-        Some((count, size)) => (count.trim().parse().ok(), parse_size(size)),
-        None => (Some(1), parse_size(value)),
+    let reserve = match value.split_once(['x', 'X']) {
+        Some((count, size)) => count
+            .trim()
+            .parse()
+            .ok()
+            .zip(parse_size(size))
+            .map(|(blocks, size)| Reserve::blocks(blocks, size)),
+        None => parse_size(value).map(Reserve::bytes),
     };
-    match (blocks, size) {
-        (Some(0), Some(_)) | (Some(_), Some(0)) => Ok(Reserve::NONE),
-        (Some(blocks), Some(block_size)) => Ok(Reserve { blocks, block_size }),
-        _ => Err(config_error(
+    match reserve {
+        Some(reserve) if reserve.is_none() => Ok(Reserve::NONE),
+        Some(reserve) => Ok(reserve),
+        None => Err(config_error(
             "reserve",
             value,
-            "COUNTxSIZE such as 8x64MiB, a size (one block) or 0",
+            "COUNTxSIZE such as 24x128MiB (room for blocks of a size), a size such as 3GiB \
+             (bytes of room) or 0",
         )),
     }
+}
+
+/// Parses a `register_max=` value: a size from 2 MiB to 1 GiB, rounded up to 2 MiB.
+fn parse_register_max(value: &str) -> Result<usize, Error> {
+    parse_size(value)
+        .filter(|bytes| (MIN_REGISTER_MAX..=MAX_REGISTER_MAX).contains(bytes))
+        .map(|bytes| bytes.next_multiple_of(MIN_REGISTER_MAX))
+        .ok_or_else(|| {
+            config_error(
+                "register_max",
+                value,
+                "a size from 2MiB to 1GiB such as 256MiB (the most one chunk's registration covers)",
+            )
+        })
 }
 
 /// Parses a `decay=` value: milliseconds (`500`, `500ms`), seconds (`2s`), or `off` (never).

@@ -98,24 +98,31 @@ fn stats_at_exit() {
 
 #[test]
 fn reserve_values() {
-    let reserve = |value| parse_reserve(value).map(|r| (r.blocks, r.block_size));
-    assert_eq!(reserve("8x64MiB"), Ok((8, 64 << 20)));
-    assert_eq!(reserve(" 2 X 1GiB"), Ok((2, 1 << 30)));
-    assert_eq!(reserve("256MiB"), Ok((1, 256 << 20)));
-    assert_eq!(reserve("0"), Ok((0, 0)));
-    assert_eq!(reserve("0x4MiB"), Ok((0, 0)));
+    let reserve = parse_reserve;
+    assert_eq!(reserve("8x64MiB"), Ok(Reserve::blocks(8, 64 << 20)));
+    assert_eq!(reserve(" 2 X 1GiB"), Ok(Reserve::blocks(2, 1 << 30)));
+    assert_eq!(reserve("256MiB"), Ok(Reserve::bytes(256 << 20)));
+    assert_eq!(reserve("0"), Ok(Reserve::NONE));
+    assert_eq!(reserve("0x4MiB"), Ok(Reserve::NONE));
     for bad in ["", "x4MiB", "4x", "-1x4MiB", "4MiBx2", "lots"] {
         assert!(parse_reserve(bad).is_err(), "{bad}");
     }
     let mut c = Config::DEFAULT;
     assert!(c.apply_settings("reserve=4x8MiB").is_empty());
-    assert_eq!(
-        c.reserve,
-        Reserve {
-            blocks: 4,
-            block_size: 8 << 20
-        }
-    );
+    assert_eq!(c.reserve, Reserve::blocks(4, 8 << 20));
+    assert!(c.apply_settings("reserve=3GiB").is_empty());
+    assert_eq!(c.reserve, Reserve::bytes(3 << 30));
+    assert!(c.apply_settings("register_max=100MiB").is_empty());
+    assert_eq!(c.register_max, 100 << 20);
+    assert!(c.apply_settings("register_max=3MiB").is_empty());
+    assert_eq!(c.register_max, 4 << 20, "rounded up to 2 MiB");
+    for bad in ["1MiB", "2GiB", "lots"] {
+        assert_eq!(
+            c.apply_settings(&format!("register_max={bad}")).len(),
+            1,
+            "{bad}"
+        );
+    }
 }
 
 #[test]

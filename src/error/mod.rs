@@ -172,8 +172,7 @@ pub enum Error {
         reason: &'static str,
     },
     /// A reservation ([`NumaGpuAlloc::reserve`](crate::NumaGpuAlloc::reserve), `reserve=`) whose
-    /// blocks would be below the threshold (no request would reuse them) or beyond the cache
-    /// limit (they would be released at once).
+    /// blocks would be below the threshold: no request of that size takes the large path.
     ReserveRejected {
         /// Blocks asked for.
         blocks: usize,
@@ -181,8 +180,6 @@ pub enum Error {
         block_size: usize,
         /// The allocator's threshold.
         threshold: usize,
-        /// The allocator's cache limit.
-        cache_limit: usize,
     },
     /// A reservation of more bytes than its node has.
     ReserveTooLarge {
@@ -332,12 +329,11 @@ impl fmt::Display for Error {
                 blocks,
                 block_size,
                 threshold,
-                cache_limit,
             } => write!(
                 f,
-                "cannot reserve {blocks} blocks of {block_size} bytes: each must be at least the \
-                 threshold ({threshold} bytes) and all of them within the cache limit \
-                 ({cache_limit} bytes)"
+                "cannot reserve {blocks} blocks of {block_size} bytes: a block is below the \
+                 threshold ({threshold} bytes), so no request of that size would use it; lower \
+                 threshold= or reserve bytes of room (reserve=SIZE)"
             ),
             Error::GpuNotFound {
                 selector,
@@ -352,7 +348,8 @@ impl fmt::Display for Error {
                 node_bytes,
             } => write!(
                 f,
-                "cannot reserve {bytes} bytes on node {node}: it has {node_bytes} bytes of memory"
+                "cannot reserve {bytes} bytes on node {node}: it has {node_bytes} bytes of \
+                 memory; reserve less, or for another node (node=, gpu= or a route)"
             ),
             Error::ReservationLost { reason } => {
                 write!(f, "a reservation made in the background is lost: {reason}")
@@ -364,7 +361,7 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "page-locking {requested} more bytes would pass the pinned limit: {pinned} of \
-                 {limit} bytes are page-locked (pin_limit=)"
+                 {limit} bytes are page-locked; raise pin_limit= or page-lock less"
             ),
         }
     }

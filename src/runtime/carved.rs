@@ -249,7 +249,10 @@ impl Runtime {
         let planned = self
             .arena(node)
             .map_or(need, |arena| arena.next_chunk_len(key, need))
-            .min(CHUNK_MAX.max(need.next_multiple_of(CHUNK_ALIGN)));
+            .min(
+                self.chunk_max(key.kind.pinned)
+                    .max(need.next_multiple_of(CHUNK_ALIGN)),
+            );
         let least = need.next_multiple_of(CHUNK_ALIGN);
         let mut made = self.make_chunk(key, planned, target);
         if made.as_ref().is_err_and(shortage) && planned > least {

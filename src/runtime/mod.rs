@@ -155,11 +155,13 @@ impl Runtime {
             config.pin_read_only = false;
         }
         let page_size = sys::page_size();
-        let Reserve { blocks, block_size } = config.reserve;
+        let Reserve {
+            blocks, block_size, ..
+        } = config.reserve;
         if blocks > 0 {
             // Said now, with the other setup problems (the reservation itself comes later).
             problems.add(
-                reserve::check(&config, page_size, blocks, block_size).err(),
+                reserve::check(&config, blocks, block_size).err(),
                 env.sets(|s| matches!(s, Setting::Reserve(_))),
             );
         }

@@ -13,9 +13,9 @@ use std::ptr::NonNull;
 use std::time::Instant;
 
 use super::{Resolved, Runtime};
-use crate::arena::{Kind, Shortage};
+use crate::arena::{Kind, Shortage, CHUNK_MAX};
 use crate::chunk::{page_locked_bytes, PinFlags, Registration};
-use crate::config::{Config, PinMode};
+use crate::config::{Config, PinMode, MAX_REGISTER_MAX, MIN_REGISTER_MAX};
 use crate::cuda::{self, Gpu, RegisterFlags};
 use crate::process::{self, NODES};
 use crate::Error;
@@ -80,6 +80,20 @@ impl Unpinnable {
 }
 
 impl Runtime {
+    /// The longest chunk made of a kind: the registration bound (`register_max=`, taken into
+    /// 2 MiB to 1 GiB) when pinned, so that one registration never covers more; else
+    /// [`CHUNK_MAX`].
+    pub(crate) fn chunk_max(&self, pinned: bool) -> usize {
+        if !pinned {
+            return CHUNK_MAX;
+        }
+        self.config
+            .register_max
+            .clamp(MIN_REGISTER_MAX, MAX_REGISTER_MAX)
+            .next_multiple_of(MIN_REGISTER_MAX)
+            .min(CHUNK_MAX)
+    }
+
     /// What the blocks made for `target` are made with (see [`Kind`]); under `pin=strict`, why
     /// none can be made when they could not be page-locked.
     pub(crate) fn kind(&self, target: &Resolved) -> Result<Kind, Error> {
@@ -169,6 +183,9 @@ impl Runtime {
             Ok(_) => {
                 self.counters.pin.record(start.elapsed());
                 self.counters.registrations.incr();
+                if len > self.chunk_max(true) {
+                    self.counters.oversized_registrations.incr();
+                }
             }
             Err(Error::PinLimit { .. }) => self.counters.pin_limited.incr(),
             Err(e) => {

@@ -1,37 +1,40 @@
 //! Reservations: memory made ahead of the requests that will want it (as PyTorch's
 //! `pinned_reserve_segment_size_mb` avoids a first batch's stall).
 //!
-//! - Blocks of a size (`reserve=COUNTxSIZE`, [`Runtime::reserve`]) go straight into the cache,
-//!   as chunks with room for them or cached dedicated blocks: they count against the cache
-//!   limit, and `trim()` releases them.
-//! - Bytes ([`Runtime::reserve_bytes`], in the background or not) are made chunk by chunk, each
-//!   at most [`CHUNK_MAX`]: mapped, placed, populated by the node's bound workers and (pinned)
-//!   registered with one driver call, then added to the arena, where requests carve from it at
-//!   once while later chunks are still being made. Reserved chunks outlive decay; `trim()` and
-//!   memory pressure release them.
+//! - Bytes (`reserve=SIZE`, [`Runtime::reserve_bytes`], in the background or not) are made chunk
+//!   by chunk, each at most [`Runtime::chunk_max`] (the registration bound when pinned): mapped,
+//!   placed, populated by the node's bound workers and (pinned) registered with one driver call,
+//!   then added to the arena, where requests carve from it at once while later chunks are still
+//!   being made. Reserved chunks outlive decay; `trim()` and memory pressure release them.
+//! - Blocks of a size (`reserve=COUNTxSIZE`, [`Runtime::reserve`]) are the same, in chunks of
+//!   whole blocks; a block larger than a chunk is a cached dedicated block of its own,
+//!   registered whole.
+//! - Either is bounded by the node's memory and the pinned limit, not by the cache limit.
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::block::HUGE_PAGE;
-use super::carved::{carved, reserved_key};
+use super::carved::reserved_key;
 use super::route;
 use super::{Resolved, Runtime};
-use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX};
+use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
 use crate::chunk::Mapping;
 use crate::config::{Config, Reserve};
 use crate::cuda;
+use crate::guard::Inside;
 use crate::sys::lock::Lock;
 use crate::Error;
 
 impl Runtime {
-    /// Makes the configured reservation (`reserve=`); called once, right after initialisation.
-    /// A failure is printed as one line on stderr (the cause is also counted in the stats); one
-    /// refused for its figures (see [`check`]) or by `pin=strict` is already a setup error.
+    /// Makes the configured reservation (`reserve=`) now; called once, right after
+    /// initialisation. A failure is printed as one line on stderr (the cause is also counted in
+    /// the stats); one refused for its figures (see [`check`]) or by `pin=strict` is already a
+    /// setup error.
     pub(crate) fn reserve_configured(&self) {
-        let Reserve { blocks, block_size } = self.config.reserve;
-        match self.reserve(blocks, block_size) {
+        let tally = Tally::new(self.configured_bytes());
+        match self.reserve_as_configured(&tally) {
             Ok(()) | Err(Error::ReserveRejected { .. } | Error::StrictPinning { .. }) => {}
             Err(e) => {
                 let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
@@ -39,24 +42,112 @@ impl Runtime {
         }
     }
 
+    /// [`Self::reserve_configured`] on a thread of its own (`reserve_background=on`), which
+    /// prints one line when it ends: what was made, or why it stopped.
+    pub(crate) fn reserve_configured_in_background(&'static self) {
+        let started = std::thread::Builder::new()
+            .name("numa-reserve".into())
+            .spawn(move || {
+                let _inside = Inside::enter();
+                let tally = Tally::new(self.configured_bytes());
+                let outcome = self.reserve_as_configured(&tally);
+                let gib = |bytes: usize| bytes as f64 / (1u64 << 30) as f64;
+                let (usable, chunks) = (
+                    tally.usable.load(Ordering::Relaxed),
+                    tally.chunks.load(Ordering::Relaxed),
+                );
+                let _ = match outcome {
+                    Ok(()) => writeln!(
+                        std::io::stderr(),
+                        "numa-gpu-alloc: reserve in the background: {:.1} GiB usable in {chunks} \
+                         chunks after {:.2} s",
+                        gib(usable),
+                        tally.start.elapsed().as_secs_f64()
+                    ),
+                    Err(e) => writeln!(
+                        std::io::stderr(),
+                        "numa-gpu-alloc: reserve in the background stopped with {:.1} of {:.1} \
+                         GiB usable in {chunks} chunks: {e}",
+                        gib(usable),
+                        gib(tally.requested)
+                    ),
+                };
+            });
+        if let Err(e) = started {
+            let _ = writeln!(
+                std::io::stderr(),
+                "numa-gpu-alloc: reserve: no thread for the background ({e}); reserving now"
+            );
+            self.reserve_configured();
+        }
+    }
+
+    /// The bytes `reserve=` asks for.
+    fn configured_bytes(&self) -> usize {
+        let Reserve {
+            blocks,
+            block_size,
+            bytes,
+            ..
+        } = self.config.reserve;
+        bytes.max(blocks.saturating_mul(block_size))
+    }
+
+    fn reserve_as_configured(&self, tally: &Tally) -> Result<(), Error> {
+        let reserve = self.config.reserve;
+        if reserve.bytes > 0 {
+            let target = route::target(self);
+            let kind = self.kind(&target)?;
+            self.reserve_bytes(reserve.bytes, &target, kind, tally)
+        } else {
+            self.reserve_blocks(reserve.blocks, reserve.block_size, tally)
+        }
+    }
+
     /// Makes room for `blocks` blocks of `block_size` bytes (placed, populated, pinned as
-    /// configured) in the arena of the node where the calling thread's blocks go: chunks of that
-    /// much free space for sizes that are carved, cached dedicated blocks for the others. What
-    /// was made before a failure stays.
+    /// configured) for the node where the calling thread's blocks go (see
+    /// [`Self::reserve_blocks`]).
     pub(crate) fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
-        if blocks == 0 {
+        self.reserve_blocks(
+            blocks,
+            block_size,
+            &Tally::new(blocks.saturating_mul(block_size)),
+        )
+    }
+
+    /// Room for `blocks` blocks of `block_size` bytes: reserved chunks of whole blocks when a
+    /// block fits a chunk (at most the registration bound when pinned), else cached dedicated
+    /// blocks, each registered whole. Bounded by the node's memory and the pinned limit, not by
+    /// the cache limit. What was made before a failure stays.
+    fn reserve_blocks(&self, blocks: usize, block_size: usize, tally: &Tally) -> Result<(), Error> {
+        if blocks == 0 || block_size == 0 {
             return Ok(());
         }
-        let limit = self.config.cache_limit;
+        check(&self.config, blocks, block_size)?;
         let page = self.page_size;
-        let capacity = check(&self.config, page, blocks, block_size)?;
         // On the node where the calling thread's blocks go (its route, or the value's target).
         let target = route::target(self);
         // `pin=strict` with nothing to page-lock them: none is made.
         let kind = self.kind(&target)?;
-        if carved(capacity, page) {
-            return self.reserve_chunks(blocks, capacity, &target, kind);
+        // A carved block's room: whole huge pages where it is carved from a huge-page chunk.
+        let unit = if self.config.huge_pages && block_size >= HUGE_PAGE {
+            block_size.checked_next_multiple_of(HUGE_PAGE)
+        } else {
+            block_size.checked_next_multiple_of(page)
+        };
+        let too_large = |bytes| self.too_large(bytes, target.host_node);
+        let unit = unit.ok_or_else(|| too_large(usize::MAX))?;
+        let total = unit
+            .checked_mul(blocks)
+            .ok_or_else(|| too_large(usize::MAX))?;
+        if unit <= self.chunk_max(kind.pinned) {
+            return self.reserve_room(total, unit, &target, kind, tally);
         }
+        let capacity = class_size(block_size, page).ok_or_else(|| too_large(usize::MAX))?;
+        let total = capacity
+            .checked_mul(blocks)
+            .ok_or_else(|| too_large(usize::MAX))?;
+        self.check_room(total, &target, kind)?;
         // Its node's arena first (one exists for every node id in the table, and stays): a block
         // made for none would be released by nothing.
         if self.arena(target.host_node).is_none() {
@@ -67,48 +158,49 @@ impl Runtime {
         }
         for _ in 0..blocks {
             let block = self.create_block(capacity, page, &target)?;
+            // Kept whatever the cache limit (checked above against the node and pinned limit);
+            // once used and freed again they are cached blocks like any other.
             self.with_arena(block.node, |arena, out| {
-                arena.insert_reserved(block, limit, out)
+                arena.insert_reserved(block, usize::MAX, out)
             });
+            tally.chunk_added(capacity);
+            self.counters.reserved_chunks.incr();
+            self.counters.reserved_bytes.add(capacity as u64);
         }
         Ok(())
     }
 
-    /// Chunks with room for `blocks` blocks of `capacity` bytes, populated whole, kept when idle.
-    fn reserve_chunks(
-        &self,
-        blocks: usize,
-        capacity: usize,
-        target: &Resolved,
-        kind: Kind,
-    ) -> Result<(), Error> {
-        let key = HeapKey {
-            kind,
-            huge: self.config.huge_pages && capacity >= HUGE_PAGE,
-            reserved: false,
-        };
-        // Whole blocks per chunk: a block never straddles two.
-        let per_chunk = (CHUNK_MAX / capacity).max(1);
-        let mut left = blocks;
-        while left > 0 {
-            let n = left.min(per_chunk);
-            let len = (n * capacity).next_multiple_of(CHUNK_ALIGN);
-            let mut chunk = self.make_chunk(key, len, target)?;
-            self.populate_chunk(&mut chunk, target)?;
-            chunk.set_reserved();
-            let key = HeapKey {
-                kind: Kind {
-                    pinned: chunk.pinned(),
-                    ..kind
-                },
-                ..key
-            };
-            self.add_chunk(target.host_node, key, chunk)
-                .ok_or(Error::Syscall {
-                    call: "arena bookkeeping",
-                    errno: libc::ENOMEM,
-                })?;
-            left -= n;
+    /// The node's memory (where sysfs tells it; 0: unknown).
+    fn node_bytes(&self, node: usize) -> usize {
+        self.topology
+            .nodes()
+            .iter()
+            .find(|n| n.id == node)
+            .map_or(0, |n| usize::try_from(n.memory_bytes).unwrap_or(usize::MAX))
+    }
+
+    fn too_large(&self, bytes: usize, node: usize) -> Error {
+        Error::ReserveTooLarge {
+            bytes,
+            node,
+            node_bytes: self.node_bytes(node),
+        }
+    }
+
+    /// Refuses a reservation of `bytes` beyond the node's memory (where known), or, pinned,
+    /// beyond the pinned limit.
+    fn check_room(&self, bytes: usize, target: &Resolved, kind: Kind) -> Result<(), Error> {
+        let node_bytes = self.node_bytes(target.host_node);
+        if node_bytes != 0 && bytes > node_bytes {
+            return Err(self.too_large(bytes, target.host_node));
+        }
+        let limit = self.config.pin_limit;
+        if kind.pinned && bytes > limit {
+            return Err(Error::PinLimit {
+                requested: bytes,
+                pinned: crate::chunk::page_locked_bytes(),
+                limit,
+            });
         }
         Ok(())
     }
@@ -116,9 +208,7 @@ impl Runtime {
 
 impl Runtime {
     /// Makes `bytes` (rounded up to whole 2 MiB) of reserved chunks for `target`, of `kind`,
-    /// counting each step in `tally`; stops at the first failure (what was made stays, usable)
-    /// or when the tally is cancelled. Chunk lengths double from the first chunk's, so that the
-    /// first is usable soon, up to [`CHUNK_MAX`].
+    /// counting each step in `tally` (see [`Self::reserve_room`]).
     pub(crate) fn reserve_bytes(
         &self,
         bytes: usize,
@@ -126,28 +216,32 @@ impl Runtime {
         kind: Kind,
         tally: &Tally,
     ) -> Result<(), Error> {
+        self.reserve_room(bytes, CHUNK_ALIGN, target, kind, tally)
+    }
+
+    /// Makes `bytes` (rounded up to whole `unit`s and 2 MiB) of reserved chunks for `target`, of
+    /// `kind`, each a whole number of `unit`s, counting each step in `tally`; stops at the first
+    /// failure (what was made stays, usable) or when the tally is cancelled. Chunk lengths
+    /// double from the first chunk's, so that the first is usable soon, up to
+    /// [`Self::chunk_max`] (the registration bound when pinned). Refused beyond the node's
+    /// memory or the pinned limit.
+    fn reserve_room(
+        &self,
+        bytes: usize,
+        unit: usize,
+        target: &Resolved,
+        kind: Kind,
+        tally: &Tally,
+    ) -> Result<(), Error> {
         let key = reserved_key(kind, self.config.huge_pages);
-        let node = target.host_node;
-        // A node's size where sysfs tells it (0: unknown, then the populate's failure says it).
-        let node_bytes = self
-            .topology
-            .nodes()
-            .iter()
-            .find(|n| n.id == node)
-            .map_or(0, |n| usize::try_from(n.memory_bytes).unwrap_or(usize::MAX));
-        let too_large = Error::ReserveTooLarge {
-            bytes,
-            node,
-            node_bytes,
-        };
-        if node_bytes != 0 && bytes > node_bytes {
-            return Err(too_large);
-        }
+        self.check_room(bytes, target, kind)?;
         let total = bytes
-            .checked_next_multiple_of(CHUNK_ALIGN)
-            .ok_or(too_large)?;
+            .checked_next_multiple_of(unit)
+            .and_then(|b| b.checked_next_multiple_of(CHUNK_ALIGN))
+            .ok_or_else(|| self.too_large(bytes, target.host_node))?;
+        let max = (self.chunk_max(kind.pinned) / unit).max(1) * unit;
         let mut made = 0;
-        let mut next = CHUNK_FIRST;
+        let mut next = CHUNK_FIRST.min(max);
         while made < total && !tally.cancel.load(Ordering::Acquire) {
             // A pinned chunk could not be registered any more (`cuda/teardown.rs`).
             if kind.pinned && cuda::exiting() {
@@ -155,8 +249,9 @@ impl Runtime {
                     reason: cuda::EXITING_REASON,
                 });
             }
-            let len = next.min(total - made);
-            next = (next * 2).min(CHUNK_MAX);
+            let whole = ((next / unit).max(1) * unit).next_multiple_of(CHUNK_ALIGN);
+            let len = whole.min(total - made);
+            next = (next * 2).min(max);
             let mapping = Mapping::new(len, CHUNK_ALIGN)?;
             let mut chunk = self.placed_chunk(key, mapping, target)?;
             tally.placed.fetch_add(len, Ordering::Relaxed);
@@ -177,6 +272,8 @@ impl Runtime {
                     errno: libc::ENOMEM,
                 })?;
             tally.chunk_added(len);
+            self.counters.reserved_chunks.incr();
+            self.counters.reserved_bytes.add(len as u64);
             made += len;
         }
         Ok(())
@@ -259,34 +356,17 @@ impl Tally {
     }
 }
 
-/// The capacity of each of `blocks` blocks of `block_size` bytes reserved under `config` (whole
-/// pages for carved sizes, the size class for dedicated ones), or
-/// [`Error::ReserveRejected`] when a block would be below the threshold (no request would reuse
-/// it) or all of them beyond the cache limit (they would be released at once).
-pub(crate) fn check(
-    config: &Config,
-    page_size: usize,
-    blocks: usize,
-    block_size: usize,
-) -> Result<usize, Error> {
-    // Carved sizes are whole pages; dedicated ones take their size class.
-    let carve = block_size
-        .checked_next_multiple_of(page_size)
-        .filter(|&size| carved(size, page_size));
-    carve
-        .or_else(|| class_size(block_size, page_size))
-        .filter(|&capacity| {
-            block_size >= config.threshold
-                && capacity
-                    .checked_mul(blocks)
-                    .is_some_and(|total| total <= config.cache_limit)
-        })
-        .ok_or(Error::ReserveRejected {
-            blocks,
-            block_size,
-            threshold: config.threshold,
-            cache_limit: config.cache_limit,
-        })
+/// [`Error::ReserveRejected`] when blocks of `block_size` bytes would be below `config`'s
+/// threshold: no request of that size takes the large path, so none would use them.
+pub(crate) fn check(config: &Config, blocks: usize, block_size: usize) -> Result<(), Error> {
+    if block_size >= config.threshold {
+        return Ok(());
+    }
+    Err(Error::ReserveRejected {
+        blocks,
+        block_size,
+        threshold: config.threshold,
+    })
 }
 
 #[cfg(test)]
@@ -352,32 +432,41 @@ mod tests {
     }
 
     #[test]
-    fn reservations_beyond_the_cache_limit_are_rejected() {
+    fn reservations_are_bounded_by_the_threshold_not_the_cache_limit() {
         let _serial = serial();
         let alloc = allocator().cache_limit(2 * MIB);
-        alloc.reserve(2, MIB).unwrap();
-        assert!(hit(&alloc, MIB));
-        let rejected = alloc.reserve(3, MIB).unwrap_err();
+        alloc.reserve(3, MIB).unwrap();
+        assert!(hit(&alloc, MIB), "room beyond the cache limit is kept");
+        let rejected = alloc.reserve(1, 32 * KIB).unwrap_err();
         assert_eq!(
             rejected,
             Error::ReserveRejected {
-                blocks: 3,
-                block_size: MIB,
+                blocks: 1,
+                block_size: 32 * KIB,
                 threshold: 64 * KIB,
-                cache_limit: 2 * MIB,
             }
         );
-        assert!(rejected.to_string().contains("3 blocks of 1048576 bytes"));
-        assert!(matches!(
-            alloc.reserve(1, 32 * KIB),
-            Err(Error::ReserveRejected { .. })
-        ));
+        let text = rejected.to_string();
+        assert!(
+            text.contains("below the threshold") && text.contains("threshold="),
+            "{text}"
+        );
         assert_eq!(alloc.reserve(0, 0), Ok(()));
+        let too_large = alloc.reserve(1 << 20, 1 << 30).unwrap_err();
+        assert!(
+            matches!(too_large, Error::ReserveTooLarge { .. }),
+            "{too_large}"
+        );
+        assert!(
+            too_large.to_string().contains("reserve less"),
+            "{too_large}"
+        );
         assert_eq!(
             mapped(&alloc.stats()),
-            2 * MIB,
-            "nothing made for a rejection"
+            4 * MIB,
+            "nothing made for a refusal"
         );
+        alloc.trim();
     }
 
     #[test]

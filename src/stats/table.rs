@@ -150,7 +150,7 @@ impl fmt::Display for Stats {
         writeln!(
             f,
             "populate {:.3?} total, {:.3?} max; pin {:.3?} total, {:.3?} max; unpin {:.3?} total, \
-             {:.3?} max; registrations {}, unregistrations {}",
+             {:.3?} max; registrations {}, unregistrations {}; reserved {} in {} chunks",
             self.populate_time.total,
             self.populate_time.max,
             self.pin_time.total,
@@ -158,7 +158,9 @@ impl fmt::Display for Stats {
             self.unpin_time.total,
             self.unpin_time.max,
             self.registrations,
-            self.unregistrations
+            self.unregistrations,
+            Size(usize::try_from(self.reserved_bytes).unwrap_or(usize::MAX)),
+            self.reserved_chunks
         )?;
         if self.requests_by_octave.iter().any(|&n| n > 0) {
             f.write_str("requests by size:")?;
