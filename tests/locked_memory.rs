@@ -2,11 +2,15 @@
 //! `mlock`ed before freeing them). `trim()` must still finish, with more fragmented free ranges
 //! than one round of purges takes, within a watchdog's bound; each failing range is tried once.
 //!
+//! With the `fault-injection` feature, purges made to fail show that the decay thread too tries
+//! each range once.
+//!
 //! Every check runs in a child process (this binary, re-executed): `mlockall` is process-wide,
-//! and so are the arenas. A child that cannot lock memory (`RLIMIT_MEMLOCK` without
+//! and so are the arenas (and the decay thread). A child that cannot lock memory (`RLIMIT_MEMLOCK` without
 //! `CAP_IPC_LOCK`) says so and the test prints that it was skipped.
 
 use std::alloc::Layout;
+use std::io::Write;
 use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -167,15 +171,16 @@ fn mlocked_blocks_child() {
 /// Runs `test` in a child; prints why when the child skipped its checks.
 fn in_child(test: &str) {
     let (stdout, stderr) = common::child::run(test, CHILD_VAR, "1", &[]);
-    // The measurements, for the log (the child's test harness may print on the same line).
-    for line in stdout
-        .lines()
-        .filter_map(|l| l.find("trim()").map(|at| &l[at..]))
-    {
+    // The child's test harness may print its own words first on a line.
+    let after = |l: &'static str| move |line: &str| line.find(l).map(|at| line[at..].to_owned());
+    // The measurements, for the log.
+    let measured = stdout.lines().filter_map(after("trim()"));
+    for line in measured.chain(stdout.lines().filter_map(after("purges tried"))) {
         println!("{line}");
     }
-    if let Some(line) = stdout.lines().find(|l| l.starts_with(SKIPPED)) {
-        println!("{test}: SKIPPED ({line})");
+    if let Some(line) = stdout.lines().find_map(after(SKIPPED)) {
+        // Straight to stderr, past the test harness's capture: a skip must not pass silently.
+        let _ = writeln!(std::io::stderr(), "{test}: SKIPPED ({line})");
         return;
     }
     assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
@@ -195,4 +200,31 @@ fn trim_finishes_when_freed_blocks_were_mlocked() {
         return mlocked_blocks_child();
     }
     in_child("trim_finishes_when_freed_blocks_were_mlocked");
+}
+
+/// The decay thread (every 10 ms here) with every purge failing: each range is tried once,
+/// however many ticks pass.
+#[cfg(feature = "fault-injection")]
+fn decay_thread_child() {
+    use numa_gpu_alloc::sys::fault::{self, FaultPoint};
+    let alloc = NumaGpuAlloc::new().node(0).threshold(64 << 10).decay_ms(10);
+    // Before any range is freed: whoever purges first (a free, an allocation, the thread) fails.
+    fault::inject(FaultPoint::Purge, libc::EINVAL, 100_000);
+    let kept = fragment(&alloc, false).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let tried = 100_000 - fault::remaining(FaultPoint::Purge);
+    println!("purges tried by decay in 500 ms: {tried}");
+    assert_eq!(tried, RANGES as u32, "each range once");
+    fault::clear();
+    free_all_and_trim(&alloc, kept);
+    println!("{CHILD_OK}");
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn the_decay_thread_tries_a_failing_purge_once() {
+    if common::child::mode(CHILD_VAR).is_some() {
+        return decay_thread_child();
+    }
+    in_child("the_decay_thread_tries_a_failing_purge_once");
 }
