@@ -31,7 +31,8 @@ pub(crate) enum Setting {
 }
 
 /// A `NUMA_GPU_ALLOC`-style string, parsed: the accepted entries in order (a later one of the
-/// same key applies over an earlier one), and the rejected ones.
+/// same key applies over an earlier one), and its problems, each once: the rejected entries,
+/// and each key given more than once.
 #[derive(Debug, Default)]
 pub(crate) struct Settings {
     accepted: Vec<Setting>,
@@ -42,23 +43,32 @@ impl Settings {
     pub(crate) fn parse(settings: &str) -> Settings {
         let mut parsed = Settings::default();
         let mut seen: Vec<&str> = Vec::new();
+        // Keys given more than once, with their error's place in `errors`.
+        let mut repeated: Vec<(&str, usize)> = Vec::new();
         for entry in settings.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let Some((key, value)) = entry.split_once('=') else {
-                parsed.errors.push(config_error(entry, "", "key=value"));
+                parsed.add(config_error(entry, "", "key=value"));
                 continue;
             };
             let (key, value) = (key.trim(), value.trim());
-            if seen.contains(&key) {
+            if let Some(&(_, at)) = repeated.iter().find(|(k, _)| *k == key) {
+                // One error however often the key is repeated, naming the latest value.
+                if let Some(Error::Config { value: latest, .. }) = parsed.errors.get_mut(at) {
+                    value.clone_into(latest);
+                }
+            } else if seen.contains(&key) {
+                repeated.push((key, parsed.errors.len()));
                 parsed.errors.push(config_error(
                     key,
                     value,
                     "each key once (the last value given applies)",
                 ));
+            } else {
+                seen.push(key);
             }
-            seen.push(key);
             match parse_setting(key, value) {
                 Ok(setting) => parsed.accepted.push(setting),
-                Err(e) => parsed.errors.push(e),
+                Err(e) => parsed.add(e),
             }
         }
         if seen.contains(&"node") && seen.contains(&"gpu") {
@@ -69,6 +79,13 @@ impl Settings {
             ));
         }
         parsed
+    }
+
+    /// Records `error` unless the same one was recorded already (an entry given again).
+    fn add(&mut self, error: Error) {
+        if !self.errors.contains(&error) {
+            self.errors.push(error);
+        }
     }
 
     /// Applies the accepted entries to `config`, in order.

@@ -142,3 +142,28 @@ fn gpu_selectors() {
     assert!(parse_gpu("GPU-ééé").is_err());
     assert!(parse_gpu("aéé").is_err());
 }
+
+#[test]
+fn each_problem_is_reported_once() {
+    let mut c = Config::DEFAULT;
+    let errors = c.apply_settings(&["cache=1GiB"; 500].join(","));
+    assert_eq!(
+        errors,
+        [config_error(
+            "cache",
+            "1GiB",
+            "each key once (the last value given applies)"
+        )]
+    );
+    // The value that applies is named.
+    let errors = c.apply_settings("cache=1GiB,cache=2GiB,cache=3GiB");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].to_string().contains("cache=\"3GiB\""),
+        "{errors:?}"
+    );
+    assert_eq!(c.cache_limit, 3 << 30);
+    // An unknown key given 500 times: that, and its repetition.
+    let errors = c.apply_settings(&["colour=blue"; 500].join(","));
+    assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["colour"; 2]);
+}
