@@ -32,7 +32,7 @@ pub(crate) enum Setting {
 
 /// A `NUMA_GPU_ALLOC`-style string, parsed: the accepted entries in order (a later one of the
 /// same key applies over an earlier one), and its problems, each once: the rejected entries,
-/// and each key given more than once.
+/// each key given more than once, and accepted values that switch something off.
 #[derive(Debug, Default)]
 pub(crate) struct Settings {
     accepted: Vec<Setting>,
@@ -67,9 +67,24 @@ impl Settings {
                 seen.push(key);
             }
             match parse_setting(key, value) {
-                Ok(setting) => parsed.accepted.push(setting),
+                Ok(setting) => {
+                    parsed.accepted.push(setting);
+                    if let Some(disables) = disables(setting) {
+                        parsed.add(Error::SettingDisables {
+                            key: key.to_owned(),
+                            value: value.to_owned(),
+                            disables,
+                        });
+                    }
+                }
                 Err(e) => parsed.add(e),
             }
+        }
+        // pin=strict with no room to pin says so itself, once (see `Unpinnable`).
+        if parsed.sets(|s| *s == Setting::Pin(PinMode::Strict)) {
+            parsed
+                .errors
+                .retain(|e| !matches!(e, Error::SettingDisables { key, .. } if key == "pin_limit"));
         }
         if seen.contains(&"node") && seen.contains(&"gpu") {
             parsed.errors.push(config_error(
@@ -134,6 +149,25 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
                  readonly, pin_limit, threads, stats, reserve, decay, decay_thread",
             ))
         }
+    })
+}
+
+/// What an accepted setting switches off, said at set-up in case it was not meant.
+fn disables(setting: Setting) -> Option<&'static str> {
+    Some(match setting {
+        Setting::CacheLimit(0) => {
+            "nothing freed is kept for reuse: each large free gives its memory back at once, and \
+             each large allocation maps, places and populates anew (cache=SIZE keeps up to SIZE)"
+        }
+        Setting::DecayMs(0) => {
+            "idle memory is given back at once: free space is purged as soon as it is freed, so \
+             reusing it pays the page faults and zeroing again (decay=off never gives it back)"
+        }
+        Setting::PinLimit(0) => {
+            "no byte may be page-locked: pin=on serves every block unpinned, pin=strict fails \
+             every large request (pin_limit=none: no limit)"
+        }
+        _ => return None,
     })
 }
 
