@@ -19,7 +19,8 @@ pub enum FaultPoint {
     Mmap,
     /// The `mbind` of [`bind`](super::bind).
     Mbind,
-    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](super::populate).
+    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](super::populate), at every attempt
+    /// (EINTR is retried).
     Populate,
     /// The `move_pages` of [`page_nodes`](super::page_nodes) (first batch).
     MovePages,
