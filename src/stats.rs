@@ -350,6 +350,11 @@ snapshot! {
             /// kernel refused `move_pages` (seccomp); `bind` then lets `mbind(MPOL_MF_STRICT)`
             /// check instead.
             unverified_blocks,
+            /// Purges of idle free ranges that failed: `MADV_DONTNEED` refuses locked memory
+            /// (`mlock`, `mlockall`). Such a range stays resident, is not purged again until it
+            /// merges with a range freed beside it, and counts as nothing to give back (its
+            /// chunk is still released once wholly free). The decay thread's are not counted.
+            purge_failures: "failed purges",
             /// Large frees of pointers no arena holds: memory the inner allocator served while
             /// inside the allocator or before initialisation lowered the threshold (passed on to
             /// it). Blocks of another `NumaGpuAlloc` value are not counted: they go back to their

@@ -146,3 +146,46 @@ fn pin_strict_without_a_driver_fails_at_once_and_says_why_once() {
         "{stderr}"
     );
 }
+
+/// `pin=strict,pin_limit=0,cache=0`: no block can ever be page-locked, with a driver or without.
+/// Every large request fails before anything is mapped; set-up says why in one line, and that
+/// `cache=0` keeps nothing in another.
+fn strict_without_room() {
+    let alloc = NumaGpuAlloc::new();
+    let got = alloc.allocate(std::alloc::Layout::from_size_align(4 << 20, 64).unwrap());
+    assert!(got.is_err(), "pin=strict handed out a block it may not pin");
+    let stats = alloc.stats();
+    assert_eq!(stats.fallbacks.strict_refused, 1, "{stats}");
+    assert_eq!(stats.cache_misses, 0, "nothing mapped: {stats}");
+    assert_eq!(stats.config_errors.len(), 2, "{stats}");
+}
+
+#[test]
+fn pin_strict_with_a_zero_pinned_limit_says_so_at_set_up() {
+    if common::child::mode(CHILD_VAR).is_some() {
+        return strict_without_room();
+    }
+    let (stdout, stderr) = common::child::run(
+        "pin_strict_with_a_zero_pinned_limit_says_so_at_set_up",
+        CHILD_VAR,
+        "no-room",
+        &[(ENV_VAR, "pin=strict,pin_limit=0,cache=0")],
+    );
+    println!("{stdout}{stderr}");
+    let ours: std::vec::Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("numa-gpu-alloc: "))
+        .collect();
+    assert_eq!(
+        ours,
+        [
+            "numa-gpu-alloc: setting cache=\"0\" accepted: nothing freed is kept for reuse: each \
+             large free gives its memory back at once, and each large allocation maps, places \
+             and populates anew (cache=SIZE keeps up to SIZE)",
+            "numa-gpu-alloc: pin=strict, but blocks cannot be page-locked: pin_limit=0 allows no \
+             page-locked byte; large requests fail before anything is mapped (pin=on would hand \
+             out unpinned blocks)",
+        ],
+        "{stderr}"
+    );
+}

@@ -549,3 +549,50 @@ fn every_fault_in_turn_under_load_keeps_exact_accounting() {
     round_trip(&alloc, 4 * MIB, 16);
     assert!(alloc.stats().numa_unavailable.is_some());
 }
+
+#[test]
+fn failing_purges_are_tried_once_and_give_nothing_back() {
+    let _serial = serial();
+    let alloc = local().threshold(64 << 10);
+    let small = layout(256 << 10);
+    let blocks: Vec<_> = (0..41)
+        .map(|_| alloc.allocate(small).unwrap().cast::<u8>())
+        .collect();
+    // 20 free ranges between live blocks: more than one round of purges.
+    let mut kept = Vec::new();
+    for (i, p) in blocks.into_iter().enumerate() {
+        // SAFETY: ours, 256 KiB.
+        unsafe { std::ptr::write_bytes(p.as_ptr(), 7, small.size()) };
+        if i % 2 == 0 {
+            kept.push(p);
+        } else {
+            // SAFETY: allocated above with this layout.
+            unsafe { alloc.deallocate(p, small) };
+        }
+    }
+    // Purges fail as on locked memory. A populate short of memory tries each range once,
+    // finds it gave nothing back, and fails cleanly without a retry.
+    fault::inject(FaultPoint::Purge, libc::EINVAL, 1000);
+    fault::inject(FaultPoint::Populate, libc::ENOMEM, 1);
+    assert!(alloc.allocate(layout(MIB)).is_err());
+    let s = alloc.stats();
+    assert_eq!(s.pressure_retries, 0, "{s}");
+    assert_eq!(s.fallbacks.populate_failures, 1, "{s}");
+    assert_eq!(s.fallbacks.purge_failures, 20, "{s}");
+    assert_eq!(1000 - fault::remaining(FaultPoint::Purge), 20);
+    // trim() finishes, tries none of them again, only the range the failed block left (the
+    // populate may have faulted some of it in), once.
+    alloc.trim();
+    assert_eq!(1000 - fault::remaining(FaultPoint::Purge), 21);
+    alloc.trim();
+    assert_eq!(1000 - fault::remaining(FaultPoint::Purge), 21);
+    // Whole chunks still go back: unmapping needs no purge.
+    for p in kept {
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(p, small) };
+    }
+    alloc.trim();
+    let s = alloc.stats();
+    assert_eq!(s.cached_bytes(), 0, "{s}");
+    assert_balanced(&s);
+}

@@ -1,9 +1,13 @@
 //! Idle memory goes back to the kernel: free ranges idle for the decay time are purged
 //! (`MADV_DONTNEED`, outside the lock), chunks wholly free as long are released (pinned ones
 //! after ten times as long), and the same at once for memory pressure and `trim()`.
+//!
+//! A purge fails on locked memory (`mlock`, `mlockall`): such a range goes back unpurgeable
+//! (see the carver), so that none of these loops offers it again and again, and its bytes count
+//! as nothing to give back.
 
 use super::carve::Range;
-use super::{Arena, Purge, Released, Shortage, CHUNK_FIRST, PINNED_DECAY_FACTOR};
+use super::{Arena, Purge, PurgeFailures, Released, Shortage, CHUNK_FIRST, PINNED_DECAY_FACTOR};
 use crate::chunk::Chunk;
 
 impl Arena {
@@ -202,7 +206,8 @@ impl Arena {
     }
 
     /// Bytes that giving idle memory back could free now for a request short of `want`:
-    /// resident idle memory (free space of unpinned chunks, wholly free pinned chunks) or, for
+    /// resident idle memory (free space of unpinned chunks but the ranges whose purge failed,
+    /// wholly free pinned chunks) or, for
     /// address space, every free byte of the chunks, or, for page-locked bytes, wholly free
     /// pinned chunks not reserved; and cached dedicated blocks (pinned ones for page-locked
     /// bytes).
@@ -228,11 +233,13 @@ impl Arena {
     /// Takes back ranges purged outside the lock: free again, and known to be zero.
     ///
     /// Each comes with whether its purge worked: one that failed (`MADV_DONTNEED` refuses locked
-    /// memory) keeps its data, so it goes back dirty and resident. A range still touching a
-    /// resident granule (one shared with a neighbour, purged with neither) goes back dirty too,
-    /// so that a later merge purges it.
-    pub(crate) fn purged(&mut self, purges: impl Iterator<Item = (Purge, bool)>) {
+    /// memory) keeps its data, so it goes back dirty and resident, and unpurgeable: not offered
+    /// again until it merges with another range; its bytes no longer count as purged. A range
+    /// still touching a resident granule (one shared with a neighbour, purged with neither) goes
+    /// back dirty too, so that a later merge purges it. Returns the purges that failed.
+    pub(crate) fn purged(&mut self, purges: impl Iterator<Item = (Purge, bool)>) -> PurgeFailures {
         let now = self.now();
+        let mut failed = PurgeFailures::default();
         for (purge, done) in purges {
             let Some(heap) = self.heaps.get_mut(purge.heap) else {
                 continue;
@@ -243,17 +250,25 @@ impl Arena {
                 region,
                 handle,
             } = purge.range;
-            let resident = heap.chunk_mut(region).is_some_and(|chunk| {
-                if !done {
+            if !done {
+                if let Some(chunk) = heap.chunk_mut(region) {
                     chunk.purge_failed(purge.span);
                 }
-                chunk.any_resident(addr, size)
-            });
+                heap.purged = heap.purged.saturating_sub(purge.span.len as u64);
+                failed.count += 1;
+                failed.bytes += purge.span.len;
+                let _ = heap.carver.give_back_unpurged(handle, addr);
+                continue;
+            }
+            let resident = heap
+                .chunk_mut(region)
+                .is_some_and(|chunk| chunk.any_resident(addr, size));
             let _ = if resident {
                 heap.carver.free(handle, addr, now)
             } else {
                 heap.carver.give_back_clean(handle, addr)
             };
         }
+        failed
     }
 }

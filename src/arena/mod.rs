@@ -31,7 +31,7 @@ use index::CacheIndex;
 pub(crate) use pending::double as pending_double;
 use pending::PendingList;
 pub(crate) use pending::{settle, InFlight, Work};
-pub(crate) use released::{release_chunks, Purge, Released};
+pub(crate) use released::{release_chunks, Purge, PurgeFailures, Released};
 
 use crate::chunk::{Chunk, Span};
 use crate::cuda::RegisterFlags;
@@ -247,10 +247,11 @@ struct Heap {
 
 impl Heap {
     /// Resident bytes of the chunks not in live or pending blocks (granules shared with a block
-    /// count as the block's).
+    /// count as the block's) that giving back could free: free ranges whose purge failed count
+    /// only when their chunk is wholly free (released, not purged).
     fn idle_resident(&self) -> usize {
         let resident: usize = self.chunks.iter().flatten().map(Chunk::resident).sum();
-        resident.saturating_sub(self.carver.used_bytes())
+        resident.saturating_sub(self.carver.used_bytes() + self.carver.unpurgeable_bytes())
     }
 
     /// Bytes of the chunks that are wholly free.

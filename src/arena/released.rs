@@ -34,19 +34,27 @@ impl Released {
 /// Idle ranges one operation hands out to purge, at most.
 const PURGES: usize = 16;
 
+/// The purges of one [`Released`] that failed (locked memory), for the caller's counters and
+/// for what it may say it gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PurgeFailures {
+    pub(crate) count: u64,
+    pub(crate) bytes: usize,
+}
+
 impl Released {
     /// Purges the ranges handed out (`MADV_DONTNEED`, outside the lock), then gives them back
-    /// to `arena`, with whether each purge worked.
-    pub(crate) fn purge_into(&mut self, arena: &Lock<Arena>) {
+    /// to `arena`, with whether each purge worked; returns the ones that failed.
+    pub(crate) fn purge_into(&mut self, arena: &Lock<Arena>) -> PurgeFailures {
         if self.purges.is_empty() {
-            return;
+            return PurgeFailures::default();
         }
         let mut done = [false; PURGES];
         for (purge, done) in self.purges.iter().zip(&mut done) {
             // SAFETY: the arena took each range out of its carver for this: unused, unpinned.
             *done = unsafe { chunk::purge(purge.span) }.is_ok();
         }
-        arena.lock().purged(self.purges.drain().zip(done));
+        arena.lock().purged(self.purges.drain().zip(done))
     }
 }
 

@@ -556,3 +556,61 @@ fn a_block_with_gpu_work_does_not_shrink_in_place() {
     done.store(true, Ordering::Release);
     assert_eq!(arena.resize_carved(block.addr, 4 * MIB), Some(None));
 }
+
+#[test]
+fn ranges_whose_purge_failed_are_not_offered_again() {
+    let small = HeapKey {
+        huge: false,
+        ..HUGE
+    };
+    let mut arena = arena();
+    let chunk = Chunk::new(Mapping::new(32 * MIB, CHUNK_ALIGN).unwrap(), PAGE).unwrap();
+    assert!(arena.add_chunk(small, chunk).is_ok());
+    let carve_small = |arena: &mut Arena| {
+        let carving = arena.carve(small, 64 << 10, PAGE, None).unwrap().unwrap();
+        carving.block
+    };
+    let blocks: Vec<Block> = (0..40).map(|_| carve_small(&mut arena)).collect();
+    // 20 free ranges between live blocks: more than one round of purges.
+    for block in blocks.iter().step_by(2) {
+        assert!(free(&mut arena, block.addr, usize::MAX).is_empty());
+    }
+    // trim() as the runtime loops it, every purge failing (locked memory).
+    let (mut rounds, mut tried) = (0, 0);
+    loop {
+        let mut out = Released::default();
+        let done = arena.trim(&mut out);
+        tried += out.purges.iter().count();
+        let _ = arena.purged(out.purges.drain().map(|p| (p, false)));
+        rounds += 1;
+        if done || rounds == 100 {
+            break;
+        }
+    }
+    assert_eq!((rounds, tried), (2, 20), "each range tried once");
+    let stats = row(&arena);
+    assert_eq!(stats.purged_bytes, 0, "nothing was purged");
+    assert_eq!(stats.resident_bytes, 40 * (64 << 10));
+    assert_eq!(
+        arena.releasable(Shortage::Memory),
+        0,
+        "nothing to give back"
+    );
+    assert_eq!(
+        arena.releasable(Shortage::AddressSpace),
+        32 * MIB - 20 * (64 << 10)
+    );
+    let mut out = Released::default();
+    arena.next_decay = 0;
+    arena.decay(0, &mut out);
+    assert!(out.is_empty(), "decay leaves them alone too");
+    // A block freed beside two of them: the merged range is worth a purge again.
+    let _ = free(&mut arena, blocks[1].addr, usize::MAX);
+    assert_eq!(arena.releasable(Shortage::Memory), 3 * (64 << 10));
+    arena.next_decay = 0;
+    arena.decay(0, &mut out);
+    let spans: Vec<usize> = out.purges.iter().map(|p| p.span.len).collect();
+    assert_eq!(spans, [3 * (64 << 10)]);
+    let _ = arena.purged(out.purges.drain().map(|p| (p, true)));
+    assert_eq!(row(&arena).purged_bytes, 3 * (64 << 10) as u64);
+}

@@ -229,7 +229,8 @@ impl Config {
     };
 
     /// Applies a `NUMA_GPU_ALLOC`-style string (`key=value,key=value`). Entries that are
-    /// rejected leave their setting unchanged and are returned; the rest apply.
+    /// rejected leave their setting unchanged and are returned; the rest apply, and those that
+    /// switch something off are returned too ([`Error::SettingDisables`]). Each problem once.
     pub fn apply_settings(&mut self, settings: &str) -> Vec<Error> {
         let parsed = Settings::parse(settings);
         parsed.apply_to(self);

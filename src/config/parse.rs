@@ -33,7 +33,8 @@ pub(crate) enum Setting {
 }
 
 /// A `NUMA_GPU_ALLOC`-style string, parsed: the accepted entries in order (a later one of the
-/// same key applies over an earlier one), and the rejected ones.
+/// same key applies over an earlier one), and its problems, each once: the rejected entries,
+/// each key given more than once, and accepted values that switch something off.
 #[derive(Debug, Default)]
 pub(crate) struct Settings {
     accepted: Vec<Setting>,
@@ -44,24 +45,48 @@ impl Settings {
     pub(crate) fn parse(settings: &str) -> Settings {
         let mut parsed = Settings::default();
         let mut seen: Vec<&str> = Vec::new();
+        // Keys given more than once, with their error's place in `errors`.
+        let mut repeated: Vec<(&str, usize)> = Vec::new();
         for entry in settings.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let Some((key, value)) = entry.split_once('=') else {
-                parsed.errors.push(config_error(entry, "", "key=value"));
+                parsed.add(config_error(entry, "", "key=value"));
                 continue;
             };
             let (key, value) = (key.trim(), value.trim());
-            if seen.contains(&key) {
+            if let Some(&(_, at)) = repeated.iter().find(|(k, _)| *k == key) {
+                // One error however often the key is repeated, naming the latest value.
+                if let Some(Error::Config { value: latest, .. }) = parsed.errors.get_mut(at) {
+                    value.clone_into(latest);
+                }
+            } else if seen.contains(&key) {
+                repeated.push((key, parsed.errors.len()));
                 parsed.errors.push(config_error(
                     key,
                     value,
                     "each key once (the last value given applies)",
                 ));
+            } else {
+                seen.push(key);
             }
-            seen.push(key);
             match parse_setting(key, value) {
-                Ok(setting) => parsed.accepted.push(setting),
-                Err(e) => parsed.errors.push(e),
+                Ok(setting) => {
+                    parsed.accepted.push(setting);
+                    if let Some(disables) = disables(setting) {
+                        parsed.add(Error::SettingDisables {
+                            key: key.to_owned(),
+                            value: value.to_owned(),
+                            disables,
+                        });
+                    }
+                }
+                Err(e) => parsed.add(e),
             }
+        }
+        // pin=strict with no room to pin says so itself, once (see `Unpinnable`).
+        if parsed.sets(|s| *s == Setting::Pin(PinMode::Strict)) {
+            parsed
+                .errors
+                .retain(|e| !matches!(e, Error::SettingDisables { key, .. } if key == "pin_limit"));
         }
         if seen.contains(&"node") && seen.contains(&"gpu") {
             parsed.errors.push(config_error(
@@ -71,6 +96,13 @@ impl Settings {
             ));
         }
         parsed
+    }
+
+    /// Records `error` unless the same one was recorded already (an entry given again).
+    fn add(&mut self, error: Error) {
+        if !self.errors.contains(&error) {
+            self.errors.push(error);
+        }
     }
 
     /// Applies the accepted entries to `config`, in order.
@@ -122,6 +154,25 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
                  decay, decay_thread",
             ))
         }
+    })
+}
+
+/// What an accepted setting switches off, said at set-up in case it was not meant.
+fn disables(setting: Setting) -> Option<&'static str> {
+    Some(match setting {
+        Setting::CacheLimit(0) => {
+            "nothing freed is kept for reuse: each large free gives its memory back at once, and \
+             each large allocation maps, places and populates anew (cache=SIZE keeps up to SIZE)"
+        }
+        Setting::DecayMs(0) => {
+            "idle memory is given back at once: free space is purged as soon as it is freed, so \
+             reusing it pays the page faults and zeroing again (decay=off never gives it back)"
+        }
+        Setting::PinLimit(0) => {
+            "no byte may be page-locked: pin=on serves every block unpinned, pin=strict fails \
+             every large request (pin_limit=none: no limit)"
+        }
+        _ => return None,
     })
 }
 

@@ -149,3 +149,55 @@ fn gpu_selectors() {
     assert!(parse_gpu("GPU-ééé").is_err());
     assert!(parse_gpu("aéé").is_err());
 }
+
+#[test]
+fn each_problem_is_reported_once() {
+    let mut c = Config::DEFAULT;
+    let errors = c.apply_settings(&["cache=1GiB"; 500].join(","));
+    assert_eq!(
+        errors,
+        [config_error(
+            "cache",
+            "1GiB",
+            "each key once (the last value given applies)"
+        )]
+    );
+    // The value that applies is named.
+    let errors = c.apply_settings("cache=1GiB,cache=2GiB,cache=3GiB");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].to_string().contains("cache=\"3GiB\""),
+        "{errors:?}"
+    );
+    assert_eq!(c.cache_limit, 3 << 30);
+    // An unknown key given 500 times: that, and its repetition.
+    let errors = c.apply_settings(&["colour=blue"; 500].join(","));
+    assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["colour"; 2]);
+}
+
+#[test]
+fn values_that_switch_something_off_are_said() {
+    for (text, key) in [
+        ("cache=0", "cache"),
+        ("decay=0", "decay"),
+        ("decay=0ms", "decay"),
+        ("pin_limit=0", "pin_limit"),
+        ("pin=on,pin_limit=0B", "pin_limit"),
+    ] {
+        let mut c = Config::DEFAULT;
+        let errors = c.apply_settings(text);
+        assert!(
+            matches!(&errors[..], [Error::SettingDisables { key: k, .. }] if k == key),
+            "{text}: {errors:?}"
+        );
+        assert!(errors[0].to_string().contains("accepted"), "{}", errors[0]);
+    }
+    let mut c = Config::DEFAULT;
+    assert_eq!(c.apply_settings("cache=0,decay=0").len(), 2);
+    assert_eq!((c.cache_limit, c.decay_ms), (0, 0), "applied all the same");
+    // Under pin=strict the refusal at set-up says it, once.
+    assert!(c.apply_settings("pin=strict,pin_limit=0").is_empty());
+    assert!(c
+        .apply_settings("cache=1MiB,decay=1,pin_limit=1MiB")
+        .is_empty());
+}

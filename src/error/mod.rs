@@ -119,6 +119,16 @@ pub enum Error {
         /// What is accepted.
         expected: &'static str,
     },
+    /// A `NUMA_GPU_ALLOC` entry was accepted, and switches something off (said at set-up, in
+    /// case it was not meant).
+    SettingDisables {
+        /// The key, e.g. `"cache"`.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What it switches off, and what to set instead.
+        disables: &'static str,
+    },
     /// The CUDA driver (libcuda) could not be loaded, or no device is visible.
     CudaUnavailable {
         /// Why, e.g. `"libcuda.so could not be loaded"`.
@@ -295,6 +305,11 @@ impl fmt::Display for Error {
                 value,
                 expected,
             } => write!(f, "bad setting {key}={value:?}: expected {expected}"),
+            Error::SettingDisables {
+                key,
+                value,
+                disables,
+            } => write!(f, "setting {key}={value:?} accepted: {disables}"),
             Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
             Error::StrictPinning { reason, driver } => {
                 write!(f, "pin=strict, but blocks cannot be page-locked: {reason}")?;

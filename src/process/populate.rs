@@ -4,7 +4,7 @@
 //! Faulting memory in is CPU work (the kernel clears each page) done on the node the pages land
 //! on: a thread on another socket clears remote memory, at a fraction of the speed, and a thread
 //! spawned per block pays its start-up each time. So each node's workers are bound
-//! (`sched_setaffinity`) to the node's CPUs that this process may use (its cgroup's cpuset, else
+//! (`sched_setaffinity`) to the node's CPUs that this process may use (its cgroup's cpuset within
 //! its main thread's affinity; never the affinity of whichever thread first needed them); the
 //! workers of a node without such CPUs, and of ranges spread over several nodes, to all of them.
 //!

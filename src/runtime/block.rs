@@ -395,7 +395,7 @@ impl Runtime {
         Ok(())
     }
 
-    /// The CPUs of `node` that this process may run on (its cgroup's cpuset, else its main
+    /// The CPUs of `node` that this process may run on (its cgroup's cpuset within its main
     /// thread's affinity: never the calling thread's, which may be pinned to one core); all it
     /// may run on when the node has none (a CPU-less memory node).
     fn node_cpus(&self, node: usize) -> Vec<usize> {
@@ -510,10 +510,52 @@ impl Runtime {
     }
 }
 
-/// The CPUs this process may use: its cgroup's cpuset, else its main thread's affinity (empty
-/// when neither can be read: workers are then left unbound).
+/// The CPUs this process may use: its cgroup's cpuset within its main thread's affinity (what
+/// `taskset` chose), see [`within_affinity`] (empty when neither can be read: workers are then
+/// left unbound).
 fn process_allowed_cpus() -> Vec<usize> {
-    crate::topology::cgroup::allowed_cpus()
-        .or_else(|| sys::process_cpus().ok())
-        .unwrap_or_default()
+    within_affinity(
+        crate::topology::cgroup::allowed_cpus(),
+        sys::process_cpus().ok(),
+    )
+}
+
+/// The CPUs of `cgroup` that `affinity` has too; whichever of the two is known when the other
+/// is not; `affinity` when they share none (the kernel keeps a thread's affinity inside its
+/// cpuset: such a cgroup file describes another view of the CPUs, a namespace's say).
+fn within_affinity(cgroup: Option<Vec<usize>>, affinity: Option<Vec<usize>>) -> Vec<usize> {
+    match (cgroup, affinity) {
+        (Some(cgroup), Some(affinity)) => {
+            let both: Vec<usize> = cgroup
+                .into_iter()
+                .filter(|cpu| affinity.contains(cpu))
+                .collect();
+            if both.is_empty() {
+                affinity
+            } else {
+                both
+            }
+        }
+        (cgroup, affinity) => cgroup.or(affinity).unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::within_affinity;
+
+    #[test]
+    fn workers_stay_within_the_affinity_the_user_chose() {
+        let cgroup = Some((0..8).collect::<Vec<usize>>());
+        // taskset -c 2,3,9 under a cgroup of CPUs 0-7.
+        assert_eq!(within_affinity(cgroup.clone(), Some(vec![2, 3, 9])), [2, 3]);
+        assert_eq!(
+            within_affinity(cgroup.clone(), Some(vec![9])),
+            [9],
+            "none shared"
+        );
+        assert_eq!(within_affinity(cgroup, None), (0..8).collect::<Vec<_>>());
+        assert_eq!(within_affinity(None, Some(vec![1])), [1]);
+        assert!(within_affinity(None, None).is_empty());
+    }
 }

@@ -18,8 +18,8 @@ use std::time::Instant;
 use super::block::{shortage, HUGE_PAGE};
 use super::{Resolved, Runtime};
 use crate::arena::{
-    release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, Released, Shortage, CHUNK_ALIGN,
-    CHUNK_MAX,
+    release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
+    CHUNK_ALIGN, CHUNK_MAX,
 };
 use crate::chunk::{self, Chunk, Mapping, Span};
 use crate::config::PinMode;
@@ -268,7 +268,8 @@ impl Runtime {
     }
 
     /// Gives idle memory of `node` back for a request short of `bytes`; `false` (nothing given
-    /// back) when all there is to give back could not cover it.
+    /// back) when all there is to give back could not cover it. Purges that failed (locked
+    /// memory) gave nothing back, and are not tried again.
     pub(crate) fn give_back_for(&self, node: usize, bytes: usize, want: Shortage) -> bool {
         let Some(mut arena) = self.arena(node) else {
             return false;
@@ -280,11 +281,11 @@ impl Runtime {
         loop {
             let mut out = Released::default();
             let released = arena.release_for(bytes - given, want, &mut out);
-            given += released;
             drop(arena);
             let count = out.blocks.iter().count() + out.chunks.iter().count();
             self.counters.pressure_released_blocks.add(count as u64);
-            self.finish(node, &mut out);
+            let failed = self.finish(node, &mut out);
+            given += released.saturating_sub(failed.bytes);
             if released == 0 || given >= bytes {
                 return given > 0;
             }
@@ -375,16 +376,19 @@ impl Runtime {
     }
 
     /// Does what an arena operation on `node` left to do outside its lock: releases dedicated
-    /// blocks and chunks, purges idle ranges and gives them back.
-    pub(crate) fn finish(&self, node: usize, out: &mut Released) {
+    /// blocks and chunks, purges idle ranges and gives them back. Returns the purges that
+    /// failed (counted).
+    pub(crate) fn finish(&self, node: usize, out: &mut Released) -> PurgeFailures {
         for block in out.blocks.drain() {
             // SAFETY: the arena handed these out for release: no longer cached or handed out.
             unsafe { self.release_block(block) };
         }
         release_chunks(out, |released| self.count_release(released));
-        if let Some(arena) = NODES.existing(node) {
-            out.purge_into(arena);
-        }
+        let failed = NODES
+            .existing(node)
+            .map_or_else(PurgeFailures::default, |arena| out.purge_into(arena));
+        self.counters.purge_failures.add(failed.count);
+        failed
     }
 
     /// Counts what releasing a chunk did.

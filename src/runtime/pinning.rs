@@ -1,7 +1,7 @@
 //! What a request's blocks are made with, and `pin=strict`'s promise: every block it hands out is
 //! page-locked, or the request fails. When nothing can be page-locked for the request's target (no
-//! driver, no GPU for it, a forked child) the request fails before its kind is even looked up in
-//! the cache, so that no cached unpinned block serves it and nothing is mapped or populated.
+//! driver, no GPU for it, a forked child, `pin_limit=0`) the request fails before its kind is even
+//! looked up in the cache, so that no cached unpinned block serves it and nothing is mapped or populated.
 //!
 //! Every registration the allocator makes goes through [`Runtime::register`]: counted, timed,
 //! and held within the pinned limit.
@@ -34,19 +34,28 @@ pub(crate) enum Unpinnable {
     NoDevice,
     /// The device was found, its primary context could not be retained.
     NoContext,
+    /// The pinned limit is 0: no registration can succeed, whatever the driver.
+    NoPinRoom,
 }
 
 impl Unpinnable {
     /// Why `pin=strict` refuses a target resolved to `gpu` (`ordinal`: the device the driver
     /// found for it; `names_gpu`: the target is a GPU's, not a node's). `None` when its blocks
-    /// can be page-locked, or pinning is not strict.
+    /// can be page-locked, or pinning is not strict. A limit of 0 comes first: it fails every
+    /// request with a driver or without.
     pub(crate) fn of(
         config: &Config,
         names_gpu: bool,
         gpu: Option<&Gpu>,
         ordinal: Option<u32>,
     ) -> Option<Unpinnable> {
-        if config.pin != PinMode::Strict || gpu.is_some_and(Gpu::usable) {
+        if config.pin != PinMode::Strict {
+            return None;
+        }
+        if config.pin_limit == 0 {
+            return Some(Unpinnable::NoPinRoom);
+        }
+        if gpu.is_some_and(Gpu::usable) {
             return None;
         }
         Some(if !names_gpu {
@@ -74,6 +83,7 @@ impl Unpinnable {
             Unpinnable::NoDriver(e) => ("no usable CUDA driver", Some(e)),
             Unpinnable::NoDevice => ("no CUDA device matches the GPU selector", None),
             Unpinnable::NoContext => ("the GPU's primary context could not be retained", None),
+            Unpinnable::NoPinRoom => ("pin_limit=0 allows no page-locked byte", None),
         };
         Error::StrictPinning { reason, driver }
     }
@@ -98,7 +108,8 @@ impl Runtime {
     /// none can be made when they could not be page-locked.
     pub(crate) fn kind(&self, target: &Resolved) -> Result<Kind, Error> {
         let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
-        if self.config.pin == PinMode::Strict && !pinned {
+        let no_room = self.config.pin_limit == 0;
+        if self.config.pin == PinMode::Strict && (!pinned || no_room) {
             // Resolved with a usable GPU, a target loses it only to a fork.
             return Err(target.unpinnable.unwrap_or(Unpinnable::Forked).error());
         }

@@ -19,10 +19,15 @@ pub enum FaultPoint {
     Mmap,
     /// The `mbind` of [`bind`](super::bind).
     Mbind,
-    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](super::populate).
+    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](super::populate), at every attempt
+    /// (EINTR is retried).
     Populate,
     /// The `move_pages` of [`page_nodes`](super::page_nodes) (first batch).
     MovePages,
+    /// The `madvise(MADV_DONTNEED)` of [`advise_dontneed`](super::advise_dontneed), which purges
+    /// idle free ranges (EINVAL stands in for locked memory).
+    #[cfg(feature = "fault-injection")]
+    Purge,
     /// The CUDA registration (`cuMemHostRegister_v2`) of a chunk or a dedicated block. The
     /// injected value is the `CUresult` code. A chunk meets it where it would be registered
     /// (a GPU targeted, pinning on); a dedicated block wherever pinning is on, even without
@@ -34,7 +39,7 @@ pub enum FaultPoint {
 // Per point: errno in the high 32 bits, remaining count in the low 32, so that one
 // compare-exchange reads and consumes both consistently.
 #[cfg(feature = "fault-injection")]
-static FAULTS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+static FAULTS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
 #[cfg(feature = "fault-injection")]
 fn slot(point: FaultPoint) -> &'static AtomicU64 {

@@ -181,7 +181,8 @@ pub unsafe fn advise_nohugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
 ///
 /// The mapping and its memory policy stay; the next access faults in fresh zeroed pages under
 /// that policy. Errors: [`Error::InvalidRange`] for an empty or misaligned range,
-/// [`Error::Syscall`] (`call: "madvise(MADV_DONTNEED)"`) otherwise.
+/// [`Error::Syscall`] (`call: "madvise(MADV_DONTNEED)"`) otherwise (EINVAL: part of the range is
+/// locked, by `mlock` or `mlockall`).
 ///
 /// # Safety
 ///
@@ -189,6 +190,17 @@ pub unsafe fn advise_nohugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
 /// whose content nobody needs any more: it reads as zeros afterwards. It must not be registered
 /// (page-locked) with CUDA, whose device mappings would keep pointing at the old pages.
 pub unsafe fn advise_dontneed(ptr: NonNull<u8>, len: usize) -> Result<()> {
+    // Tests make purges fail as on locked memory (never compiled without the feature).
+    #[cfg(feature = "fault-injection")]
+    {
+        check_range(ptr, len)?;
+        if let Some(errno) = fault::injected(fault::FaultPoint::Purge) {
+            return Err(Error::Syscall {
+                call: "madvise(MADV_DONTNEED)",
+                errno,
+            });
+        }
+    }
     // SAFETY: the caller guarantees the range is ours and its content is no longer needed.
     unsafe { advise(ptr, len, libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)") }
 }

@@ -57,16 +57,18 @@ pub unsafe fn populate(ptr: NonNull<u8>, len: usize) -> Result<PopulateMethod> {
             });
         }
     } else {
-        let mut result = match fault::injected(fault::FaultPoint::Populate) {
-            Some(errno) => Err(errno),
-            None => madvise_populate_write(ptr, len),
+        // EINTR: a signal arrived while faulting. The pages populated so far stay, so each retry
+        // goes on where the last one stopped, however busy the signals (a fatal one ends the
+        // process on its way back from the call). No other errno is retried: no bound needed.
+        let result = loop {
+            let attempt = match fault::injected(fault::FaultPoint::Populate) {
+                Some(errno) => Err(errno),
+                None => madvise_populate_write(ptr, len),
+            };
+            if attempt != Err(libc::EINTR) {
+                break attempt;
+            }
         };
-        // EINTR: a signal arrived while faulting; what was populated stays, so just retry.
-        let mut retries = 0;
-        while result == Err(libc::EINTR) && retries < 16 {
-            retries += 1;
-            result = madvise_populate_write(ptr, len);
-        }
         match result {
             Ok(()) => {
                 POPULATE_METHOD.store(METHOD_MADVISE, Ordering::Relaxed);

@@ -151,6 +151,23 @@ fn populate_enomem_is_reported() {
 }
 
 #[test]
+fn populate_retries_every_eintr() {
+    let _i = Injecting::new();
+    let len = MIB;
+    let r = Region::new(len);
+    // A busy signal: a thousand interrupted attempts in a row.
+    fault::inject(FaultPoint::Populate, libc::EINTR, 1000);
+    // SAFETY: ours, fresh (zeros).
+    assert_eq!(
+        unsafe { sys::populate(r.ptr, len) },
+        Ok(PopulateMethod::MadvisePopulateWrite)
+    );
+    assert_eq!(fault::remaining(FaultPoint::Populate), 0);
+    // SAFETY: ours, populated above.
+    assert_eq!(unsafe { sys::census(r.ptr, len, 0) }.unwrap().absent, 0);
+}
+
+#[test]
 fn move_pages_eperm_is_numa_unavailable() {
     let _i = Injecting::new();
     let len = MIB;

@@ -146,6 +146,10 @@ impl Carver {
                         if n.dirty {
                             expect.dirty_free_bytes += n.size;
                         }
+                        if n.unpurgeable {
+                            assert!(n.dirty, "clean but unpurgeable at {:#x}", n.start);
+                            expect.unpurgeable_bytes += n.size;
+                        }
                     }
                 }
                 at += n.size;
@@ -201,13 +205,13 @@ impl Carver {
         }
         assert_eq!(heads, listed_classes, "a list head outside the bitmaps");
 
-        // The idle list: exactly the dirty free nodes, oldest first.
+        // The idle list: exactly the dirty free nodes not unpurgeable, oldest first.
         let mut idle = 0;
         let mut prev = NONE;
         let mut stamp = 0;
         let mut i = self.idle_head;
         while let Some(n) = self.node(i) {
-            assert!(n.state == State::Free && n.dirty);
+            assert!(n.state == State::Free && n.idle());
             assert_eq!(n.idle_prev, prev);
             assert!(n.stamp >= stamp, "idle list out of order");
             stamp = n.stamp;
@@ -220,7 +224,7 @@ impl Carver {
         let dirty_free = self
             .nodes
             .iter()
-            .filter(|n| n.state == State::Free && n.dirty)
+            .filter(|n| n.state == State::Free && n.idle())
             .count();
         assert_eq!(idle, dirty_free);
     }

@@ -4,8 +4,8 @@
 //! The model knows which ranges are used; the free space of a region is what they leave, so it
 //! tells whether a carve could have succeeded, whether a range can grow in place, and what a
 //! region removal or an address lookup must answer. It also tracks which quanta may be
-//! resident (freed by the user, not purged since): a free range holding one must be dirty, or
-//! decay would never purge it. `CARVE_FUZZ_SEQUENCES` sets how many sequences run (1000 by
+//! resident (freed by the user, not purged since, or whose purge failed): a free range holding
+//! one must be dirty, or decay would never purge it. `CARVE_FUZZ_SEQUENCES` sets how many sequences run (1000 by
 //! default, a few seconds in a debug build).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,7 +46,7 @@ impl Rng {
 #[derive(Clone, Copy, Debug)]
 struct Held {
     range: Range,
-    /// Taken by `take_idle` (to be given back clean) rather than carved.
+    /// Taken by `take_idle` (to be given back clean, or unpurged) rather than carved.
     taken: bool,
 }
 
@@ -216,8 +216,12 @@ fn step(c: &mut Carver, m: &mut Model, rng: &mut Rng, now: u64) {
         30..50 => {
             if let Some(held) = m.pick(rng, None) {
                 let r = held.range;
-                let purged = held.taken || rng.chance(10);
-                let got = if purged {
+                // A taken range's purge fails now and then (locked memory).
+                let unpurged = held.taken && rng.chance(30);
+                let purged = !unpurged && (held.taken || rng.chance(10));
+                let got = if unpurged {
+                    c.give_back_unpurged(r.handle, r.addr)
+                } else if purged {
                     c.give_back_clean(r.handle, r.addr)
                 } else {
                     c.free(r.handle, r.addr, stamp)
@@ -294,6 +298,7 @@ fn step(c: &mut Carver, m: &mut Model, rng: &mut Rng, now: u64) {
             }
             assert_eq!(c.free(handle, r.addr, now), None);
             assert_eq!(c.give_back_clean(handle, r.addr), None);
+            assert_eq!(c.give_back_unpurged(handle, r.addr), None);
             assert!(!c.grow_in_place(handle, r.addr, r.size + Q));
             assert_eq!(c.shrink_in_place(handle, r.addr, Q, now), Ok(false));
         }

@@ -30,7 +30,11 @@
 //! free ranges are also linked in an idle list, oldest stamp first, so that decay
 //! ([`Carver::take_idle`]) finds the next one to purge in O(1). A merged range is dirty if any
 //! part is; it takes the place of a dirty part with its stamp when there is one, else it is
-//! inserted from the tail (O(1) while stamps do not decrease).
+//! inserted from the tail (O(1) while stamps do not decrease). A taken range whose purge failed
+//! (locked memory) comes back dirty but unpurgeable, out of the idle list: decay and `trim()`
+//! would otherwise take it again at once, forever. It is offered again once it merges with
+//! another range (something was freed beside it); the pieces a carve leaves of it stay as they
+//! were.
 
 use std::mem;
 
@@ -73,8 +77,21 @@ pub(crate) struct CarverStats {
     pub(crate) free_bytes: usize,
     pub(crate) free_ranges: usize,
     pub(crate) largest_free: usize,
-    /// Free bytes whose memory may be resident (the idle list's).
+    /// Free bytes whose memory may be resident (the idle list's, and the unpurgeable ones).
     pub(crate) dirty_free_bytes: usize,
+    /// Of those, bytes whose purge failed ([`Carver::give_back_unpurged`]).
+    pub(crate) unpurgeable_bytes: usize,
+}
+
+/// How a used range comes back ([`Carver::release`]).
+#[derive(Clone, Copy)]
+enum Back {
+    /// Freed by the user at this time: dirty.
+    Freed(u64),
+    /// Purged: clean.
+    Purged,
+    /// Its purge failed: dirty, and unpurgeable unless it merges.
+    Unpurged,
 }
 
 enum RegionSlot {
@@ -147,6 +164,7 @@ impl Carver {
                 free_ranges: 0,
                 largest_free: 0,
                 dirty_free_bytes: 0,
+                unpurgeable_bytes: 0,
             },
         }
     }
@@ -225,17 +243,22 @@ impl Carver {
         let tail = n.size - pad - size;
         self.reserve_nodes(usize::from(pad > 0) + usize::from(tail > 0))?;
 
-        // Padding and tail take the source's place in the idle list: they have its stamp.
+        // Padding and tail take the source's place in the idle list: they have its stamp (and
+        // stay unpurgeable if it was: their memory is the same).
+        let piece = |start, size| Node {
+            unpurgeable: n.unpurgeable,
+            ..Node::free(start, size, n.region, n.dirty, n.stamp)
+        };
         let mut after = self.delist(i);
         if pad > 0 {
-            let p = self.new_node(Node::free(n.start, pad, n.region, n.dirty, n.stamp));
+            let p = self.new_node(piece(n.start, pad));
             self.phys_link_before(i, p);
             self.enlist(p, Idle::After(after));
             after = p;
         }
         if tail > 0 {
             let start = n.start + pad + size;
-            let t = self.new_node(Node::free(start, tail, n.region, n.dirty, n.stamp));
+            let t = self.new_node(piece(start, tail));
             self.phys_link_after(i, t);
             self.enlist(t, Idle::After(after));
         }
@@ -249,7 +272,7 @@ impl Carver {
     ///
     /// The stamp is the latest of `now` and the merged neighbours' stamps.
     pub(crate) fn free(&mut self, handle: Handle, addr: usize, now: u64) -> Option<Range> {
-        self.release(handle, addr, Some(now))
+        self.release(handle, addr, Back::Freed(now))
     }
 
     /// Like free, but the freed range counts as clean (not resident: the caller purged it); merged with
@@ -259,7 +282,15 @@ impl Carver {
     /// its own is the one it had when it was carved or taken (for [`Self::take_idle`]'s ranges,
     /// when it became idle), so [`Self::wholly_free`] tells how long the region has been idle.
     pub(crate) fn give_back_clean(&mut self, handle: Handle, addr: usize) -> Option<Range> {
-        self.release(handle, addr, None)
+        self.release(handle, addr, Back::Purged)
+    }
+
+    /// Gives back a range [`Self::take_idle`] took whose purge failed: dirty, with the stamp it
+    /// had when it became idle, and out of the idle list, so that no later `take_idle` offers it
+    /// again. Merged with a free neighbour (freed while it was purged) it is dirty and in the
+    /// idle list again, with the latest stamp of the parts. NEVER ALLOCATES.
+    pub(crate) fn give_back_unpurged(&mut self, handle: Handle, addr: usize) -> Option<Range> {
+        self.release(handle, addr, Back::Unpurged)
     }
 
     /// Grows the Used range to new_size (> its size) into the free range right after it in its region, if
@@ -327,7 +358,7 @@ impl Carver {
                 let next = n.phys_next;
                 let after = self.delist(next);
                 let stamp = r.stamp.max(now);
-                let place = if r.dirty && r.stamp == stamp {
+                let place = if r.idle() && r.stamp == stamp {
                     Idle::After(after)
                 } else {
                     Idle::Sorted
@@ -336,6 +367,7 @@ impl Carver {
                     grown.start -= delta;
                     grown.size += delta;
                     grown.dirty = true;
+                    grown.unpurgeable = false;
                     grown.stamp = stamp;
                 }
                 self.enlist(next, place);
@@ -354,7 +386,7 @@ impl Carver {
         Ok(true)
     }
 
-    /// The oldest dirty free range whose stamp <= idle_since, taken out of the free lists as Used (so no
+    /// The oldest dirty free range (not unpurgeable) whose stamp <= idle_since, taken out of the free lists as Used (so no
     /// carve can hand it out while the caller purges it outside the arena lock; the caller then calls
     /// give_back_clean). None when there is none. NEVER ALLOCATES.
     pub(crate) fn take_idle(&mut self, idle_since: u64) -> Option<Range> {
@@ -429,6 +461,22 @@ impl Carver {
         self.stats.regions -= 1;
         self.stats.region_bytes -= len;
         Some((base, len))
+    }
+
+    /// Bytes of the unpurgeable free ranges that are not a whole region (releasing a region
+    /// gives its memory back anyway): O(regions).
+    pub(crate) fn unpurgeable_bytes(&self) -> usize {
+        let whole: usize = self
+            .regions()
+            .filter_map(|(region, _, len)| {
+                let Some(RegionSlot::Live { first, .. }) = self.regions.get(region as usize) else {
+                    return None;
+                };
+                let n = self.node(*first)?;
+                (n.state == State::Free && n.phys_next == NONE && n.unpurgeable).then_some(len)
+            })
+            .sum();
+        self.stats.unpurgeable_bytes.saturating_sub(whole)
     }
 
     /// Bytes of used ranges: O(1).
@@ -517,9 +565,10 @@ impl Carver {
         Some(range)
     }
 
-    /// Frees a used range, dirty and stamped `now` or clean (`None`), merging it with its free
-    /// neighbours (see [`Self::free`] and [`Self::give_back_clean`] for the stamps).
-    fn release(&mut self, handle: Handle, addr: usize, now: Option<u64>) -> Option<Range> {
+    /// Frees a used range as `back` says, merging it with its free neighbours (see
+    /// [`Self::free`], [`Self::give_back_clean`] and [`Self::give_back_unpurged`] for the
+    /// stamps).
+    fn release(&mut self, handle: Handle, addr: usize, back: Back) -> Option<Range> {
         let n = self.used(handle, addr)?;
         let range = Range {
             addr,
@@ -534,19 +583,22 @@ impl Carver {
         };
         let (left, right) = (free_at(n.phys_prev), free_at(n.phys_next));
         let parts = || [left, right].into_iter().flatten().map(|(_, x)| x);
-        let (dirty, stamp) = match now {
-            Some(now) => (true, parts().map(|x| x.stamp).fold(now, u64::max)),
-            None => match parts().filter(|x| x.dirty).map(|x| x.stamp).max() {
-                Some(stamp) => (true, stamp),
-                None => (false, parts().map(|x| x.stamp).fold(n.stamp, u64::max)),
+        let latest = || parts().map(|x| x.stamp).fold(n.stamp, u64::max);
+        let (dirty, unpurgeable, stamp) = match back {
+            Back::Freed(now) => (true, false, parts().map(|x| x.stamp).fold(now, u64::max)),
+            Back::Purged => match parts().filter(|x| x.dirty).map(|x| x.stamp).max() {
+                Some(stamp) => (true, false, stamp),
+                None => (false, false, latest()),
             },
+            // Alone it stays out of decay's way; merged, the whole is worth a purge again.
+            Back::Unpurged => (true, parts().next().is_none(), latest()),
         };
-        // A dirty neighbour with the result's stamp gives up its place in the idle list. It is
+        // A neighbour in the idle list with the result's stamp gives up its place there. It is
         // unlinked last, so that its predecessor there is still linked.
         let anchor = [left, right]
             .into_iter()
             .flatten()
-            .find(|(_, x)| dirty && x.dirty && x.stamp == stamp)
+            .find(|(_, x)| dirty && !unpurgeable && x.idle() && x.stamp == stamp)
             .map(|(i, _)| i);
         let order = if anchor.is_some() && anchor == left.map(|(i, _)| i) {
             [right, left]
@@ -569,6 +621,7 @@ impl Carver {
         merged.start = start;
         merged.size = size;
         merged.dirty = dirty;
+        merged.unpurgeable = unpurgeable;
         merged.stamp = stamp;
         self.stats.used_bytes -= range.size;
         self.stats.used_ranges -= 1;

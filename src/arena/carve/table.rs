@@ -40,12 +40,16 @@ pub(super) struct Node {
     /// The size class's list (Free), or the chain of vacant slots (`free_next`, Vacant).
     pub(super) free_prev: u32,
     pub(super) free_next: u32,
-    /// Oldest stamp first; only dirty free nodes are linked.
+    /// Oldest stamp first; only dirty free nodes are linked, unpurgeable ones excepted.
     pub(super) idle_prev: u32,
     pub(super) idle_next: u32,
     pub(super) state: State,
     /// The memory may be resident.
     pub(super) dirty: bool,
+    /// Dirty, and its purge failed (`MADV_DONTNEED` refuses locked memory): kept out of the
+    /// idle list, so that decay does not try it again and again, until it merges with another
+    /// range.
+    pub(super) unpurgeable: bool,
 }
 
 impl Node {
@@ -69,7 +73,13 @@ impl Node {
             idle_next: NONE,
             state: State::Free,
             dirty,
+            unpurgeable: false,
         }
+    }
+
+    /// Whether a free node is in the idle list: dirty, and not known to be unpurgeable.
+    pub(super) fn idle(&self) -> bool {
+        self.dirty && !self.unpurgeable
     }
 }
 
@@ -210,7 +220,8 @@ impl Carver {
         Some(fl * SL_COUNT + second.trailing_zeros() as usize)
     }
 
-    /// Puts a free node in its class's list and, when dirty, in the idle list, and counts it.
+    /// Puts a free node in its class's list and, when dirty and not unpurgeable, in the idle
+    /// list, and counts it.
     pub(super) fn enlist(&mut self, i: u32, place: Idle) {
         let Some(&n) = self.node(i) else { return };
         let class = class_of(n.size >> self.shift);
@@ -234,6 +245,11 @@ impl Carver {
         self.stats.free_ranges += 1;
         if n.dirty {
             self.stats.dirty_free_bytes += n.size;
+        }
+        if n.unpurgeable {
+            self.stats.unpurgeable_bytes += n.size;
+        }
+        if n.idle() {
             let after = match place {
                 Idle::After(after) => after,
                 Idle::Sorted => self.idle_place(n.stamp),
@@ -243,7 +259,7 @@ impl Carver {
     }
 
     /// Takes a free node out of its lists and its counts; returns its predecessor in the idle
-    /// list (NONE if it was the head or is clean).
+    /// list (NONE if it was the head or is not in it).
     pub(super) fn delist(&mut self, i: u32) -> u32 {
         let Some(&n) = self.node(i) else { return NONE };
         let class = class_of(n.size >> self.shift);
@@ -266,10 +282,15 @@ impl Carver {
         }
         self.stats.free_bytes -= n.size;
         self.stats.free_ranges -= 1;
-        if !n.dirty {
+        if n.dirty {
+            self.stats.dirty_free_bytes -= n.size;
+        }
+        if n.unpurgeable {
+            self.stats.unpurgeable_bytes -= n.size;
+        }
+        if !n.idle() {
             return NONE;
         }
-        self.stats.dirty_free_bytes -= n.size;
         match self.node_mut(n.idle_prev) {
             Some(p) => p.idle_next = n.idle_next,
             None => self.idle_head = n.idle_next,

@@ -395,3 +395,54 @@ fn released_nodes_are_reused_before_the_table_grows() {
 fn a_node_is_56_bytes() {
     assert_eq!(size_of::<Node>(), 56);
 }
+
+#[test]
+fn a_range_whose_purge_failed_is_not_taken_again_until_it_merges() {
+    let (mut c, r) = one_region(10, true);
+    let [x, k1, y, k2, z] = [2; 5].map(|q| carve(&mut c, q, 1));
+    free(&mut c, x, 10);
+    free(&mut c, y, 20);
+    let taken = [c.take_idle(30).unwrap(), c.take_idle(30).unwrap()];
+    for t in taken {
+        assert_eq!(c.give_back_unpurged(t.handle, t.addr), Some(t));
+        c.check();
+    }
+    // Dirty with the stamps they had, out of decay's sight.
+    assert_eq!(
+        c.free_spans(r)[..2],
+        [span(0, 2, true, 10), span(4, 2, true, 20)]
+    );
+    assert_eq!(c.take_idle(u64::MAX), None);
+    let stats = c.stats();
+    assert_eq!(
+        (stats.dirty_free_bytes, stats.unpurgeable_bytes),
+        (4 * Q, 4 * Q)
+    );
+    assert_eq!(c.unpurgeable_bytes(), 4 * Q);
+    // What a carve leaves of one stays unpurgeable; freed again, the block merges with it.
+    let piece = carve(&mut c, 1, 1);
+    assert_eq!(piece.addr, y.addr, "the latest range of its class");
+    assert_eq!(c.free_spans(r)[1], span(5, 1, true, 20));
+    assert_eq!(c.take_idle(u64::MAX), None);
+    free(&mut c, piece, 40);
+    assert_eq!(c.free_spans(r)[1], span(4, 2, true, 40));
+    let again = c.take_idle(u64::MAX).unwrap();
+    assert_eq!((again.addr, again.size), (y.addr, 2 * Q));
+    clean(&mut c, again);
+    // A neighbour freed beside one makes the whole worth a purge again.
+    free(&mut c, k1, 50);
+    assert_eq!(c.free_spans(r)[0], span(0, 6, true, 50));
+    assert_eq!(c.stats().unpurgeable_bytes, 0);
+    assert_eq!(c.take_idle(u64::MAX).map(|t| t.size), Some(6 * Q));
+    // A region that is one unpurgeable range can still be released whole.
+    let (mut c, r) = one_region(4, false);
+    let t = c.take_idle(u64::MAX).unwrap();
+    assert_eq!(c.give_back_unpurged(t.handle, t.addr), Some(t));
+    c.check();
+    assert_eq!(
+        (c.stats().unpurgeable_bytes, c.unpurgeable_bytes()),
+        (4 * Q, 0)
+    );
+    assert_eq!(c.remove_region(r), Some((BASE, 4 * Q)));
+    let _ = (k2, z);
+}
