@@ -3,7 +3,8 @@
 //!
 //! Run: `cargo run --release --example kv_reserve -- 64` (GiB; default 8).
 //!
-//! The reservation is made in chunks of at most 1 GiB, each registered with one driver call, on
+//! The reservation is made in chunks of at most `register_max` (256 MiB by default; set
+//! `NUMA_GPU_ALLOC=register_max=1GiB` to compare), each registered with one driver call, on
 //! a thread of its own; a progress line is printed every quarter second. Meanwhile small
 //! host-to-device copies run on a stream of their own, as a serving engine's would: their
 //! latency during the reservation against idle is the stall the reservation causes. Without a

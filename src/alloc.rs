@@ -254,9 +254,10 @@ impl<A> NumaGpuAlloc<A> {
             rt.report_setup_errors();
             let in_static = crate::sys::in_loaded_image(self);
             crate::stats_exit::register(rt, in_static);
+            let background = rt.config.reserve_background && !rt.config.reserve.is_none();
             match crate::stats_exit::as_static(rt, in_static) {
-                Some(rt) if rt.config.reserve_background => rt.reserve_configured_in_background(),
-                None if rt.config.reserve_background && !rt.config.reserve.is_none() => {
+                Some(rt) if background => rt.reserve_configured_in_background(),
+                None if background => {
                     let _ = writeln!(
                         std::io::stderr(),
                         "numa-gpu-alloc: reserve_background=on applies to allocators in a \

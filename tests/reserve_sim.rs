@@ -249,24 +249,24 @@ sim_test!(
 );
 
 sim_test!(
-    /// `reserve=5GiB` is more than the default cache limit (4 GiB): reserved room is bounded by
-    /// the node's memory and the pinned limit, not the cache's; and a block above the bound gets
-    /// one registration of its own, counted as such.
+    /// `reserve=2GiB` with `cache=1GiB`: reserved room is bounded by the node's memory and the
+    /// pinned limit, not the cache's; and a block above the bound gets one registration of its
+    /// own, counted as such.
     a_reservation_beyond_the_cache_limit_needs_no_cache_setting,
-    env: [("NUMA_GPU_ALLOC", "pin=on,reserve=5GiB")],
+    env: [("NUMA_GPU_ALLOC", "pin=on,cache=1GiB,reserve=2GiB")],
     {
         static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
         let block = allocate(&ALLOC, 2 * MIB);
         let stats = ALLOC.stats();
-        assert_eq!(stats.reserved_bytes, 5 * GIB as u64, "{stats}");
+        assert_eq!(stats.reserved_bytes, 2 * GIB as u64, "{stats}");
         assert!(stats.config_errors.is_empty(), "{:?}", stats.config_errors);
         free(&ALLOC, block, 2 * MIB);
         ALLOC.trim();
-        let large = allocate(&ALLOC, 6 * GIB);
+        let large = allocate(&ALLOC, 300 * MIB);
         assert!(!large.is_null());
         let stats = ALLOC.stats();
         assert_eq!(stats.oversized_registrations, 1, "{stats}");
-        free(&ALLOC, large, 6 * GIB);
+        free(&ALLOC, large, 300 * MIB);
         ALLOC.trim();
     }
 );

@@ -104,7 +104,7 @@ pub enum PinMode {
 pub struct Reserve {
     /// How many blocks (0: none, or bytes).
     pub blocks: usize,
-    /// Bytes of each: a request of this size, or up to a ninth smaller, reuses one.
+    /// Bytes of each.
     pub block_size: usize,
     /// Bytes of room for requests of any size up to a chunk's (with `blocks` 0).
     pub bytes: usize,

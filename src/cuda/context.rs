@@ -3,14 +3,14 @@
 
 use std::ffi::{c_uint, c_void};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use super::device::Device;
 use super::driver::{
     exported, Api, CuContext, CuResult, CAPTURE_MODE_RELAXED, HOST_MEMORY_NOT_REGISTERED,
     REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
 };
-use super::teardown::DriverCall;
+use super::teardown::{close_at_exit, DriverCall};
 use crate::{fork, Error, Result};
 
 /// Why a forked child does not register memory.
@@ -209,6 +209,11 @@ impl Gpu {
         // Balanced by the release in Drop.
         let res = unsafe { (api.primary_ctx_retain)(&mut ctx, device.dev) };
         api.check("cuDevicePrimaryCtxRetain", res)?;
+        static AFTER_FIRST_RETAIN: AtomicBool = AtomicBool::new(false);
+        if !AFTER_FIRST_RETAIN.swap(true, Ordering::AcqRel) {
+            // Probed already: atexit worked once, and a second failure only loses the hardening.
+            let _ = close_at_exit();
+        }
         Ok(Gpu {
             device,
             ctx,

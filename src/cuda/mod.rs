@@ -53,7 +53,7 @@ pub mod tools;
 pub(crate) use context::{Gpu, RegisterFlags, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
-pub(crate) use teardown::{exiting, EXITING_REASON};
+pub(crate) use teardown::{exiting, forget_calls_in_child, EXITING_REASON};
 
 use crate::error::known_error_name;
 use crate::Error;

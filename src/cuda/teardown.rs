@@ -5,8 +5,9 @@
 //! registration that another thread makes afterwards touches freed driver state. Exit handlers
 //! run in reverse order of registration, and library destructors after all of them, so the
 //! handler here — registered by the driver probe right after `cuInit`, before the probe's answer
-//! lets anyone call the driver — runs before the driver's teardown. It closes the gate, then
-//! waits for the calls already through it to end.
+//! lets anyone call the driver, and again after the first primary context is retained, in case
+//! the driver registers its teardown only then — runs before the driver's teardown. It closes
+//! the gate, then waits for the calls already through it to end.
 //!
 //! The gate is one word: the closed bit and the count of calls in flight. Entering and closing
 //! are read-modify-writes of that word, so whichever comes first in its modification order wins:
@@ -17,7 +18,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::{fork, sys, Error, Result};
+use crate::{sys, Error, Result};
 
 /// Why a driver call is refused at exit.
 pub(crate) const EXITING_REASON: &str = "the process is exiting (the driver may be tearing down)";
@@ -29,11 +30,13 @@ const CLOSED: u32 = 1 << 31;
 static GATE: AtomicU32 = AtomicU32::new(0);
 
 /// How long the exit handler waits for calls in flight: one registration of at most a chunk
-/// (1 GiB: tens of milliseconds on current drivers) or a block registered whole.
-const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+/// (tens of milliseconds on current drivers), or a block registered whole (94 GB in one call
+/// took 11.6 s on one driver).
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
 /// Registers the exit handler that closes the gate. Called by the driver probe after `cuInit`
-/// (so that it runs before the driver's teardown) and before any other driver call.
+/// (so that it runs before the driver's teardown) and before any other driver call, and again
+/// once a primary context is first retained (the handler runs once, whichever comes first).
 pub(super) fn close_at_exit() -> Result<()> {
     sys::at_exit(close).map_err(|_| Error::CudaUnavailable {
         reason: "the exit handler that keeps driver calls out of the driver's teardown could not \
@@ -71,12 +74,16 @@ pub(crate) fn exiting() -> bool {
     GATE.load(Ordering::Relaxed) & CLOSED != 0
 }
 
+/// Forgets the calls in flight in the parent at a fork, keeping the closed bit: their threads do
+/// not exist in the child, whose exit must not wait for them. Called by the child fork handler.
+pub(crate) fn forget_calls_in_child() {
+    GATE.fetch_and(CLOSED, Ordering::Relaxed);
+}
+
 /// The exit handler: closes the gate, then waits (at most [`DRAIN_LIMIT`]) for the calls in
-/// flight. In a forked child the parent's calls in flight have no thread here: nothing to wait
-/// for (a child never calls the driver).
+/// flight.
 extern "C" fn close() {
-    let before = GATE.fetch_or(CLOSED, Ordering::AcqRel);
-    if fork::generation() > 0 || before & CLOSED != 0 {
+    if GATE.fetch_or(CLOSED, Ordering::AcqRel) & CLOSED != 0 {
         return;
     }
     let deadline = Instant::now() + DRAIN_LIMIT;

@@ -347,8 +347,8 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "cannot reserve {blocks} blocks of {block_size} bytes: a block is below the \
-                 threshold ({threshold} bytes), so no request of that size would use it; lower \
-                 threshold= or reserve bytes of room (reserve=SIZE)"
+                 threshold ({threshold} bytes), so no request of that size takes the large path; \
+                 lower threshold= to at most {block_size}"
             ),
             Error::GpuNotFound {
                 selector,

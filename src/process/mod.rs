@@ -109,6 +109,7 @@ pub(crate) fn in_child() -> bool {
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
     crate::fork::count_fork_in_child();
+    crate::cuda::forget_calls_in_child();
     decay::forget_in_child();
     let _inside = Inside::enter();
     #[cfg(feature = "pinned-buffer")]

@@ -34,7 +34,7 @@ impl Runtime {
     /// setup error.
     pub(crate) fn reserve_configured(&self) {
         let tally = Tally::new(self.configured_bytes());
-        match self.reserve_as_configured(&tally) {
+        match self.reserve_as_configured(&route::target(self), &tally) {
             Ok(()) | Err(Error::ReserveRejected { .. } | Error::StrictPinning { .. }) => {}
             Err(e) => {
                 let _ = writeln!(std::io::stderr(), "numa-gpu-alloc: reserve: {e}");
@@ -45,13 +45,15 @@ impl Runtime {
     /// [`Self::reserve_configured`] on a thread of its own (`reserve_background=on`), which
     /// prints one line when it ends: what was made, or why it stopped.
     pub(crate) fn reserve_configured_in_background(&'static self) {
+        // The initialising thread's target (its route), not the new thread's.
+        let target = route::target(self);
         let started = std::thread::Builder::new()
             .name("numa-reserve".into())
             .spawn(move || {
                 let _inside = Inside::enter();
                 let tally = Tally::new(self.configured_bytes());
-                let outcome = self.reserve_as_configured(&tally);
-                let gib = |bytes: usize| bytes as f64 / (1u64 << 30) as f64;
+                let outcome = self.reserve_as_configured(&target, &tally);
+                let mib = |bytes: usize| bytes >> 20;
                 let (usable, chunks) = (
                     tally.usable.load(Ordering::Relaxed),
                     tally.chunks.load(Ordering::Relaxed),
@@ -59,17 +61,17 @@ impl Runtime {
                 let _ = match outcome {
                     Ok(()) => writeln!(
                         std::io::stderr(),
-                        "numa-gpu-alloc: reserve in the background: {:.1} GiB usable in {chunks} \
+                        "numa-gpu-alloc: reserve in the background: {} MiB usable in {chunks} \
                          chunks after {:.2} s",
-                        gib(usable),
+                        mib(usable),
                         tally.start.elapsed().as_secs_f64()
                     ),
                     Err(e) => writeln!(
                         std::io::stderr(),
-                        "numa-gpu-alloc: reserve in the background stopped with {:.1} of {:.1} \
-                         GiB usable in {chunks} chunks: {e}",
-                        gib(usable),
-                        gib(tally.requested)
+                        "numa-gpu-alloc: reserve in the background stopped with {} of {} MiB \
+                         usable in {chunks} chunks: {e}",
+                        mib(usable),
+                        mib(tally.requested)
                     ),
                 };
             });
@@ -93,14 +95,13 @@ impl Runtime {
         bytes.max(blocks.saturating_mul(block_size))
     }
 
-    fn reserve_as_configured(&self, tally: &Tally) -> Result<(), Error> {
+    fn reserve_as_configured(&self, target: &Resolved, tally: &Tally) -> Result<(), Error> {
         let reserve = self.config.reserve;
         if reserve.bytes > 0 {
-            let target = route::target(self);
-            let kind = self.kind(&target)?;
-            self.reserve_bytes(reserve.bytes, &target, kind, tally)
+            let kind = self.kind(target)?;
+            self.reserve_bytes(reserve.bytes, target, kind, tally)
         } else {
-            self.reserve_blocks(reserve.blocks, reserve.block_size, tally)
+            self.reserve_blocks(reserve.blocks, reserve.block_size, target, tally)
         }
     }
 
@@ -108,27 +109,29 @@ impl Runtime {
     /// configured) for the node where the calling thread's blocks go (see
     /// [`Self::reserve_blocks`]).
     pub(crate) fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
-        self.reserve_blocks(
-            blocks,
-            block_size,
-            &Tally::new(blocks.saturating_mul(block_size)),
-        )
+        let tally = Tally::new(blocks.saturating_mul(block_size));
+        // On the node where the calling thread's blocks go (its route, or the value's target).
+        self.reserve_blocks(blocks, block_size, &route::target(self), &tally)
     }
 
     /// Room for `blocks` blocks of `block_size` bytes: reserved chunks of whole blocks when a
     /// block fits a chunk (at most the registration bound when pinned), else cached dedicated
     /// blocks, each registered whole. Bounded by the node's memory and the pinned limit, not by
     /// the cache limit. What was made before a failure stays.
-    fn reserve_blocks(&self, blocks: usize, block_size: usize, tally: &Tally) -> Result<(), Error> {
+    fn reserve_blocks(
+        &self,
+        blocks: usize,
+        block_size: usize,
+        target: &Resolved,
+        tally: &Tally,
+    ) -> Result<(), Error> {
         if blocks == 0 || block_size == 0 {
             return Ok(());
         }
         check(&self.config, blocks, block_size)?;
         let page = self.page_size;
-        // On the node where the calling thread's blocks go (its route, or the value's target).
-        let target = route::target(self);
         // `pin=strict` with nothing to page-lock them: none is made.
-        let kind = self.kind(&target)?;
+        let kind = self.kind(target)?;
         // A carved block's room: whole huge pages where it is carved from a huge-page chunk.
         let unit = if self.config.huge_pages && block_size >= HUGE_PAGE {
             block_size.checked_next_multiple_of(HUGE_PAGE)
@@ -141,13 +144,13 @@ impl Runtime {
             .checked_mul(blocks)
             .ok_or_else(|| too_large(usize::MAX))?;
         if unit <= self.chunk_max(kind.pinned) {
-            return self.reserve_room(total, unit, &target, kind, tally);
+            return self.reserve_room(total, unit, target, kind, tally);
         }
         let capacity = class_size(block_size, page).ok_or_else(|| too_large(usize::MAX))?;
         let total = capacity
             .checked_mul(blocks)
             .ok_or_else(|| too_large(usize::MAX))?;
-        self.check_room(total, &target, kind)?;
+        self.check_room(total, target, kind)?;
         // Its node's arena first (one exists for every node id in the table, and stays): a block
         // made for none would be released by nothing.
         if self.arena(target.host_node).is_none() {
@@ -157,7 +160,7 @@ impl Runtime {
             });
         }
         for _ in 0..blocks {
-            let block = self.create_block(capacity, page, &target)?;
+            let block = self.create_block(capacity, page, target)?;
             // Kept whatever the cache limit (checked above against the node and pinned limit);
             // once used and freed again they are cached blocks like any other.
             self.with_arena(block.node, |arena, out| {
@@ -219,8 +222,9 @@ impl Runtime {
         self.reserve_room(bytes, CHUNK_ALIGN, target, kind, tally)
     }
 
-    /// Makes `bytes` (rounded up to whole `unit`s and 2 MiB) of reserved chunks for `target`, of
-    /// `kind`, each a whole number of `unit`s, counting each step in `tally`; stops at the first
+    /// Makes room for `bytes` (rounded up to whole `unit`s) in reserved chunks for `target`, of
+    /// `kind`, each a whole number of `unit`s (rounded up to 2 MiB), counting each step in
+    /// `tally`; stops at the first
     /// failure (what was made stays, usable) or when the tally is cancelled. Chunk lengths
     /// double from the first chunk's, so that the first is usable soon, up to
     /// [`Self::chunk_max`] (the registration bound when pinned). Refused beyond the node's
@@ -235,23 +239,21 @@ impl Runtime {
     ) -> Result<(), Error> {
         let key = reserved_key(kind, self.config.huge_pages);
         self.check_room(bytes, target, kind)?;
-        let total = bytes
-            .checked_next_multiple_of(unit)
-            .and_then(|b| b.checked_next_multiple_of(CHUNK_ALIGN))
-            .ok_or_else(|| self.too_large(bytes, target.host_node))?;
-        let max = (self.chunk_max(kind.pinned) / unit).max(1) * unit;
-        let mut made = 0;
-        let mut next = CHUNK_FIRST.min(max);
-        while made < total && !tally.cancel.load(Ordering::Acquire) {
+        // Counted in units, not bytes: each chunk's rounding up to 2 MiB is room no unit uses.
+        let mut left = bytes.div_ceil(unit);
+        let max = (self.chunk_max(kind.pinned) / unit).max(1);
+        let mut next = (CHUNK_FIRST / unit).clamp(1, max);
+        while left > 0 && !tally.cancel.load(Ordering::Acquire) {
             // A pinned chunk could not be registered any more (`cuda/teardown.rs`).
             if kind.pinned && cuda::exiting() {
                 return Err(Error::ReservationLost {
                     reason: cuda::EXITING_REASON,
                 });
             }
-            let whole = ((next / unit).max(1) * unit).next_multiple_of(CHUNK_ALIGN);
-            let len = whole.min(total - made);
+            let units = next.min(left);
+            left -= units;
             next = (next * 2).min(max);
+            let len = (units * unit).next_multiple_of(CHUNK_ALIGN);
             let mapping = Mapping::new(len, CHUNK_ALIGN)?;
             let mut chunk = self.placed_chunk(key, mapping, target)?;
             tally.placed.fetch_add(len, Ordering::Relaxed);
@@ -274,7 +276,6 @@ impl Runtime {
             tally.chunk_added(len);
             self.counters.reserved_chunks.incr();
             self.counters.reserved_bytes.add(len as u64);
-            made += len;
         }
         Ok(())
     }
@@ -467,6 +468,39 @@ mod tests {
             "nothing made for a refusal"
         );
         alloc.trim();
+    }
+
+    /// Room for `blocks` blocks of `size` serves that many requests of that size.
+    fn reserve_serves(alloc: NumaGpuAlloc, blocks: usize, size: usize) {
+        alloc.reserve(blocks, size).unwrap();
+        let layout = Layout::from_size_align(size, 64).unwrap();
+        let before = alloc.stats();
+        // SAFETY: a non-zero layout; each block freed below with it.
+        let taken: Vec<_> = (0..blocks)
+            .map(|_| unsafe { alloc.alloc(layout) })
+            .collect();
+        let stats = alloc.stats();
+        for p in taken {
+            // SAFETY: allocated above with this layout.
+            unsafe { alloc.dealloc(p, layout) };
+        }
+        assert_eq!(
+            (
+                stats.cache_hits - before.cache_hits,
+                stats.cache_misses - before.cache_misses
+            ),
+            (blocks as u64, 0),
+            "{blocks} blocks of {size}: {stats}"
+        );
+        alloc.trim();
+    }
+
+    #[test]
+    fn room_for_blocks_holds_every_block() {
+        let _serial = serial();
+        // Chunks whose rounding to 2 MiB would otherwise eat the last block's room.
+        reserve_serves(allocator(), 45, 768 * KIB);
+        reserve_serves(allocator().huge_pages(false), 32, 3 * MIB);
     }
 
     #[test]
