@@ -129,7 +129,7 @@ impl<A> NumaGpuAlloc<A> {
 
     /// Makes the reservation at initialisation on a thread of its own, for an allocator in a
     /// static (`reserve_background=on`; default off: initialisation waits for it). One line on
-    /// stderr says how it ended; [`Stats::reservation`](crate::Stats::reservation) shows its
+    /// stderr says how it ended; [`Stats::reserved_bytes`](crate::Stats::reserved_bytes) shows its
     /// progress.
     pub const fn reserve_background(mut self, on: bool) -> Self {
         self.config.reserve_background = on;
