@@ -146,6 +146,24 @@ impl SimStats {
     }
 }
 
+/// What host-NUMA memory the simulator holds (layout of `struct sim_host_numa_stats`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostNumaStats {
+    /// `cuMemCreate` allocations not yet released and unmapped.
+    pub allocations: u64,
+    /// `cuMemAddressReserve` ranges not yet freed.
+    pub reservations: u64,
+    /// `cuMemMap` mappings not yet unmapped.
+    pub mappings: u64,
+    /// Pools not yet destroyed and emptied.
+    pub pools: u64,
+    /// Their blocks, allocated or kept for reuse.
+    pub pool_blocks: u64,
+    /// Pool blocks made since the process started (a reuse makes none).
+    pub pool_blocks_made: u64,
+}
+
 /// The simulator's control functions, from the already loaded `libcuda.so` (the child only).
 pub struct Sim {
     lib: libloading::Library,
@@ -181,6 +199,27 @@ impl Sim {
                 .unwrap())(&mut stats)
         };
         stats
+    }
+
+    /// What host-NUMA memory is live now.
+    pub fn host_numa_stats(&self) -> HostNumaStats {
+        let mut stats = HostNumaStats::default();
+        type StatsFn = unsafe extern "C" fn(*mut HostNumaStats);
+        // SAFETY: `void cuSimHostNumaStats(struct sim_host_numa_stats *)`, whose layout
+        // `HostNumaStats` repeats.
+        unsafe { (self.lib.get::<StatsFn>(b"cuSimHostNumaStats").unwrap())(&mut stats) };
+        stats
+    }
+
+    /// The simulator's function `name`, for calls the crate does not make.
+    ///
+    /// # Safety
+    ///
+    /// `F` must be the function's C prototype as an `unsafe extern "C" fn` type.
+    pub unsafe fn function<F: Copy>(&self, name: &str) -> F {
+        // SAFETY: the caller's; the library stays loaded while `self` lives, and the simulator
+        // is never unloaded before the process exits.
+        unsafe { *self.lib.get::<F>(name.as_bytes()).unwrap() }
     }
 
     /// While `on`, page-locked copies stay queued: the test decides when they complete.
