@@ -1,8 +1,8 @@
 //! CUDA's own host-NUMA memory through the benchmark tools (`cuda_driver::HostNumaMemory` and
 //! `HostNumaPool`), against the CUDA driver simulator (`tests/sim/`): usable by the host once
 //! access is set, copied both ways, its pages on the node, everything given back when the
-//! guards drop; a refused node is an error naming the call and code; misuse of the address-range
-//! calls is refused. Under `NUMA_GPU_ALLOC_REAL_DRIVER=1` the bodies run against the real driver,
+//! guards drop; a refused node is an error naming the call and code, a libcuda without the
+//! entries one naming the entry; misuse of the address-range calls is refused. Under `NUMA_GPU_ALLOC_REAL_DRIVER=1` the bodies run against the real driver,
 //! without the simulator's bookkeeping checks, and a driver that refuses host-NUMA memory is
 //! reported as SKIPPED.
 //!
@@ -38,15 +38,16 @@ fn sim_state() -> Option<(u64, HostNumaStats)> {
     })
 }
 
-/// Against the real driver, whether `e` is the driver declining host-NUMA memory (too old, or
-/// not permitted here): the test is then skipped, said so.
+/// Against the real driver, whether `e` is the driver declining host-NUMA memory (libcuda
+/// lacks an entry, `CUDA_ERROR_NOT_PERMITTED`, `CUDA_ERROR_NOT_SUPPORTED`): the test is then
+/// skipped, said so.
 fn declined(e: &Error) -> bool {
     let yes = sim::real_driver()
         && matches!(
             e,
             Error::CudaUnavailable { .. }
                 | Error::Cuda {
-                    code: 1 | 800 | 801,
+                    code: 800 | 801,
                     ..
                 }
         );
@@ -199,6 +200,31 @@ sim_test!(
             }
         );
         assert_eq!(Sim::get().host_numa_stats(), HostNumaStats::default());
+    }
+);
+
+sim_test!(
+    /// A libcuda without host-NUMA memory (before CUDA 10.2) is reported as lacking the entry,
+    /// not a crash, and the rest of the driver still works.
+    a_driver_without_the_entries_reports_them,
+    env: [("LD_LIBRARY_PATH", sim::without_host_numa())],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED: needs the simulator built without host-NUMA memory");
+            return;
+        }
+        let driver = Driver::open(0).expect("the device");
+        let e = driver.host_numa_memory(host_node(), MIB).expect_err("no entries");
+        assert_eq!(
+            e,
+            Error::CudaUnavailable {
+                reason: "libcuda lacks cuMemGetAllocationGranularity"
+            }
+        );
+        let e = driver.host_numa_pool(host_node()).expect_err("no entries");
+        assert_eq!(e.to_string(), "CUDA unavailable: libcuda lacks cuMemPoolCreate");
+        let mut bytes = vec![7u8; MIB];
+        round_trip(&driver, &mut bytes);
     }
 );
 

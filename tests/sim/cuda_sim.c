@@ -50,7 +50,8 @@
  *     an allocation is usable at once (its stream order is not modelled). Refusals (no
  *     CAP_SYS_NICE: CUDA_ERROR_NOT_PERMITTED) are injected with CUDA_SIM_FAIL=cuMemCreate:800;
  *     a node without CPUs answers CUDA_ERROR_INVALID_VALUE. cuSimHostNumaStats counts what is
- *     live.
+ *     live. Built with -DCUDA_SIM_WITHOUT_HOST_NUMA, the library lacks all of it, as a driver
+ *     before CUDA 10.2 does.
  *
  * Environment: CUDA_SIM_DEVICES (default 1), CUDA_SIM_HOST_NUMA_ID (comma list per device,
  * default 0; -1 reports "unknown"), CUDA_SIM_PCI (comma list, default 0000:0N:00.0),
@@ -234,7 +235,9 @@ static void sleep_us(unsigned long long us) {
     }
 }
 
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
 static void pool_free_locked(void *block);
+#endif
 
 static void *worker_main(void *arg) {
     struct sim_stream *s = arg;
@@ -247,8 +250,10 @@ static void *worker_main(void *arg) {
             while (op->event->completed < op->generation) pthread_cond_wait(&changed, &lock);
         } else if (op->kind == OP_RECORD) {
             if (op->event->completed < op->generation) op->event->completed = op->generation;
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
         } else if (op->kind == OP_POOL_FREE) {
             pool_free_locked(op->dst);
+#endif
         } else {
             while (held && op->delayed) pthread_cond_wait(&changed, &lock);
             pthread_mutex_unlock(&lock);
@@ -974,6 +979,7 @@ CUresult cuMemFreeHost(void *p) {
 }
 
 /* ---------------------------------------------------------------- host-NUMA memory */
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
 
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct sim_pool *CUmemoryPool;
@@ -1536,6 +1542,8 @@ CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream h) {
     return found ? SUCCESS : INVALID_VALUE;
 }
 
+#endif /* CUDA_SIM_WITHOUT_HOST_NUMA */
+
 /* ---------------------------------------------------------------- the tests' side */
 
 /* What the virtual clock saw since the last reset. */
@@ -1592,6 +1600,7 @@ void cuSimHold(int on) {
     pthread_mutex_unlock(&lock);
 }
 
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
 /* What host-NUMA memory is live: physical allocations (until released and unmapped), reserved
  * address ranges, mappings, pools (until destroyed and empty) and their blocks (allocated or
  * kept); and how many pool blocks were made since the start (a reuse makes none). */
@@ -1612,3 +1621,4 @@ void cuSimHostNumaStats(struct sim_host_numa_stats *out) {
     out->pool_blocks_made = pool_blocks_made;
     pthread_mutex_unlock(&lock);
 }
+#endif
