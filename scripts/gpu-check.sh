@@ -14,8 +14,9 @@
 #   --dma-args  arguments for dma_bench (default: none; see `dma_bench --help`)
 #
 # Order: the machine (driver version, persistence mode, each GPU's PCI id and NUMA node), the GPU
-# test binaries (test-gpu; test-pinned_sim and test-host_numa_sim with NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU
-# visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a GPU: skipping, and the simulator), one
+# test binaries (test-gpu; test-pinned_sim and test-host_numa_sim with
+# NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a
+# GPU: skipping, and the simulator), one
 # dma_bench run, the other test binaries with CUDA_VISIBLE_DEVICES= (cuInit finds no device, so
 # none creates a context), then the optional bench.
 #
