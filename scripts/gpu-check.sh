@@ -14,8 +14,9 @@
 #   --dma-args  arguments for dma_bench (default: none; see `dma_bench --help`)
 #
 # Order: the machine (driver version, persistence mode, each GPU's PCI id and NUMA node), the GPU
-# test binaries (test-gpu, and test-pinned_sim with NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU
-# visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a GPU: skipping, and the simulator), one
+# test binaries (test-gpu; test-pinned_sim and test-host_numa_sim with
+# NUMA_GPU_ALLOC_REAL_DRIVER=1) with the GPU visible and NUMA_GPU_ALLOC_REQUIRE_GPU=1 (without a
+# GPU: skipping, and the simulator), one
 # dma_bench run, the other test binaries with CUDA_VISIBLE_DEVICES= (cuInit finds no device, so
 # none creates a context), then the optional bench.
 #
@@ -238,7 +239,7 @@ run_test() {
 
 # --- GPU test binaries: the GPU visible, a missing driver is a failure (when a GPU is present)
 gpu_tests=()
-for bin in "$dir/tests/test-gpu" "$dir/tests/test-pinned_sim"; do
+for bin in "$dir/tests/test-gpu" "$dir/tests/test-pinned_sim" "$dir/tests/test-host_numa_sim"; do
     [ -x "$bin" ] && gpu_tests+=("$bin")
 done
 echo "--- GPU tests (${#gpu_tests[@]} binaries)"
@@ -247,7 +248,7 @@ for bin in "${gpu_tests[@]}"; do
         # Against the real driver; without a GPU, against its simulator (which it compiles from
         # the source tree, so only where the bundle was built).
         # One test at a time: in place, the bodies share one process and its allocators.
-        test-pinned_sim-1) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 RUST_TEST_THREADS=1 ;;
+        test-pinned_sim-1 | test-host_numa_sim-1) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 RUST_TEST_THREADS=1 ;;
         *) run_test "$bin" 120 ;;
     esac
 done

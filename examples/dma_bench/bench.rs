@@ -1,5 +1,6 @@
 //! The sections of the benchmark: what each measures, on the state they share.
 
+use super::host_numa::{peer_note, placement, Peer, PeerSamples};
 use super::*;
 
 /// Everything the sections share.
@@ -8,6 +9,10 @@ pub(super) struct Bench<'a> {
     pub(super) topo: &'a NumaTopology,
     /// The driver and device ordinal, when CUDA is usable.
     pub(super) driver: Option<&'a Driver>,
+    /// Why CUDA is not usable, when it is not.
+    pub(super) no_cuda: Option<String>,
+    /// Whether the driver is the simulator: its DMA and host-NUMA rows say so.
+    pub(super) simulated: bool,
     /// Where blocks go: the GPU's host node, else this thread's node.
     pub(super) host: usize,
     pub(super) far: Option<usize>,
@@ -61,12 +66,17 @@ impl Bench<'_> {
         let (mut ours, mut ours_pin) = (Vec::new(), Vec::new());
         let (mut host_alloc, mut naive, mut naive_reg) = (Vec::new(), Vec::new(), Vec::new());
         let mut populate = Vec::new();
+        let mut peers: Vec<PeerSamples> = Peer::ALL.iter().map(|_| Default::default()).collect();
+        let mut ours_placement = String::new();
         let alloc = &self.ours;
         let _ = alloc.placement(); // context and topology set up outside the timing
         for _ in 0..self.args.reps {
             let before = alloc.stats();
             let (block, took) = OurBlock::new(alloc, size)?;
             let after = alloc.stats();
+            if ours.is_empty() {
+                ours_placement = placement(block.ptr, size, self.host);
+            }
             drop(block);
             alloc.trim();
             ours.push(ms(took));
@@ -105,6 +115,9 @@ impl Bench<'_> {
             naive.push(ms(start.elapsed()));
             drop(registered);
             drop(v);
+            for (peer, samples) in Peer::ALL.into_iter().zip(&mut peers) {
+                self.peer_sample(driver, peer, size, samples);
+            }
         }
         let node = Some(self.host);
         let (ours_note, ours_reg) = if self.driver.is_some() {
@@ -123,7 +136,7 @@ impl Bench<'_> {
             ms: Some(median(ours.clone())),
             register_ms: ours_reg,
             note: format!(
-                "{ours_note}; populate {:.1} ms; {}",
+                "{ours_note}; populate {:.1} ms; {ours_placement}; {}",
                 median(populate),
                 spread(&ours)
             ),
@@ -153,6 +166,7 @@ impl Bench<'_> {
                 ),
                 ..Row::default()
             });
+            self.peer_rows(size, peers);
         } else {
             self.rows.push(Row {
                 test: "cold",
@@ -162,6 +176,7 @@ impl Bench<'_> {
                 note: format!("malloc + first touch, no placement; {}", spread(&naive)),
                 ..Row::default()
             });
+            self.peers_not_measured("cold", size);
         }
         Ok(())
     }
@@ -189,6 +204,14 @@ impl Bench<'_> {
             .into(),
             ..Row::default()
         });
+        match self.driver {
+            Some(driver) => match short_of_memory(size + GIB) {
+                // Ours' freed block stays cached meanwhile.
+                Some(why) => println!("host-NUMA pool {why}"),
+                None => self.pool_hit(driver, size),
+            },
+            None => self.peers_not_measured("reuse", size),
+        }
         Ok(())
     }
 
@@ -241,6 +264,8 @@ impl Bench<'_> {
     pub(super) fn bandwidth(&mut self, driver: &Driver) -> Res<()> {
         let max = self.args.bw_sizes.iter().copied().max().unwrap_or(0);
         let copier = driver.copier(max)?;
+        // One pool for every size: its blocks stay in it (the release threshold is raised).
+        let pool = driver.host_numa_pool(self.host);
         let ours = &self.ours;
         // `bind`: every page really is on the far node, or the allocation fails.
         let far = self.far.map(|n| {
@@ -296,7 +321,32 @@ impl Bench<'_> {
                 let _registered = unsafe { driver.register(ptr, size) }?;
                 rows.push(measure("ours-far", Some(*node), slice));
             }
-            self.rows.extend(rows);
+            let not_given = |memory, e: &numa_gpu_alloc::Error| Row {
+                test: "bandwidth",
+                memory,
+                node: Some(self.host),
+                bytes: size,
+                note: peer_note(e),
+                ..Row::default()
+            };
+            let (create, pooled) = (Peer::Create.memory(), Peer::Pool.memory());
+            match driver.host_numa_memory(self.host, size) {
+                Ok(mut mem) => rows.push(measure(
+                    create,
+                    Some(self.host),
+                    &mut mem.as_mut_slice()[..size],
+                )),
+                Err(e) => rows.push(not_given(create, &e)),
+            }
+            let block = (pool.as_ref().map_err(Clone::clone)).and_then(|pool| pool.alloc(size));
+            match block {
+                Ok(mut block) => rows.push(measure(pooled, Some(self.host), block.as_mut_slice())),
+                Err(e) => rows.push(not_given(pooled, &e)),
+            }
+            for mut row in rows {
+                row.note = self.mark(row.note);
+                self.rows.push(row);
+            }
         }
         Ok(())
     }

@@ -1,5 +1,7 @@
 //! Host↔device DMA bandwidth, the cold cost of page-locked memory, and populate scaling:
-//! `numa-gpu-alloc` against pageable memory, `cuMemHostAlloc` and `malloc` + `cuMemHostRegister`.
+//! `numa-gpu-alloc` against pageable memory, `cuMemHostAlloc`, `malloc` + `cuMemHostRegister`,
+//! and CUDA's own host-NUMA memory (`cuMemCreate` with a host-NUMA location, and a pool with one:
+//! CUDA 12.2+; a driver without it, or one that refuses the node, is reported as such).
 //!
 //! ```text
 //! cargo run --release --example dma_bench                  # defaults; 16 GiB needs 33 GiB free
@@ -12,17 +14,29 @@
 //! 1. **Bandwidth** in the style of nvbandwidth (first: a run cut short by `--max-seconds` keeps
 //!    it): for each `--bw-sizes` (4 MiB … 1 GiB), both directions, timed with CUDA events, each
 //!    sample at least 64 MiB of copies (several copies below that), median of `--runs` (5);
-//!    pageable, `cuMemHostAlloc`, ours, and ours on the farthest node when there is more than
-//!    one. Without a driver: host memcpy bandwidth from each node, last.
+//!    pageable, `cuMemHostAlloc`, ours, ours on the farthest node when there is more than
+//!    one, and CUDA's host-NUMA memory on ours' node (`cuMemCreate/numa`, `cuMemPool/numa`).
+//!    Without a driver: host memcpy bandwidth from each node, last.
 //! 2. **Cold cost** for each `--cold-sizes` (1 GiB and 16 GiB): first, twice the size is touched
 //!    and freed, so that no method pays the hypervisor's or kernel's first touch alone; then
 //!    ours (place + populate + register), `cuMemHostAlloc`, and `vec![0; n]` + `cuMemHostRegister`
 //!    (the naive path) are alternated `--reps` times (3) and the median reported, with the
-//!    registration time alone. Without a driver: ours (place + populate) against `malloc` + touch.
-//! 3. **Reuse**: a freed block of the first cold size taken back from the cache.
+//!    registration time alone; then CUDA's host-NUMA memory: `cuMemCreate` + reserve + map +
+//!    access, and a fresh pool's first block, each until usable by the host. The first sample of
+//!    ours and of each peer has its pages touched and counted by node (`move_pages`). Without a
+//!    driver: ours (place + populate) against `malloc` + touch, the peers not measured.
+//! 3. **Reuse**: a freed block of the first cold size taken back from the cache, and from a
+//!    host-NUMA pool whose release threshold is raised (a pool hit, until usable by the host).
 //! 4. **Populate scaling**: a cold `--scaling-size` block (4 GiB) placed and populated with each
 //!    of `--threads` (1,2,4,8,16) populate threads, host-only, after touching as much memory;
 //!    the thread counts take turns, `--reps` rounds, median reported.
+//! 5. **CUDA's host-NUMA memory at larger sizes**: for each `--numa-sizes` (64 GiB), ours and the
+//!    two peers, cold, alternated (one sample above 16 GiB, else `--reps`), after touching as much
+//!    memory when it fits, placement counted as in 2. Skipped, said so, when the size and 2 GiB
+//!    do not fit in `MemAvailable`.
+//!
+//! On the CUDA driver simulator (`tests/sim/`, its device named `cuda-sim`) every DMA and
+//! host-NUMA figure is the simulator's model, and its rows say `simulated`.
 //!
 //! The driver is called through the crate's own C-typed table (`numa_gpu_alloc::cuda_driver`),
 //! never through cudarc's `sys::cu*` wrappers.
@@ -39,6 +53,7 @@ use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode
 type Res<T> = Result<T, Box<dyn Error>>;
 
 mod bench;
+mod host_numa;
 use bench::{ours_alloc, Bench};
 
 const MIB: usize = 1 << 20;
@@ -46,10 +61,11 @@ const GIB: usize = 1 << 30;
 /// Below this, one bandwidth sample is several copies (nvbandwidth does the same).
 const MIN_SAMPLE_BYTES: usize = 64 * MIB;
 
-const USAGE: &str = "usage: dma_bench [--cold-sizes S,..] [--reps N] [--scaling-size S] \
-                     [--threads N,..] [--bw-sizes S,..] [--runs N] [--gpu auto|N] \
-                     [--max-seconds N] [--json-out FILE]
+const USAGE: &str = "usage: dma_bench [--cold-sizes S,..] [--numa-sizes S,..|none] [--reps N] \
+                     [--scaling-size S] [--threads N,..] [--bw-sizes S,..] [--runs N] \
+                     [--gpu auto|N] [--max-seconds N] [--json-out FILE]
   --cold-sizes    cold-cost block sizes (default 1GiB,16GiB; skipped when memory is short)
+  --numa-sizes    more sizes for ours vs CUDA's host-NUMA memory, cold (default 64GiB)
   --reps          cold-cost samples per method, alternated; the median is reported (default 3)
   --scaling-size  block for populate scaling (default 4GiB)
   --threads       populate thread counts (default 1,2,4,8,16)
@@ -61,6 +77,7 @@ const USAGE: &str = "usage: dma_bench [--cold-sizes S,..] [--reps N] [--scaling-
 
 struct Args {
     cold_sizes: Vec<usize>,
+    numa_sizes: Vec<usize>,
     reps: usize,
     scaling_size: usize,
     threads: Vec<usize>,
@@ -92,6 +109,7 @@ fn parse_args() -> Res<Args> {
     use lexopt::prelude::*;
     let mut args = Args {
         cold_sizes: vec![GIB, 16 * GIB],
+        numa_sizes: vec![64 * GIB],
         reps: 3,
         scaling_size: 4 * GIB,
         threads: vec![1, 2, 4, 8, 16],
@@ -109,6 +127,12 @@ fn parse_args() -> Res<Args> {
     while let Some(arg) = parser.next().map_err(usage)? {
         match arg {
             Long("cold-sizes") => args.cold_sizes = parse_sizes(&value(&mut parser)?)?,
+            Long("numa-sizes") => {
+                args.numa_sizes = match value(&mut parser)?.as_str() {
+                    "none" => Vec::new(),
+                    v => parse_sizes(v)?,
+                }
+            }
             Long("reps") => args.reps = parse_count(&value(&mut parser)?)?,
             Long("scaling-size") => args.scaling_size = parse_sizes(&value(&mut parser)?)?[0],
             Long("threads") => {
@@ -149,7 +173,7 @@ struct Row {
     /// `cold`, `reuse`, `populate`, `bandwidth` or `host_copy`.
     test: &'static str,
     /// What memory: `ours`, `cuMemHostAlloc`, `malloc+register`, `malloc+touch`, `pageable`,
-    /// `ours-far`.
+    /// `ours-far`, `cuMemCreate/numa`, `cuMemPool/numa`.
     memory: &'static str,
     node: Option<usize>,
     bytes: usize,
@@ -410,6 +434,7 @@ fn main() -> Res<()> {
     header.insert("cuda".into(), unavailable.is_none().into());
     let mut host = local;
     let mut driver = None;
+    let mut simulated = false;
     match &unavailable {
         Some(why) => {
             println!("no CUDA driver: {why}");
@@ -436,6 +461,15 @@ fn main() -> Res<()> {
                 "GPU {gpu}; home node {}, host node {host}",
                 opt_u(placement.home_node)
             );
+            // The simulator's device name (`tests/sim/cuda_sim.c`).
+            simulated = placement
+                .gpu_name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("cuda-sim"));
+            if simulated {
+                println!("the CUDA driver simulator: DMA and host-NUMA figures are its model's");
+            }
+            header.insert("simulated".into(), simulated.into());
             header.insert("gpu".into(), gpu.into());
             header.insert("home_node".into(), placement.home_node.into());
             driver = Some(Driver::open(ordinal)?);
@@ -450,6 +484,8 @@ fn main() -> Res<()> {
         args: &args,
         topo: &topo,
         driver: driver.as_ref(),
+        no_cuda: unavailable.as_ref().map(ToString::to_string),
+        simulated,
         host,
         far,
         started,
@@ -477,6 +513,13 @@ fn main() -> Res<()> {
         &format!("populate scaling, {}", size_text(args.scaling_size)),
         Bench::scaling,
     );
+    // Last: the longest, so that a short budget loses only these.
+    for &size in &args.numa_sizes {
+        bench.section(
+            &format!("ours vs CUDA's host-NUMA memory, cold, {}", size_text(size)),
+            |b| b.numa_cold(size),
+        );
+    }
     if driver.is_none() {
         let size = args.bw_sizes.iter().copied().max().unwrap_or(64 * MIB);
         bench.section("host copy bandwidth to the host node (GB/s, median)", |b| {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use super::device::Device;
 use super::driver::{
-    exported, Api, CuContext, CuResult, CAPTURE_MODE_RELAXED, HOST_MEMORY_NOT_REGISTERED,
+    exported, Api, CuContext, CuDevice, CuResult, CAPTURE_MODE_RELAXED, HOST_MEMORY_NOT_REGISTERED,
     REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
 };
 use super::teardown::{close_at_exit, DriverCall};
@@ -229,6 +229,11 @@ impl Gpu {
     /// The driver table it calls through.
     pub(super) fn api(&self) -> &'static Api {
         self.device.api
+    }
+
+    /// The device's driver handle (`CUdevice`), which access descriptors name.
+    pub(super) fn dev(&self) -> CuDevice {
+        self.device.dev
     }
 
     /// Makes the primary context the calling thread's current one (`cuCtxSetCurrent`): the

@@ -35,6 +35,51 @@ pub(super) struct CuUuid {
     pub(super) bytes: [u8; 16],
 }
 
+/// `CUmemGenericAllocationHandle` (`unsigned long long`).
+pub(super) type CuMemHandle = u64;
+/// `CUmemoryPool` (an opaque pointer).
+pub(super) type CuMemPool = *mut c_void;
+
+/// `CUmemLocation`: `{ CUmemLocationType type; int id; }` (CUDA 13.2 makes `id` a union of the
+/// same size).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CuMemLocation {
+    pub(super) kind: c_uint,
+    pub(super) id: c_int,
+}
+
+/// `CUmemAllocationProp`: type, requested handle types, location, Windows metadata pointer, and
+/// `allocFlags` (compression type, GPUDirect RDMA capable, usage, 4 reserved bytes), 32 bytes.
+#[repr(C)]
+pub(super) struct CuMemAllocationProp {
+    pub(super) kind: c_uint,
+    pub(super) requested_handle_types: c_uint,
+    pub(super) location: CuMemLocation,
+    pub(super) win32_handle_meta_data: *mut c_void,
+    pub(super) alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc`: `{ CUmemLocation location; CUmemAccess_flags flags; }`.
+#[repr(C)]
+pub(super) struct CuMemAccessDesc {
+    pub(super) location: CuMemLocation,
+    pub(super) flags: c_uint,
+}
+
+/// `CUmemPoolProps`: type, handle types, location, Windows security attributes, `maxSize`, then
+/// bytes later versions give meaning to (`usage` from 12.6, `gpuDirectRDMACapable` from 13.4),
+/// 88 bytes in every version; zero is the default for each.
+#[repr(C)]
+pub(super) struct CuMemPoolProps {
+    pub(super) alloc_type: c_uint,
+    pub(super) handle_types: c_uint,
+    pub(super) location: CuMemLocation,
+    pub(super) win32_security_attributes: *mut c_void,
+    pub(super) max_size: usize,
+    pub(super) reserved: [u8; 56],
+}
+
 /// Declares the entry points: for each, its field, whether the probe requires it (`required`:
 /// a plain pointer, the driver counts as absent without it; `optional`: an `Option`), its C
 /// prototype's argument types (every entry returns `CUresult`, read as a plain `u32`) and its
@@ -186,6 +231,52 @@ driver_table! {
         c"cuEventElapsedTime" | c"cuEventElapsedTime_v2";
     /// `CUresult cuEventDestroy_v2(CUevent hEvent)`.
     optional event_destroy: fn(CuEvent) = c"cuEventDestroy_v2";
+
+    // CUDA's own host-NUMA memory, a peer the benchmarks measure (`host_numa.rs`).
+    /// `CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp
+    /// *prop, CUmemAllocationGranularity_flags option)`.
+    optional mem_get_allocation_granularity: fn(*mut usize, *const CuMemAllocationProp, c_uint) =
+        c"cuMemGetAllocationGranularity";
+    /// `CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const
+    /// CUmemAllocationProp *prop, unsigned long long flags)`.
+    optional mem_create: fn(*mut CuMemHandle, usize, *const CuMemAllocationProp, u64) =
+        c"cuMemCreate";
+    /// `CUresult cuMemRelease(CUmemGenericAllocationHandle handle)`.
+    optional mem_release: fn(CuMemHandle) = c"cuMemRelease";
+    /// `CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+    /// CUdeviceptr addr, unsigned long long flags)`.
+    optional mem_address_reserve: fn(*mut CuDevicePtr, usize, usize, CuDevicePtr, u64) =
+        c"cuMemAddressReserve";
+    /// `CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)`.
+    optional mem_address_free: fn(CuDevicePtr, usize) = c"cuMemAddressFree";
+    /// `CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+    /// CUmemGenericAllocationHandle handle, unsigned long long flags)`.
+    optional mem_map: fn(CuDevicePtr, usize, usize, CuMemHandle, u64) = c"cuMemMap";
+    /// `CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)`.
+    optional mem_unmap: fn(CuDevicePtr, usize) = c"cuMemUnmap";
+    /// `CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+    /// size_t count)`.
+    optional mem_set_access: fn(CuDevicePtr, usize, *const CuMemAccessDesc, usize) =
+        c"cuMemSetAccess";
+    /// `CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)`.
+    optional mem_pool_create: fn(*mut CuMemPool, *const CuMemPoolProps) = c"cuMemPoolCreate";
+    /// `CUresult cuMemPoolDestroy(CUmemoryPool pool)`.
+    optional mem_pool_destroy: fn(CuMemPool) = c"cuMemPoolDestroy";
+    /// `CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void
+    /// *value)`.
+    optional mem_pool_set_attribute: fn(CuMemPool, c_uint, *mut c_void) =
+        c"cuMemPoolSetAttribute";
+    /// `CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t
+    /// count)`: a host-NUMA pool is reachable from the host only until the device is given
+    /// access.
+    optional mem_pool_set_access: fn(CuMemPool, *const CuMemAccessDesc, usize) =
+        c"cuMemPoolSetAccess";
+    /// `CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+    /// CUstream hStream)`.
+    optional mem_alloc_from_pool_async: fn(*mut CuDevicePtr, usize, CuMemPool, CuStream) =
+        c"cuMemAllocFromPoolAsync";
+    /// `CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)`.
+    optional mem_free_async: fn(CuDevicePtr, CuStream) = c"cuMemFreeAsync";
 }
 
 /// `CUDA_SUCCESS`.

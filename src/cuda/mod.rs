@@ -32,7 +32,8 @@
 //! Files: `driver.rs` loads libcuda and holds the entry-point table (one macro list) and the
 //! probe; `teardown.rs` keeps registrations out of the driver's teardown at exit; `device.rs` finds a device; `context.rs` retains its primary context and registers
 //! memory; `event.rs` (feature `pinned-buffer`) pools, records and queries events for the pinned
-//! front end (`pinned/`); `tools.rs` is the public `cuda_driver` module for benchmarks; this
+//! front end (`pinned/`); `tools.rs` is the public `cuda_driver` module for benchmarks, with CUDA's own host-NUMA
+//! memory in `host_numa.rs`; this
 //! file holds error naming (the `CUresult` names themselves are in [`crate::error`]); `tests/` runs the code against a fake
 //! driver table.
 //!
@@ -45,6 +46,7 @@ mod device;
 mod driver;
 #[cfg(feature = "pinned-buffer")]
 pub(crate) mod event;
+mod host_numa;
 mod teardown;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,9 @@
 //! The crate's thin driver table for benchmarks and tools (`examples/dma_bench/`,
 //! `benches/dma.rs`): one device's primary context, page-locked host memory from
-//! `cuMemHostAlloc` or `cuMemHostRegister`, and timed copies on a stream of its own.
+//! `cuMemHostAlloc` or `cuMemHostRegister`, CUDA's own host-NUMA memory (`cuMemCreate` and a
+//! pool, [`HostNumaMemory`] and [`HostNumaPool`]: the peer the benchmarks weigh this crate
+//! against), and timed copies on a stream of its own. Unstable: tools for this crate's
+//! benchmarks, not an API.
 //!
 //! Every call goes through the crate's own C-typed pointers to libcuda (the table the allocator
 //! uses, loaded at run time) and reads `CUresult` as a plain `u32`: a code newer than cudarc's
@@ -33,6 +36,7 @@ use std::ptr::NonNull;
 use super::context::Gpu;
 use super::device::Device;
 use super::driver::{exported, Api, CuDevicePtr, CuEvent, CuStream, REGISTER_PORTABLE};
+pub use super::host_numa::{HostNumaMemory, HostNumaPool, PoolBlock};
 use crate::config::GpuSelector;
 use crate::{Error, Result};
 
@@ -98,6 +102,25 @@ impl Driver {
         // SAFETY: the caller guarantees the range; it is unregistered by `Registered`'s Drop.
         unsafe { self.gpu.register(ptr, len, super::RegisterFlags::default()) }?;
         Ok(Registered { driver: self, ptr })
+    }
+
+    /// `len` bytes (rounded up to the allocation granularity) of page-locked memory on host
+    /// node `node`, made and mapped by the driver (see [`HostNumaMemory`]). Needs the context
+    /// current on this thread.
+    ///
+    /// Errors: [`Error::CudaUnavailable`] naming the entry point libcuda lacks (drivers before
+    /// CUDA 10.2), [`Error::Cuda`] with the call and its code when the driver refuses (a
+    /// driver before CUDA 12.2 does not know host-NUMA locations; placing on a node needs
+    /// `CAP_SYS_NICE` and a node with CPUs).
+    pub fn host_numa_memory(&self, node: usize, len: usize) -> Result<HostNumaMemory<'_>> {
+        HostNumaMemory::map(&self.gpu, node, len)
+    }
+
+    /// A stream-ordered pool of page-locked memory on host node `node` (see [`HostNumaPool`]).
+    /// Needs the context current on this thread. Errors as for [`Self::host_numa_memory`]
+    /// (pools take host-NUMA locations from CUDA 12.6).
+    pub fn host_numa_pool(&self, node: usize) -> Result<HostNumaPool<'_>> {
+        HostNumaPool::create(&self.gpu, node)
     }
 
     /// A device buffer of `len` bytes and a stream with two timing events, for copies. Needs the

@@ -56,31 +56,49 @@ pub fn in_body() -> bool {
 /// Compiles the simulator (once per process) and returns the folder holding `libcuda.so`.
 pub fn library_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| compile("cuda-sim", &[]))
+}
+
+/// The folder of a simulator built without host-NUMA memory (`cuMemCreate`, pools), as a driver
+/// before CUDA 10.2: `("LD_LIBRARY_PATH", sim::without_host_numa())` in a test's `env` uses it.
+pub fn without_host_numa() -> &'static str {
+    static DIR: OnceLock<String> = OnceLock::new();
     DIR.get_or_init(|| {
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sim/cuda_sim.c");
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-sim");
-        std::fs::create_dir_all(&dir).expect("creating the simulator's folder");
-        // Test binaries build it concurrently: compile to a private name, then rename.
-        let tmp = dir.join(format!("libcuda.so.{}", std::process::id()));
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let out = Command::new(&cc)
-            .args([
-                "-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror",
-            ])
-            .arg("-o")
-            .arg(&tmp)
-            .arg(&source)
-            .output()
-            .unwrap_or_else(|e| panic!("running the C compiler `{cc}` for the simulator: {e}"));
-        assert!(
-            out.status.success(),
-            "compiling {}: {}",
-            source.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::fs::rename(&tmp, dir.join("libcuda.so")).expect("installing the simulator");
-        dir
+        compile(
+            "cuda-sim-without-host-numa",
+            &["-DCUDA_SIM_WITHOUT_HOST_NUMA"],
+        )
+        .display()
+        .to_string()
     })
+}
+
+/// Compiles the simulator with `defines` into `folder` of the target's temporary folder.
+fn compile(folder: &str, defines: &[&str]) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sim/cuda_sim.c");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(folder);
+    std::fs::create_dir_all(&dir).expect("creating the simulator's folder");
+    // Test binaries build it concurrently: compile to a private name, then rename.
+    let tmp = dir.join(format!("libcuda.so.{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args([
+            "-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror",
+        ])
+        .args(defines)
+        .arg("-o")
+        .arg(&tmp)
+        .arg(&source)
+        .output()
+        .unwrap_or_else(|e| panic!("running the C compiler `{cc}` for the simulator: {e}"));
+    assert!(
+        out.status.success(),
+        "compiling {}: {}",
+        source.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::rename(&tmp, dir.join("libcuda.so")).expect("installing the simulator");
+    dir
 }
 
 /// Runs the test `name` of this binary in a child process against the simulator, with `env`
@@ -146,6 +164,24 @@ impl SimStats {
     }
 }
 
+/// What host-NUMA memory the simulator holds (layout of `struct sim_host_numa_stats`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostNumaStats {
+    /// `cuMemCreate` allocations not yet released and unmapped.
+    pub allocations: u64,
+    /// `cuMemAddressReserve` ranges not yet freed.
+    pub reservations: u64,
+    /// `cuMemMap` mappings not yet unmapped.
+    pub mappings: u64,
+    /// Pools not yet destroyed and emptied.
+    pub pools: u64,
+    /// Their blocks, allocated or kept for reuse.
+    pub pool_blocks: u64,
+    /// Pool blocks made since the process started (a reuse makes none).
+    pub pool_blocks_made: u64,
+}
+
 /// The simulator's control functions, from the already loaded `libcuda.so` (the child only).
 pub struct Sim {
     lib: libloading::Library,
@@ -181,6 +217,27 @@ impl Sim {
                 .unwrap())(&mut stats)
         };
         stats
+    }
+
+    /// What host-NUMA memory is live now.
+    pub fn host_numa_stats(&self) -> HostNumaStats {
+        let mut stats = HostNumaStats::default();
+        type StatsFn = unsafe extern "C" fn(*mut HostNumaStats);
+        // SAFETY: `void cuSimHostNumaStats(struct sim_host_numa_stats *)`, whose layout
+        // `HostNumaStats` repeats.
+        unsafe { (self.lib.get::<StatsFn>(b"cuSimHostNumaStats").unwrap())(&mut stats) };
+        stats
+    }
+
+    /// The simulator's function `name`, for calls the crate does not make.
+    ///
+    /// # Safety
+    ///
+    /// `F` must be the function's C prototype as an `unsafe extern "C" fn` type.
+    pub unsafe fn function<F: Copy>(&self, name: &str) -> F {
+        // SAFETY: the caller's; the library stays loaded while `self` lives, and the simulator
+        // is never unloaded before the process exits.
+        unsafe { *self.lib.get::<F>(name.as_bytes()).unwrap() }
     }
 
     /// While `on`, page-locked copies stay queued: the test decides when they complete.

@@ -32,6 +32,26 @@
  *     library's teardown at exit aborts, as it would touch the real driver's freed state.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
+ *   - Host-NUMA memory (CUDA 12.2+): cuMemCreate with a HOST_NUMA location makes a memory file
+ *     whose pages are placed on the node (mbind, when the kernel allows it) and faulted in at
+ *     once, as the driver's are; cuMemAddressReserve reserves an inaccessible range; cuMemMap maps
+ *     the file there, still inaccessible; cuMemSetAccess opens it to the host (mprotect: without
+ *     a host entry a CPU touch faults, as with the driver) and to the device (without a device
+ *     entry a copy fails with CUDA_ERROR_INVALID_VALUE: the real driver's answer is not known
+ *     here). A mapped range counts as page-locked: copies from it are asynchronous, and a copy
+ *     straddling it and other memory fails as for registrations. Misuse answers an error: a map
+ *     outside a reservation or over a mapping, a handle released twice, an address range freed
+ *     while still mapped (the simulator's rule), an unmap or access change not covering whole
+ *     mappings. Releasing the handle while mapped keeps the memory until the unmap, as CUDA
+ *     does. A host-NUMA pool (cuMemPoolCreate) hands out blocks placed the same way, reachable
+ *     from the host at once and from the device after cuMemPoolSetAccess; a free
+ *     (cuMemFreeAsync) takes effect when its stream reaches it, and keeps the block for reuse up
+ *     to the release threshold (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, the only attribute modelled);
+ *     an allocation is usable at once (its stream order is not modelled). Refusals (no
+ *     CAP_SYS_NICE: CUDA_ERROR_NOT_PERMITTED) are injected with CUDA_SIM_FAIL=cuMemCreate:800;
+ *     a node without CPUs answers CUDA_ERROR_INVALID_VALUE. cuSimHostNumaStats counts what is
+ *     live. Built with -DCUDA_SIM_WITHOUT_HOST_NUMA, the library lacks all of it, as a driver
+ *     before CUDA 10.2 does.
  *
  * Environment: CUDA_SIM_DEVICES (default 1), CUDA_SIM_HOST_NUMA_ID (comma list per device,
  * default 0; -1 reports "unknown"), CUDA_SIM_PCI (comma list, default 0000:0N:00.0),
@@ -39,11 +59,14 @@
  * the first cuInit takes).
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -65,6 +88,7 @@ enum {
     NOT_READY = 600,
     ALREADY_REGISTERED = 712,
     NOT_REGISTERED = 713,
+    NOT_SUPPORTED = 801,
 };
 
 #define MAX_DEVICES 8
@@ -99,11 +123,13 @@ static __thread CUcontext pushed[16];
 static __thread int pushed_depth;
 static __thread unsigned capture_mode;
 
-/* Page-locked host ranges. */
+/* Page-locked host ranges: registered, from cuMemHostAlloc, host-NUMA mappings and pool blocks. */
+enum range_kind { RANGE_REGISTERED, RANGE_HOST_ALLOC, RANGE_MAPPED, RANGE_POOL };
 struct range {
     uintptr_t base;
     size_t len;
-    int host_alloc; /* cuMemHostAlloc (freed by cuMemFreeHost) vs cuMemHostRegister */
+    enum range_kind kind;
+    const int *device_access; /* host-NUMA memory: whether the device may use it (else NULL) */
 };
 static struct range ranges[MAX_RANGES];
 static int range_count;
@@ -166,7 +192,7 @@ static CUresult injected(const char *name) {
 
 /* ---------------------------------------------------------------- streams and events */
 
-enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT };
+enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT, OP_POOL_FREE };
 
 struct op {
     enum op_kind kind;
@@ -209,6 +235,10 @@ static void sleep_us(unsigned long long us) {
     }
 }
 
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
+static void pool_free_locked(void *block);
+#endif
+
 static void *worker_main(void *arg) {
     struct sim_stream *s = arg;
     pthread_mutex_lock(&lock);
@@ -220,6 +250,10 @@ static void *worker_main(void *arg) {
             while (op->event->completed < op->generation) pthread_cond_wait(&changed, &lock);
         } else if (op->kind == OP_RECORD) {
             if (op->event->completed < op->generation) op->event->completed = op->generation;
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
+        } else if (op->kind == OP_POOL_FREE) {
+            pool_free_locked(op->dst);
+#endif
         } else {
             while (held && op->delayed) pthread_cond_wait(&changed, &lock);
             pthread_mutex_unlock(&lock);
@@ -297,6 +331,15 @@ static int straddles_locked(const void *p, size_t len) {
     return overlaps > 0;
 }
 
+/* Whether `p`..`p+len` lies in host-NUMA memory the device was not given access to. */
+static int device_refused_locked(const void *p, size_t len) {
+    uintptr_t a = (uintptr_t)p;
+    for (int i = 0; i < range_count; i++)
+        if (a >= ranges[i].base && a + len <= ranges[i].base + ranges[i].len)
+            return ranges[i].device_access && !*ranges[i].device_access;
+    return 0;
+}
+
 /* Simulated duration of a copy, and its place on the virtual timeline. */
 static void account_copy_locked(struct sim_stream *s, size_t len, int engine, int pinned) {
     double duration = (double)len / (pinned ? PINNED_BYTES_PER_US : PAGEABLE_BYTES_PER_US);
@@ -322,7 +365,7 @@ static CUresult copy(void *dst, const void *src, size_t len, const void *host, i
     if (len == 0) return SUCCESS;
     if (!dst || !src) return INVALID_VALUE;
     pthread_mutex_lock(&lock);
-    if (host && straddles_locked(host, len)) {
+    if (host && (straddles_locked(host, len) || device_refused_locked(host, len))) {
         pthread_mutex_unlock(&lock);
         return INVALID_VALUE;
     }
@@ -803,10 +846,11 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
 
 /* ---------------------------------------------------------------- page-locked host memory */
 
-static CUresult add_range_locked(void *p, size_t len, int host_alloc) {
+static CUresult add_range_locked(void *p, size_t len, enum range_kind kind,
+                                 const int *device_access) {
     if (pinned_locked(p, len)) return ALREADY_REGISTERED;
     if (range_count == MAX_RANGES) return OUT_OF_MEMORY;
-    ranges[range_count++] = (struct range){(uintptr_t)p, len, host_alloc};
+    ranges[range_count++] = (struct range){(uintptr_t)p, len, kind, device_access};
     return SUCCESS;
 }
 
@@ -833,9 +877,9 @@ static void refuse_if_in_use_locked(const char *call, int i) {
     }
 }
 
-static int find_range_locked(void *p, int host_alloc) {
+static int find_range_locked(void *p, enum range_kind kind) {
     for (int i = 0; i < range_count; i++)
-        if (ranges[i].base == (uintptr_t)p && ranges[i].host_alloc == host_alloc) return i;
+        if (ranges[i].base == (uintptr_t)p && ranges[i].kind == kind) return i;
     return -1;
 }
 
@@ -874,7 +918,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
         fprintf(stderr, "cuda_sim: cuMemHostRegister_v2 after the driver was torn down at exit\n");
         abort();
     }
-    CUresult r = add_range_locked(p, len, 0);
+    CUresult r = add_range_locked(p, len, RANGE_REGISTERED, NULL);
     if (r == SUCCESS) {
         registrations++;
         if (len > largest_registration) largest_registration = len;
@@ -892,7 +936,7 @@ CUresult cuMemHostUnregister(void *p) {
     REQUIRE_INIT();
     INJECT("cuMemHostUnregister");
     pthread_mutex_lock(&lock);
-    int i = find_range_locked(p, 0);
+    int i = find_range_locked(p, RANGE_REGISTERED);
     if (i >= 0) {
         refuse_if_in_use_locked("cuMemHostUnregister", i);
         ranges[i] = ranges[--range_count];
@@ -910,7 +954,7 @@ CUresult cuMemHostAlloc(void **pp, size_t len, unsigned flags) {
     void *p = NULL;
     if (posix_memalign(&p, 4096, len) != 0) return OUT_OF_MEMORY;
     pthread_mutex_lock(&lock);
-    CUresult r = add_range_locked(p, len, 1);
+    CUresult r = add_range_locked(p, len, RANGE_HOST_ALLOC, NULL);
     pthread_mutex_unlock(&lock);
     if (r != SUCCESS) {
         free(p);
@@ -923,7 +967,7 @@ CUresult cuMemHostAlloc(void **pp, size_t len, unsigned flags) {
 CUresult cuMemFreeHost(void *p) {
     REQUIRE_INIT();
     pthread_mutex_lock(&lock);
-    int i = find_range_locked(p, 1);
+    int i = find_range_locked(p, RANGE_HOST_ALLOC);
     if (i >= 0) {
         refuse_if_in_use_locked("cuMemFreeHost", i);
         ranges[i] = ranges[--range_count];
@@ -933,6 +977,572 @@ CUresult cuMemFreeHost(void *p) {
     free(p);
     return SUCCESS;
 }
+
+/* ---------------------------------------------------------------- host-NUMA memory */
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
+
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct sim_pool *CUmemoryPool;
+
+/* The driver's structs, as cuda.h lays them out. */
+struct mem_location {
+    unsigned type;
+    int id;
+};
+struct mem_allocation_prop {
+    unsigned type;
+    unsigned requested_handle_types;
+    struct mem_location location;
+    void *win32_handle_meta_data;
+    unsigned char alloc_flags[8];
+};
+struct mem_access_desc {
+    struct mem_location location;
+    unsigned flags;
+};
+struct mem_pool_props {
+    unsigned alloc_type;
+    unsigned handle_types;
+    struct mem_location location;
+    void *win32_security_attributes;
+    size_t max_size;
+    unsigned char reserved[56];
+};
+
+enum {
+    LOCATION_DEVICE = 1,
+    LOCATION_HOST = 2,
+    LOCATION_HOST_NUMA = 3,
+    LOCATION_HOST_NUMA_CURRENT = 4,
+    ALLOCATION_PINNED = 1,
+    ACCESS_NONE = 0,
+    ACCESS_READ = 1,
+    ACCESS_READWRITE = 3,
+    POOL_ATTR_RELEASE_THRESHOLD = 4,
+};
+
+#define GRANULARITY ((size_t)2 << 20)
+#define MAX_HOST_NUMA 1024
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+#define MPOL_BIND_ 2
+
+/* cuMemCreate's memory: a memory file whose pages were placed and faulted in when created. */
+struct phys {
+    int fd;
+    size_t len;
+    int released; /* cuMemRelease was called: freed with the last unmap */
+    int mappings;
+};
+struct reservation {
+    uintptr_t base;
+    size_t len;
+};
+struct mapping {
+    uintptr_t base;
+    size_t len;
+    struct phys *phys;
+    int device_access;
+};
+static struct phys *physs[MAX_HOST_NUMA];
+static int phys_count;
+static struct reservation reservations[MAX_HOST_NUMA];
+static int reservation_count;
+static struct mapping *mappings[MAX_HOST_NUMA];
+static int mapping_count;
+
+/* Whether host node `id` exists and has CPUs (the driver rejects CPU-less nodes, nccl #2190);
+ * a kernel without NUMA has node 0 only. */
+static int node_usable(int id) {
+    if (id < 0) return 0;
+    if (access("/sys/devices/system/node", F_OK) != 0) return id == 0;
+    char path[96];
+    snprintf(path, sizeof path, "/sys/devices/system/node/node%d/cpulist", id);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int c = fgetc(f);
+    fclose(f);
+    return c != EOF && c != '\n';
+}
+
+/* The answer for a memory location of a physical allocation or pool. */
+static CUresult check_location(const struct mem_location *l) {
+    switch (l->type) {
+    case LOCATION_HOST_NUMA: return node_usable(l->id) ? SUCCESS : INVALID_VALUE;
+    case LOCATION_DEVICE: return NOT_SUPPORTED; /* the simulator models host memory only */
+    default: return INVALID_VALUE; /* HOST_NUMA_CURRENT included: rejected for these */
+    }
+}
+
+/* Binds `p`..`p+len` to `node` when the kernel allows it (no CAP_SYS_NICE in a container: the
+ * pages land anywhere), then faults every page in, as the driver's pinned memory is. */
+static CUresult place_and_populate(void *p, size_t len, int node) {
+    unsigned long mask[16] = {0};
+    if (node < (int)(sizeof mask * 8)) {
+        mask[node / 64] = 1ul << (node % 64);
+        (void)syscall(SYS_mbind, p, len, MPOL_BIND_, mask, sizeof mask * 8 + 1, 0);
+    }
+    if (madvise(p, len, MADV_POPULATE_WRITE) == 0) return SUCCESS;
+    if (errno == ENOMEM) return OUT_OF_MEMORY;
+    for (size_t off = 0; off < len; off += 4096) ((volatile char *)p)[off] = 0;
+    return SUCCESS;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const struct mem_allocation_prop *prop,
+                                       unsigned option) {
+    REQUIRE_INIT();
+    if (!granularity || !prop || option > 1 || prop->type != ALLOCATION_PINNED)
+        return INVALID_VALUE;
+    *granularity = GRANULARITY;
+    return SUCCESS;
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                     const struct mem_allocation_prop *prop, unsigned long long flags) {
+    REQUIRE_INIT();
+    INJECT("cuMemCreate");
+    if (!handle || !prop || flags != 0 || prop->type != ALLOCATION_PINNED) return INVALID_VALUE;
+    if (size == 0 || size % GRANULARITY != 0) return INVALID_VALUE;
+    if (!current) return INVALID_CONTEXT;
+    if (prop->requested_handle_types != 0) return NOT_SUPPORTED;
+    CUresult r = check_location(&prop->location);
+    if (r != SUCCESS) return r;
+    struct phys *ph = calloc(1, sizeof *ph);
+    if (!ph) return OUT_OF_MEMORY;
+    ph->len = size;
+    ph->fd = memfd_create("cuda_sim_host_numa", MFD_CLOEXEC);
+    void *p = MAP_FAILED;
+    if (ph->fd >= 0 && ftruncate(ph->fd, (off_t)size) == 0)
+        p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, ph->fd, 0);
+    r = p == MAP_FAILED ? OUT_OF_MEMORY : place_and_populate(p, size, prop->location.id);
+    if (p != MAP_FAILED) munmap(p, size);
+    pthread_mutex_lock(&lock);
+    if (r == SUCCESS && phys_count == MAX_HOST_NUMA) r = OUT_OF_MEMORY;
+    if (r == SUCCESS) physs[phys_count++] = ph;
+    pthread_mutex_unlock(&lock);
+    if (r != SUCCESS) {
+        if (ph->fd >= 0) close(ph->fd);
+        free(ph);
+        return r;
+    }
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)ph;
+    return SUCCESS;
+}
+
+static int find_phys_locked(CUmemGenericAllocationHandle handle) {
+    for (int i = 0; i < phys_count; i++)
+        if ((CUmemGenericAllocationHandle)(uintptr_t)physs[i] == handle) return i;
+    return -1;
+}
+
+/* Frees physical memory that is released and no longer mapped. */
+static void drop_phys_if_done_locked(struct phys *ph) {
+    if (!ph->released || ph->mappings > 0) return;
+    for (int i = 0; i < phys_count; i++)
+        if (physs[i] == ph) physs[i] = physs[--phys_count];
+    close(ph->fd);
+    free(ph);
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    REQUIRE_INIT();
+    pthread_mutex_lock(&lock);
+    int i = find_phys_locked(handle);
+    CUresult r = i < 0 || physs[i]->released ? INVALID_VALUE : SUCCESS;
+    if (r == SUCCESS) {
+        physs[i]->released = 1;
+        drop_phys_if_done_locked(physs[i]);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+/* Address hints (`addr`) are not followed: the kernel picks the range. */
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+    (void)addr;
+    REQUIRE_INIT();
+    if (!ptr || size == 0 || size % GRANULARITY != 0 || flags != 0) return INVALID_VALUE;
+    if (alignment & (alignment - 1)) return INVALID_VALUE;
+    if (alignment < GRANULARITY) alignment = GRANULARITY;
+    size_t span = size + alignment;
+    char *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return OUT_OF_MEMORY;
+    char *base = (char *)(((uintptr_t)p + alignment - 1) & ~(uintptr_t)(alignment - 1));
+    if (base > p) munmap(p, (size_t)(base - p));
+    if (base + size < p + span) munmap(base + size, (size_t)(p + span - (base + size)));
+    pthread_mutex_lock(&lock);
+    CUresult r = reservation_count == MAX_HOST_NUMA ? OUT_OF_MEMORY : SUCCESS;
+    if (r == SUCCESS) reservations[reservation_count++] = (struct reservation){(uintptr_t)base, size};
+    pthread_mutex_unlock(&lock);
+    if (r != SUCCESS) {
+        munmap(base, size);
+        return r;
+    }
+    *ptr = (CUdeviceptr)(uintptr_t)base;
+    return SUCCESS;
+}
+
+/* Mappings overlapping `a`..`a+len`; -1 unless they cover it exactly, each wholly inside. */
+static int covering_locked(uintptr_t a, size_t len) {
+    size_t covered = 0;
+    int n = 0;
+    for (int i = 0; i < mapping_count; i++) {
+        const struct mapping *m = mappings[i];
+        if (m->base >= a + len || a >= m->base + m->len) continue;
+        if (m->base < a || m->base + m->len > a + len) return -1;
+        covered += m->len;
+        n++;
+    }
+    return n > 0 && covered == len ? n : -1;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    REQUIRE_INIT();
+    pthread_mutex_lock(&lock);
+    int found = -1;
+    for (int i = 0; i < reservation_count; i++)
+        if (reservations[i].base == (uintptr_t)ptr && reservations[i].len == size) found = i;
+    int mapped = 0;
+    for (int i = 0; i < mapping_count; i++)
+        mapped |= mappings[i]->base >= (uintptr_t)ptr && mappings[i]->base < (uintptr_t)ptr + size;
+    CUresult r = found < 0 || mapped ? INVALID_VALUE : SUCCESS;
+    if (r == SUCCESS) {
+        reservations[found] = reservations[--reservation_count];
+        munmap((void *)(uintptr_t)ptr, size);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+    REQUIRE_INIT();
+    uintptr_t a = (uintptr_t)ptr;
+    if (flags != 0 || size == 0 || size % GRANULARITY || offset % GRANULARITY || a % GRANULARITY)
+        return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    CUresult r = SUCCESS;
+    int i = find_phys_locked(handle);
+    struct phys *ph = i >= 0 && !physs[i]->released ? physs[i] : NULL;
+    int reserved = 0;
+    for (int k = 0; k < reservation_count; k++)
+        reserved |= a >= reservations[k].base &&
+                    a + size <= reservations[k].base + reservations[k].len;
+    int overlaps = 0;
+    for (int k = 0; k < mapping_count; k++)
+        overlaps |= mappings[k]->base < a + size && a < mappings[k]->base + mappings[k]->len;
+    struct mapping *m = NULL;
+    if (!ph)
+        r = INVALID_HANDLE;
+    else if (!reserved || overlaps || offset + size > ph->len)
+        r = INVALID_VALUE;
+    else if (mapping_count == MAX_HOST_NUMA || !(m = calloc(1, sizeof *m)))
+        r = OUT_OF_MEMORY;
+    else if (mmap((void *)a, size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, (off_t)offset) ==
+             MAP_FAILED)
+        r = OUT_OF_MEMORY;
+    if (r == SUCCESS) {
+        *m = (struct mapping){a, size, ph, 0};
+        r = add_range_locked((void *)a, size, RANGE_MAPPED, &m->device_access);
+    }
+    if (r == SUCCESS) {
+        mappings[mapping_count++] = m;
+        ph->mappings++;
+    } else if (m) {
+        free(m);
+        /* Mapped but not recorded: back to reserved address space. */
+        mmap((void *)a, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+             -1, 0);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    REQUIRE_INIT();
+    uintptr_t a = (uintptr_t)ptr;
+    pthread_mutex_lock(&lock);
+    if (covering_locked(a, size) < 0) {
+        pthread_mutex_unlock(&lock);
+        return INVALID_VALUE;
+    }
+    for (int i = mapping_count - 1; i >= 0; i--) {
+        struct mapping *m = mappings[i];
+        if (m->base < a || m->base >= a + size) continue;
+        int r = find_range_locked((void *)m->base, RANGE_MAPPED);
+        refuse_if_in_use_locked("cuMemUnmap", r);
+        ranges[r] = ranges[--range_count];
+        /* Back to reserved, inaccessible address space. */
+        mmap((void *)m->base, m->len, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+        m->phys->mappings--;
+        drop_phys_if_done_locked(m->phys);
+        mappings[i] = mappings[--mapping_count];
+        free(m);
+    }
+    pthread_mutex_unlock(&lock);
+    return SUCCESS;
+}
+
+/* The host protection an access flag gives; -1 for a flag that is not one. */
+static int host_protection(unsigned flags) {
+    switch (flags) {
+    case ACCESS_NONE: return PROT_NONE;
+    case ACCESS_READ: return PROT_READ;
+    case ACCESS_READWRITE: return PROT_READ | PROT_WRITE;
+    default: return -1;
+    }
+}
+
+/* Whether `d` names a location the simulator knows for access: a device, or the host. */
+static CUresult check_access(const struct mem_access_desc *d) {
+    if (host_protection(d->flags) < 0) return INVALID_VALUE;
+    switch (d->location.type) {
+    case LOCATION_DEVICE: return valid_device(d->location.id) ? SUCCESS : INVALID_DEVICE;
+    case LOCATION_HOST_NUMA: return d->location.id >= 0 ? SUCCESS : INVALID_VALUE;
+    case LOCATION_HOST: return SUCCESS;
+    default: return INVALID_VALUE;
+    }
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const struct mem_access_desc *desc,
+                        size_t count) {
+    REQUIRE_INIT();
+    uintptr_t a = (uintptr_t)ptr;
+    if (!desc || count == 0) return INVALID_VALUE;
+    for (size_t k = 0; k < count; k++) {
+        CUresult r = check_access(&desc[k]);
+        if (r != SUCCESS) return r;
+    }
+    pthread_mutex_lock(&lock);
+    if (covering_locked(a, size) < 0) {
+        pthread_mutex_unlock(&lock);
+        return INVALID_VALUE;
+    }
+    for (size_t k = 0; k < count; k++) {
+        if (desc[k].location.type != LOCATION_DEVICE) {
+            mprotect((void *)a, size, host_protection(desc[k].flags));
+            continue;
+        }
+        for (int i = 0; i < mapping_count; i++)
+            if (mappings[i]->base >= a && mappings[i]->base < a + size)
+                mappings[i]->device_access = desc[k].flags != ACCESS_NONE;
+    }
+    pthread_mutex_unlock(&lock);
+    return SUCCESS;
+}
+
+/* A stream-ordered pool: blocks placed on its node, each its own mapping, kept when freed up to
+ * the release threshold. */
+struct pool_block {
+    void *base;
+    size_t len;
+    struct sim_pool *pool;
+    int live;                    /* 1 allocated, -1 its free queued, 0 kept for reuse */
+    struct sim_stream *freed_on; /* the queued free's stream */
+    struct op *pending_free;     /* the queued free */
+    struct pool_block *next;
+};
+struct sim_pool {
+    int node;
+    int device_access;
+    int destroyed;
+    unsigned long long release_threshold;
+    unsigned long long kept_bytes; /* freed blocks kept for reuse */
+    struct pool_block *blocks;     /* live and kept */
+};
+static struct sim_pool *pools[64];
+static int pool_count;
+static unsigned long long pool_blocks_made; /* since the start */
+
+static int find_pool_locked(CUmemoryPool pool) {
+    for (int i = 0; i < pool_count; i++)
+        if (pools[i] == pool && !pool->destroyed) return i;
+    return -1;
+}
+
+/* Gives a block's memory back to the kernel, and the pool's bookkeeping once nothing is left. */
+static void drop_block_locked(struct pool_block *b) {
+    struct sim_pool *pool = b->pool;
+    int r = find_range_locked(b->base, RANGE_POOL);
+    refuse_if_in_use_locked("a pool's release", r);
+    ranges[r] = ranges[--range_count];
+    for (struct pool_block **p = &pool->blocks; *p; p = &(*p)->next) {
+        if (*p == b) {
+            *p = b->next;
+            break;
+        }
+    }
+    if (!b->live) pool->kept_bytes -= b->len;
+    munmap(b->base, b->len);
+    free(b);
+}
+
+/* Frees a destroyed pool's bookkeeping once its last block is gone. */
+static void forget_pool_if_done_locked(struct sim_pool *pool) {
+    if (!pool->destroyed || pool->blocks) return;
+    for (int i = 0; i < pool_count; i++)
+        if (pools[i] == pool) pools[i] = pools[--pool_count];
+    free(pool);
+}
+
+/* A free reached by its stream: the block is kept, unless that passes the release threshold or
+ * the pool is gone. NULL: the block was allocated again on that stream meanwhile. */
+static void pool_free_locked(void *block) {
+    struct pool_block *b = block;
+    if (!b) return;
+    struct sim_pool *pool = b->pool;
+    b->pending_free = NULL;
+    b->live = 0;
+    pool->kept_bytes += b->len;
+    if (pool->destroyed || pool->kept_bytes > pool->release_threshold) drop_block_locked(b);
+    forget_pool_if_done_locked(pool);
+}
+
+CUresult cuMemPoolCreate(CUmemoryPool *pool, const struct mem_pool_props *props) {
+    REQUIRE_INIT();
+    INJECT("cuMemPoolCreate");
+    if (!pool || !props || props->alloc_type != ALLOCATION_PINNED) return INVALID_VALUE;
+    if (props->handle_types != 0) return NOT_SUPPORTED;
+    CUresult r = check_location(&props->location);
+    if (r != SUCCESS) return r;
+    struct sim_pool *p = calloc(1, sizeof *p);
+    if (!p) return OUT_OF_MEMORY;
+    p->node = props->location.id;
+    pthread_mutex_lock(&lock);
+    r = pool_count == 64 ? OUT_OF_MEMORY : SUCCESS;
+    if (r == SUCCESS) pools[pool_count++] = p;
+    pthread_mutex_unlock(&lock);
+    if (r != SUCCESS) {
+        free(p);
+        return r;
+    }
+    *pool = p;
+    return SUCCESS;
+}
+
+/* Like CUDA: returns at once; blocks still allocated are given back when they are freed. */
+CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    REQUIRE_INIT();
+    pthread_mutex_lock(&lock);
+    CUresult r = find_pool_locked(pool) < 0 ? INVALID_VALUE : SUCCESS;
+    if (r == SUCCESS) {
+        pool->destroyed = 1;
+        struct pool_block *next;
+        for (struct pool_block *b = pool->blocks; b; b = next) {
+            next = b->next;
+            if (!b->live) drop_block_locked(b);
+        }
+        forget_pool_if_done_locked(pool);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+/* Only the release threshold is modelled; other attributes answer NOT_SUPPORTED. */
+CUresult cuMemPoolSetAttribute(CUmemoryPool pool, unsigned attr, void *value) {
+    REQUIRE_INIT();
+    if (!value) return INVALID_VALUE;
+    if (attr != POOL_ATTR_RELEASE_THRESHOLD) return NOT_SUPPORTED;
+    pthread_mutex_lock(&lock);
+    CUresult r = find_pool_locked(pool) < 0 ? INVALID_VALUE : SUCCESS;
+    if (r == SUCCESS) pool->release_threshold = *(const unsigned long long *)value;
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+/* The host keeps its access (a host-NUMA pool's default; taking it away is not modelled). */
+CUresult cuMemPoolSetAccess(CUmemoryPool pool, const struct mem_access_desc *desc, size_t count) {
+    REQUIRE_INIT();
+    if (!desc || count == 0) return INVALID_VALUE;
+    for (size_t k = 0; k < count; k++) {
+        CUresult r = check_access(&desc[k]);
+        if (r != SUCCESS) return r;
+    }
+    pthread_mutex_lock(&lock);
+    CUresult r = find_pool_locked(pool) < 0 ? INVALID_VALUE : SUCCESS;
+    for (size_t k = 0; r == SUCCESS && k < count; k++)
+        if (desc[k].location.type == LOCATION_DEVICE)
+            pool->device_access = desc[k].flags != ACCESS_NONE;
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+/* A kept block at least `size` long is reused, or one whose free is queued on the same stream
+ * (stream order makes it free by then, as CUDA reuses it); else a new one is placed and faulted
+ * in. */
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream h) {
+    REQUIRE_INIT();
+    INJECT("cuMemAllocFromPoolAsync");
+    if (!dptr || size == 0) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    if (find_pool_locked(pool) < 0) {
+        pthread_mutex_unlock(&lock);
+        return INVALID_VALUE;
+    }
+    for (struct pool_block *b = pool->blocks; b; b = b->next) {
+        int same_stream = b->live == -1 && b->freed_on == stream_of(h);
+        if ((b->live == 0 || same_stream) && b->len >= size) {
+            if (b->live == 0) pool->kept_bytes -= b->len;
+            if (same_stream) b->pending_free->dst = NULL; /* the queued free is void */
+            b->pending_free = NULL;
+            b->live = 1;
+            *dptr = (CUdeviceptr)(uintptr_t)b->base;
+            pthread_mutex_unlock(&lock);
+            return SUCCESS;
+        }
+    }
+    int node = pool->node;
+    pthread_mutex_unlock(&lock);
+    size_t len = (size + GRANULARITY - 1) / GRANULARITY * GRANULARITY;
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return OUT_OF_MEMORY;
+    CUresult r = place_and_populate(p, len, node);
+    struct pool_block *b = r == SUCCESS ? calloc(1, sizeof *b) : NULL;
+    pthread_mutex_lock(&lock);
+    if (r == SUCCESS && (!b || find_pool_locked(pool) < 0)) r = b ? INVALID_VALUE : OUT_OF_MEMORY;
+    if (r == SUCCESS) r = add_range_locked(p, len, RANGE_POOL, &pool->device_access);
+    if (r == SUCCESS) {
+        *b = (struct pool_block){p, len, pool, 1, NULL, NULL, pool->blocks};
+        pool->blocks = b;
+        pool_blocks_made++;
+    }
+    pthread_mutex_unlock(&lock);
+    if (r != SUCCESS) {
+        free(b);
+        munmap(p, len);
+        return r;
+    }
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return SUCCESS;
+}
+
+/* The block goes back to its pool when stream `h` reaches the free. */
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream h) {
+    REQUIRE_INIT();
+    struct op *op = calloc(1, sizeof *op);
+    if (!op) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    struct pool_block *found = NULL;
+    for (int i = 0; i < pool_count && !found; i++)
+        for (struct pool_block *b = pools[i]->blocks; b && !found; b = b->next)
+            if (b->live && (CUdeviceptr)(uintptr_t)b->base == dptr) found = b;
+    if (found) {
+        op->kind = OP_POOL_FREE;
+        op->dst = found;
+        found->live = -1; /* being freed: not freed twice */
+        found->freed_on = stream_of(h);
+        found->pending_free = op;
+        enqueue_locked(found->freed_on, op);
+    }
+    pthread_mutex_unlock(&lock);
+    if (!found) free(op);
+    return found ? SUCCESS : INVALID_VALUE;
+}
+
+#endif /* CUDA_SIM_WITHOUT_HOST_NUMA */
 
 /* ---------------------------------------------------------------- the tests' side */
 
@@ -989,3 +1599,26 @@ void cuSimHold(int on) {
     pthread_cond_broadcast(&changed);
     pthread_mutex_unlock(&lock);
 }
+
+#ifndef CUDA_SIM_WITHOUT_HOST_NUMA
+/* What host-NUMA memory is live: physical allocations (until released and unmapped), reserved
+ * address ranges, mappings, pools (until destroyed and empty) and their blocks (allocated or
+ * kept); and how many pool blocks were made since the start (a reuse makes none). */
+struct sim_host_numa_stats {
+    unsigned long long allocations, reservations, mappings, pools, pool_blocks;
+    unsigned long long pool_blocks_made;
+};
+
+void cuSimHostNumaStats(struct sim_host_numa_stats *out) {
+    pthread_mutex_lock(&lock);
+    out->allocations = (unsigned long long)phys_count;
+    out->reservations = (unsigned long long)reservation_count;
+    out->mappings = (unsigned long long)mapping_count;
+    out->pools = (unsigned long long)pool_count;
+    out->pool_blocks = 0;
+    for (int i = 0; i < pool_count; i++)
+        for (struct pool_block *b = pools[i]->blocks; b; b = b->next) out->pool_blocks++;
+    out->pool_blocks_made = pool_blocks_made;
+    pthread_mutex_unlock(&lock);
+}
+#endif

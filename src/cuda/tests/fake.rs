@@ -132,7 +132,7 @@ extern "C" fn event_synchronize(_: *mut c_void) -> u32 {
 }
 
 /// The fake driver, with or without each UUID entry point.
-const fn make(uuid_v2_present: bool, uuid_v1_present: bool) -> Api {
+pub(super) const fn make(uuid_v2_present: bool, uuid_v1_present: bool) -> Api {
     Api {
         get_error_name,
         device_get_count: count,
@@ -170,8 +170,13 @@ pub(super) fn api(uuid_v2_present: bool, uuid_v1_present: bool) -> &'static Api 
 }
 
 pub(super) fn gpu() -> Gpu {
+    gpu_on(api(true, true))
+}
+
+/// The fake device's `Gpu`, calling through `api`.
+pub(super) fn gpu_on(api: &'static Api) -> Gpu {
     let device = Device {
-        api: api(true, true),
+        api,
         ordinal: 0,
         dev: 0,
         pci: PciAddress {

@@ -6,3 +6,4 @@ mod errors;
 #[cfg(feature = "pinned-buffer")]
 mod events;
 mod fake;
+mod host_numa;
