@@ -5,9 +5,9 @@
 //! - On a GPU: criterion's GB/s (`cargo bench --bench pinned`). Target: `PinnedBuf` ≥ 0.97×
 //!   `PinnedHostSlice`, ≥ 2× pageable.
 //! - On the CUDA driver simulator (built by `cargo test --test pinned_sim`):
-//!   `LD_LIBRARY_PATH=target/tmp/cuda-sim cargo bench --bench pinned` prints the overlap on the
-//!   simulator's clock: (copy time + host fill time) / span, where 1.0 means the host waited for
-//!   every copy and 2.0 that refills hid entirely behind copies. Wall times mean nothing there.
+//!   `LD_LIBRARY_PATH=$PWD/target/tmp/cuda-sim cargo bench --bench pinned` prints the overlap on
+//!   the simulator's clock: (copy time + host fill time) / span, where 1.0 means the host waited
+//!   for every copy and 2.0 that refills hid entirely behind copies. Wall times mean nothing there.
 //! - Without a driver it says so and exits 0.
 //!
 //! `PINNED_BENCH_SIZE` (bytes, default 16 MiB) sets the copy size.
