@@ -183,6 +183,8 @@ fn fill_nodes(stats: &mut Stats) -> bool {
             })
         }) else {
             stats.nodes.clear();
+            stats.heaps.clear();
+            stats.gpus.clear();
             return false;
         };
         locked.fill(row);

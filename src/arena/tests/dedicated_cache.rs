@@ -1,0 +1,103 @@
+//! The dedicated cache: its limit evicts the oldest first, its budget keeps the footprint within
+//! the live peak and an eighth, and a forked child releases page-locked blocks.
+
+use super::*;
+
+/// An arena whose live bytes once reached `peak` (so that its budget allows a cache that
+/// large), as if blocks had been handed out and freed.
+fn arena_that_held(peak: usize) -> Arena {
+    let mut arena = arena();
+    arena.peak_in_use = peak;
+    // The room live dedicated blocks would have reserved.
+    assert!(arena.cached.reserve(8));
+    arena
+}
+
+fn fit(size: usize, pinned: bool) -> Fit {
+    let kind = Kind {
+        pinned,
+        ..Kind::default()
+    };
+    Fit::new(size, class_size(size, PAGE).unwrap(), PAGE, kind)
+}
+
+fn released_blocks(out: &mut Released) -> Vec<Block> {
+    out.blocks.drain().collect()
+}
+
+#[test]
+fn the_dedicated_cache_limit_evicts_oldest_first() {
+    let mut arena = arena_that_held(1 << 40);
+    let mut out = Released::default();
+    for i in 1..=3 {
+        let b = dedicated(i << 40, 640 * MIB, true);
+        arena.note_created(&b);
+        arena.cache(b, 1280 * MIB, &mut out);
+    }
+    assert_eq!(
+        released_blocks(&mut out),
+        [dedicated(1 << 40, 640 * MIB, true)]
+    );
+    let stats = row(&arena);
+    assert_eq!(
+        (stats.cached_bytes, stats.pinned_bytes),
+        (1280 * MIB, 1280 * MIB)
+    );
+    let big = dedicated(4 << 40, 2000 * MIB, true);
+    arena.note_created(&big);
+    arena.cache(big, 1280 * MIB, &mut out);
+    assert_eq!(released_blocks(&mut out), [big], "over the limit alone");
+    assert_eq!(
+        arena.take_cached(fit(640 * MIB, true)).map(|b| b.addr),
+        Some(3 << 40)
+    );
+    assert_eq!(
+        arena.take_cached(fit(640 * MIB, false)),
+        None,
+        "another kind"
+    );
+}
+
+#[test]
+fn the_dedicated_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eighth() {
+    // A Vec grown by doubling: each step allocates the next size, then frees the last.
+    let mut arena = arena();
+    let mut out = Released::default();
+    let mut previous: Option<Block> = None;
+    let mut released = 0;
+    for (i, mib) in [512, 1024, 2048, 4096].into_iter().enumerate() {
+        let next = dedicated((i + 1) << 40, mib * MIB, false);
+        assert!(arena.insert_created(next, usize::MAX, &mut out));
+        if let Some(old) = previous.replace(next) {
+            let live = arena.remove_live(old.addr).unwrap();
+            arena.free(live, usize::MAX, &mut out);
+        }
+        released += released_blocks(&mut out)
+            .iter()
+            .map(|b| b.capacity)
+            .sum::<usize>();
+        let footprint = arena.live_bytes() + arena.cached.bytes();
+        assert!(footprint <= arena.peak_in_use * 9 / 8, "{mib} MiB step");
+    }
+    assert_eq!(arena.cached.bytes(), 2048 * MIB);
+    assert_eq!(released, (512 + 1024) * MIB);
+}
+
+#[test]
+fn a_forked_child_releases_page_locked_dedicated_blocks() {
+    let mut arena = arena_that_held(1 << 40);
+    let mut out = Released::default();
+    let (pinned, plain) = (
+        dedicated(1 << 40, 640 * MIB, true),
+        dedicated(2 << 40, 640 * MIB, false),
+    );
+    for b in [pinned, plain] {
+        arena.note_created(&b);
+        arena.cache(b, usize::MAX, &mut out);
+    }
+    arena.enter_child();
+    arena.settle_pending(usize::MAX, &mut out);
+    assert_eq!(released_blocks(&mut out), [pinned]);
+    assert_eq!(arena.take_cached(fit(640 * MIB, false)), Some(plain));
+    assert_eq!(row(&arena).pinned_bytes, 0);
+}
