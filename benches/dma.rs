@@ -3,7 +3,7 @@
 //!
 //! `cargo bench --bench dma`. Without a CUDA driver it prints why it skipped and exits 0 (1 when
 //! `NUMA_GPU_ALLOC_REQUIRE_GPU=1`, as `scripts/gpu-check.sh` sets on a machine with a GPU). The
-//! driver is called through the crate's own C-typed table (`numa_gpu_alloc::cuda_driver`).
+//! driver is called through the crate's own C-typed table (`numa_gpu_alloc::unstable::cuda_driver`).
 //! `DMA_BENCH_SIZE` (default `256MiB`) sets the copy size.
 
 use std::ptr::NonNull;
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
 use criterion::{BenchmarkId, Criterion, Throughput};
-use numa_gpu_alloc::cuda_driver::{Copier, Direction, Driver, HostAlloc, Registered};
+use numa_gpu_alloc::unstable::cuda_driver::{Copier, Direction, Driver, HostAlloc, Registered};
 use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -19,7 +19,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 fn size_from_env() -> usize {
     std::env::var("DMA_BENCH_SIZE")
         .ok()
-        .and_then(|text| numa_gpu_alloc::parse_size(&text))
+        .and_then(|text| numa_gpu_alloc::unstable::parse_size(&text))
         .filter(|&n| n > 0)
         .unwrap_or(256 << 20)
 }

@@ -144,7 +144,7 @@ impl Rig {
 fn size_from_env() -> usize {
     std::env::var("PINNED_BENCH_SIZE")
         .ok()
-        .and_then(|v| numa_gpu_alloc::parse_size(&v))
+        .and_then(|v| numa_gpu_alloc::unstable::parse_size(&v))
         .unwrap_or(16 << 20)
 }
 

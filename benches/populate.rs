@@ -17,7 +17,8 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use numa_gpu_alloc::{sys, NumaGpuAlloc};
+use numa_gpu_alloc::unstable::sys;
+use numa_gpu_alloc::NumaGpuAlloc;
 
 const GIB: usize = 1 << 30;
 const LEN: usize = 4 * GIB;

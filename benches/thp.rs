@@ -16,7 +16,7 @@ mod machine;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use numa_gpu_alloc::sys;
+use numa_gpu_alloc::unstable::sys;
 
 const GIB: usize = 1 << 30;
 const HUGE: usize = 2 << 20;

@@ -8,8 +8,8 @@
 
 use std::path::PathBuf;
 
-use numa_gpu_alloc::pci;
-use numa_gpu_alloc::sysfs::format_list;
+use numa_gpu_alloc::unstable::pci;
+use numa_gpu_alloc::unstable::sysfs::format_list;
 use numa_gpu_alloc::NumaTopology;
 
 fn main() {

@@ -8,8 +8,8 @@
 // Each user includes only the functions it calls.
 #![allow(dead_code)]
 
-use numa_gpu_alloc::pci::PciAddress;
-use numa_gpu_alloc::sysfs;
+use numa_gpu_alloc::unstable::pci::PciAddress;
+use numa_gpu_alloc::unstable::sysfs;
 use numa_gpu_alloc::Config;
 
 /// A fuzz target's checks.

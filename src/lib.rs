@@ -10,19 +10,18 @@
 // (but for cuda/'s use of the guard and the front end), the upper ones do not all yet.
 // 1. The error type (with its CUDA error names) and the only raw system calls.
 mod error;
-pub use error::{cuda_error_name, Error, Result};
-pub mod sys;
+pub use error::{Error, Result};
+mod sys;
 pub use sys::MemPolicy;
 
 // 2. The host's NUMA topology (sysfs, PCI, cgroups), the settings, the CUDA driver.
 mod topology;
+pub use topology::pci::PciAddress;
 pub use topology::{closest_node_to_gpu, NodeInfo, NumaTopology, LOCAL_NUMA_DISTANCE};
-pub use topology::{pci, sysfs};
 pub use topology::{NumaAllocTracker, NumaBuffer};
 mod config;
-pub use config::{parse_size, Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
+pub use config::{Config, GpuSelector, PinMode, Reserve, StatsAtExit, Target, ENV_VAR};
 mod cuda;
-pub use cuda::tools as cuda_driver;
 
 // 3. Arenas, chunks and blocks: placed (and pinned) memory, carved and given back.
 mod arena;
@@ -54,3 +53,6 @@ pub use pinned::{cuda_driver_present, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
 pub use pinned::{PinnedBuf, PinnedSliceMut};
+
+// Tools for the crate's own benchmarks, examples and test programs, outside the stable surface.
+pub mod unstable;

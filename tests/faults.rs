@@ -10,7 +10,7 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::sync::{Mutex, MutexGuard};
 
 use allocator_api2::alloc::Allocator;
-use numa_gpu_alloc::sys::fault::{self, FaultPoint};
+use numa_gpu_alloc::unstable::sys::fault::{self, FaultPoint};
 use numa_gpu_alloc::{Error, MemPolicy, NumaGpuAlloc, PinMode, Stats};
 
 const MIB: usize = 1 << 20;

@@ -2,7 +2,7 @@
 //! (`tests/fixtures`). Only the decision is checked: this host has one node, so nothing is
 //! allocated on the fixture's nodes.
 
-use numa_gpu_alloc::pci::PciAddress;
+use numa_gpu_alloc::unstable::pci::PciAddress;
 use numa_gpu_alloc::{NumaGpuAlloc, PinMode};
 
 macro_rules! fixture {
@@ -28,7 +28,7 @@ fn gpu(root: &'static str, address: &str) -> NumaGpuAlloc {
 #[test]
 fn gpu_by_pci_address_is_served_from_its_socket() {
     let root = fixture!("intel-2s");
-    let gpus = numa_gpu_alloc::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
+    let gpus = numa_gpu_alloc::unstable::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
     let on_node_1 = gpus.iter().find(|g| g.home_node == Some(1)).unwrap();
     assert_eq!(
         placed(gpu(root, &on_node_1.address.to_string())),
@@ -39,7 +39,7 @@ fn gpu_by_pci_address_is_served_from_its_socket() {
 #[test]
 fn memoryless_home_node_uses_the_nearest_node_with_memory() {
     let root = fixture!("memoryless-gpu");
-    let gpus = numa_gpu_alloc::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
+    let gpus = numa_gpu_alloc::unstable::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
     let (host, home) = placed(gpu(root, &gpus[0].address.to_string()));
     assert_eq!(home, Some(1));
     assert_eq!(host, 2, "node 2 (distance 15) is nearer than node 0 (20)");
@@ -48,7 +48,7 @@ fn memoryless_home_node_uses_the_nearest_node_with_memory() {
 #[test]
 fn gh200_never_picks_a_gpu_memory_node() {
     let root = fixture!("gh200");
-    let gpus = numa_gpu_alloc::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
+    let gpus = numa_gpu_alloc::unstable::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
     assert_eq!(placed(gpu(root, &gpus[0].address.to_string())).0, 0);
 }
 
@@ -75,7 +75,7 @@ fn explicit_node_and_unknown_node() {
 #[test]
 fn unknown_gpu_home_node_falls_back_to_the_calling_thread() {
     let root = fixture!("single");
-    let gpus = numa_gpu_alloc::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
+    let gpus = numa_gpu_alloc::unstable::pci::nvidia_gpus(std::path::Path::new(root)).unwrap();
     assert_eq!(gpus[0].home_node, None);
     assert_eq!(placed(gpu(root, &gpus[0].address.to_string())), (0, None));
 }

@@ -17,7 +17,7 @@ mod common {
 use std::ptr::NonNull;
 
 use common::sim::{self, HostNumaStats, Sim};
-use numa_gpu_alloc::cuda_driver::{Direction, Driver};
+use numa_gpu_alloc::unstable::cuda_driver::{Direction, Driver};
 use numa_gpu_alloc::{Error, GpuSelector, NumaGpuAlloc};
 
 const MIB: usize = 1 << 20;
@@ -97,7 +97,7 @@ sim_test!(
         assert_eq!(mem.len(), 4 * MIB);
         round_trip(&driver, mem.as_mut_slice());
         // SAFETY: the mapping is this process's and stays mapped while `mem` lives.
-        let census = unsafe { numa_gpu_alloc::sys::census(mem.as_ptr(), mem.len(), node) };
+        let census = unsafe { numa_gpu_alloc::unstable::sys::census(mem.as_ptr(), mem.len(), node) };
         eprintln!("placement on node {node}: {census:?}");
         if let Some((ranges, stats)) = before {
             let sim = Sim::get();

@@ -206,7 +206,7 @@ fn trim_finishes_when_freed_blocks_were_mlocked() {
 /// however many ticks pass.
 #[cfg(feature = "fault-injection")]
 fn decay_thread_child() {
-    use numa_gpu_alloc::sys::fault::{self, FaultPoint};
+    use numa_gpu_alloc::unstable::sys::fault::{self, FaultPoint};
     let alloc = NumaGpuAlloc::new().node(0).threshold(64 << 10).decay_ms(10);
     // Before any range is freed: whoever purges first (a free, an allocation, the thread) fails.
     fault::inject(FaultPoint::Purge, libc::EINVAL, 100_000);

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use numa_gpu_alloc::pci::{self, GpuInfo, PciAddress};
+use numa_gpu_alloc::unstable::pci::{self, GpuInfo, PciAddress};
 use numa_gpu_alloc::{closest_node_to_gpu, Error, NumaAllocTracker, NumaBuffer, NumaTopology};
 
 fn fixture(name: &str) -> PathBuf {

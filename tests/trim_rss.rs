@@ -12,7 +12,7 @@ const MIB: usize = 1 << 20;
 fn resident() -> usize {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
     let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * numa_gpu_alloc::sys::page_size()
+    pages * numa_gpu_alloc::unstable::sys::page_size()
 }
 
 #[test]

@@ -56,7 +56,7 @@ pub(super) fn peer_note(e: &CrateError) -> String {
 /// Writes one byte per page of `ptr..ptr+len` (so the host has touched it all), then counts on
 /// which node its pages are (`move_pages`).
 pub(super) fn placement(ptr: NonNull<u8>, len: usize, node: usize) -> String {
-    let page = numa_gpu_alloc::sys::page_size();
+    let page = numa_gpu_alloc::unstable::sys::page_size();
     let len = len / page * page;
     for offset in (0..len).step_by(page) {
         // SAFETY: `offset` is inside the caller's `len` host-writable bytes at `ptr`.
@@ -64,7 +64,7 @@ pub(super) fn placement(ptr: NonNull<u8>, len: usize, node: usize) -> String {
     }
     // SAFETY: the range is mapped by the caller's allocation for the call's duration; the kernel
     // only reads page tables.
-    match unsafe { numa_gpu_alloc::sys::census(ptr, len, node) } {
+    match unsafe { numa_gpu_alloc::unstable::sys::census(ptr, len, node) } {
         Ok(c) if c.on_node == c.pages => format!("all {} pages on node {node}", c.pages),
         Ok(c) => format!(
             "{} of {} pages on node {node}, {} elsewhere, {} absent",

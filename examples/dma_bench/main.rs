@@ -38,7 +38,7 @@
 //! On the CUDA driver simulator (`tests/sim/`, its device named `cuda-sim`) every DMA and
 //! host-NUMA figure is the simulator's model, and its rows say `simulated`.
 //!
-//! The driver is called through the crate's own C-typed table (`numa_gpu_alloc::cuda_driver`),
+//! The driver is called through the crate's own C-typed table (`numa_gpu_alloc::unstable::cuda_driver`),
 //! never through cudarc's `sys::cu*` wrappers.
 
 use std::error::Error;
@@ -47,7 +47,7 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
-use numa_gpu_alloc::cuda_driver::{Direction, Driver};
+use numa_gpu_alloc::unstable::cuda_driver::{Direction, Driver};
 use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -91,7 +91,7 @@ struct Args {
 fn parse_sizes(v: &str) -> Res<Vec<usize>> {
     v.split(',')
         .map(|s| {
-            numa_gpu_alloc::parse_size(s)
+            numa_gpu_alloc::unstable::parse_size(s)
                 .filter(|&b| b > 0)
                 .ok_or_else(|| format!("bad size {s:?}\n{USAGE}").into())
         })
@@ -444,7 +444,7 @@ fn main() -> Res<()> {
         NumaTopology::single_node()
     });
     println!("{}", describe_topology(&topo));
-    let local = numa_gpu_alloc::sys::current_node()
+    let local = numa_gpu_alloc::unstable::sys::current_node()
         .ok()
         .filter(|&n| topo.contains(n))
         .or_else(|| topo.node_ids().first().copied())

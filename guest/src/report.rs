@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 use std::ptr::NonNull;
 
-use numa_gpu_alloc::sys::{self, PageCensus};
+use numa_gpu_alloc::unstable::sys::{self, PageCensus};
 
 /// Prints the check lines as they happen, so that a crash still leaves the earlier ones.
 pub struct Report {

@@ -16,7 +16,7 @@
 //! probe's error; nothing panics.
 //!
 //! ```
-//! use numa_gpu_alloc::cuda_driver::{Direction, Driver};
+//! use numa_gpu_alloc::unstable::cuda_driver::{Direction, Driver};
 //!
 //! match Driver::open(0) {
 //!     Ok(driver) => {

@@ -94,7 +94,7 @@ pub(crate) fn allowed_cpus() -> Option<Vec<usize>> {
     let own = own.lines().find_map(|line| line.strip_prefix("0::"))?;
     let dir = mount.join(own.trim().trim_start_matches('/'));
     let text = read_text(&dir.join("cpuset.cpus.effective")).ok()?;
-    crate::topology::sysfs::parse_list(text.trim()).ok()
+    super::sysfs::parse_list(text.trim()).ok()
 }
 
 /// The mount point of the cgroup2 file system in the text of `/proc/self/mountinfo`.

@@ -1,6 +1,6 @@
 //! PCI addresses, a device's home NUMA node, and the NVIDIA GPUs found in sysfs.
 //!
-//! Public as `numa_gpu_alloc::pci` (part of [`topology`](crate::NumaTopology)'s layer): for
+//! Public as `numa_gpu_alloc::unstable::pci` (part of [`topology`](crate::NumaTopology)'s layer): for
 //! programs that look up a GPU's node themselves, and for the fuzz targets of [`PciAddress`]'s
 //! parser. The allocator uses it to find a GPU's home node when CUDA does not say.
 
@@ -23,7 +23,7 @@ const GPU_CLASSES: [u32; 2] = [0x0300, 0x0302];
 /// with surrounding whitespace. Displays as sysfs names devices: `%04x:%02x:%02x.%x`.
 ///
 /// ```
-/// use numa_gpu_alloc::pci::PciAddress;
+/// use numa_gpu_alloc::unstable::pci::PciAddress;
 /// let a: PciAddress = "00000000:81:00.0".parse()?;
 /// assert_eq!(a.to_string(), "0000:81:00.0");
 /// # Ok::<(), numa_gpu_alloc::Error>(())

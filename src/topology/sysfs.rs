@@ -4,7 +4,7 @@
 //! [`Error::Parse`] with the path `"<input>"`; the readers in this crate replace that path with the
 //! file's real path.
 //!
-//! Public as `numa_gpu_alloc::sysfs` so the parsers can be fuzzed and reused (the node lists of
+//! Public as `numa_gpu_alloc::unstable::sysfs` so the parsers can be fuzzed and reused (the node lists of
 //! `cpulist`, `distance` rows, `meminfo`); the readers stay inside the crate. Nothing here knows
 //! the topology types: [`NumaTopology`](crate::NumaTopology) is built from what it reads.
 

@@ -291,7 +291,7 @@ sim_test!(
     {
         #[cfg(feature = "fault-injection")]
         if std::env::var_os(IGNORE_IN_FLIGHT_VAR).is_some() {
-            numa_gpu_alloc::sys::fault::ignore_in_flight(true);
+            numa_gpu_alloc::unstable::sys::fault::ignore_in_flight(true);
         }
         let ctx = context();
         let stream = ctx.new_stream().expect("a stream");
@@ -410,7 +410,7 @@ sim_test!(
     {
         #[cfg(feature = "fault-injection")]
         if std::env::var_os(IGNORE_IN_FLIGHT_VAR).is_some() {
-            numa_gpu_alloc::sys::fault::ignore_in_flight(true);
+            numa_gpu_alloc::unstable::sys::fault::ignore_in_flight(true);
         }
         let alloc = NumaGpuAlloc::new().pin(PinMode::On);
         let ctx = context();

@@ -2,7 +2,7 @@
 //! documented `Error`, and a fault spent leaves the next call working.
 
 use super::*;
-use numa_gpu_alloc::sys::fault::{self, FaultPoint};
+use numa_gpu_alloc::unstable::sys::fault::{self, FaultPoint};
 
 /// Serialises and clears injected faults even when the test fails.
 struct Injecting(#[allow(dead_code)] MutexGuard<'static, ()>);

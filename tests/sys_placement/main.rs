@@ -7,7 +7,9 @@
 use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard};
 
-use numa_gpu_alloc::sys::{self, MbindFlags, MemPolicy, NodeMask, PageCensus, PopulateMethod};
+use numa_gpu_alloc::unstable::sys::{
+    self, MbindFlags, MemPolicy, NodeMask, PageCensus, PopulateMethod,
+};
 use numa_gpu_alloc::Error;
 
 const MIB: usize = 1 << 20;

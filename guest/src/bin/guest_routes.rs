@@ -19,7 +19,7 @@
 use std::process::ExitCode;
 
 use allocator_api2::vec::Vec as AVec;
-use numa_gpu_alloc::pci::PciAddress;
+use numa_gpu_alloc::unstable::pci::PciAddress;
 use numa_gpu_alloc::{bind_thread, GpuSelector, NumaGpuAlloc, Route, Stats};
 
 #[path = "../report.rs"]

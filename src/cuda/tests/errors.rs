@@ -77,10 +77,10 @@ fn cuinit_failures_carry_number_name_and_hint() {
     // Hints are for start-up failures only.
     assert_eq!(error_hint("cuMemHostRegister_v2", 2), None);
     assert_eq!(
-        crate::cuda_error_name(802),
+        crate::error::cuda_error_name(802),
         Some("CUDA_ERROR_SYSTEM_NOT_READY")
     );
-    assert_eq!(crate::cuda_error_name(920), None);
+    assert_eq!(crate::error::cuda_error_name(920), None);
 }
 
 #[test]

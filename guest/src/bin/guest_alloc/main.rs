@@ -35,7 +35,7 @@
 use std::process::ExitCode;
 
 use allocator_api2::vec::Vec as AVec;
-use numa_gpu_alloc::sys;
+use numa_gpu_alloc::unstable::sys;
 use numa_gpu_alloc::{Error, MemPolicy, NodeStats, NumaGpuAlloc, Stats, ENV_VAR};
 
 #[path = "../../report.rs"]

@@ -52,8 +52,8 @@ use std::ptr::NonNull;
 
 use allocator_api2::alloc::Allocator;
 use allocator_api2::vec::Vec as AVec;
-use numa_gpu_alloc::pci::{self, PciAddress};
-use numa_gpu_alloc::sys::{self, MbindFlags, MemPolicy, NodeMask};
+use numa_gpu_alloc::unstable::pci::{self, PciAddress};
+use numa_gpu_alloc::unstable::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use numa_gpu_alloc::{NumaGpuAlloc, NumaTopology, Stats};
 
 mod allocators;

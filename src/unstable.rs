@@ -1,0 +1,31 @@
+//! Tools for this crate's own benchmarks, examples and test programs, kept out of the stable
+//! surface. **Unstable:** no semver promise; any release may change or remove them, and an
+//! allocator user needs none of them.
+//!
+//! - [`sys`]: the raw placement calls the allocator is built on (`mmap`, `mbind`, populate,
+//!   `move_pages`), for programs that check where pages landed;
+//! - [`cuda_driver`]: the crate's thin CUDA driver table (page-locked host memory, CUDA's own
+//!   host-NUMA memory, timed copies), the peer `dma_bench` weighs the allocator against;
+//! - [`pci`] and [`sysfs`]: the parsers behind [`NumaTopology::from_sysfs`](crate::NumaTopology::from_sysfs),
+//!   public so that they can be fuzzed;
+//! - [`parse_size`] (the size syntax of the settings) and [`cuda_error_name`].
+//!
+//! They live in the crate rather than in a crate of their own because the examples a user runs
+//! (`dma_bench`, `topology`) need them, and a feature would have to be switched on for
+//! `cargo run --example`.
+
+pub use crate::config::parse_size;
+pub use crate::cuda::tools as cuda_driver;
+pub use crate::error::cuda_error_name;
+pub use crate::topology::{pci, sysfs};
+
+/// The only raw system calls of the crate: mappings, placement policy, populate and the page
+/// census. Everything here runs inside a memory allocator: nothing allocates or panics.
+///
+/// The pipeline is [`map_anonymous`](sys::map_anonymous) → [`bind`](sys::bind) →
+/// [`populate`](sys::populate); never map with `MAP_POPULATE` (pages faulted in before `mbind`
+/// stay where the faulting CPU put them). [`census`](sys::census) checks afterwards where the
+/// pages are.
+pub mod sys {
+    pub use crate::sys::*;
+}
