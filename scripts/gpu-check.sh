@@ -209,10 +209,13 @@ if [ -n "$needed" ] && [ "$needed" != unknown ] && [ -n "$have" ] &&
 fi
 [ $gpu_present = 1 ] && export NUMA_GPU_ALLOC_REQUIRE_GPU=1
 
-# run_test BIN CAP [ENV...]: one test binary, in the bundle folder, under `env ENV...`.
+# run_test BIN CAP [ENV...] [-- ARGS...]: one test binary, in the bundle folder, under
+# `env ENV...`, given the test harness's ARGS.
 run_test() {
-    local bin=$1 cap=$2 name limit log t0 rc passed fails skipped secs
+    local bin=$1 cap=$2 name limit log t0 rc passed fails skipped ignored secs envs=() args=()
     shift 2
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done
+    [ $# -gt 0 ] && { shift; args=("$@"); }
     name=$(basename "$bin")
     log=$logs/$name.log
     limit=$(budget "$cap")
@@ -221,17 +224,18 @@ run_test() {
         return
     fi
     t0=$(date +%s)
-    bg_step "$log" timeout -k 5 "$limit" env "$@" "$bin" --nocapture
+    bg_step "$log" timeout -k 5 "$limit" env "${envs[@]}" "$bin" --nocapture "${args[@]}"
     rc=$?
     secs=$(($(date +%s) - t0))
     binaries_run=$((binaries_run + 1))
     passed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
     fails=$(sed -n 's/^test result: .* \([0-9][0-9]*\) failed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
     skipped=$(grep -c 'SKIPPED' "$log")
+    ignored=$(sed -n 's/^test result: .* \([0-9][0-9]*\) ignored.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
     if [ $rc -eq 0 ] && [ "$passed" -eq 0 ]; then
         record FAIL "$name" "$secs" "ran no test (built without the tests it should hold?)" "$log"
     elif [ $rc -eq 0 ]; then
-        record PASS "$name" "$secs" "$passed passed, $skipped skipped" "$log"
+        record PASS "$name" "$secs" "$passed passed, $ignored ignored, $skipped skipped" "$log"
     else
         record FAIL "$name" "$secs" "$passed passed, $fails failed; $(failure_reason $rc "$log" "$limit")" "$log"
     fi
@@ -249,6 +253,8 @@ for bin in "${gpu_tests[@]}"; do
         # the source tree, so only where the bundle was built).
         # One test at a time: in place, the bodies share one process and its allocators.
         test-pinned_sim-1 | test-host_numa_sim-1) run_test "$bin" 120 NUMA_GPU_ALLOC_REAL_DRIVER=1 RUST_TEST_THREADS=1 ;;
+        # The tests that need a GPU are ignored unless asked for.
+        test-gpu-1) run_test "$bin" 120 -- --include-ignored ;;
         *) run_test "$bin" 120 ;;
     esac
 done

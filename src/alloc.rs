@@ -277,8 +277,11 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     #[inline(always)]
     pub(crate) fn is_large(&self, size: usize) -> bool {
         // The threshold is never below the minimum: a smaller size needs no load, and a size
-        // known at compile time (`Box<T>`, a map's nodes) needs no test at all.
-        size >= crate::config::MIN_THRESHOLD && size >= self.threshold.0.load(Relaxed)
+        // known at compile time (`Box<T>`, a map's nodes) needs no test at all. Off Linux there
+        // is no placement to do: every request passes through to the inner allocator.
+        cfg!(target_os = "linux")
+            && size >= crate::config::MIN_THRESHOLD
+            && size >= self.threshold.0.load(Relaxed)
     }
 
     /// Allocates `layout` (non-zero size). Null on failure.

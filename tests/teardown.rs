@@ -119,6 +119,7 @@ fn child(mode: &str) {
         let barrier = Arc::clone(&barrier);
         std::thread::spawn(move || {
             let mut held = vec![t as u8; 3 * MIB];
+            std::hint::black_box(&held);
             barrier.wait();
             loop {
                 let v = vec![t as u8; (2 + t) * MIB + 4096];

@@ -152,7 +152,7 @@ impl<T> Drop for Guard<'_, T> {
 pub(crate) fn futex_wait(word: &AtomicU32, expected: u32) {
     // SAFETY: the kernel only reads the aligned u32 behind `word`, which outlives the call; the
     // null timeout means "no timeout" and the two unused arguments are ignored for FUTEX_WAIT.
-    unsafe {
+    let waited: std::result::Result<libc::c_long, libc::c_int> = linux_only!(unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
@@ -160,21 +160,25 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32) {
             expected,
             ptr::null::<libc::timespec>(),
         )
-    };
+    });
+    if waited.is_err() {
+        // No futex: waiting is yielding, and callers re-check anyway.
+        std::thread::yield_now();
+    }
 }
 
 /// Wakes up to `count` threads sleeping in [`futex_wait`] on `word` (`FUTEX_WAKE_PRIVATE`).
 pub(crate) fn futex_wake(word: &AtomicU32, count: u32) {
     let count = i32::try_from(count).unwrap_or(i32::MAX);
     // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live, aligned u32.
-    unsafe {
+    let _woken: std::result::Result<libc::c_long, libc::c_int> = linux_only!(unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
             count,
         )
-    };
+    });
 }
 
 #[cfg(test)]

@@ -107,7 +107,7 @@ pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Re
     check_range(to, len)?;
     // SAFETY: the caller guarantees both ranges are our mappings and unused; FIXED replaces only
     // the caller's own range at `to`.
-    let moved = unsafe {
+    let moved: *mut c_void = linux_only!(unsafe {
         libc::mremap(
             from.as_ptr().cast(),
             len,
@@ -115,7 +115,11 @@ pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Re
             libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
             to.as_ptr().cast::<c_void>(),
         )
-    };
+    })
+    .map_err(|errno| Error::Syscall {
+        call: "mremap",
+        errno,
+    })?;
     if moved == libc::MAP_FAILED {
         return Err(Error::Syscall {
             call: "mremap",
@@ -156,9 +160,13 @@ pub unsafe fn unmap(ptr: NonNull<u8>, len: usize) -> Result<()> {
 /// `ptr..ptr+len` must be a mapping this crate created with [`map_anonymous`] that nobody else
 /// uses.
 pub unsafe fn advise_hugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
+    let advice: c_int = linux_only!(libc::MADV_HUGEPAGE).map_err(|errno| Error::Syscall {
+        call: "madvise(MADV_HUGEPAGE)",
+        errno,
+    })?;
     // SAFETY: MADV_HUGEPAGE only changes how later faults are served, not the content; the
     // caller guarantees the range is ours.
-    unsafe { advise(ptr, len, libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)") }
+    unsafe { advise(ptr, len, advice, "madvise(MADV_HUGEPAGE)") }
 }
 
 /// Asks for small pages only on `ptr..ptr+len` (`madvise(MADV_NOHUGEPAGE)`), so that touching a
@@ -172,9 +180,13 @@ pub unsafe fn advise_hugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
 /// `ptr..ptr+len` must be a mapping this crate created with [`map_anonymous`] that nobody else
 /// uses.
 pub unsafe fn advise_nohugepage(ptr: NonNull<u8>, len: usize) -> Result<()> {
+    let advice: c_int = linux_only!(libc::MADV_NOHUGEPAGE).map_err(|errno| Error::Syscall {
+        call: "madvise(MADV_NOHUGEPAGE)",
+        errno,
+    })?;
     // SAFETY: MADV_NOHUGEPAGE only changes how later faults are served, not the content; the
     // caller guarantees the range is ours.
-    unsafe { advise(ptr, len, libc::MADV_NOHUGEPAGE, "madvise(MADV_NOHUGEPAGE)") }
+    unsafe { advise(ptr, len, advice, "madvise(MADV_NOHUGEPAGE)") }
 }
 
 /// Gives the pages of `ptr..ptr+len` back to the kernel (`madvise(MADV_DONTNEED)`).

@@ -24,13 +24,48 @@
 //! Unsafe code here relies on `sysconf` having no memory-safety preconditions; each file below
 //! states what its own raw calls rely on.
 #![allow(unsafe_code)]
+// Off Linux the raw calls are not compiled, so what they would have been given is unused.
+#![cfg_attr(not(target_os = "linux"), allow(unused))]
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::{Error, Result};
 
+/// `Ok(call)` on Linux; elsewhere `Err(ENOSYS)` without compiling `call`, whose Linux-only names
+/// do not exist there. Off Linux the allocator passes every request to its inner allocator, and
+/// the few paths that still reach these calls get the error a kernel without NUMA gives.
+macro_rules! linux_only {
+    ($call:expr) => {{
+        #[cfg(target_os = "linux")]
+        let outcome = Ok($call);
+        #[cfg(not(target_os = "linux"))]
+        let outcome = Err(libc::ENOSYS);
+        outcome
+    }};
+}
+
+#[cfg(target_os = "linux")]
 mod affinity;
+#[cfg(not(target_os = "linux"))]
+mod affinity {
+    //! Thread affinity off Linux: unsupported, as the callers (populate workers) expect to hear.
+    use crate::{Error, Result};
+
+    pub(crate) fn bind_thread_to_cpus(_cpus: &[usize]) -> Result<()> {
+        Err(Error::Syscall {
+            call: "sched_setaffinity",
+            errno: libc::ENOSYS,
+        })
+    }
+
+    pub(crate) fn process_cpus() -> Result<Vec<usize>> {
+        Err(Error::Syscall {
+            call: "sched_getaffinity",
+            errno: libc::ENOSYS,
+        })
+    }
+}
 mod exit;
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]

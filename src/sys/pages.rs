@@ -68,7 +68,7 @@ pub unsafe fn page_nodes(
         }
         // SAFETY: addrs and status hold n valid entries each; with nodes == NULL the kernel only
         // reports each page's node into status and touches no user memory otherwise.
-        let rc = unsafe {
+        let rc: c_long = linux_only!(unsafe {
             libc::syscall(
                 libc::SYS_move_pages,
                 0 as c_long, // this process
@@ -78,7 +78,8 @@ pub unsafe fn page_nodes(
                 status.as_mut_ptr(),
                 0 as c_long,
             )
-        };
+        })
+        .map_err(|errno| numa_error("move_pages", errno))?;
         if rc < 0 {
             return Err(numa_error("move_pages", errno()));
         }

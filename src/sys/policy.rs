@@ -187,7 +187,7 @@ pub unsafe fn bind(
     }
     // SAFETY: the mask points to MASK_WORDS u64s = MBIND_MAXNODE - 1 bits, exactly what the
     // kernel reads; the caller guarantees the range is ours.
-    let rc = unsafe {
+    let rc: c_long = linux_only!(unsafe {
         libc::syscall(
             libc::SYS_mbind,
             ptr.as_ptr() as usize,
@@ -197,7 +197,8 @@ pub unsafe fn bind(
             MBIND_MAXNODE,
             flags.bits() as c_long,
         )
-    };
+    })
+    .map_err(|errno| numa_error("mbind", errno))?;
     if rc != 0 {
         return Err(numa_error("mbind", errno()));
     }
@@ -214,7 +215,7 @@ pub fn allowed_memory_nodes() -> Result<NodeMask> {
     let mut mask = NodeMask::empty();
     // SAFETY: the mask is valid for writes of MBIND_MAXNODE - 1 bits (its whole size); mode and
     // addr may be NULL with MPOL_F_MEMS_ALLOWED.
-    let rc = unsafe {
+    let rc: c_long = linux_only!(unsafe {
         libc::syscall(
             libc::SYS_get_mempolicy,
             ptr::null_mut::<c_int>(),
@@ -223,7 +224,8 @@ pub fn allowed_memory_nodes() -> Result<NodeMask> {
             ptr::null_mut::<c_void>(),
             MPOL_F_MEMS_ALLOWED,
         )
-    };
+    })
+    .map_err(|errno| numa_error("get_mempolicy", errno))?;
     if rc != 0 {
         return Err(numa_error("get_mempolicy", errno()));
     }
@@ -239,14 +241,15 @@ pub fn current_node() -> Result<usize> {
     let mut node: libc::c_uint = 0;
     // SAFETY: cpu and node are valid for writes; the third argument (tcache) is unused and may
     // be NULL.
-    let rc = unsafe {
+    let rc: c_long = linux_only!(unsafe {
         libc::syscall(
             libc::SYS_getcpu,
             &mut cpu as *mut libc::c_uint,
             &mut node as *mut libc::c_uint,
             ptr::null_mut::<c_void>(),
         )
-    };
+    })
+    .map_err(|errno| numa_error("getcpu", errno))?;
     if rc != 0 {
         return Err(numa_error("getcpu", errno()));
     }
