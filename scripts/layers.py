@@ -18,9 +18,10 @@ LAYERS = [
     ["chunk"],
     ["arena"],
     ["process"],
+    ["blocks"],
     ["runtime"],
     ["stats_exit"],
-    ["alloc", "api2", "global", "pinned", "reservation"],
+    ["alloc", "api2", "global", "pinned", "reservation", "unstable"],
 ]
 LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 # Re-exported at the root: `crate::pci` is `topology::pci`.

@@ -10,14 +10,11 @@ use std::io::Write as _;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 
-use crate::arena::{class_size, Block, Fit, Kind};
 use crate::config::Config;
 use crate::guard::Inside;
 use crate::process;
-use crate::process::NODES;
-use crate::runtime::carved::carved;
 use crate::runtime::route;
-use crate::runtime::{Placement, Resolved, Runtime};
+use crate::runtime::{Placement, Runtime};
 use crate::stats::Stats;
 
 /// A NUMA- and GPU-aware allocator.
@@ -178,10 +175,7 @@ impl<A> NumaGpuAlloc<A> {
     pub fn reset_peaks(&self) {
         let _inside = Inside::enter();
         if let Some(rt) = self.initialised() {
-            for arena in NODES.arenas() {
-                arena.lock().reset_peak();
-            }
-            rt.counters.reset_peaks();
+            rt.blocks.reset_peaks();
         }
     }
 
@@ -192,7 +186,7 @@ impl<A> NumaGpuAlloc<A> {
     pub fn trim(&self) {
         let _inside = Inside::enter();
         if let Some(rt) = self.initialised() {
-            rt.trim();
+            rt.blocks.trim();
         }
     }
 
@@ -212,23 +206,8 @@ impl<A> NumaGpuAlloc<A> {
         let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
             return Err(work);
         };
-        let mut work = Some(work);
-        let recorded = NODES.find_map(route::likely_node(rt), |arena| {
-            match arena.record_in_flight(ptr as usize, work.take()?) {
-                Ok(()) => Some(()),
-                Err(back) => {
-                    work = Some(back);
-                    None
-                }
-            }
-        });
-        match (recorded, work) {
-            (None, Some(work)) => Err(work),
-            _ => {
-                rt.counters.in_flight_recorded.incr();
-                Ok(())
-            }
-        }
+        rt.blocks
+            .record_in_flight(ptr as usize, work, route::likely_node(rt))
     }
 
     /// The runtime, once the large path has initialised.
@@ -305,104 +284,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         if !self.is_large(layout.size()) {
             return self.inner_alloc(layout, zeroed);
         }
-        match self.allocate_large(rt, layout, zeroed) {
-            Some(ptr) => ptr.as_ptr(),
-            None => {
-                rt.counters.failed_allocations.incr();
-                ptr::null_mut()
-            }
-        }
-    }
-
-    fn allocate_large(&self, rt: &Runtime, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
-        let target = route::target(rt);
-        // Before any carving or mapping: `pin=strict` takes no unpinned block, and maps none.
-        let kind = rt
-            .kind(&target)
-            .map_err(|e| rt.counters.record_strict_refusal(&e))
-            .ok()?;
-        rt.counters.record_request(layout.size());
-        let size = layout.size().checked_next_multiple_of(rt.page_size)?;
-        let align = layout.align().max(rt.page_size);
-        let block = if carved(size, align) {
-            rt.carve(size, align, zeroed, &target, kind)?
-        } else if let Some(block) = rt.carve_reserved(size, align, zeroed, &target, kind) {
-            block
-        } else {
-            self.dedicated(rt, layout, zeroed, &target, kind)?
-        };
-        NonNull::new(block.addr as *mut u8)
-    }
-
-    /// A block of its own for a request too large to carve: a cached one, or a new mapping.
-    fn dedicated(
-        &self,
-        rt: &Runtime,
-        layout: Layout,
-        zeroed: bool,
-        target: &Resolved,
-        kind: Kind,
-    ) -> Option<Block> {
-        let (capacity, fit) = Self::fit(rt, layout, kind)?;
-        match Self::take_cached(rt, fit, target) {
-            Some(block) => {
-                if zeroed {
-                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
-                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
-                }
-                Some(block)
-            }
-            // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
-            None => Self::create(rt, capacity, fit.align, target),
-        }
-    }
-
-    /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
-    fn fit(rt: &Runtime, layout: Layout, kind: Kind) -> Option<(usize, Fit)> {
-        let capacity = class_size(layout.size(), rt.page_size)?;
-        let align = layout.align().max(rt.page_size);
-        Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
-    }
-
-    /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
-    /// for the target's GPU, once pending blocks that are ready joined the cache.
-    fn take_cached(rt: &Runtime, fit: Fit, target: &Resolved) -> Option<Block> {
-        let limit = rt.config.cache_limit;
-        let hit = rt.with_arena(target.host_node, |arena, out| {
-            arena.settle_pending(limit, out);
-            let hit = arena.take_cached(fit).map(|block| Block {
-                routed_for: target.ordinal,
-                ..block
-            });
-            match hit {
-                Some(block) if arena.insert_dedicated(block) => Some(block),
-                Some(block) => {
-                    // No room to record it: back to the cache (released if that fails too).
-                    arena.cache(block, limit, out);
-                    None
-                }
-                None if arena.pending_fits(fit) => {
-                    rt.counters.reuse_deferred.incr();
-                    None
-                }
-                None => None,
-            }
-        })??;
-        rt.counters.cache_hits.incr();
-        Some(hit)
-    }
-
-    /// A new live dedicated block for `target` (a cache miss).
-    fn create(rt: &Runtime, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
-        rt.counters.cache_misses.incr();
-        let block = rt.create_block(capacity, align, target).ok()?;
-        if !rt.record_created(block) {
-            // A block no arena records could not be freed: give it back instead.
-            // SAFETY: just created and handed to nobody.
-            unsafe { rt.release_block(block) };
-            return None;
-        }
-        Some(block)
+        rt.blocks
+            .allocate(layout, zeroed, &route::target(rt))
+            .map_or(ptr::null_mut(), NonNull::as_ptr)
     }
 
     /// Frees what [`Self::allocate`] returned for `layout`.
@@ -430,10 +314,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         if let Some(_inside) = Inside::enter() {
             // Whichever value allocated the block, it goes back to its node's arena.
             let rt = self.runtime();
-            if rt.free_block(ptr as usize) {
+            if rt.blocks.free(ptr as usize, route::likely_node(rt)) {
                 return;
             }
-            rt.counters.foreign_frees.incr();
         }
         // Not ours: served by the inner allocator while inside the allocator or before
         // initialisation changed the threshold.

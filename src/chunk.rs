@@ -16,7 +16,7 @@
 //! zeroed only when it may not be zero. Purging (`MADV_DONTNEED`) whole idle granules clears both.
 //!
 //! The bit bookkeeping runs under the arena lock and makes no system call; the calls themselves
-//! ([`populate`](crate::runtime::Runtime) of a [`Span`], [`purge`]) run outside it, on ranges
+//! (populating a [`Span`] in `blocks/chunks.rs`, [`purge`]) run outside it, on ranges
 //! the caller owns for the time being.
 //!
 //! Unsafe code here relies on the guards own their mapping and registration alone; `purge` is

@@ -28,7 +28,8 @@ mod arena;
 mod chunk;
 mod fork;
 
-// 4. Process-wide state, the re-entrancy guard, the runtime and its routes.
+// 4. Process-wide state, the re-entrancy guard, the large path's owner, the runtime and its routes.
+mod blocks;
 mod guard;
 mod process;
 mod runtime;

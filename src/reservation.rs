@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::runtime::reserve::Tally;
+use crate::blocks::reserve::Tally;
 use crate::Error;
 
 /// A reservation of bytes under way on a thread of its own (see

@@ -247,7 +247,8 @@ snapshot! {
             pressure_retries,
             /// Cached blocks given back for those retries (oldest first).
             pressure_released_blocks,
-            /// Blocks unmapped (cache limit, `trim()`, failed placement).
+            /// Blocks and chunks unmapped (cache limit, `trim()`, failed placement, decay; the
+            /// process's decay thread's count in every value's stats).
             released_blocks: "released blocks",
             /// Successful `cuMemHostRegister` calls.
             registrations,
@@ -353,7 +354,7 @@ snapshot! {
             /// Purges of idle free ranges that failed: `MADV_DONTNEED` refuses locked memory
             /// (`mlock`, `mlockall`). Such a range stays resident, is not purged again until it
             /// merges with a range freed beside it, and counts as nothing to give back (its
-            /// chunk is still released once wholly free). The decay thread's are not counted.
+            /// chunk is still released once wholly free). The decay thread's count too.
             purge_failures: "failed purges",
             /// Large frees of pointers no arena holds: memory the inner allocator served while
             /// inside the allocator or before initialisation lowered the threshold (passed on to

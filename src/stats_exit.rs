@@ -145,11 +145,11 @@ fn write_report(
     stats: &mut Stats,
     out: &mut dyn Write,
 ) -> fmt::Result {
-    rt.counters.fill(stats);
+    rt.blocks.fill_counters(stats);
     stats.page_locked_bytes = crate::chunk::page_locked_bytes();
     if stats.numa_unavailable.is_none() {
         // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.
-        stats.numa_unavailable = rt.mbind_refusal();
+        stats.numa_unavailable = rt.blocks.mbind_refusal();
     }
     let nodes_fresh = fill_nodes(stats);
     if format == StatsAtExit::Json {

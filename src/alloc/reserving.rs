@@ -4,9 +4,9 @@ use std::alloc::GlobalAlloc;
 use std::sync::Arc;
 
 use super::NumaGpuAlloc;
+use crate::blocks::reserve::Tally;
 use crate::guard::Inside;
 use crate::reservation::{self, Reservation, ReserveProgress};
-use crate::runtime::reserve::Tally;
 use crate::runtime::route;
 use crate::runtime::Runtime;
 use crate::Error;
@@ -100,7 +100,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let inside = Inside::enter();
         let rt = self.runtime();
         let target = route::target(rt);
-        let kind = rt.kind(&target)?;
+        let kind = rt.blocks.kind(&target)?;
         drop(inside);
         let tally = Arc::new(Tally::new(bytes));
         let shared = Arc::clone(&tally);
@@ -111,7 +111,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
                 let finished = FinishOnUnwind(&shared);
                 // Alive while `self` is: `'static`.
                 let rt = self.runtime();
-                shared.finish(rt.reserve_bytes(bytes, &target, kind, &shared));
+                shared.finish(rt.blocks.reserve_bytes(bytes, &target, kind, &shared));
                 drop(finished);
             })
             .map_err(|e| Error::Syscall {
@@ -138,6 +138,6 @@ impl Drop for FinishOnUnwind<'_> {
 /// Reserves for the calling thread's target.
 fn reserve_for_caller(rt: &Runtime, bytes: usize, tally: &Tally) -> Result<(), Error> {
     let target = route::target(rt);
-    let kind = rt.kind(&target)?;
-    rt.reserve_bytes(bytes, &target, kind, tally)
+    let kind = rt.blocks.kind(&target)?;
+    rt.blocks.reserve_bytes(bytes, &target, kind, tally)
 }

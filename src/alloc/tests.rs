@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::*;
+use crate::arena::class_size;
 use crate::arena::pending_double::Flag;
 use crate::{Error, PinMode};
 

@@ -31,7 +31,7 @@ use index::CacheIndex;
 pub(crate) use pending::double as pending_double;
 use pending::PendingList;
 pub(crate) use pending::{settle, InFlight, Work};
-pub(crate) use released::{release_chunks, Purge, PurgeFailures, Released};
+pub(crate) use released::{count_release, Purge, PurgeFailures, Released};
 
 use crate::chunk::{Chunk, Span};
 use crate::cuda::RegisterFlags;

@@ -8,6 +8,7 @@
 use super::carve::Range;
 use super::{Arena, Block};
 use crate::chunk::{self, Chunk, ChunkRelease, Span};
+use crate::stats::Counters;
 use crate::sys::lock::Lock;
 
 /// What an arena operation leaves for the caller to do outside the lock: dedicated blocks to
@@ -114,9 +115,43 @@ impl<T, const N: usize> Bounded<T, N> {
     }
 }
 
-/// What releasing the chunks of `out` did (for the caller's counters).
-pub(crate) fn release_chunks(out: &mut Released, mut counted: impl FnMut(ChunkRelease)) {
-    for chunk in out.chunks.drain() {
-        counted(chunk.release());
+impl Released {
+    /// The release protocol, for every caller (a request, `trim`, the decay thread): releases
+    /// the dedicated blocks and chunks an operation on `arena` handed out (unregistered, then
+    /// unmapped), purges the idle ranges and gives them back, and counts all of it in
+    /// `counters`. Returns the purges that failed. Allocates nothing.
+    pub(crate) fn finish(
+        &mut self,
+        arena: Option<&Lock<Arena>>,
+        counters: &Counters,
+    ) -> PurgeFailures {
+        for block in self.blocks.drain() {
+            // SAFETY: the arena handed it out for release: no longer handed out or cached, and
+            // taken out of the arena, so released once.
+            let released = unsafe {
+                chunk::release_dedicated(block.addr, block.capacity, block.registered_by)
+            };
+            count_release(counters, released);
+        }
+        for chunk in self.chunks.drain() {
+            count_release(counters, chunk.release());
+        }
+        let failed = arena.map_or_else(PurgeFailures::default, |arena| self.purge_into(arena));
+        counters.purge_failures.add(failed.count);
+        failed
+    }
+}
+
+/// Counts what releasing a block or chunk did.
+pub(crate) fn count_release(counters: &Counters, released: ChunkRelease) {
+    if let Some((time, result)) = released.unregistered {
+        counters.unpin.record(time);
+        match result {
+            Ok(()) => counters.unregistrations.incr(),
+            Err(e) => counters.record_unregister_failure(&e),
+        }
+    }
+    if released.unmapped {
+        counters.released_blocks.incr();
     }
 }

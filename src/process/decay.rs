@@ -11,11 +11,10 @@
 //! large path releases them.
 //!
 //! It holds one arena lock at a time, briefly (the fork handlers wait for it like for any arena
-//! operation), and `madvise`s outside it; a forked child has no such thread until its own first
-//! chunk.
-//!
-//! Unsafe code here relies on the arena: what it hands out to release or purge is used by nobody.
-#![allow(unsafe_code)]
+//! operation), and releases and purges outside it through the same routine as every request
+//! ([`Released::finish`]), counted in the process's decay counters, which every value's stats
+//! add in. It reads the sysfs root of the value that started it. A forked child has no such
+//! thread until its own first chunk.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,8 +22,9 @@ use std::time::Duration;
 
 use super::NODES;
 use crate::arena::Released;
-use crate::chunk::release_dedicated;
 use crate::guard::Inside;
+use crate::stats::Counters;
+use crate::sys::once::SetOnce;
 use crate::sys::MAX_NODES;
 use crate::topology::sysfs::node_memory_low;
 
@@ -32,13 +32,25 @@ use crate::topology::sysfs::node_memory_low;
 static RUNNING: AtomicBool = AtomicBool::new(false);
 /// The shortest decay time of the allocator values that started or found it (milliseconds).
 static DECAY_MS: AtomicU64 = AtomicU64::new(u64::MAX);
+/// The sysfs root of the value that started the thread (a fixture tree in tests).
+static SYSFS_ROOT: SetOnce<&'static str> = SetOnce::new();
+/// What the thread released and purged, made by its first run (kept across a fork: the child's
+/// thread counts on).
+static COUNTERS: SetOnce<&'static Counters> = SetOnce::new();
 
-/// Starts the thread unless it runs, for a value whose idle memory decays after `decay_ms`.
-/// Called inside the re-entrancy guard (starting a thread allocates).
-pub(crate) fn ensure_running(decay_ms: u64) {
+/// What the decay thread released and purged in this process, once it ran.
+pub(crate) fn counters() -> Option<&'static Counters> {
+    COUNTERS.get()
+}
+
+/// Starts the thread unless it runs, for a value whose idle memory decays after `decay_ms` and
+/// whose sysfs is at `sysfs_root`. Called inside the re-entrancy guard (starting a thread
+/// allocates).
+pub(crate) fn ensure_running(decay_ms: u64, sysfs_root: &'static str) {
     if decay_ms == u64::MAX {
         return;
     }
+    SYSFS_ROOT.set(sysfs_root);
     DECAY_MS.fetch_min(decay_ms, Ordering::Relaxed);
     if RUNNING.swap(true, Ordering::AcqRel) {
         return;
@@ -61,6 +73,12 @@ pub(crate) fn forget_in_child() {
 fn run() {
     // Whatever this thread allocates goes to the inner allocator.
     let _inside = Inside::enter();
+    let counters = COUNTERS.get().unwrap_or_else(|| {
+        let made: &'static Counters = Box::leak(Box::default());
+        COUNTERS.set(made);
+        made
+    });
+    let root = Path::new(SYSFS_ROOT.get().unwrap_or("/sys"));
     loop {
         let decay = DECAY_MS.load(Ordering::Relaxed);
         // Often enough to see a node run low before the small objects exhaust it.
@@ -70,7 +88,7 @@ fn run() {
                 continue;
             };
             // Read before locking: the arena's users do not wait for a file.
-            let age = if node_memory_low(Path::new("/sys"), node) {
+            let age = if node_memory_low(root, node) {
                 0
             } else {
                 decay
@@ -81,12 +99,7 @@ fn run() {
                 arena.purge_idle_ranges(age, &mut out);
                 arena.release_idle_dedicated(age, &mut out);
             }
-            for block in out.blocks.drain() {
-                // SAFETY: the arena handed it out for release: no longer cached or handed out.
-                let _ =
-                    unsafe { release_dedicated(block.addr, block.capacity, block.registered_by) };
-            }
-            out.purge_into(arena);
+            out.finish(Some(arena), counters);
         }
     }
 }

@@ -1,32 +1,27 @@
-//! The large path's state of one allocator value, built once on the first large request: settings
-//! (builder + environment), topology, the target GPU and its host node, the targets of threads'
-//! routes, and the counters. Blocks live in the process's per-node arenas (`arena/nodes.rs`).
+//! One allocator value's state, built once on the first large request: its settings (builder +
+//! environment), the topology, the target GPU and its host node, and the targets of threads'
+//! routes. Its large path — blocks, their arenas and its counters — is [`Blocks`]'s.
 
-pub(crate) mod block;
-pub(crate) mod carved;
-pub(crate) mod pinning;
-pub(crate) mod reserve;
+mod reserve;
 pub(crate) mod route;
 
 pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};
 
 use std::io::Write as _;
 use std::path::Path;
-use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 
-use crate::arena::Arena;
+pub(crate) use crate::blocks::Resolved;
+use crate::blocks::{policy_nodes, Blocks, Unpinnable};
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
 use crate::process;
-use crate::process::NODES;
 use crate::setup::{Problems, Setup};
-use crate::stats::{Counters, NodeStats, Stats};
-use crate::sys::lock::{Guard, Lock};
-use crate::sys::{self, MemPolicy, NodeMask};
-use crate::topology::cgroup::MemoryLimits;
+use crate::stats::{NodeStats, Stats};
+use crate::sys::lock::Lock;
+use crate::sys::{self, NodeMask};
 use crate::topology::pci::{self, PciAddress};
 use crate::{Error, NumaTopology};
-use pinning::Unpinnable;
 
 /// Where an allocator places its blocks, as resolved at initialisation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,26 +49,10 @@ const _: () = {
     shared_between_threads::<Runtime>()
 };
 
-/// Where one request's block goes: its node, the policy's nodes, and the context that pins it.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Resolved {
-    /// The node whose arena the block belongs to.
-    pub(crate) host_node: usize,
-    /// Nodes the policy names: the host node, or every node with memory for interleave.
-    pub(crate) nodes: NodeMask,
-    /// The process's retained context of the GPU, when blocks are pinned.
-    pub(crate) gpu: Option<&'static Gpu>,
-    /// CUDA ordinal of the GPU, when the driver knows it (pinning or not).
-    pub(crate) ordinal: Option<u32>,
-    /// Why `pin=strict` refuses the target's requests, when it does.
-    pub(crate) unpinnable: Option<Unpinnable>,
-}
-
 pub(crate) struct Runtime {
     /// Tells runtimes apart in threads' caches of resolved routes (an address may be reused).
     pub(crate) id: u64,
     pub(crate) config: Config,
-    pub(crate) page_size: usize,
     pub(crate) topology: NumaTopology,
     /// Where blocks go for threads without a route (and for every thread when the allocator
     /// names its own target).
@@ -87,16 +66,8 @@ pub(crate) struct Runtime {
     /// Routes resolved so far, and the problems met resolving them. Taken only under the
     /// initialisation lock (`process::INIT`), which a fork handler holds: never held at a fork.
     routes: Lock<Routes>,
-    /// Why the topology could not be read (then blocks go unplaced).
-    topology_error: Option<Error>,
-    /// The errno with which the kernel refused `mbind` (0: never); then blocks go unplaced. An
-    /// atomic rather than a `OnceLock`, which a fork during its initialisation would leave
-    /// blocking in the child.
-    mbind_refused: AtomicI32,
-    pub(crate) populate_threads: usize,
-    /// The cgroup memory limits a new block is checked against.
-    pub(crate) memory_limits: MemoryLimits,
-    pub(crate) counters: Counters,
+    /// The large path: blocks, the arenas they live in, the counters.
+    pub(crate) blocks: Blocks,
     setup_errors: Vec<Error>,
     /// Those this value prints once initialised (see [`Problems::sort_out`]).
     unprinted: Vec<Error>,
@@ -154,14 +125,13 @@ impl Runtime {
             );
             config.pin_read_only = false;
         }
-        let page_size = sys::page_size();
         let Reserve {
             blocks, block_size, ..
         } = config.reserve;
         if blocks > 0 {
             // Said now, with the other setup problems (the reservation itself comes later).
             problems.add(
-                reserve::check(&config, blocks, block_size).err(),
+                crate::blocks::reserve::check(&config, blocks, block_size).err(),
                 env.sets(|s| matches!(s, Setting::Reserve(_))),
             );
         }
@@ -172,10 +142,6 @@ impl Runtime {
         problems.add(unpinnable.map(Unpinnable::error), true);
         let (setup_errors, unprinted) = problems.sort_out(setup);
         let nodes = policy_nodes(&config, &topology, &allowed, host_node);
-        let populate_threads = match config.populate_threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
-            n => n,
-        };
         let gpu_pci = target
             .device
             .as_ref()
@@ -184,7 +150,7 @@ impl Runtime {
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Runtime {
             id: IDS.fetch_add(1, Relaxed),
-            page_size,
+            blocks: Blocks::new(config, topology.clone(), topology_error, allowed_mask),
             default: Resolved {
                 host_node,
                 nodes,
@@ -197,11 +163,6 @@ impl Runtime {
             gpu_pci,
             allowed: allowed_mask,
             routes: Lock::new(Routes::default()),
-            topology_error,
-            mbind_refused: AtomicI32::new(0),
-            populate_threads,
-            memory_limits: MemoryLimits::of_this_process(),
-            counters: Counters::default(),
             topology,
             setup_errors,
             unprinted,
@@ -223,34 +184,6 @@ impl Runtime {
         }
     }
 
-    /// Whether blocks are still placed with `mbind`.
-    pub(crate) fn numa_placement(&self) -> bool {
-        self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
-    }
-
-    /// Records that the kernel refused `mbind` with `errno`: later blocks go unplaced.
-    pub(crate) fn refuse_mbind(&self, errno: i32) {
-        // The first refusal is the one reported; a zero errno would read as "never".
-        let _ = self
-            .mbind_refused
-            .compare_exchange(0, errno.max(1), Relaxed, Relaxed);
-    }
-
-    /// Why NUMA placement is off, if it is.
-    fn numa_unavailable(&self) -> Option<Error> {
-        self.topology_error.clone().or_else(|| self.mbind_refusal())
-    }
-
-    /// The kernel's refusal of `mbind` after initialisation, if any (no heap data: the exit
-    /// report reads it).
-    pub(crate) fn mbind_refusal(&self) -> Option<Error> {
-        let errno = self.mbind_refused.load(Relaxed);
-        (errno != 0).then_some(Error::NumaUnavailable {
-            call: "mbind",
-            errno,
-        })
-    }
-
     pub(crate) fn placement(&self) -> Placement {
         Placement {
             host_node: self.default.host_node,
@@ -259,7 +192,7 @@ impl Runtime {
             gpu_pci: self.gpu_pci,
             gpu_name: self.device.as_ref().map(Device::name),
             pinning: self.default.gpu.is_some(),
-            numa_placement: self.numa_placement(),
+            numa_placement: self.blocks.numa_placement(),
         }
     }
 
@@ -285,7 +218,7 @@ impl Runtime {
                     ..NodeStats::default()
                 })
                 .collect(),
-            numa_unavailable: self.numa_unavailable(),
+            numa_unavailable: self.blocks.numa_unavailable(),
             config_errors: self.setup_errors.clone(),
             ..Stats::default()
         };
@@ -295,28 +228,8 @@ impl Runtime {
             let routes = self.routes.lock();
             stats.config_errors.extend(routes.errors.iter().cloned());
         }
-        for row in &mut stats.nodes {
-            // Read only the arenas that exist: creating one here would cost every later fork.
-            if let Some(arena) = NODES.existing(row.node).map(Lock::lock) {
-                arena.fill(row);
-                stats.gpus.extend_from_slice(arena.gpus());
-                stats.heaps.extend(arena.heap_rows());
-            }
-        }
-        self.counters.fill(&mut stats);
+        self.blocks.fill_stats(&mut stats);
         stats
-    }
-
-    /// The arena of `node` (see [`crate::arena::NodeTable::lock`]); `None` only for a node id no
-    /// topology holds.
-    pub(crate) fn arena(&self, node: usize) -> Option<Guard<'_, Arena>> {
-        NODES.lock(node)
-    }
-
-    /// The nodes the policy names for blocks of `host_node`'s arena.
-    pub(crate) fn policy_nodes_of(&self, host_node: usize) -> NodeMask {
-        let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
-        policy_nodes(&self.config, &self.topology, &allowed, host_node)
     }
 
     /// Where a thread bound to `route` places blocks; resolved once per route and runtime (under
@@ -525,26 +438,6 @@ fn calling_thread_node(topology: &NumaTopology, allowed: &dyn Fn(usize) -> bool)
         .and_then(|node| topology.host_node_among(node, allowed).ok())
         .or_else(|| topology.host_node_among(first, allowed).ok())
         .unwrap_or(first)
-}
-
-fn policy_nodes(
-    config: &Config,
-    topology: &NumaTopology,
-    allowed: &dyn Fn(usize) -> bool,
-    host_node: usize,
-) -> NodeMask {
-    let mut mask = NodeMask::empty();
-    if config.policy == MemPolicy::Interleave {
-        for node in topology.nodes().iter() {
-            if node.has_memory && allowed(node.id) {
-                let _ = mask.insert(node.id);
-            }
-        }
-    }
-    if mask.is_empty() {
-        let _ = mask.insert(host_node);
-    }
-    mask
 }
 
 /// `text` with control characters escaped (`\n`, `\t`, `\u{1b}`): it prints as one line.

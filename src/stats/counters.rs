@@ -237,6 +237,18 @@ impl Counters {
         self.requests_by_octave[octave(size)].incr();
     }
 
+    /// Adds what these counters released and purged (the decay thread's) into `stats`, whose
+    /// own counts were copied in before.
+    pub(crate) fn add_releases(&self, stats: &mut Stats) {
+        stats.released_blocks += self.released_blocks.get();
+        stats.unregistrations += self.unregistrations.get();
+        stats.fallbacks.unregister_failures += self.unregister_failures.get();
+        stats.fallbacks.purge_failures += self.purge_failures.get();
+        let unpin = self.unpin.snapshot();
+        stats.unpin_time.total += unpin.total;
+        stats.unpin_time.max = stats.unpin_time.max.max(unpin.max);
+    }
+
     /// Copies the counters into `stats`. Allocates nothing when `stats.pin_failures_by_code` has
     /// room for [`ERROR_CODE_SLOTS`] entries (the exit report relies on it).
     pub(crate) fn fill(&self, stats: &mut Stats) {

@@ -16,12 +16,12 @@
 use std::time::Instant;
 
 use super::block::{shortage, HUGE_PAGE};
-use super::{Resolved, Runtime};
+use super::{Blocks, Resolved};
 use crate::arena::{
-    release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
+    count_release, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
     CHUNK_ALIGN, CHUNK_MAX,
 };
-use crate::chunk::{self, Chunk, Mapping, Span};
+use crate::chunk::{Chunk, Mapping, Span};
 use crate::config::PinMode;
 use crate::process::NODES;
 use crate::sys::lock::Guard;
@@ -34,7 +34,7 @@ pub(crate) fn carved(size: usize, align: usize) -> bool {
     size < crate::arena::DEDICATED_MIN && size.saturating_add(align) <= CHUNK_MAX
 }
 
-impl Runtime {
+impl Blocks {
     /// A block of `size` bytes (a multiple of the page size) at a multiple of `align`, carved for
     /// `target` from chunks of `kind`; zeroed when asked. `None` when it cannot be had.
     pub(crate) fn carve(
@@ -152,12 +152,15 @@ impl Runtime {
         match added {
             Some(Ok(())) => {
                 if self.config.decay_thread {
-                    crate::process::decay::ensure_running(self.config.decay_ms);
+                    crate::process::decay::ensure_running(
+                        self.config.decay_ms,
+                        self.config.sysfs_root,
+                    );
                 }
                 Some(())
             }
             Some(Err(chunk)) => {
-                self.count_release(chunk.release());
+                count_release(&self.counters, chunk.release());
                 None
             }
             None => None,
@@ -375,34 +378,10 @@ impl Runtime {
         chunk.register(|ptr, len| unsafe { self.register(gpu, ptr, len) })
     }
 
-    /// Does what an arena operation on `node` left to do outside its lock: releases dedicated
-    /// blocks and chunks, purges idle ranges and gives them back. Returns the purges that
-    /// failed (counted).
+    /// Does what an arena operation on `node` left to do outside its lock (see
+    /// [`Released::finish`]), counted in this value's counters. Returns the purges that failed.
     pub(crate) fn finish(&self, node: usize, out: &mut Released) -> PurgeFailures {
-        for block in out.blocks.drain() {
-            // SAFETY: the arena handed these out for release: no longer cached or handed out.
-            unsafe { self.release_block(block) };
-        }
-        release_chunks(out, |released| self.count_release(released));
-        let failed = NODES
-            .existing(node)
-            .map_or_else(PurgeFailures::default, |arena| out.purge_into(arena));
-        self.counters.purge_failures.add(failed.count);
-        failed
-    }
-
-    /// Counts what releasing a chunk did.
-    pub(crate) fn count_release(&self, released: chunk::ChunkRelease) {
-        if let Some((time, result)) = released.unregistered {
-            self.counters.unpin.record(time);
-            match result {
-                Ok(()) => self.counters.unregistrations.incr(),
-                Err(e) => self.counters.record_unregister_failure(&e),
-            }
-        }
-        if released.unmapped {
-            self.counters.released_blocks.incr();
-        }
+        out.finish(NODES.existing(node), &self.counters)
     }
 
     /// Runs `f` on `node`'s arena, then does what it left to do.

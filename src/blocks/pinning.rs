@@ -3,7 +3,7 @@
 //! driver, no GPU for it, a forked child, `pin_limit=0`) the request fails before its kind is even
 //! looked up in the cache, so that no cached unpinned block serves it and nothing is mapped or populated.
 //!
-//! Every registration the allocator makes goes through [`Runtime::register`]: counted, timed,
+//! Every registration the allocator makes goes through [`Blocks::register`]: counted, timed,
 //! and held within the pinned limit.
 //!
 //! Unsafe code here relies on callers registering only ranges of their own, once.
@@ -12,7 +12,7 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use super::{Resolved, Runtime};
+use super::{Blocks, Resolved};
 use crate::arena::{Kind, Shortage, CHUNK_MAX};
 use crate::chunk::{page_locked_bytes, PinFlags, Registration};
 use crate::config::{Config, PinMode, MAX_REGISTER_MAX, MIN_REGISTER_MAX};
@@ -89,7 +89,7 @@ impl Unpinnable {
     }
 }
 
-impl Runtime {
+impl Blocks {
     /// The longest chunk made of a kind: the registration bound (`register_max=`, taken into
     /// 2 MiB to 1 GiB) when pinned, so that one registration never covers more; else
     /// [`CHUNK_MAX`].
@@ -131,7 +131,7 @@ impl Runtime {
     }
 }
 
-impl Runtime {
+impl Blocks {
     /// The flags and limit this value registers with.
     pub(crate) fn pin_flags(&self) -> PinFlags {
         PinFlags {
@@ -163,7 +163,7 @@ impl Runtime {
             return Err(e);
         }
         let Some(gpu) = gpu else {
-            // Strict means pinned or nothing. `Runtime::kind` refuses such a target before
+            // Strict means pinned or nothing. `Blocks::kind` refuses such a target before
             // anything is mapped; this keeps any other way here from handing one out.
             return Err(Error::CudaUnavailable {
                 reason: "pin=strict, but there is no GPU to register blocks with",

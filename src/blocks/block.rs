@@ -8,15 +8,14 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use super::carved::shortage_kind;
-use super::route;
-use super::{Resolved, Runtime};
-use crate::arena::{Block, Kind, Released};
+use super::chunks::shortage_kind;
+
+use super::{Blocks, Resolved};
+use crate::arena::{count_release, Block, Kind};
 use crate::chunk::{release_dedicated, Mapping};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::process::populate;
-use crate::process::NODES;
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
 
@@ -58,7 +57,7 @@ fn bind_exhausted() -> Error {
     }
 }
 
-impl Runtime {
+impl Blocks {
     /// Creates a block of `capacity` bytes for `target`, placed, populated and (when configured)
     /// pinned, whose address is a multiple of `align`. When that fails for want of memory, gives
     /// the target node's cached blocks back and retries: first the oldest ones, only as many
@@ -451,52 +450,6 @@ impl Runtime {
         }
     }
 
-    /// Takes back the live block at `addr`, whichever value or thread allocated it: pending while
-    /// GPU work recorded against it runs, else back to its chunk's free space or the dedicated
-    /// cache; idle memory is looked at, and what is to be released, released. False when no
-    /// arena holds a live block starting at `addr`. Allocates nothing.
-    pub(crate) fn free_block(&self, addr: usize) -> bool {
-        let mut out = Released::default();
-        let (limit, decay) = (self.config.cache_limit, self.config.decay_ms);
-        // The calling thread's node first: a block is most often freed where it was allocated.
-        let found = NODES.find_map(route::likely_node(self), |arena| {
-            let live = arena.remove_live(addr)?;
-            // The switch tests use to show that they catch reuse during GPU work.
-            let live = if sys::fault::in_flight_ignored() {
-                live.without_work()
-            } else {
-                live
-            };
-            arena.free(live, limit, &mut out);
-            arena.decay(decay, &mut out);
-            Some(arena.node())
-        });
-        let Some(node) = found else {
-            return false;
-        };
-        self.counters.frees.incr();
-        self.finish(node, &mut out);
-        true
-    }
-
-    /// Gives back everything idle in every node's arena: free ranges purged, wholly free chunks
-    /// and cached dedicated blocks released, pending blocks whose GPU work completed too.
-    pub(crate) fn trim(&self) {
-        for arena in NODES.arenas() {
-            loop {
-                let mut out = Released::default();
-                let (node, done) = {
-                    let mut arena = arena.lock();
-                    (arena.node(), arena.trim(&mut out))
-                };
-                self.finish(node, &mut out);
-                if done {
-                    break;
-                }
-            }
-        }
-    }
-
     /// Unregisters (if pinned) and unmaps a block nobody uses any more.
     ///
     /// # Safety
@@ -504,7 +457,7 @@ impl Runtime {
     /// once.
     pub(crate) unsafe fn release_block(&self, block: Block) {
         // SAFETY: forwarded from the caller.
-        self.count_release(unsafe {
+        count_release(&self.counters, unsafe {
             release_dedicated(block.addr, block.capacity, block.registered_by)
         });
     }

@@ -1,0 +1,155 @@
+//! The large path's one owner: [`Blocks`] allocates, frees, resizes, trims and reserves blocks
+//! for the front ends, which never touch an arena. It alone decides whether a request is carved
+//! from a chunk (`chunks.rs`), served from reserved room (`reserve.rs`) or given a dedicated
+//! mapping (`block.rs`); it settles pending blocks and runs the release protocol (what an arena
+//! operation hands out is released or purged outside its lock, and counted, in
+//! [`Blocks::finish`]); pinning goes through its registration (`pinning.rs`).
+//!
+//! One value per allocator value, made from its settings when the large path initialises; the
+//! arenas it drives are the process's (`process/nodes.rs`), shared by every value.
+
+mod block;
+mod chunks;
+mod pinning;
+mod requests;
+pub(crate) mod reserve;
+
+pub(crate) use pinning::Unpinnable;
+
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+
+use crate::arena::Arena;
+use crate::config::Config;
+use crate::cuda::Gpu;
+use crate::process::NODES;
+use crate::stats::Counters;
+use crate::sys::lock::Guard;
+use crate::sys::{MemPolicy, NodeMask};
+use crate::topology::cgroup::MemoryLimits;
+use crate::{Error, NumaTopology};
+
+/// Where one request's block goes: its node, the policy's nodes, and the context that pins it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Resolved {
+    /// The node whose arena the block belongs to.
+    pub(crate) host_node: usize,
+    /// Nodes the policy names: the host node, or every node with memory for interleave.
+    pub(crate) nodes: NodeMask,
+    /// The process's retained context of the GPU, when blocks are pinned.
+    pub(crate) gpu: Option<&'static Gpu>,
+    /// CUDA ordinal of the GPU, when the driver knows it (pinning or not).
+    pub(crate) ordinal: Option<u32>,
+    /// Why `pin=strict` refuses the target's requests, when it does.
+    pub(crate) unpinnable: Option<Unpinnable>,
+}
+
+/// The large path of one allocator value: its settings, what it knows of the machine, and its
+/// counters.
+pub(crate) struct Blocks {
+    /// The value's settings (builder and environment), as resolved at initialisation.
+    pub(crate) config: Config,
+    pub(crate) page_size: usize,
+    /// For the CPUs that populate a node's memory, and the nodes' sizes.
+    topology: NumaTopology,
+    /// Memory nodes this process's cpuset allows (`None`: all).
+    allowed: Option<NodeMask>,
+    /// Why the topology could not be read (then blocks go unplaced).
+    topology_error: Option<Error>,
+    /// The errno with which the kernel refused `mbind` (0: never); then blocks go unplaced. An
+    /// atomic rather than a `OnceLock`, which a fork during its initialisation would leave
+    /// blocking in the child.
+    mbind_refused: AtomicI32,
+    /// Threads that populate one big block.
+    populate_threads: usize,
+    /// The cgroup memory limits a new block is checked against.
+    memory_limits: MemoryLimits,
+    pub(crate) counters: Counters,
+}
+
+impl Blocks {
+    /// The large path for `config` on `topology` (a stand-in when it could not be read:
+    /// `topology_error`), with the nodes the cpuset allows.
+    pub(crate) fn new(
+        config: Config,
+        topology: NumaTopology,
+        topology_error: Option<Error>,
+        allowed: Option<NodeMask>,
+    ) -> Blocks {
+        let populate_threads = match config.populate_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+            n => n,
+        };
+        Blocks {
+            config,
+            page_size: crate::sys::page_size(),
+            topology,
+            allowed,
+            topology_error,
+            mbind_refused: AtomicI32::new(0),
+            populate_threads,
+            memory_limits: MemoryLimits::of_this_process(),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Whether blocks are still placed with `mbind`.
+    pub(crate) fn numa_placement(&self) -> bool {
+        self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
+    }
+
+    /// Records that the kernel refused `mbind` with `errno`: later blocks go unplaced.
+    fn refuse_mbind(&self, errno: i32) {
+        // The first refusal is the one reported; a zero errno would read as "never".
+        let _ = self
+            .mbind_refused
+            .compare_exchange(0, errno.max(1), Relaxed, Relaxed);
+    }
+
+    /// Why NUMA placement is off, if it is.
+    pub(crate) fn numa_unavailable(&self) -> Option<Error> {
+        self.topology_error.clone().or_else(|| self.mbind_refusal())
+    }
+
+    /// The kernel's refusal of `mbind` after initialisation, if any (no heap data: the exit
+    /// report reads it).
+    pub(crate) fn mbind_refusal(&self) -> Option<Error> {
+        let errno = self.mbind_refused.load(Relaxed);
+        (errno != 0).then_some(Error::NumaUnavailable {
+            call: "mbind",
+            errno,
+        })
+    }
+
+    /// The arena of `node`, locked; `None` only for a node id no topology holds.
+    fn arena(&self, node: usize) -> Option<Guard<'static, Arena>> {
+        NODES.lock(node)
+    }
+
+    /// The nodes the policy names for blocks of `host_node`'s arena.
+    fn policy_nodes_of(&self, host_node: usize) -> NodeMask {
+        let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
+        policy_nodes(&self.config, &self.topology, &allowed, host_node)
+    }
+}
+
+/// The nodes `config`'s policy names for blocks of `host_node`: every allowed node with memory
+/// for interleave, else the host node.
+pub(crate) fn policy_nodes(
+    config: &Config,
+    topology: &NumaTopology,
+    allowed: &dyn Fn(usize) -> bool,
+    host_node: usize,
+) -> NodeMask {
+    let mut mask = NodeMask::empty();
+    if config.policy == MemPolicy::Interleave {
+        for node in topology.nodes().iter() {
+            if node.has_memory && allowed(node.id) {
+                let _ = mask.insert(node.id);
+            }
+        }
+    }
+    if mask.is_empty() {
+        let _ = mask.insert(host_node);
+    }
+    mask
+}

@@ -1,0 +1,327 @@
+//! What the front ends ask of the large path, and all they may ask: allocate, free, resize in
+//! place, grow without copying, trim, attach GPU work, reset peaks. Each call runs inside the
+//! re-entrancy guard; `near` is the node whose arena is looked at first (the calling thread's
+//! likely one: a block is most often freed where it was allocated).
+//!
+//! Unsafe code here relies on blocks this call holds: a cached block just taken (zeroed before
+//! it is handed out), a block created and handed to nobody, a live block its caller is
+//! reallocating.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::ptr::{self, NonNull};
+
+use super::chunks::carved;
+use super::{Blocks, Resolved};
+use crate::arena::{class_size, Block, Fit, InFlight, Kind, Released};
+use crate::process::NODES;
+use crate::stats::Stats;
+use crate::sys;
+
+impl Blocks {
+    /// A block for `layout` (of at least the threshold) for `target`: carved from a chunk below
+    /// the dedicated size, else from reserved room, else a dedicated mapping (cached or new);
+    /// zeroed when asked. `None` when it cannot be had (counted).
+    pub(crate) fn allocate(
+        &self,
+        layout: Layout,
+        zeroed: bool,
+        target: &Resolved,
+    ) -> Option<NonNull<u8>> {
+        let block = self.allocate_block(layout, zeroed, target);
+        if block.is_none() {
+            self.counters.failed_allocations.incr();
+        }
+        NonNull::new(block?.addr as *mut u8)
+    }
+
+    fn allocate_block(&self, layout: Layout, zeroed: bool, target: &Resolved) -> Option<Block> {
+        // Before any carving or mapping: `pin=strict` takes no unpinned block, and maps none.
+        let kind = self
+            .kind(target)
+            .map_err(|e| self.counters.record_strict_refusal(&e))
+            .ok()?;
+        self.counters.record_request(layout.size());
+        let size = layout.size().checked_next_multiple_of(self.page_size)?;
+        let align = layout.align().max(self.page_size);
+        if carved(size, align) {
+            self.carve(size, align, zeroed, target, kind)
+        } else if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
+            Some(block)
+        } else {
+            self.dedicated(layout, zeroed, target, kind)
+        }
+    }
+
+    /// A block of its own for a request too large to carve: a cached one, or a new mapping.
+    fn dedicated(
+        &self,
+        layout: Layout,
+        zeroed: bool,
+        target: &Resolved,
+        kind: Kind,
+    ) -> Option<Block> {
+        let (capacity, fit) = self.fit(layout, kind)?;
+        match self.take_cached(fit, target) {
+            Some(block) => {
+                if zeroed {
+                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
+                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
+                }
+                Some(block)
+            }
+            // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
+            None => self.create(capacity, fit.align, target),
+        }
+    }
+
+    /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
+    fn fit(&self, layout: Layout, kind: Kind) -> Option<(usize, Fit)> {
+        let capacity = class_size(layout.size(), self.page_size)?;
+        let align = layout.align().max(self.page_size);
+        Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
+    }
+
+    /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
+    /// for the target's GPU, once pending blocks that are ready joined the cache.
+    fn take_cached(&self, fit: Fit, target: &Resolved) -> Option<Block> {
+        let limit = self.config.cache_limit;
+        let hit = self.with_arena(target.host_node, |arena, out| {
+            arena.settle_pending(limit, out);
+            let hit = arena.take_cached(fit).map(|block| Block {
+                routed_for: target.ordinal,
+                ..block
+            });
+            match hit {
+                Some(block) if arena.insert_dedicated(block) => Some(block),
+                Some(block) => {
+                    // No room to record it: back to the cache (released if that fails too).
+                    arena.cache(block, limit, out);
+                    None
+                }
+                None if arena.pending_fits(fit) => {
+                    self.counters.reuse_deferred.incr();
+                    None
+                }
+                None => None,
+            }
+        })??;
+        self.counters.cache_hits.incr();
+        Some(hit)
+    }
+
+    /// A new live dedicated block for `target` (a cache miss).
+    fn create(&self, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
+        self.counters.cache_misses.incr();
+        let block = self.create_block(capacity, align, target).ok()?;
+        if !self.record_created(block) {
+            // A block no arena records could not be freed: give it back instead.
+            // SAFETY: just created and handed to nobody.
+            unsafe { self.release_block(block) };
+            return None;
+        }
+        Some(block)
+    }
+
+    /// Takes back the live block at `addr`, whichever value or thread allocated it: pending while
+    /// GPU work recorded against it runs, else back to its chunk's free space or the dedicated
+    /// cache; idle memory is looked at, and what is to be released, released. False when no
+    /// arena holds a live block starting at `addr` (counted: the caller frees it elsewhere).
+    /// Allocates nothing.
+    pub(crate) fn free(&self, addr: usize, near: usize) -> bool {
+        let mut out = Released::default();
+        let (limit, decay) = (self.config.cache_limit, self.config.decay_ms);
+        let found = NODES.find_map(near, |arena| {
+            let live = arena.remove_live(addr)?;
+            // The switch tests use to show that they catch reuse during GPU work.
+            let live = if sys::fault::in_flight_ignored() {
+                live.without_work()
+            } else {
+                live
+            };
+            arena.free(live, limit, &mut out);
+            arena.decay(decay, &mut out);
+            Some(arena.node())
+        });
+        let Some(node) = found else {
+            self.counters.foreign_frees.incr();
+            return false;
+        };
+        self.counters.frees.incr();
+        self.finish(node, &mut out);
+        true
+    }
+
+    /// Resizes the live block at `addr` where it lies: a carved block grows into the free range
+    /// after it or gives its tail back; a dedicated one is kept when `new` fits its capacity
+    /// without wasting more than half of it.
+    pub(crate) fn resize_in_place(&self, addr: usize, new: Layout, near: usize) -> bool {
+        if !addr.is_multiple_of(new.align()) {
+            return false;
+        }
+        let Some(size) = new.size().checked_next_multiple_of(self.page_size) else {
+            return false;
+        };
+        let resized = NODES.find_map(near, |arena| {
+            let block = arena.live_block(addr)?;
+            Some(match arena.resize_carved(addr, size) {
+                Some(populate) => Ok((arena.node(), block, populate)),
+                None => Err(block),
+            })
+        });
+        let fits = match resized {
+            None => false,
+            // Dedicated, or a carved block without room next to it.
+            Some(Err(b)) => {
+                !carved(b.capacity, 0) && new.size() <= b.capacity && new.size() >= b.capacity / 2
+            }
+            Some(Ok((node, old, populate))) => self.populate_grown(node, old, populate),
+        };
+        if fits {
+            self.counters.in_place_reallocs.incr();
+        }
+        fits
+    }
+
+    /// Grows the live block at `addr` to `new` when no cached block fits the new size: its pages
+    /// move into a larger mapping whose tail is placed and populated (see
+    /// [`Self::grow_block`]), so a growing `Vec` leaves no smaller blocks behind and is never
+    /// copied. Only for unpinned dedicated blocks without GPU work recorded (a registration is
+    /// tied to the address), in `target`'s arena. `None`: move by copying instead (also when a
+    /// cached block fits: reuse comes first).
+    pub(crate) fn grow_without_copy(
+        &self,
+        addr: usize,
+        new: Layout,
+        target: &Resolved,
+    ) -> Option<NonNull<u8>> {
+        // Refused under `pin=strict`: so is, and counted, the move that follows.
+        let (capacity, fit) = self.fit(new, self.kind(target).ok()?)?;
+        if carved(capacity, fit.align) {
+            return None;
+        }
+        let old = {
+            let mut arena = NODES.lock(target.host_node)?;
+            if arena.holds_fit(fit) {
+                return None;
+            }
+            let old = arena.growable(addr, fit.kind)?;
+            // A block shrunk in place keeps its capacity: it may already be as large.
+            if capacity <= old.capacity {
+                return None;
+            }
+            // Out of the live set before its pages move: once `mremap` has moved them, another
+            // thread may map a new block at this address and record it live.
+            arena.remove_live(old.addr);
+            old
+        };
+        // SAFETY: `old` was live, unpinned, without recorded GPU work, and the caller owns it
+        // (reallocating it) while this runs.
+        let Ok(grown) = (unsafe { self.grow_block(old, capacity, fit.align, &target.nodes) })
+        else {
+            // Still mapped where it was (a failed grow moves nothing).
+            if let Some(mut arena) = NODES.lock(old.node) {
+                if !arena.insert_dedicated(old) {
+                    // No room to record it: given back rather than lost track of.
+                    drop(arena);
+                    // SAFETY: it is ours (the caller's block, still where it was), and nobody can
+                    // free it through the arena any more.
+                    unsafe { self.release_block(old) };
+                }
+            }
+            return None;
+        };
+        // Counted as a move: a new block (a miss) and the old one freed.
+        self.counters.record_request(new.size());
+        for counter in [
+            &self.counters.cache_misses,
+            &self.counters.frees,
+            &self.counters.grown_without_copy,
+        ] {
+            counter.incr();
+        }
+        // Its node's arena is the one the old block was found in: it is recorded (and the old
+        // pages live there now, so there is nothing to give back if it were not).
+        self.record_created(grown);
+        NonNull::new(grown.addr as *mut u8)
+    }
+
+    /// Gives back everything idle in every node's arena: free ranges purged, wholly free chunks
+    /// and cached dedicated blocks released, pending blocks whose GPU work completed too.
+    pub(crate) fn trim(&self) {
+        for arena in NODES.arenas() {
+            loop {
+                let mut out = Released::default();
+                let (node, done) = {
+                    let mut arena = arena.lock();
+                    (arena.node(), arena.trim(&mut out))
+                };
+                self.finish(node, &mut out);
+                if done {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Attaches `work` to the live block containing `addr` (anywhere inside it): when the block
+    /// is freed before `work` completed, it waits in the pending list instead of the cache.
+    /// Gives `work` back when no live block contains `addr`.
+    pub(crate) fn record_in_flight(
+        &self,
+        addr: usize,
+        work: Box<dyn InFlight>,
+        near: usize,
+    ) -> Result<(), Box<dyn InFlight>> {
+        let mut work = Some(work);
+        let recorded = NODES.find_map(near, |arena| {
+            match arena.record_in_flight(addr, work.take()?) {
+                Ok(()) => Some(()),
+                Err(back) => {
+                    work = Some(back);
+                    None
+                }
+            }
+        });
+        match (recorded, work) {
+            (None, Some(work)) => Err(work),
+            _ => {
+                self.counters.in_flight_recorded.incr();
+                Ok(())
+            }
+        }
+    }
+
+    /// Starts the peaks over: each node's (the arenas are the process's) and this value's
+    /// longest times.
+    pub(crate) fn reset_peaks(&self) {
+        for arena in NODES.arenas() {
+            arena.lock().reset_peak();
+        }
+        self.counters.reset_peaks();
+    }
+
+    /// Fills the node rows of `stats` (and the GPU and heap rows they hold) from the arenas that
+    /// exist, this value's counters, and what the decay thread released.
+    pub(crate) fn fill_stats(&self, stats: &mut Stats) {
+        for row in &mut stats.nodes {
+            // Read only the arenas that exist: creating one here would cost every later fork.
+            if let Some(arena) = NODES.existing(row.node).map(|arena| arena.lock()) {
+                arena.fill(row);
+                stats.gpus.extend_from_slice(arena.gpus());
+                stats.heaps.extend(arena.heap_rows());
+            }
+        }
+        self.fill_counters(stats);
+    }
+
+    /// Copies this value's counters into `stats`, and adds what the decay thread released:
+    /// released memory is counted the same way whoever released it. Allocates nothing (see
+    /// `Counters::fill`).
+    pub(crate) fn fill_counters(&self, stats: &mut Stats) {
+        self.counters.fill(stats);
+        if let Some(decay) = crate::process::decay::counters() {
+            decay.add_releases(stats);
+        }
+    }
+}

@@ -1,0 +1,484 @@
+//! Reservations: memory made ahead of the requests that will want it (as PyTorch's
+//! `pinned_reserve_segment_size_mb` avoids a first batch's stall).
+//!
+//! - Bytes (`reserve=SIZE`, [`Blocks::reserve_bytes`], in the background or not) are made chunk
+//!   by chunk, each at most [`Blocks::chunk_max`] (the registration bound when pinned): mapped,
+//!   placed, populated by the node's bound workers and (pinned) registered with one driver call,
+//!   then added to the arena, where requests carve from it at once while later chunks are still
+//!   being made. Reserved chunks outlive decay; `trim()` and memory pressure release them.
+//! - Blocks of a size (`reserve=COUNTxSIZE`, [`Blocks::reserve_blocks`]) are the same, in chunks of
+//!   whole blocks; a block larger than a chunk is a cached dedicated block of its own,
+//!   registered whole.
+//! - Either is bounded by the node's memory and the pinned limit, not by the cache limit.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::block::HUGE_PAGE;
+use super::chunks::reserved_key;
+use super::{Blocks, Resolved};
+use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
+use crate::chunk::Mapping;
+use crate::config::Config;
+use crate::cuda;
+use crate::sys::lock::Lock;
+use crate::Error;
+
+impl Blocks {
+    /// Room for `blocks` blocks of `block_size` bytes: reserved chunks of whole blocks when a
+    /// block fits a chunk (at most the registration bound when pinned), else cached dedicated
+    /// blocks, each registered whole. Bounded by the node's memory and the pinned limit, not by
+    /// the cache limit. What was made before a failure stays.
+    pub(crate) fn reserve_blocks(
+        &self,
+        blocks: usize,
+        block_size: usize,
+        target: &Resolved,
+        tally: &Tally,
+    ) -> Result<(), Error> {
+        if blocks == 0 || block_size == 0 {
+            return Ok(());
+        }
+        check(&self.config, blocks, block_size)?;
+        let page = self.page_size;
+        // `pin=strict` with nothing to page-lock them: none is made.
+        let kind = self.kind(target)?;
+        // A carved block's room: whole huge pages where it is carved from a huge-page chunk.
+        let unit = if self.config.huge_pages && block_size >= HUGE_PAGE {
+            block_size.checked_next_multiple_of(HUGE_PAGE)
+        } else {
+            block_size.checked_next_multiple_of(page)
+        };
+        let too_large = |bytes| self.too_large(bytes, target.host_node);
+        let unit = unit.ok_or_else(|| too_large(usize::MAX))?;
+        let total = unit
+            .checked_mul(blocks)
+            .ok_or_else(|| too_large(usize::MAX))?;
+        if unit <= self.chunk_max(kind.pinned) {
+            return self.reserve_room(total, unit, target, kind, tally);
+        }
+        let capacity = class_size(block_size, page).ok_or_else(|| too_large(usize::MAX))?;
+        let total = capacity
+            .checked_mul(blocks)
+            .ok_or_else(|| too_large(usize::MAX))?;
+        self.check_room(total, target, kind)?;
+        // Its node's arena first (one exists for every node id in the table, and stays): a block
+        // made for none would be released by nothing.
+        if self.arena(target.host_node).is_none() {
+            return Err(Error::UnknownNode {
+                node: target.host_node,
+                node_count: self.topology.node_count(),
+            });
+        }
+        for _ in 0..blocks {
+            let block = self.create_block(capacity, page, target)?;
+            // Kept whatever the cache limit (checked above against the node and pinned limit);
+            // once used and freed again they are cached blocks like any other.
+            self.with_arena(block.node, |arena, out| {
+                arena.insert_reserved(block, usize::MAX, out)
+            });
+            tally.chunk_added(capacity);
+            self.counters.reserved_chunks.incr();
+            self.counters.reserved_bytes.add(capacity as u64);
+        }
+        Ok(())
+    }
+
+    /// The node's memory (where sysfs tells it; 0: unknown).
+    fn node_bytes(&self, node: usize) -> usize {
+        self.topology
+            .nodes()
+            .iter()
+            .find(|n| n.id == node)
+            .map_or(0, |n| usize::try_from(n.memory_bytes).unwrap_or(usize::MAX))
+    }
+
+    fn too_large(&self, bytes: usize, node: usize) -> Error {
+        Error::ReserveTooLarge {
+            bytes,
+            node,
+            node_bytes: self.node_bytes(node),
+        }
+    }
+
+    /// Refuses a reservation of `bytes` beyond the node's memory (where known), or, pinned,
+    /// beyond the pinned limit.
+    fn check_room(&self, bytes: usize, target: &Resolved, kind: Kind) -> Result<(), Error> {
+        let node_bytes = self.node_bytes(target.host_node);
+        if node_bytes != 0 && bytes > node_bytes {
+            return Err(self.too_large(bytes, target.host_node));
+        }
+        let limit = self.config.pin_limit;
+        if kind.pinned && bytes > limit {
+            return Err(Error::PinLimit {
+                requested: bytes,
+                pinned: crate::chunk::page_locked_bytes(),
+                limit,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Blocks {
+    /// Makes `bytes` (rounded up to whole 2 MiB) of reserved chunks for `target`, of `kind`,
+    /// counting each step in `tally` (see [`Self::reserve_room`]).
+    pub(crate) fn reserve_bytes(
+        &self,
+        bytes: usize,
+        target: &Resolved,
+        kind: Kind,
+        tally: &Tally,
+    ) -> Result<(), Error> {
+        self.reserve_room(bytes, CHUNK_ALIGN, target, kind, tally)
+    }
+
+    /// Makes room for `bytes` (rounded up to whole `unit`s) in reserved chunks for `target`, of
+    /// `kind`, each a whole number of `unit`s (rounded up to 2 MiB), counting each step in
+    /// `tally`; stops at the first
+    /// failure (what was made stays, usable) or when the tally is cancelled. Chunk lengths
+    /// double from the first chunk's, so that the first is usable soon, up to
+    /// [`Self::chunk_max`] (the registration bound when pinned). Refused beyond the node's
+    /// memory or the pinned limit.
+    fn reserve_room(
+        &self,
+        bytes: usize,
+        unit: usize,
+        target: &Resolved,
+        kind: Kind,
+        tally: &Tally,
+    ) -> Result<(), Error> {
+        let key = reserved_key(kind, self.config.huge_pages);
+        self.check_room(bytes, target, kind)?;
+        // Counted in units, not bytes: each chunk's rounding up to 2 MiB is room no unit uses.
+        let mut left = bytes.div_ceil(unit);
+        let max = (self.chunk_max(kind.pinned) / unit).max(1);
+        let mut next = (CHUNK_FIRST / unit).clamp(1, max);
+        while left > 0 && !tally.cancel.load(Ordering::Acquire) {
+            // A pinned chunk could not be registered any more (`cuda/teardown.rs`).
+            if kind.pinned && cuda::exiting() {
+                return Err(Error::ReservationLost {
+                    reason: cuda::EXITING_REASON,
+                });
+            }
+            let units = next.min(left);
+            left -= units;
+            next = (next * 2).min(max);
+            let len = (units * unit).next_multiple_of(CHUNK_ALIGN);
+            let mapping = Mapping::new(len, CHUNK_ALIGN)?;
+            let mut chunk = self.placed_chunk(key, mapping, target)?;
+            tally.placed.fetch_add(len, Ordering::Relaxed);
+            self.populate_chunk(&mut chunk, target)?;
+            tally.populated.fetch_add(len, Ordering::Relaxed);
+            if kind.pinned {
+                let start = Instant::now();
+                let registered = self.register_chunk(&mut chunk, target);
+                tally.driver_call(start.elapsed());
+                registered?;
+                tally.registered.fetch_add(len, Ordering::Relaxed);
+            }
+            chunk.set_reserved();
+            BYTES_RESERVED.store(true, Ordering::Release);
+            self.add_chunk(target.host_node, key, chunk)
+                .ok_or(Error::Syscall {
+                    call: "arena bookkeeping",
+                    errno: libc::ENOMEM,
+                })?;
+            tally.chunk_added(len);
+            self.counters.reserved_chunks.incr();
+            self.counters.reserved_bytes.add(len as u64);
+        }
+        Ok(())
+    }
+}
+
+/// Set once a reservation of bytes made a chunk in this process: until then no request looks for
+/// reserved room (one load instead of an arena lock).
+static BYTES_RESERVED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a reservation of bytes may have left room to carve from.
+pub(crate) fn bytes_reserved() -> bool {
+    BYTES_RESERVED.load(Ordering::Acquire)
+}
+
+/// What a reservation of bytes has done so far, updated as it goes (read by its handle).
+pub(crate) struct Tally {
+    pub(crate) requested: usize,
+    pub(crate) start: Instant,
+    pub(crate) placed: AtomicUsize,
+    pub(crate) populated: AtomicUsize,
+    pub(crate) registered: AtomicUsize,
+    pub(crate) chunks: AtomicUsize,
+    /// Bytes of the chunks added.
+    pub(crate) usable: AtomicUsize,
+    /// Nanoseconds of the longest registration.
+    pub(crate) longest_call_ns: AtomicU64,
+    /// Nanoseconds from the start to the first chunk added (0: none yet).
+    pub(crate) first_chunk_ns: AtomicU64,
+    /// Set to stop after the chunk in progress.
+    pub(crate) cancel: AtomicBool,
+    /// 1 once the reservation ended (a futex word: waiters sleep on it).
+    pub(crate) finished: AtomicU32,
+    /// Why it ended early.
+    pub(crate) error: Lock<Option<Error>>,
+}
+
+impl Tally {
+    pub(crate) fn new(requested: usize) -> Tally {
+        Tally {
+            requested,
+            start: Instant::now(),
+            placed: AtomicUsize::new(0),
+            populated: AtomicUsize::new(0),
+            registered: AtomicUsize::new(0),
+            chunks: AtomicUsize::new(0),
+            usable: AtomicUsize::new(0),
+            longest_call_ns: AtomicU64::new(0),
+            first_chunk_ns: AtomicU64::new(0),
+            cancel: AtomicBool::new(false),
+            finished: AtomicU32::new(0),
+            error: Lock::new(None),
+        }
+    }
+
+    fn driver_call(&self, took: Duration) {
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    fn chunk_added(&self, len: usize) {
+        self.usable.fetch_add(len, Ordering::Relaxed);
+        self.chunks.fetch_add(1, Ordering::Release);
+        let ns = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let _ = self.first_chunk_ns.compare_exchange(
+            0,
+            ns.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Records the outcome and wakes the waiters.
+    pub(crate) fn finish(&self, outcome: Result<(), Error>) {
+        if let Err(e) = outcome {
+            *self.error.lock() = Some(e);
+        }
+        self.finished.store(1, Ordering::Release);
+        crate::sys::futex_wake(&self.finished, u32::MAX);
+    }
+}
+
+/// [`Error::ReserveRejected`] when blocks of `block_size` bytes would be below `config`'s
+/// threshold: no request of that size takes the large path, so none would use them.
+pub(crate) fn check(config: &Config, blocks: usize, block_size: usize) -> Result<(), Error> {
+    if block_size >= config.threshold {
+        return Ok(());
+    }
+    Err(Error::ReserveRejected {
+        blocks,
+        block_size,
+        threshold: config.threshold,
+    })
+}
+
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod tests {
+    use std::alloc::{GlobalAlloc, Layout};
+
+    use crate::alloc::tests::serial;
+    use crate::{Error, NumaGpuAlloc, PinMode, Stats};
+
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+
+    fn allocator() -> NumaGpuAlloc {
+        NumaGpuAlloc::new().threshold(64 * KIB).pin(PinMode::Off)
+    }
+
+    fn mapped(stats: &Stats) -> usize {
+        stats.nodes.iter().map(|n| n.mapped_bytes).sum()
+    }
+
+    /// Allocates and frees `size` bytes; returns whether that allocation was a cache hit.
+    fn hit(alloc: &NumaGpuAlloc, size: usize) -> bool {
+        let hits = alloc.stats().cache_hits;
+        let layout = Layout::from_size_align(size, 8).unwrap();
+        // SAFETY: a non-zero layout, freed with the same layout.
+        unsafe { alloc.dealloc(alloc.alloc(layout), layout) };
+        alloc.stats().cache_hits == hits + 1
+    }
+
+    #[test]
+    fn reserved_chunks_serve_the_first_requests_and_trim_releases_them() {
+        let _serial = serial();
+        let alloc = allocator();
+        alloc.reserve(2, MIB).unwrap();
+        let stats = alloc.stats();
+        assert_eq!((stats.cached_bytes(), mapped(&stats)), (2 * MIB, 2 * MIB));
+        let resident: usize = stats.nodes.iter().map(|n| n.resident_bytes).sum();
+        assert_eq!(resident, 2 * MIB, "populated up front");
+        assert_eq!((stats.large_allocations, stats.cache_misses), (0, 0));
+
+        let (layout, smaller) = (
+            Layout::from_size_align(MIB, 8).unwrap(),
+            Layout::from_size_align(MIB - 100 * KIB, 8).unwrap(),
+        );
+        // SAFETY: a non-zero layout, freed below.
+        let first = unsafe { alloc.alloc(layout) };
+        // SAFETY: as above.
+        let second = unsafe { alloc.alloc(smaller) };
+        let stats = alloc.stats();
+        assert_eq!((stats.cache_hits, stats.cache_misses), (2, 0), "{stats}");
+        assert_eq!(stats.cached_bytes(), 100 * KIB);
+        // SAFETY: allocated above with these layouts.
+        unsafe {
+            alloc.dealloc(first, layout);
+            alloc.dealloc(second, smaller);
+        }
+
+        alloc.trim();
+        let stats = alloc.stats();
+        assert_eq!((mapped(&stats), stats.released_blocks), (0, 1));
+        assert!(!hit(&alloc, MIB), "trimmed: a miss again");
+    }
+
+    #[test]
+    fn reservations_are_bounded_by_the_threshold_not_the_cache_limit() {
+        let _serial = serial();
+        let alloc = allocator().cache_limit(2 * MIB);
+        alloc.reserve(3, MIB).unwrap();
+        assert!(hit(&alloc, MIB), "room beyond the cache limit is kept");
+        let rejected = alloc.reserve(1, 32 * KIB).unwrap_err();
+        assert_eq!(
+            rejected,
+            Error::ReserveRejected {
+                blocks: 1,
+                block_size: 32 * KIB,
+                threshold: 64 * KIB,
+            }
+        );
+        let text = rejected.to_string();
+        assert!(
+            text.contains("below the threshold") && text.contains("threshold="),
+            "{text}"
+        );
+        assert_eq!(alloc.reserve(0, 0), Ok(()));
+        let too_large = alloc.reserve(1 << 20, 1 << 30).unwrap_err();
+        assert!(
+            matches!(too_large, Error::ReserveTooLarge { .. }),
+            "{too_large}"
+        );
+        assert!(
+            too_large.to_string().contains("reserve less"),
+            "{too_large}"
+        );
+        assert_eq!(
+            mapped(&alloc.stats()),
+            4 * MIB,
+            "nothing made for a refusal"
+        );
+        alloc.trim();
+    }
+
+    /// Room for `blocks` blocks of `size` serves that many requests of that size.
+    fn reserve_serves(alloc: NumaGpuAlloc, blocks: usize, size: usize) {
+        alloc.reserve(blocks, size).unwrap();
+        let layout = Layout::from_size_align(size, 64).unwrap();
+        let before = alloc.stats();
+        // SAFETY: a non-zero layout; each block freed below with it.
+        let taken: Vec<_> = (0..blocks)
+            .map(|_| unsafe { alloc.alloc(layout) })
+            .collect();
+        let stats = alloc.stats();
+        for p in taken {
+            // SAFETY: allocated above with this layout.
+            unsafe { alloc.dealloc(p, layout) };
+        }
+        assert_eq!(
+            (
+                stats.cache_hits - before.cache_hits,
+                stats.cache_misses - before.cache_misses
+            ),
+            (blocks as u64, 0),
+            "{blocks} blocks of {size}: {stats}"
+        );
+        alloc.trim();
+    }
+
+    #[test]
+    fn room_for_blocks_holds_every_block() {
+        let _serial = serial();
+        // Chunks whose rounding to 2 MiB would otherwise eat the last block's room.
+        reserve_serves(allocator(), 45, 768 * KIB);
+        reserve_serves(allocator().huge_pages(false), 32, 3 * MIB);
+    }
+
+    #[test]
+    fn a_reservation_at_initialisation_is_cached_before_the_first_request() {
+        let _serial = serial();
+        let alloc = allocator().reserve_at_init(3, 256 * KIB);
+        assert_eq!(alloc.stats().cached_bytes(), 0, "not initialised yet");
+        assert!(
+            hit(&alloc, 256 * KIB),
+            "the request that initialises is a hit"
+        );
+        let stats = alloc.stats();
+        assert_eq!((stats.cached_bytes(), mapped(&stats)), (2 * MIB, 2 * MIB));
+    }
+
+    #[test]
+    fn reserved_bytes_serve_small_and_large_requests_first() {
+        let _serial = serial();
+        let alloc = allocator();
+        alloc.trim();
+        let done = alloc.reserve_bytes(96 * MIB).unwrap();
+        assert_eq!((done.usable, done.chunks), (96 * MIB, 2));
+        let before = alloc.stats();
+        // A small block (a small-page heap's otherwise) and one too large to carve otherwise.
+        let small = Layout::from_size_align(MIB, 8).unwrap();
+        let large = Layout::from_size_align(64 * MIB, 8).unwrap();
+        // SAFETY: non-zero layouts, freed below.
+        let (a, b) = unsafe { (alloc.alloc(small), alloc.alloc(large)) };
+        assert!(!a.is_null() && !b.is_null());
+        let stats = alloc.stats();
+        assert_eq!(
+            (
+                stats.cache_hits - before.cache_hits,
+                stats.cache_misses - before.cache_misses
+            ),
+            (2, 0),
+            "{stats}"
+        );
+        assert_eq!(
+            mapped(&stats),
+            96 * MIB,
+            "no chunk or mapping of their own: {stats}"
+        );
+        assert!(matches!(
+            alloc.reserve_bytes(usize::MAX),
+            Err(Error::ReserveTooLarge {
+                bytes: usize::MAX,
+                ..
+            })
+        ));
+        // SAFETY: allocated above with these layouts.
+        unsafe {
+            alloc.dealloc(a, small);
+            alloc.dealloc(b, large);
+        }
+        alloc.trim();
+    }
+
+    #[test]
+    fn a_reserved_chunk_outlives_decay() {
+        let _serial = serial();
+        let alloc = allocator().decay_ms(0);
+        alloc.reserve(1, MIB).unwrap();
+        assert!(hit(&alloc, MIB));
+        assert!(
+            hit(&alloc, MIB),
+            "still there after a free looked at idle memory"
+        );
+    }
+}
