@@ -209,6 +209,13 @@ snapshot! {
         pub gpu: Option<String>,
         /// Whether blocks are page-locked with CUDA.
         pub pinning: bool,
+        /// Why they are not, when `pinning` is false (see
+        /// [`Placement::pinning_off`](crate::Placement::pinning_off); in JSON: the message).
+        #[cfg_attr(
+            feature = "serde",
+            serde(serialize_with = "crate::stats::json::message")
+        )]
+        pub pinning_off: Option<Error>,
         /// Bytes the process holds page-locked through the allocator (every value's blocks and
         /// chunks), to compare with [`pin_limit`](Self::pin_limit).
         pub page_locked_bytes: usize,

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::*;
 use crate::arena::pending_double::Flag;
-use crate::{Error, PinMode};
+use crate::{Error, GpuSelector, PinMode};
 
 const BLOCK: usize = 256 << 10;
 
@@ -387,4 +387,42 @@ fn decay_never_holds_out_the_room_a_request_needs() {
         before, after,
         "a chunk was mapped although the idle range fits"
     );
+}
+
+/// Blocks that are not page-locked say why, each cause with its own error: in the placement, at
+/// the head of the stats table, and when a `PinnedBuf` is asked of the allocator.
+#[test]
+fn an_allocator_that_does_not_pin_says_why() {
+    let _serial = serial();
+    let off = allocator();
+    let placement = off.placement();
+    assert!(!placement.pinning);
+    assert_eq!(placement.pinning_off, Some(Error::PinningOff));
+    let text = off.stats().to_string();
+    assert!(text.contains(", pinning off (pin=off)\n"), "{text}");
+    #[cfg(feature = "pinned-buffer")]
+    assert_eq!(
+        crate::PinnedBuf::<u8>::zeroed(&off, 1).err(),
+        Some(Error::PinningOff)
+    );
+    let node = allocator().node(placement.host_node).pin(PinMode::On);
+    assert_eq!(node.placement().pinning_off, Some(Error::NodeTarget));
+    let missing = allocator().pin(PinMode::On).gpu(GpuSelector::Ordinal(99));
+    let why = missing.placement().pinning_off;
+    match crate::cuda::probe_error() {
+        Some(driver) => {
+            assert_eq!(why, Some(Error::NoCudaDriver { driver }));
+            let text = missing.stats().to_string();
+            assert!(text.contains(", pinning off: no CUDA driver ("), "{text}");
+            #[cfg(feature = "pinned-buffer")]
+            assert_eq!(
+                crate::PinnedBuf::<u8>::zeroed(&missing, 1).err(),
+                Some(Error::NoCudaDriver { driver })
+            );
+        }
+        None => assert!(
+            matches!(&why, Some(Error::GpuNotFound { selector, .. }) if selector == "99"),
+            "{why:?}"
+        ),
+    }
 }

@@ -3,6 +3,7 @@
 use std::fmt;
 
 use super::Stats;
+use crate::Error;
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
@@ -42,6 +43,26 @@ impl fmt::Display for Opt {
     }
 }
 
+/// `on`, or `off` and why: what the user changes depends on it (without allocating).
+struct Pinning<'a>(bool, Option<&'a Error>);
+
+impl fmt::Display for Pinning<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.1 {
+            _ if self.0 => f.write_str("on"),
+            None => f.write_str("off"),
+            Some(Error::PinningOff) => f.write_str("off (pin=off)"),
+            Some(Error::NoCudaDriver { driver }) => match driver {
+                Error::CudaUnavailable { reason } => write!(f, "off: no CUDA driver ({reason})"),
+                driver => write!(f, "off: no CUDA driver ({driver})"),
+            },
+            Some(Error::NodeTarget) => f.write_str("off: the target is a NUMA node, not a GPU"),
+            Some(Error::CudaUnavailable { reason }) => write!(f, "off: {reason}"),
+            Some(e) => write!(f, "off: {e}"),
+        }
+    }
+}
+
 /// Ends a line with its struct's labelled event counters, `, label value` each: a counter declared
 /// with a label in `snapshot!` needs no code here.
 fn end_line(
@@ -58,12 +79,13 @@ impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {}",
+            // Pinning last: the reason it is off may be long.
+            "numa-gpu-alloc: host node {}, GPU {} (home node {}), threshold {}, pinning {}",
             Opt(self.host_node),
             self.gpu.as_deref().unwrap_or("none"),
             Opt(self.home_node),
-            if self.pinning { "on" } else { "off" },
-            Size(self.threshold)
+            Size(self.threshold),
+            Pinning(self.pinning, self.pinning_off.as_ref())
         )?;
         if let Some(limit) = self.pin_limit {
             writeln!(
@@ -251,6 +273,50 @@ mod tests {
         );
         assert!(text.contains("   1          3.0"), "{text}");
         assert_eq!(stats.live_bytes(), 3 << 20);
+    }
+
+    #[test]
+    fn the_header_says_why_pinning_is_off() {
+        static DRIVER: Error = Error::CudaUnavailable {
+            reason: "libcuda.so could not be loaded",
+        };
+        let header = |pinning, pinning_off| {
+            let stats = Stats {
+                pinning,
+                pinning_off,
+                ..Stats::default()
+            };
+            stats
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let forked = Error::CudaUnavailable {
+            reason: crate::cuda::FORKED_REASON,
+        };
+        for (pinning, off, end) in [
+            (true, None, ", pinning on".to_owned()),
+            (
+                false,
+                Some(Error::PinningOff),
+                ", pinning off (pin=off)".to_owned(),
+            ),
+            (
+                false,
+                Some(Error::NoCudaDriver { driver: &DRIVER }),
+                ", pinning off: no CUDA driver (libcuda.so could not be loaded)".to_owned(),
+            ),
+            (
+                false,
+                Some(forked),
+                format!(", pinning off: {}", crate::cuda::FORKED_REASON),
+            ),
+        ] {
+            let line = header(pinning, off);
+            assert!(line.ends_with(&end), "{line}");
+        }
     }
 
     /// Guards the entries of `snapshot!` without a label: each must have a place in a line here.
