@@ -319,8 +319,10 @@ snapshot! {
             /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave`
             /// policy (also counted in `placement_failures`).
             unplaced_blocks,
-            /// Blocks handed out without page-locking (pinning off, or under `pin=on` no GPU, a
-            /// failed registration or the pinned limit).
+            /// Mappings (dedicated blocks and chunks) made without page-locking although pinning
+            /// was asked for (`pin=on`: no usable driver or GPU for the target, a failed
+            /// registration, the pinned limit). A `pin=off` allocator counts none: nothing fell
+            /// back.
             unpinned_blocks,
             /// Registrations refused by the pinned limit (`pin_limit=`), after giving idle
             /// page-locked memory back did not make room.

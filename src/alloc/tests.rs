@@ -426,3 +426,30 @@ fn an_allocator_that_does_not_pin_says_why() {
         ),
     }
 }
+
+/// `unpinned` counts blocks that pinning was asked for and could not have; a default (`pin=off`)
+/// allocator shows none, so that a correct setup does not read as degraded.
+#[test]
+fn a_default_allocator_counts_no_unpinned_fallback() {
+    let _serial = serial();
+    let dedicated = 64 << 20;
+    let host = allocator().placement().host_node;
+    // A node target has no GPU to pin for: asked to pin, its new mapping is a fallback.
+    let on = allocator().node(host).pin(PinMode::On);
+    let block = on.allocate(layout(dedicated), false);
+    assert!(!block.is_null());
+    // SAFETY: live with this layout, freed once.
+    unsafe { on.deallocate(block, layout(dedicated)) };
+    assert_eq!(on.stats().fallbacks.unpinned_blocks, 1, "{}", on.stats());
+    on.trim();
+    let default = NumaGpuAlloc::new().threshold(64 << 10);
+    for size in [BLOCK, dedicated] {
+        let block = default.allocate(layout(size), false);
+        assert!(!block.is_null());
+        // SAFETY: live with this layout, freed once.
+        unsafe { default.deallocate(block, layout(size)) };
+    }
+    let stats = default.stats();
+    assert_eq!(stats.fallbacks.unpinned_blocks, 0, "{stats}");
+    assert!(stats.to_string().contains(", unpinned 0,"), "{stats}");
+}
