@@ -59,13 +59,16 @@ pub struct NodeStats {
     /// Highest `live_bytes` seen (since the last
     /// [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
     pub peak_live_bytes: usize,
-    /// Bytes of freed blocks kept for reuse.
+    /// Bytes kept for reuse: the chunks' free bytes ([`free_bytes`](Self::free_bytes)) plus the
+    /// cached dedicated blocks, which are mappings of their own, outside
+    /// [`mapped_bytes`](Self::mapped_bytes) (so this may exceed it).
     pub cached_bytes: usize,
     /// Bytes page-locked with CUDA (live and cached).
     pub pinned_bytes: usize,
     /// Blocks handed out and not yet freed.
     pub live_blocks: usize,
-    /// Blocks kept for reuse.
+    /// The pieces `cached_bytes` is in: the chunks' free ranges
+    /// ([`free_ranges`](Self::free_ranges)) plus the cached dedicated blocks.
     pub cached_blocks: usize,
     /// Freed blocks that GPU work may still use, reusable once it completed (they count against
     /// the cache limit).
@@ -74,10 +77,14 @@ pub struct NodeStats {
     pub pending_bytes: usize,
     /// Chunks mapped (blocks are carved from them).
     pub chunks: usize,
-    /// Bytes of those chunks.
+    /// Bytes of those chunks (dedicated blocks, live or cached, are not in it).
     pub mapped_bytes: usize,
     /// Of those, bytes resident (populated and not purged since).
     pub resident_bytes: usize,
+    /// Of those, bytes free (carved again before a chunk is made).
+    pub free_bytes: usize,
+    /// The free ranges they are in.
+    pub free_ranges: usize,
     /// The largest free range of one chunk.
     pub largest_free: usize,
     /// Chunks page-locked with CUDA (one registration each).
@@ -90,14 +97,21 @@ pub struct NodeStats {
 }
 
 impl NodeStats {
-    /// Free bytes of the chunks over their mapped bytes (0 without chunks).
-    pub fn fragmentation(&self) -> f64 {
-        let free = self.cached_bytes.min(self.mapped_bytes);
-        if self.mapped_bytes == 0 {
-            0.0
-        } else {
-            free as f64 / self.mapped_bytes as f64
-        }
+    /// The share of the chunks' bytes that is free: [`free_bytes`](Self::free_bytes) over
+    /// [`mapped_bytes`](Self::mapped_bytes), from 0 (every byte carved into live blocks) to 1
+    /// (the chunks are all idle); 0 without chunks. It measures idle room, not fragmentation:
+    /// [`largest_free`](Self::largest_free) tells how large a block that room can still serve.
+    pub fn free_fraction(&self) -> f64 {
+        fraction(self.free_bytes, self.mapped_bytes)
+    }
+}
+
+/// `part / whole`, 0 when `whole` is.
+fn fraction(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
     }
 }
 
@@ -139,13 +153,10 @@ pub struct HeapStats {
 }
 
 impl HeapStats {
-    /// Free bytes over mapped bytes (0 without chunks).
-    pub fn fragmentation(&self) -> f64 {
-        if self.mapped_bytes == 0 {
-            0.0
-        } else {
-            self.free_bytes as f64 / self.mapped_bytes as f64
-        }
+    /// The share of these chunks' bytes that is free, as [`NodeStats::free_fraction`]: 0 all
+    /// carved, 1 all idle (0 without chunks).
+    pub fn free_fraction(&self) -> f64 {
+        fraction(self.free_bytes, self.mapped_bytes)
     }
 
     /// Adds `other`'s sizes and counts to these (the largest free range is the larger one).

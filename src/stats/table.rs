@@ -95,39 +95,43 @@ impl fmt::Display for Stats {
                 Size(limit)
             )?;
         }
+        // Two spaces between columns, and names of two words where one would be ambiguous, so
+        // that the header reads column by column. `cached MiB` is the chunks' `free MiB` plus
+        // the cached dedicated blocks, which are mappings of their own outside `chunk MiB`.
         writeln!(
             f,
-            "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>5}",
+            "{:>4}  {:>10}  {:>10}  {:>10}  {:>11}  {:>10}  {:>6}  {:>10}  {:>12}  {:>10}  {:>16}  \
+             {:>6}",
             "node",
             "live MiB",
             "peak MiB",
-            "cached MiB",
             "pinned MiB",
-            "live",
-            "cached",
+            "live blocks",
+            "cached MiB",
             "chunks",
-            "mapped MiB",
+            "chunk MiB",
             "resident MiB",
-            "largest MiB",
-            "frag"
+            "free MiB",
+            "largest free MiB",
+            "free %"
         )?;
         for n in &self.nodes {
             writeln!(
                 f,
-                "{:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>6} {:>6} {:>6} {:>12.1} {:>12.1} \
-                 {:>12.1} {:>5.2}",
+                "{:>4}  {:>10.1}  {:>10.1}  {:>10.1}  {:>11}  {:>10.1}  {:>6}  {:>10.1}  \
+                 {:>12.1}  {:>10.1}  {:>16.1}  {:>6.0}",
                 n.node,
                 mib(n.live_bytes),
                 mib(n.peak_live_bytes),
-                mib(n.cached_bytes),
                 mib(n.pinned_bytes),
                 n.live_blocks,
-                n.cached_blocks,
+                mib(n.cached_bytes),
                 n.chunks,
                 mib(n.mapped_bytes),
                 mib(n.resident_bytes),
+                mib(n.free_bytes),
                 mib(n.largest_free),
-                n.fragmentation()
+                n.free_fraction() * 100.0
             )?;
         }
         for h in &self.heaps {
@@ -271,7 +275,7 @@ mod tests {
             [4096, 2_621_440, 64 << 30, 1000].map(|b| Size(b).to_string()),
             ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
         );
-        assert!(text.contains("   1          3.0"), "{text}");
+        assert!(text.contains("   1         3.0"), "{text}");
         assert_eq!(stats.live_bytes(), 3 << 20);
     }
 
@@ -317,6 +321,45 @@ mod tests {
             let line = header(pinning, off);
             assert!(line.ends_with(&end), "{line}");
         }
+    }
+
+    /// `cached MiB` may exceed `chunk MiB` (cached dedicated blocks are outside chunks); `free %`
+    /// is the chunks' free share.
+    #[test]
+    fn node_columns_say_what_they_count() {
+        let stats = Stats {
+            nodes: vec![NodeStats {
+                cached_bytes: 96 << 20,
+                mapped_bytes: 32 << 20,
+                free_bytes: 32 << 20,
+                chunks: 1,
+                ..NodeStats::default()
+            }],
+            ..Stats::default()
+        };
+        let text = stats.to_string();
+        let mut lines = text.lines().skip_while(|l| !l.starts_with("node"));
+        let header = lines.next().unwrap_or_default();
+        for column in [
+            "live blocks",
+            "cached MiB",
+            "chunk MiB",
+            "free MiB",
+            "free %",
+        ] {
+            assert!(header.contains(&format!("  {column}")), "{header}");
+        }
+        let row: Vec<&str> = lines
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(
+            row[5..],
+            ["96.0", "1", "32.0", "0.0", "32.0", "0.0", "100"],
+            "{text}"
+        );
+        assert_eq!(stats.nodes[0].free_fraction(), 1.0);
     }
 
     /// Guards the entries of `snapshot!` without a label: each must have a place in a line here.
