@@ -10,14 +10,25 @@
 //! Run: `cargo run --release --example global_allocator`
 //! Try: `NUMA_GPU_ALLOC=threshold=4MiB,verify=on,stats=exit cargo run --release --example global_allocator`
 
+#[path = "support/cli.rs"]
+mod cli;
+
 use numa_gpu_alloc::{NumaGpuAlloc, PinMode};
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
 
+const USAGE: &str = "usage: global_allocator
+Runs a loader-style loop with NumaGpuAlloc as the global allocator (pinning on) and prints its
+stats (no arguments; NUMA_GPU_ALLOC applies, e.g. NUMA_GPU_ALLOC=stats=exit).";
+
 fn main() {
+    cli::positional(USAGE, 0);
     let placement = ALLOC.placement();
     println!("placement: {placement:?}");
+    if let Some(why) = &placement.pinning_off {
+        println!("not page-locked: {why}");
+    }
 
     // A loader-style loop: batches of 64 MiB, refilled and dropped each step.
     let mut checksum = 0u64;

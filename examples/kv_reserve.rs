@@ -10,10 +10,17 @@
 //! latency during the reservation against idle is the stall the reservation causes. Without a
 //! CUDA driver the reservation is made unpinned and no copy is timed.
 
+#[path = "support/cli.rs"]
+mod cli;
+
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use numa_gpu_alloc::{cuda_driver_present, NumaGpuAlloc, PinMode};
+
+const USAGE: &str = "usage: kv_reserve [GIB]
+  GIB  page-locked host memory to reserve in the background, in GiB (default 8)
+Times small host-to-device copies while the reservation is made and prints its progress.";
 
 const GIB: usize = 1 << 30;
 /// Bytes of each timed copy.
@@ -43,13 +50,15 @@ impl Copier {
     }
 
     /// One copy, waited for.
-    fn time(&mut self) -> Duration {
+    fn time(&mut self) -> Result<Duration, String> {
         let start = Instant::now();
         self.stream
             .memcpy_htod(&self.source, &mut self.device)
-            .expect("memcpy_htod");
-        self.stream.synchronize().expect("synchronize");
-        start.elapsed()
+            .map_err(|e| format!("a timed copy (memcpy_htod) failed: {e}"))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| format!("waiting for a timed copy failed: {e}"))?;
+        Ok(start.elapsed())
     }
 }
 
@@ -69,23 +78,39 @@ fn summary(mut times: Vec<Duration>) -> String {
 }
 
 fn main() {
-    let gib: usize = std::env::args()
-        .nth(1)
-        .map_or(8, |a| a.parse().expect("the size in GiB"));
+    let gib = match cli::positional(USAGE, 1).pop() {
+        None => 8,
+        Some(arg) => match arg.to_str().and_then(|a| a.parse::<usize>().ok()) {
+            Some(gib) if gib > 0 => gib,
+            _ => cli::usage_error(
+                format_args!("bad size {arg:?}: expected GiB, e.g. 64"),
+                USAGE,
+            ),
+        },
+    };
+    cli::exit_on_error(run(gib));
+}
+
+fn run(gib: usize) -> Result<(), String> {
+    let bytes = gib
+        .checked_mul(GIB)
+        .ok_or_else(|| format!("{gib} GiB does not fit in usize"))?;
     let mut copier = Copier::new();
     let idle: Vec<Duration> = match &mut copier {
-        Some(c) => (0..200).map(|_| c.time()).collect(),
+        Some(c) => (0..200).map(|_| c.time()).collect::<Result<_, _>>()?,
         None => {
             println!("no CUDA driver: the reservation is made unpinned, no copy is timed");
             Vec::new()
         }
     };
-    let reservation = POOL.reserve_in_background(gib * GIB).expect("reservation");
+    let reservation = POOL
+        .reserve_in_background(bytes)
+        .map_err(|e| format!("cannot reserve {gib} GiB: {e}"))?;
     let mut during = Vec::new();
     let mut next_line = Instant::now();
     while !reservation.is_finished() {
         match &mut copier {
-            Some(c) => during.push(c.time()),
+            Some(c) => during.push(c.time()?),
             None => std::thread::sleep(Duration::from_millis(5)),
         }
         if Instant::now() >= next_line {
@@ -100,4 +125,5 @@ fn main() {
     println!("small copy, idle:   {}", summary(idle));
     println!("small copy, during: {}", summary(during));
     println!("{}", POOL.stats());
+    Ok(())
 }

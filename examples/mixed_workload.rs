@@ -12,6 +12,8 @@
 //! process's CPU time over a round (both threads, user and system: page faults included; time
 //! other processes on a shared machine hold the CPUs is not), wall time beside it.
 
+#[path = "support/cli.rs"]
+mod cli;
 #[path = "support/measure.rs"]
 mod measure;
 #[path = "support/peers.rs"]
@@ -206,11 +208,20 @@ fn run_child(name: &str, samples: &mut Samples) -> Result<(), String> {
     Ok(())
 }
 
-fn main() -> Result<(), String> {
+const USAGE: &str = "usage: mixed_workload
+Times a client program's allocations with each allocator as the global allocator (no arguments).
+  MIXED_RUNS  processes per allocator (default 5)";
+
+fn main() {
     if std::env::var_os(GLOBAL.var()).is_some() {
         child();
-        return Ok(());
+        return;
     }
+    cli::positional(USAGE, 0);
+    cli::exit_on_error(run());
+}
+
+fn run() -> Result<(), String> {
     let runs: usize = match std::env::var("MIXED_RUNS") {
         Ok(v) => v
             .parse()

@@ -6,23 +6,28 @@
 //! cargo run --example topology tests/fixtures/gh200     # a fixture tree
 //! ```
 
+#[path = "support/cli.rs"]
+mod cli;
+
 use std::path::PathBuf;
 
 use numa_gpu_alloc::unstable::pci;
 use numa_gpu_alloc::unstable::sysfs::format_list;
 use numa_gpu_alloc::NumaTopology;
 
+const USAGE: &str = "usage: topology [SYSFS_ROOT]
+  SYSFS_ROOT  the sysfs tree to read (default /sys), e.g. tests/fixtures/gh200
+Prints the NUMA nodes like numactl --hardware, then the NVIDIA GPUs with their home node and the
+host node numa-gpu-alloc would place their buffers on.";
+
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("topology: {e}");
-        std::process::exit(1);
-    }
+    let root = cli::positional(USAGE, 1)
+        .pop()
+        .map_or_else(|| PathBuf::from("/sys"), PathBuf::from);
+    cli::exit_on_error(run(root));
 }
 
-fn run() -> Result<(), numa_gpu_alloc::Error> {
-    let root = std::env::args_os()
-        .nth(1)
-        .map_or_else(|| PathBuf::from("/sys"), PathBuf::from);
+fn run(root: PathBuf) -> Result<(), numa_gpu_alloc::Error> {
     let topo = NumaTopology::from_sysfs_root(&root)?;
     let ids = topo.node_ids();
 

@@ -3,11 +3,19 @@
 //!
 //! Run: `cargo run --release --example vec_new_in`
 
+#[path = "support/cli.rs"]
+mod cli;
+
 use allocator_api2::boxed::Box;
 use allocator_api2::vec::Vec;
 use numa_gpu_alloc::NumaGpuAlloc;
 
+const USAGE: &str = "usage: vec_new_in
+Fills allocator-api2 collections from a NumaGpuAlloc value and prints its stats (no arguments;
+NUMA_GPU_ALLOC applies).";
+
 fn main() {
+    cli::positional(USAGE, 0);
     let staging = NumaGpuAlloc::new().verify(true);
     println!("placement: {:?}", staging.placement());
 

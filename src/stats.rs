@@ -59,13 +59,16 @@ pub struct NodeStats {
     /// Highest `live_bytes` seen (since the last
     /// [`reset_peaks`](crate::NumaGpuAlloc::reset_peaks)).
     pub peak_live_bytes: usize,
-    /// Bytes of freed blocks kept for reuse.
+    /// Bytes kept for reuse: the chunks' free bytes ([`free_bytes`](Self::free_bytes)) plus the
+    /// cached dedicated blocks, which are mappings of their own, outside
+    /// [`mapped_bytes`](Self::mapped_bytes) (so this may exceed it).
     pub cached_bytes: usize,
     /// Bytes page-locked with CUDA (live and cached).
     pub pinned_bytes: usize,
     /// Blocks handed out and not yet freed.
     pub live_blocks: usize,
-    /// Blocks kept for reuse.
+    /// The pieces `cached_bytes` is in: the chunks' free ranges
+    /// ([`free_ranges`](Self::free_ranges)) plus the cached dedicated blocks.
     pub cached_blocks: usize,
     /// Freed blocks that GPU work may still use, reusable once it completed (they count against
     /// the cache limit).
@@ -74,10 +77,14 @@ pub struct NodeStats {
     pub pending_bytes: usize,
     /// Chunks mapped (blocks are carved from them).
     pub chunks: usize,
-    /// Bytes of those chunks.
+    /// Bytes of those chunks (dedicated blocks, live or cached, are not in it).
     pub mapped_bytes: usize,
     /// Of those, bytes resident (populated and not purged since).
     pub resident_bytes: usize,
+    /// Of those, bytes free (carved again before a chunk is made).
+    pub free_bytes: usize,
+    /// The free ranges they are in.
+    pub free_ranges: usize,
     /// The largest free range of one chunk.
     pub largest_free: usize,
     /// Chunks page-locked with CUDA (one registration each).
@@ -90,14 +97,21 @@ pub struct NodeStats {
 }
 
 impl NodeStats {
-    /// Free bytes of the chunks over their mapped bytes (0 without chunks).
-    pub fn fragmentation(&self) -> f64 {
-        let free = self.cached_bytes.min(self.mapped_bytes);
-        if self.mapped_bytes == 0 {
-            0.0
-        } else {
-            free as f64 / self.mapped_bytes as f64
-        }
+    /// The share of the chunks' bytes that is free: [`free_bytes`](Self::free_bytes) over
+    /// [`mapped_bytes`](Self::mapped_bytes), from 0 (every byte carved into live blocks) to 1
+    /// (the chunks are all idle); 0 without chunks. It measures idle room, not fragmentation:
+    /// [`largest_free`](Self::largest_free) tells how large a block that room can still serve.
+    pub fn free_fraction(&self) -> f64 {
+        fraction(self.free_bytes, self.mapped_bytes)
+    }
+}
+
+/// `part / whole`, 0 when `whole` is.
+fn fraction(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
     }
 }
 
@@ -139,13 +153,10 @@ pub struct HeapStats {
 }
 
 impl HeapStats {
-    /// Free bytes over mapped bytes (0 without chunks).
-    pub fn fragmentation(&self) -> f64 {
-        if self.mapped_bytes == 0 {
-            0.0
-        } else {
-            self.free_bytes as f64 / self.mapped_bytes as f64
-        }
+    /// The share of these chunks' bytes that is free, as [`NodeStats::free_fraction`]: 0 all
+    /// carved, 1 all idle (0 without chunks).
+    pub fn free_fraction(&self) -> f64 {
+        fraction(self.free_bytes, self.mapped_bytes)
     }
 
     /// Adds `other`'s sizes and counts to these (the largest free range is the larger one).
@@ -209,6 +220,13 @@ snapshot! {
         pub gpu: Option<String>,
         /// Whether blocks are page-locked with CUDA.
         pub pinning: bool,
+        /// Why they are not, when `pinning` is false (see
+        /// [`Placement::pinning_off`](crate::Placement::pinning_off); in JSON: the message).
+        #[cfg_attr(
+            feature = "serde",
+            serde(serialize_with = "crate::stats::json::message")
+        )]
+        pub pinning_off: Option<Error>,
         /// Bytes the process holds page-locked through the allocator (every value's blocks and
         /// chunks), to compare with [`pin_limit`](Self::pin_limit).
         pub page_locked_bytes: usize,
@@ -313,8 +331,10 @@ snapshot! {
             /// [`Stats::numa_unavailable`]), or refused this block's `preferred`/`interleave`
             /// policy (also counted in `placement_failures`).
             unplaced_blocks,
-            /// Blocks handed out without page-locking (pinning off, or under `pin=on` no GPU, a
-            /// failed registration or the pinned limit).
+            /// Mappings (dedicated blocks and chunks) made without page-locking although pinning
+            /// was asked for (`pin=on`: no usable driver or GPU for the target, a failed
+            /// registration, the pinned limit). A `pin=off` allocator counts none: nothing fell
+            /// back.
             unpinned_blocks,
             /// Registrations refused by the pinned limit (`pin_limit=`), after giving idle
             /// page-locked memory back did not make room.

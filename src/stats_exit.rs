@@ -151,6 +151,11 @@ fn write_report(
         // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.
         stats.numa_unavailable = rt.blocks.mbind_refusal();
     }
+    if stats.pinning && !rt.pinning() {
+        // A child forked since registration: its blocks are not page-locked (no heap data).
+        stats.pinning = false;
+        stats.pinning_off = rt.pinning_off();
+    }
     let nodes_fresh = fill_nodes(stats);
     if format == StatsAtExit::Json {
         writeln!(out, "{}", stats.json())?;

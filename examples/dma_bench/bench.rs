@@ -46,6 +46,7 @@ impl Bench<'_> {
             println!("skipped: --max-seconds reached after {elapsed} s");
             return;
         }
+        progress(format_args!("{title}"));
         let start = Instant::now();
         if let Err(e) = run(self) {
             self.failed_sections += 1;
@@ -70,7 +71,17 @@ impl Bench<'_> {
         let mut ours_placement = String::new();
         let alloc = &self.ours;
         let _ = alloc.placement(); // context and topology set up outside the timing
-        for _ in 0..self.args.reps {
+        let reps = self.args.reps;
+        let methods = if self.driver.is_some() {
+            "ours, cuMemHostAlloc, malloc+register, CUDA's host-NUMA memory"
+        } else {
+            "ours, malloc+touch"
+        };
+        for rep in 1..=reps {
+            progress(format_args!(
+                "cold cost {}: sample {rep} of {reps} ({methods})",
+                size_text(size)
+            ));
             let before = alloc.stats();
             let (block, took) = OurBlock::new(alloc, size)?;
             let after = alloc.stats();
@@ -236,7 +247,18 @@ impl Bench<'_> {
         // Thread counts take turns, so that a slow spell of the machine (a hypervisor backing
         // memory again) lands on one sample of each row rather than on one row.
         let mut samples = vec![Vec::new(); allocs.len()];
-        for _ in 0..self.args.reps {
+        let reps = self.args.reps;
+        for rep in 1..=reps {
+            progress(format_args!(
+                "populate scaling {}: round {rep} of {reps} ({} threads)",
+                size_text(size),
+                self.args
+                    .threads
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
             for (alloc, samples) in allocs.iter().zip(&mut samples) {
                 let (block, took) = OurBlock::new(alloc, size)?;
                 drop(block);
@@ -278,6 +300,11 @@ impl Bench<'_> {
         });
         for &size in &self.args.bw_sizes {
             let copies = MIN_SAMPLE_BYTES.div_ceil(size).max(1);
+            progress(format_args!(
+                "bandwidth {}: {} runs per direction and kind of memory",
+                size_text(size),
+                self.args.runs
+            ));
             let measure = |memory: &'static str, node: Option<usize>, host: &mut [u8]| {
                 let mut row = Row {
                     test: "bandwidth",

@@ -176,6 +176,10 @@ impl Bench<'_> {
         let (mut ours, mut ours_placement) = (Vec::new(), String::new());
         let _ = self.ours.placement(); // context and topology set up outside the timing
         for rep in 1..=reps {
+            progress(format_args!(
+                "ours vs CUDA's host-NUMA memory {}: sample {rep} of {reps}",
+                size_text(size)
+            ));
             let (block, took) = OurBlock::new(&self.ours, size)?;
             if ours.is_empty() {
                 ours_placement = placement(block.ptr, size, self.host);

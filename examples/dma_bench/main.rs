@@ -48,124 +48,23 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
 use numa_gpu_alloc::unstable::cuda_driver::{Direction, Driver};
-use numa_gpu_alloc::{GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
+use numa_gpu_alloc::{MemPolicy, NumaGpuAlloc, NumaTopology, PinMode};
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
+#[path = "../support/cli.rs"]
+mod cli;
+
+mod args;
 mod bench;
 mod host_numa;
+use args::{parse_args, Args, USAGE};
 use bench::{ours_alloc, Bench};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 /// Below this, one bandwidth sample is several copies (nvbandwidth does the same).
 const MIN_SAMPLE_BYTES: usize = 64 * MIB;
-
-const USAGE: &str = "usage: dma_bench [--cold-sizes S,..] [--numa-sizes S,..|none] [--reps N] \
-                     [--scaling-size S] [--threads N,..] [--bw-sizes S,..] [--runs N] \
-                     [--gpu auto|N] [--max-seconds N] [--json-out FILE]
-  --cold-sizes    cold-cost block sizes (default 1GiB,16GiB; skipped when memory is short)
-  --numa-sizes    more sizes for ours vs CUDA's host-NUMA memory, cold (default 64GiB)
-  --reps          cold-cost samples per method, alternated; the median is reported (default 3)
-  --scaling-size  block for populate scaling (default 4GiB)
-  --threads       populate thread counts (default 1,2,4,8,16)
-  --bw-sizes      bandwidth sizes (default 4MiB,16MiB,64MiB,256MiB,1GiB)
-  --runs          bandwidth samples per size and direction, median reported (default 5)
-  --gpu           CUDA device ordinal, or auto (LOCAL_RANK etc.; default)
-  --max-seconds   skip the sections that would start after this many seconds
-  --json-out      also write every row as JSON to FILE";
-
-struct Args {
-    cold_sizes: Vec<usize>,
-    numa_sizes: Vec<usize>,
-    reps: usize,
-    scaling_size: usize,
-    threads: Vec<usize>,
-    bw_sizes: Vec<usize>,
-    runs: usize,
-    gpu: GpuSelector,
-    max_seconds: Option<u64>,
-    json_out: Option<String>,
-}
-
-fn parse_sizes(v: &str) -> Res<Vec<usize>> {
-    v.split(',')
-        .map(|s| {
-            numa_gpu_alloc::unstable::parse_size(s)
-                .filter(|&b| b > 0)
-                .ok_or_else(|| format!("bad size {s:?}\n{USAGE}").into())
-        })
-        .collect()
-}
-
-fn parse_count(v: &str) -> Res<usize> {
-    v.parse()
-        .ok()
-        .filter(|&n: &usize| n > 0)
-        .ok_or_else(|| format!("bad count {v:?}\n{USAGE}").into())
-}
-
-fn parse_args() -> Res<Args> {
-    use lexopt::prelude::*;
-    let mut args = Args {
-        cold_sizes: vec![GIB, 16 * GIB],
-        numa_sizes: vec![64 * GIB],
-        reps: 3,
-        scaling_size: 4 * GIB,
-        threads: vec![1, 2, 4, 8, 16],
-        bw_sizes: vec![4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB],
-        runs: 5,
-        gpu: GpuSelector::Auto,
-        max_seconds: None,
-        json_out: None,
-    };
-    let mut parser = lexopt::Parser::from_env();
-    let usage = |e: lexopt::Error| -> Box<dyn std::error::Error> { format!("{e}\n{USAGE}").into() };
-    let value = |parser: &mut lexopt::Parser| -> Res<String> {
-        parser.value().map_err(usage)?.string().map_err(usage)
-    };
-    while let Some(arg) = parser.next().map_err(usage)? {
-        match arg {
-            Long("cold-sizes") => args.cold_sizes = parse_sizes(&value(&mut parser)?)?,
-            Long("numa-sizes") => {
-                args.numa_sizes = match value(&mut parser)?.as_str() {
-                    "none" => Vec::new(),
-                    v => parse_sizes(v)?,
-                }
-            }
-            Long("reps") => args.reps = parse_count(&value(&mut parser)?)?,
-            Long("scaling-size") => args.scaling_size = parse_sizes(&value(&mut parser)?)?[0],
-            Long("threads") => {
-                args.threads = value(&mut parser)?
-                    .split(',')
-                    .map(parse_count)
-                    .collect::<Res<_>>()?;
-            }
-            Long("bw-sizes") => args.bw_sizes = parse_sizes(&value(&mut parser)?)?,
-            Long("runs") => args.runs = parse_count(&value(&mut parser)?)?,
-            Long("gpu") => {
-                let v = value(&mut parser)?;
-                args.gpu = if v.eq_ignore_ascii_case("auto") {
-                    GpuSelector::Auto
-                } else {
-                    GpuSelector::Ordinal(v.parse().map_err(|_| format!("bad GPU {v:?}"))?)
-                };
-            }
-            Long("max-seconds") => {
-                args.max_seconds = Some(parse_count(&value(&mut parser)?)? as u64)
-            }
-            Long("json-out") => args.json_out = Some(value(&mut parser)?),
-            Short('h') | Long("help") => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            // `cargo bench`/`cargo test` style flags are ignored.
-            Long("bench") | Long("nocapture") => {}
-            _ => return Err(usage(arg.unexpected())),
-        }
-    }
-    Ok(args)
-}
 
 /// One measured value (a row of the tables and of the JSON file).
 #[derive(Default)]
@@ -265,9 +164,19 @@ fn short_of_memory(need: usize) -> Option<String> {
     })
 }
 
+/// Says on stderr what a step that may take long is doing: stdout keeps the tables that scripts
+/// parse.
+fn progress(what: std::fmt::Arguments) {
+    eprintln!("... {what}");
+}
+
 /// Touches `bytes` of fresh memory and frees it, so that a cold measurement after it does not
 /// pay the first touch of memory the hypervisor (or the kernel) has never backed.
 fn pre_touch(bytes: usize) {
+    progress(format_args!(
+        "touching {} of fresh memory first",
+        size_text(bytes)
+    ));
     let start = Instant::now();
     let mut warm: Vec<u8> = Vec::with_capacity(bytes);
     for page in warm.spare_capacity_mut().iter_mut().step_by(4096) {
@@ -436,8 +345,12 @@ fn print_rows(rows: &[Row]) {
     }
 }
 
-fn main() -> Res<()> {
-    let args = parse_args()?;
+fn main() {
+    let args = parse_args().unwrap_or_else(|problem| cli::usage_error(problem, USAGE));
+    cli::exit_on_error(run(&args));
+}
+
+fn run(args: &Args) -> Res<()> {
     let started = Instant::now();
     let topo = NumaTopology::from_sysfs().unwrap_or_else(|e| {
         println!("cannot read the NUMA topology ({e}); assuming one node");
@@ -501,7 +414,7 @@ fn main() -> Res<()> {
     header.insert("host_node".into(), host.into());
     header.insert("far_node".into(), far.into());
     let mut bench = Bench {
-        args: &args,
+        args,
         topo: &topo,
         driver: driver.as_ref(),
         no_cuda: unavailable.as_ref().map(ToString::to_string),
@@ -511,9 +424,9 @@ fn main() -> Res<()> {
         started,
         rows: Vec::new(),
         failed_sections: 0,
-        ours: ours_alloc(&args, driver.is_some(), host, 0),
+        ours: ours_alloc(args, driver.is_some(), host, 0),
         cached: ours_alloc(
-            &args,
+            args,
             driver.is_some(),
             host,
             args.cold_sizes.first().map_or(0, |&s| s.saturating_mul(2)),

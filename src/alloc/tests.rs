@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use super::*;
 use crate::arena::class_size;
 use crate::arena::pending_double::Flag;
-use crate::{Error, PinMode};
+use crate::{Error, GpuSelector, PinMode};
 
 const BLOCK: usize = 256 << 10;
 
@@ -388,4 +388,69 @@ fn decay_never_holds_out_the_room_a_request_needs() {
         before, after,
         "a chunk was mapped although the idle range fits"
     );
+}
+
+/// Blocks that are not page-locked say why, each cause with its own error: in the placement, at
+/// the head of the stats table, and when a `PinnedBuf` is asked of the allocator.
+#[test]
+fn an_allocator_that_does_not_pin_says_why() {
+    let _serial = serial();
+    let off = allocator();
+    let placement = off.placement();
+    assert!(!placement.pinning);
+    assert_eq!(placement.pinning_off, Some(Error::PinningOff));
+    let text = off.stats().to_string();
+    assert!(text.contains(", pinning off (pin=off)\n"), "{text}");
+    #[cfg(feature = "pinned-buffer")]
+    assert_eq!(
+        crate::PinnedBuf::<u8>::zeroed(&off, 1).err(),
+        Some(Error::PinningOff)
+    );
+    let node = allocator().node(placement.host_node).pin(PinMode::On);
+    assert_eq!(node.placement().pinning_off, Some(Error::NodeTarget));
+    let missing = allocator().pin(PinMode::On).gpu(GpuSelector::Ordinal(99));
+    let why = missing.placement().pinning_off;
+    match crate::cuda::probe_error() {
+        Some(driver) => {
+            assert_eq!(why, Some(Error::NoCudaDriver { driver }));
+            let text = missing.stats().to_string();
+            assert!(text.contains(", pinning off: no CUDA driver ("), "{text}");
+            #[cfg(feature = "pinned-buffer")]
+            assert_eq!(
+                crate::PinnedBuf::<u8>::zeroed(&missing, 1).err(),
+                Some(Error::NoCudaDriver { driver })
+            );
+        }
+        None => assert!(
+            matches!(&why, Some(Error::GpuNotFound { selector, .. }) if selector == "99"),
+            "{why:?}"
+        ),
+    }
+}
+
+/// `unpinned` counts blocks that pinning was asked for and could not have; a default (`pin=off`)
+/// allocator shows none, so that a correct setup does not read as degraded.
+#[test]
+fn a_default_allocator_counts_no_unpinned_fallback() {
+    let _serial = serial();
+    let dedicated = 64 << 20;
+    let host = allocator().placement().host_node;
+    // A node target has no GPU to pin for: asked to pin, its new mapping is a fallback.
+    let on = allocator().node(host).pin(PinMode::On);
+    let block = on.allocate(layout(dedicated), false);
+    assert!(!block.is_null());
+    // SAFETY: live with this layout, freed once.
+    unsafe { on.deallocate(block, layout(dedicated)) };
+    assert_eq!(on.stats().fallbacks.unpinned_blocks, 1, "{}", on.stats());
+    on.trim();
+    let default = NumaGpuAlloc::new().threshold(64 << 10);
+    for size in [BLOCK, dedicated] {
+        let block = default.allocate(layout(size), false);
+        assert!(!block.is_null());
+        // SAFETY: live with this layout, freed once.
+        unsafe { default.deallocate(block, layout(size)) };
+    }
+    let stats = default.stats();
+    assert_eq!(stats.fallbacks.unpinned_blocks, 0, "{stats}");
+    assert!(stats.to_string().contains(", unpinned 0,"), "{stats}");
 }

@@ -22,6 +22,8 @@ impl Arena {
         row.chunks = heaps.chunks;
         row.mapped_bytes = heaps.mapped_bytes;
         row.resident_bytes = heaps.resident_bytes;
+        row.free_bytes = heaps.free_bytes;
+        row.free_ranges = heaps.free_ranges;
         row.largest_free = heaps.largest_free;
         row.registrations = heaps.registrations;
         row.purged_bytes = heaps.purged_bytes;

@@ -421,7 +421,8 @@ impl Blocks {
 
     /// Registers the block through `gpu`'s context when pinning is on; returns whether it is
     /// pinned (the registration is kept in the block, and released with it). Under `pin=strict`
-    /// a failure fails the block; otherwise it is served unpinned, counted.
+    /// a failure fails the block; otherwise it is served unpinned, counted (under `pin=off` not
+    /// counted: nothing fell back).
     ///
     /// # Safety
     /// As [`Self::place_and_pin`], and the range is populated.
@@ -432,7 +433,7 @@ impl Blocks {
         gpu: Option<&'static Gpu>,
     ) -> Result<bool, Error> {
         if self.config.pin == PinMode::Off {
-            self.counters.unpinned_blocks.incr();
+            // Not a fallback: nobody asked for pinning.
             return Ok(false);
         }
         // SAFETY: forwarded from the caller; the range is not registered yet, and stays mapped

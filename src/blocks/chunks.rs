@@ -244,7 +244,8 @@ impl Blocks {
     }
 
     /// A new chunk for `key` with room for `need` bytes, placed for `target`; pinned when the kind
-    /// is and the registration works (else, under `pin=on`, an unpinned chunk, counted). A chunk
+    /// is and the registration works (else, under `pin=on`, an unpinned chunk, counted; `pin=on`
+    /// without a GPU for the target counts its unpinned chunks too). A chunk
     /// that fails for want of memory is tried again smaller (only as large as `need`), then
     /// after giving idle memory of the node back — unless there is too little to give back.
     fn new_chunk(&self, key: HeapKey, need: usize, target: &Resolved) -> Result<Chunk, Error> {
@@ -334,7 +335,8 @@ impl Blocks {
                 }
             }
         }
-        if !chunk.pinned() {
+        if !chunk.pinned() && self.config.pin != PinMode::Off {
+            // Pinning was asked for and this chunk has none: a fallback (`pin=off` has none).
             self.counters.unpinned_blocks.incr();
         }
         Ok(chunk)

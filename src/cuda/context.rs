@@ -13,8 +13,11 @@ use super::driver::{
 use super::teardown::{close_at_exit, DriverCall};
 use crate::{fork, Error, Result};
 
-/// Why a forked child does not register memory.
-pub(crate) const FORKED_REASON: &str = "the process forked after CUDA was initialised";
+/// Why a forked child does not register memory. Also said by a child whose allocator was first
+/// used after the fork, whether or not the parent had initialised CUDA: the child never calls it.
+pub(crate) const FORKED_REASON: &str =
+    "this process is a forked child, and the CUDA driver is not usable after fork (its state is \
+     the parent's)";
 
 /// The `cuMemHostRegister` flags beyond PORTABLE (always set: every GPU's context may use a
 /// block). Part of a block's kind: blocks registered differently never serve each other's

@@ -134,6 +134,19 @@ pub enum Error {
         /// Why, e.g. `"libcuda.so could not be loaded"`.
         reason: &'static str,
     },
+    /// The allocator does not page-lock its blocks: its pin mode is `pin=off` (the default). What
+    /// needs page-locked memory (a `PinnedBuf`) cannot be made from it.
+    PinningOff,
+    /// Pinning was asked for (`pin=on` or `pin=strict`), but the CUDA driver is not usable in
+    /// this process, so no block is page-locked.
+    NoCudaDriver {
+        /// The driver probe's error, as
+        /// [`cuda_unavailable_reason`](crate::cuda_unavailable_reason) returns it.
+        driver: &'static Error,
+    },
+    /// Pinning was asked for, but the allocator's target is a NUMA node (`node=`, `node=local`),
+    /// not a GPU: blocks are page-locked only for a GPU.
+    NodeTarget,
     /// `pin=strict`, but blocks for the request's target cannot be page-locked (no CUDA driver,
     /// no GPU for the target, a forked child): its large requests fail before any memory is
     /// mapped (counted in [`Fallbacks::strict_refused`](crate::Fallbacks::strict_refused)).
@@ -311,6 +324,21 @@ impl fmt::Display for Error {
                 disables,
             } => write!(f, "setting {key}={value:?} accepted: {disables}"),
             Error::CudaUnavailable { reason } => write!(f, "CUDA unavailable: {reason}"),
+            Error::PinningOff => write!(
+                f,
+                "the allocator does not page-lock its blocks (pin=off, the default): build it \
+                 with .pin(PinMode::On) or set NUMA_GPU_ALLOC=pin=on"
+            ),
+            Error::NoCudaDriver { driver } => write!(
+                f,
+                "pinning is on, but no block can be page-locked: the CUDA driver is not usable \
+                 ({driver})"
+            ),
+            Error::NodeTarget => write!(
+                f,
+                "pinning is on, but no block is page-locked: the allocator's target is a NUMA \
+                 node (node= or node=local), not a GPU; target a GPU (gpu=) to pin"
+            ),
             Error::StrictPinning { reason, driver } => {
                 write!(f, "pin=strict, but blocks cannot be page-locked: {reason}")?;
                 if let Some(e) = driver {

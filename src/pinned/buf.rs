@@ -77,13 +77,19 @@ unsafe impl<T: Send, A: GlobalAlloc + Sync> Send for PinnedBuf<'_, T, A> {}
 
 impl<'a, T: DeviceRepr + ValidAsZeroBits, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     /// `len` zeroed elements from `alloc`.
+    ///
+    /// Errors: when `alloc`'s blocks are not page-locked, why (as
+    /// [`Placement::pinning_off`](crate::Placement::pinning_off) says): [`Error::PinningOff`]
+    /// (`pin=off`), [`Error::NoCudaDriver`], [`Error::GpuNotFound`] (no device matches the
+    /// selector), [`Error::CudaUnavailable`] (no device visible, or a forked child),
+    /// [`Error::NodeTarget`]; [`Error::BufferAllocation`] when the block cannot be allocated.
     pub fn zeroed(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {
         Self::allocate(alloc, len, true)
     }
 }
 
 impl<'a, T: DeviceRepr + Copy, A: GlobalAlloc> PinnedBuf<'a, T, A> {
-    /// A copy of `data` in a buffer from `alloc`.
+    /// A copy of `data` in a buffer from `alloc`; errors as [`zeroed`](Self::zeroed)'s.
     pub fn from_slice(alloc: &'a NumaGpuAlloc<A>, data: &[T]) -> Result<Self> {
         let buf = Self::allocate(alloc, data.len(), false)?;
         // SAFETY: the block holds room for `data.len()` elements, is ours alone, and does not
@@ -99,10 +105,11 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     fn allocate(alloc: &'a NumaGpuAlloc<A>, len: usize, zeroed: bool) -> Result<Self> {
         let placement = alloc.placement();
         if !placement.pinning {
-            return Err(Error::CudaUnavailable {
-                reason: "PinnedBuf needs an allocator that pins: build it with \
-                         .pin(PinMode::On) or set NUMA_GPU_ALLOC=pin=on (and a CUDA driver)",
-            });
+            // Each cause has its own error: what to change differs (the setting, the driver,
+            // the GPU selector, the process).
+            return Err(placement.pinning_off.unwrap_or(Error::CudaUnavailable {
+                reason: "the allocator's blocks are not page-locked",
+            }));
         }
         let failed = |reason| Error::BufferAllocation {
             len,

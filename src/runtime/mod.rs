@@ -2,6 +2,7 @@
 //! environment), the topology, the target GPU and its host node, and the targets of threads'
 //! routes. Its large path — blocks, their arenas and its counters — is [`Blocks`]'s.
 
+mod pinning;
 mod reserve;
 pub(crate) mod route;
 
@@ -22,6 +23,7 @@ use crate::sys::lock::Lock;
 use crate::sys::{self, NodeMask};
 use crate::topology::pci::{self, PciAddress};
 use crate::{Error, NumaTopology};
+use pinning::{cuda_unusable, pinning_off};
 
 /// Where an allocator places its blocks, as resolved at initialisation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,6 +41,11 @@ pub struct Placement {
     pub gpu_name: Option<String>,
     /// Whether blocks are page-locked with CUDA.
     pub pinning: bool,
+    /// Why they are not, when `pinning` is false: [`Error::PinningOff`] (`pin=off`),
+    /// [`Error::NoCudaDriver`], [`Error::NodeTarget`], the GPU lookup's error
+    /// ([`Error::GpuNotFound`], [`Error::CudaUnavailable`] when no device is visible or in a
+    /// forked child, [`Error::Cuda`] when its context could not be retained).
+    pub pinning_off: Option<Error>,
     /// Whether blocks are placed with `mbind` (false once the kernel refused it).
     pub numa_placement: bool,
 }
@@ -60,6 +67,9 @@ pub(crate) struct Runtime {
     pub(crate) home_node: Option<usize>,
     /// The targeted GPU, when CUDA found it.
     device: Option<Device>,
+    /// Why the default target's blocks are not page-locked, found at initialisation (a fork
+    /// since is looked at when asked: see [`Self::pinning_off`]).
+    pinning_off: Option<Error>,
     gpu_pci: Option<PciAddress>,
     /// Memory nodes this process's cpuset allows (`None`: all).
     allowed: Option<NodeMask>,
@@ -103,7 +113,7 @@ impl Runtime {
             .and_then(Result::ok);
         let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
         let mut errors = Vec::new();
-        let (host_node, target) = resolve_target(&config, &topology, &allowed, &mut errors);
+        let (host_node, mut target) = resolve_target(&config, &topology, &allowed, &mut errors);
         problems.add(
             errors,
             env.sets(|s| matches!(s, Setting::Target(_) | Setting::Pin(_))),
@@ -137,6 +147,7 @@ impl Runtime {
         }
         let ordinal = target.device.as_ref().map(Device::ordinal);
         let names_gpu = !matches!(config.target, Target::Node(_) | Target::LocalNode);
+        let pinning_off = pinning_off(&config, names_gpu, &mut target);
         let unpinnable = Unpinnable::of(&config, names_gpu, target.gpu, ordinal);
         // Said once per process, whoever asked for pin=strict: every refused request has it too.
         problems.add(unpinnable.map(Unpinnable::error), true);
@@ -160,6 +171,7 @@ impl Runtime {
             },
             home_node: target.home_node,
             device: target.device,
+            pinning_off,
             gpu_pci,
             allowed: allowed_mask,
             routes: Lock::new(Routes::default()),
@@ -191,7 +203,8 @@ impl Runtime {
             gpu_ordinal: self.device.as_ref().map(Device::ordinal),
             gpu_pci: self.gpu_pci,
             gpu_name: self.device.as_ref().map(Device::name),
-            pinning: self.default.gpu.is_some(),
+            pinning: self.pinning(),
+            pinning_off: self.pinning_off(),
             numa_placement: self.blocks.numa_placement(),
         }
     }
@@ -206,7 +219,8 @@ impl Runtime {
                 .device
                 .as_ref()
                 .map(|d| format!("{} ({}) {}", d.ordinal(), d.pci_address(), d.name())),
-            pinning: self.default.gpu.is_some(),
+            pinning: self.pinning(),
+            pinning_off: self.pinning_off(),
             page_locked_bytes: crate::chunk::page_locked_bytes(),
             pin_limit: (self.config.pin_limit != usize::MAX).then_some(self.config.pin_limit),
             nodes: self
@@ -288,6 +302,8 @@ struct GpuTarget {
     device: Option<Device>,
     gpu: Option<&'static Gpu>,
     gpu_pci: Option<PciAddress>,
+    /// Why `gpu` is `None` although pinning was asked for, when the lookup said.
+    unpinned: Option<Error>,
 }
 
 /// Chooses the host node, and the GPU to pin for. Never fails: each problem is recorded in
@@ -357,11 +373,22 @@ fn find_gpu(
                 None
             });
             if pinning {
-                target.gpu = Gpu::shared(device.clone()).map_err(|e| errors.push(e)).ok();
+                target.gpu = Gpu::shared(device.clone())
+                    .map_err(|e| {
+                        target.unpinned = Some(e.clone());
+                        errors.push(e);
+                    })
+                    .ok();
             }
             target.device = Some(device);
         }
         Err(e) => {
+            if pinning {
+                target.unpinned = Some(match cuda_unusable() {
+                    Some(driver) => Error::NoCudaDriver { driver },
+                    None => e.clone(),
+                });
+            }
             // Without the driver a PCI selector still gives the home node: placement, no pinning.
             if pinning || target.gpu_pci.is_none() {
                 errors.push(e);

@@ -194,6 +194,8 @@ json_object! {
         chunks,
         mapped_bytes,
         resident_bytes,
+        free_bytes,
+        free_ranges,
         largest_free,
         registrations,
         purged_bytes,

@@ -3,6 +3,7 @@
 use std::fmt;
 
 use super::Stats;
+use crate::Error;
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
@@ -42,6 +43,26 @@ impl fmt::Display for Opt {
     }
 }
 
+/// `on`, or `off` and why: what the user changes depends on it (without allocating).
+struct Pinning<'a>(bool, Option<&'a Error>);
+
+impl fmt::Display for Pinning<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.1 {
+            _ if self.0 => f.write_str("on"),
+            None => f.write_str("off"),
+            Some(Error::PinningOff) => f.write_str("off (pin=off)"),
+            Some(Error::NoCudaDriver { driver }) => match driver {
+                Error::CudaUnavailable { reason } => write!(f, "off: no CUDA driver ({reason})"),
+                driver => write!(f, "off: no CUDA driver ({driver})"),
+            },
+            Some(Error::NodeTarget) => f.write_str("off: the target is a NUMA node, not a GPU"),
+            Some(Error::CudaUnavailable { reason }) => write!(f, "off: {reason}"),
+            Some(e) => write!(f, "off: {e}"),
+        }
+    }
+}
+
 /// Ends a line with its struct's labelled event counters, `, label value` each: a counter declared
 /// with a label in `snapshot!` needs no code here.
 fn end_line(
@@ -58,12 +79,13 @@ impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "numa-gpu-alloc: host node {}, GPU {} (home node {}), pinning {}, threshold {}",
+            // Pinning last: the reason it is off may be long.
+            "numa-gpu-alloc: host node {}, GPU {} (home node {}), threshold {}, pinning {}",
             Opt(self.host_node),
             self.gpu.as_deref().unwrap_or("none"),
             Opt(self.home_node),
-            if self.pinning { "on" } else { "off" },
-            Size(self.threshold)
+            Size(self.threshold),
+            Pinning(self.pinning, self.pinning_off.as_ref())
         )?;
         if let Some(limit) = self.pin_limit {
             writeln!(
@@ -73,39 +95,43 @@ impl fmt::Display for Stats {
                 Size(limit)
             )?;
         }
+        // Two spaces between columns, and names of two words where one would be ambiguous, so
+        // that the header reads column by column. `cached MiB` is the chunks' `free MiB` plus
+        // the cached dedicated blocks, which are mappings of their own outside `chunk MiB`.
         writeln!(
             f,
-            "{:>4} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>5}",
+            "{:>4}  {:>10}  {:>10}  {:>10}  {:>11}  {:>10}  {:>6}  {:>10}  {:>12}  {:>10}  {:>16}  \
+             {:>6}",
             "node",
             "live MiB",
             "peak MiB",
-            "cached MiB",
             "pinned MiB",
-            "live",
-            "cached",
+            "live blocks",
+            "cached MiB",
             "chunks",
-            "mapped MiB",
+            "chunk MiB",
             "resident MiB",
-            "largest MiB",
-            "frag"
+            "free MiB",
+            "largest free MiB",
+            "free %"
         )?;
         for n in &self.nodes {
             writeln!(
                 f,
-                "{:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>6} {:>6} {:>6} {:>12.1} {:>12.1} \
-                 {:>12.1} {:>5.2}",
+                "{:>4}  {:>10.1}  {:>10.1}  {:>10.1}  {:>11}  {:>10.1}  {:>6}  {:>10.1}  \
+                 {:>12.1}  {:>10.1}  {:>16.1}  {:>6.0}",
                 n.node,
                 mib(n.live_bytes),
                 mib(n.peak_live_bytes),
-                mib(n.cached_bytes),
                 mib(n.pinned_bytes),
                 n.live_blocks,
-                n.cached_blocks,
+                mib(n.cached_bytes),
                 n.chunks,
                 mib(n.mapped_bytes),
                 mib(n.resident_bytes),
+                mib(n.free_bytes),
                 mib(n.largest_free),
-                n.fragmentation()
+                n.free_fraction() * 100.0
             )?;
         }
         for h in &self.heaps {
@@ -249,8 +275,91 @@ mod tests {
             [4096, 2_621_440, 64 << 30, 1000].map(|b| Size(b).to_string()),
             ["4 KiB", "2.5 MiB", "64 GiB", "1000 B"]
         );
-        assert!(text.contains("   1          3.0"), "{text}");
+        assert!(text.contains("   1         3.0"), "{text}");
         assert_eq!(stats.live_bytes(), 3 << 20);
+    }
+
+    #[test]
+    fn the_header_says_why_pinning_is_off() {
+        static DRIVER: Error = Error::CudaUnavailable {
+            reason: "libcuda.so could not be loaded",
+        };
+        let header = |pinning, pinning_off| {
+            let stats = Stats {
+                pinning,
+                pinning_off,
+                ..Stats::default()
+            };
+            stats
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let forked = Error::CudaUnavailable {
+            reason: crate::cuda::FORKED_REASON,
+        };
+        for (pinning, off, end) in [
+            (true, None, ", pinning on".to_owned()),
+            (
+                false,
+                Some(Error::PinningOff),
+                ", pinning off (pin=off)".to_owned(),
+            ),
+            (
+                false,
+                Some(Error::NoCudaDriver { driver: &DRIVER }),
+                ", pinning off: no CUDA driver (libcuda.so could not be loaded)".to_owned(),
+            ),
+            (
+                false,
+                Some(forked),
+                format!(", pinning off: {}", crate::cuda::FORKED_REASON),
+            ),
+        ] {
+            let line = header(pinning, off);
+            assert!(line.ends_with(&end), "{line}");
+        }
+    }
+
+    /// `cached MiB` may exceed `chunk MiB` (cached dedicated blocks are outside chunks); `free %`
+    /// is the chunks' free share.
+    #[test]
+    fn node_columns_say_what_they_count() {
+        let stats = Stats {
+            nodes: vec![NodeStats {
+                cached_bytes: 96 << 20,
+                mapped_bytes: 32 << 20,
+                free_bytes: 32 << 20,
+                chunks: 1,
+                ..NodeStats::default()
+            }],
+            ..Stats::default()
+        };
+        let text = stats.to_string();
+        let mut lines = text.lines().skip_while(|l| !l.starts_with("node"));
+        let header = lines.next().unwrap_or_default();
+        for column in [
+            "live blocks",
+            "cached MiB",
+            "chunk MiB",
+            "free MiB",
+            "free %",
+        ] {
+            assert!(header.contains(&format!("  {column}")), "{header}");
+        }
+        let row: Vec<&str> = lines
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(
+            row[5..],
+            ["96.0", "1", "32.0", "0.0", "32.0", "0.0", "100"],
+            "{text}"
+        );
+        assert_eq!(stats.nodes[0].free_fraction(), 1.0);
     }
 
     /// Guards the entries of `snapshot!` without a label: each must have a place in a line here.
