@@ -8,10 +8,9 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use super::carved::shortage_kind;
 use super::route;
 use super::{Resolved, Runtime};
-use crate::arena::{Block, Kind, Released};
+use crate::arena::{Block, Kind, Released, Shortage};
 use crate::chunk::{release_dedicated, Mapping};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
@@ -36,6 +35,14 @@ pub(crate) fn shortage(error: &Error) -> bool {
         Error::MemoryLimit { .. } => true,
         Error::Cuda { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
         _ => false,
+    }
+}
+
+/// What a request short of memory by `error` needs given back.
+pub(crate) fn shortage_kind(error: &Error) -> Shortage {
+    match error {
+        Error::Syscall { call: "mmap", .. } => Shortage::AddressSpace,
+        _ => Shortage::Memory,
     }
 }
 

@@ -15,7 +15,8 @@
 
 use std::time::Instant;
 
-use super::block::{shortage, HUGE_PAGE};
+use super::block::{shortage, shortage_kind, HUGE_PAGE};
+use super::reserve::reserved_key;
 use super::{Resolved, Runtime};
 use crate::arena::{
     release_chunks, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
@@ -421,14 +422,6 @@ impl Runtime {
     }
 }
 
-/// What a request short of memory by `error` needs given back.
-pub(crate) fn shortage_kind(error: &Error) -> Shortage {
-    match error {
-        Error::Syscall { call: "mmap", .. } => Shortage::AddressSpace,
-        _ => Shortage::Memory,
-    }
-}
-
 /// How many bytes a request short of memory by `error` needs given back.
 fn shortage_bytes(error: &Error, need: usize) -> usize {
     match error {
@@ -438,14 +431,5 @@ fn shortage_bytes(error: &Error, need: usize) -> usize {
             ..
         } => requested.saturating_sub(*available),
         _ => need,
-    }
-}
-
-/// The heap a reservation of bytes makes for `kind`: huge-page chunks when huge pages are on.
-pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
-    HeapKey {
-        kind,
-        huge: huge_pages,
-        reserved: true,
     }
 }

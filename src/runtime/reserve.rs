@@ -16,10 +16,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::time::{Duration, Instant};
 
 use super::block::HUGE_PAGE;
-use super::carved::reserved_key;
 use super::route;
 use super::{Resolved, Runtime};
-use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
+use crate::arena::{class_size, HeapKey, Kind, CHUNK_ALIGN, CHUNK_FIRST};
 use crate::chunk::Mapping;
 use crate::config::{Config, Reserve};
 use crate::cuda;
@@ -288,6 +287,15 @@ static BYTES_RESERVED: AtomicBool = AtomicBool::new(false);
 /// Whether a reservation of bytes may have left room to carve from.
 pub(crate) fn bytes_reserved() -> bool {
     BYTES_RESERVED.load(Ordering::Acquire)
+}
+
+/// The heap a reservation of bytes makes for `kind`: huge-page chunks when huge pages are on.
+pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
+    HeapKey {
+        kind,
+        huge: huge_pages,
+        reserved: true,
+    }
 }
 
 /// What a reservation of bytes has done so far, updated as it goes (read by its handle).
