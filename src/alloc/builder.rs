@@ -5,8 +5,8 @@ use std::sync::atomic::AtomicUsize;
 
 use super::{clamp_threshold, Threshold};
 use crate::config::{GpuSelector, PinMode, Reserve, Target};
-use crate::pci::PciAddress;
 use crate::sys::MemPolicy;
+use crate::topology::pci::PciAddress;
 use crate::NumaGpuAlloc;
 
 impl<A> NumaGpuAlloc<A> {

@@ -7,8 +7,8 @@
 //! Files: this one holds the settings' types ([`Config`] and its parts, [`ENV_VAR`]);
 //! `parse.rs` parses `NUMA_GPU_ALLOC` and the values of each key ([`parse_size`]).
 
-use crate::pci::PciAddress;
 use crate::sys::MemPolicy;
+use crate::topology::pci::PciAddress;
 use crate::Error;
 
 mod parse;

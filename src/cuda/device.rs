@@ -8,7 +8,7 @@ use super::driver::{
     ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, SUCCESS,
 };
 use crate::config::GpuSelector;
-use crate::pci::PciAddress;
+use crate::topology::pci::PciAddress;
 use crate::{Error, Result};
 
 /// Environment variables that launchers set to the process's rank on its node, in the order
@@ -317,7 +317,7 @@ impl Device {
     pub(crate) fn home_node(&self, sysfs_root: &std::path::Path) -> Result<Option<usize>> {
         match self.host_numa_id {
             Some(node) => Ok(Some(node)),
-            None => crate::pci::home_node(sysfs_root, &self.pci),
+            None => crate::topology::pci::home_node(sysfs_root, &self.pci),
         }
     }
 }

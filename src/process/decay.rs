@@ -26,7 +26,7 @@ use crate::arena::Released;
 use crate::chunk::release_dedicated;
 use crate::guard::Inside;
 use crate::sys::MAX_NODES;
-use crate::sysfs::node_memory_low;
+use crate::topology::sysfs::node_memory_low;
 
 /// Whether the thread runs (or is being started) in this process.
 static RUNNING: AtomicBool = AtomicBool::new(false);

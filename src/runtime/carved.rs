@@ -27,7 +27,7 @@ use crate::config::PinMode;
 use crate::process::NODES;
 use crate::sys::lock::Guard;
 use crate::sys::{self, NodeMask};
-use crate::sysfs;
+use crate::topology::sysfs;
 use crate::Error;
 
 /// Whether a request of `size` bytes at `align` is carved (else it gets a mapping of its own).

@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 use crate::arena::Arena;
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
-use crate::pci::{self, PciAddress};
 use crate::process;
 use crate::process::NODES;
 use crate::setup::{Problems, Setup};
@@ -25,6 +24,7 @@ use crate::stats::{Counters, NodeStats, Stats};
 use crate::sys::lock::{Guard, Lock};
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::topology::cgroup::MemoryLimits;
+use crate::topology::pci::{self, PciAddress};
 use crate::{Error, NumaTopology};
 use pinning::Unpinnable;
 

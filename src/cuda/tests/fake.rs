@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use crate::cuda::context::*;
 use crate::cuda::device::*;
 use crate::cuda::driver::*;
-use crate::pci::PciAddress;
+use crate::topology::pci::PciAddress;
 
 thread_local! {
     /// Calls made on this thread, in order.
