@@ -1,5 +1,5 @@
 //! CUDA's own host-NUMA memory, the peer the benchmarks weigh this crate against (re-exported by
-//! [`crate::cuda_driver`]): page-locked host memory on one node from `cuMemCreate` with a
+//! [`cuda_driver`](super::tools)): page-locked host memory on one node from `cuMemCreate` with a
 //! `CU_MEM_LOCATION_TYPE_HOST_NUMA` location, mapped at an address of the driver's, and a
 //! stream-ordered pool (`cuMemPoolCreate`) with such a location.
 //!

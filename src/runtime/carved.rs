@@ -1,5 +1,5 @@
-//! The carved path: a request below [`DEDICATED_MIN`] gets a block carved from a chunk of its
-//! kind in its node's arena; a chunk is made when none has room.
+//! The carved path: a request below [`DEDICATED_MIN`](crate::arena::DEDICATED_MIN) gets a block
+//! carved from a chunk of its kind in its node's arena; a chunk is made when none has room.
 //!
 //! 1. Under the arena lock: settle pending blocks, look at idle memory (decay), carve.
 //! 2. Outside it: populate the granules of the block never populated (and check their pages

@@ -307,8 +307,8 @@ impl Runtime {
         stats
     }
 
-    /// The arena of `node` (see [`crate::arena::NodeTable::lock`]); `None` only for a node id no
-    /// topology holds.
+    /// The arena of `node`, locked (through [`NODES`]); `None` only for a node id no topology
+    /// holds.
     pub(crate) fn arena(&self, node: usize) -> Option<Guard<'_, Arena>> {
         NODES.lock(node)
     }
