@@ -1,6 +1,6 @@
 //! The large path's state of one allocator value, built once on the first large request: settings
 //! (builder + environment), topology, the target GPU and its host node, the targets of threads'
-//! routes, and the counters. Blocks live in the process's per-node arenas (`arena/nodes.rs`).
+//! routes, and the counters. Blocks live in the process's per-node arenas (`process/nodes.rs`).
 
 pub(crate) mod block;
 pub(crate) mod carved;
@@ -48,7 +48,7 @@ pub struct Placement {
     pub numa_placement: bool,
 }
 
-// `NumaGpuAlloc` shares its runtime between threads through a pointer (see `process.rs`).
+// `NumaGpuAlloc` shares its runtime between threads through a pointer (see `process/mod.rs`).
 const _: () = {
     const fn shared_between_threads<T: Send + Sync>() {}
     shared_between_threads::<Runtime>()
