@@ -6,8 +6,24 @@
 #![deny(clippy::missing_safety_doc)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules by layer, bottom first. A layer imports only the layers before it; layers 1 and 2 do
-// (but for cuda/'s use of the guard and the front end), the upper ones do not all yet.
+// Modules by layer, bottom first: the map of CONTRIBUTING.md ("How it is built: the layers"). A
+// module imports only from its own layer and those below, never in a loop; `scripts/layers.py`
+// checks it in CI.
+// - layer 1, error and sys: the error type (and the local NUMA distance it cites); the only raw
+//   system calls;
+// - layer 2, topology, config, setup, stats, guard and fork: sysfs, PCI and cgroups; the settings;
+//   the counters; the re-entrancy flag; the fork generation;
+// - layer 3, cuda: the driver table, devices, contexts, registration, events; `cuda_driver`;
+// - layer 4, chunk: a mapping and its registration;
+// - layer 5, arena: the carving allocator over chunks;
+// - layer 6, process: the initialisation lock, the node table, the fork handlers, the workers;
+// - layer 7, blocks: the large path's one owner: allocate, free, resize, trim, reserve;
+// - layer 8, runtime: one allocator value's state: settings, targets, routes; owns its blocks;
+// - layer 9, stats_exit: the report at exit;
+// - layer 10, alloc, api2, global, pinned, reservation and unstable: the front ends, and the
+//   unstable tools.
+// The numbered groups below gather the declarations by job; they are not the layers.
+
 // 1. The error type (with its CUDA error names) and the only raw system calls.
 mod error;
 pub use error::{Error, Result};

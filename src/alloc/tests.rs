@@ -10,8 +10,8 @@ use crate::{Error, GpuSelector, PinMode};
 
 const BLOCK: usize = 256 << 10;
 
-/// Serialises the unit tests that allocate large blocks (here and in `reserve.rs`), which share
-/// the process's arenas (one switches stream-ordered reuse off process-wide under
+/// Serialises the unit tests that allocate large blocks (here and in `runtime/reserve.rs`), which
+/// share the process's arenas (one switches stream-ordered reuse off process-wide under
 /// `fault-injection`), and releases what earlier ones cached. Each test frees what it allocates
 /// and completes the work it records.
 pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {

@@ -5,7 +5,8 @@
 use super::{Arena, Block, Fit, Kind, Released, CLASSES_PER_DOUBLING};
 
 impl Arena {
-    /// Takes a cached dedicated block that fits (see [`CacheIndex::take`]).
+    /// Takes a cached dedicated block that fits (see
+    /// [`CacheIndex::take`](super::CacheIndex::take)).
     pub(crate) fn take_cached(&mut self, fit: Fit) -> Option<Block> {
         self.cached.take(fit)
     }

@@ -1,11 +1,12 @@
 //! The per-node arena: chunks of each kind with the carver that carves blocks of any size from
-//! them (`carve.rs`), the dedicated blocks too large to carve and their cache (`index.rs`), blocks
+//! them (`carve/`), the dedicated blocks too large to carve and their cache (`index.rs`), blocks
 //! waiting for GPU work (`pending.rs`), idle memory's decay, and per-node accounting.
 //!
-//! There is one arena per NUMA node for the whole process (`nodes.rs`), shared by every allocator
-//! value. An arena is only touched under its lock (`lock.rs`), from inside the re-entrancy guard.
-//! Slow work — mapping, populating, pinning, purging, unmapping — happens outside the lock: the
-//! arena hands out what to do ([`Carving`], [`Released`]) and takes back the results.
+//! There is one arena per NUMA node for the whole process (`process/nodes.rs`), shared by every
+//! allocator value. An arena is only touched under its lock (`sys/lock.rs`), from inside the
+//! re-entrancy guard. Slow work — mapping, populating, pinning, purging, unmapping — happens
+//! outside the lock: the arena hands out what to do ([`Carving`], [`Released`]) and takes back
+//! the results.
 //!
 //! What the free path does here allocates nothing: a carved block goes back to its carver (which
 //! relinks records), a dedicated one into a cache whose room was reserved before, a block with

@@ -8,9 +8,7 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use super::chunks::shortage_kind;
-
-use super::{Blocks, Resolved};
+use super::{shortage, shortage_kind, Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{count_release, Block, Kind};
 use crate::chunk::{release_dedicated, Mapping};
 use crate::config::PinMode;
@@ -19,24 +17,8 @@ use crate::process::populate;
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
 
-/// Blocks of at least this size get 2 MiB alignment and `MADV_HUGEPAGE` (when enabled).
-pub(crate) const HUGE_PAGE: usize = 2 << 20;
 /// Blocks smaller than this are populated by one thread: thread start-up would cost more.
 const PARALLEL_POPULATE_MIN: usize = 64 << 20;
-
-/// `CUresult` of a registration beyond what the driver can page-lock.
-const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
-
-/// Whether a failure to create a block may go away when memory is given back: mmap, populate or
-/// a full node (ENOMEM), a cgroup limit, or CUDA's page-locking limit.
-pub(crate) fn shortage(error: &Error) -> bool {
-    match error {
-        Error::Syscall { errno, .. } => *errno == libc::ENOMEM,
-        Error::MemoryLimit { .. } => true,
-        Error::Cuda { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
-        _ => false,
-    }
-}
 
 /// The step at which a block could not be created, counted once per failed request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

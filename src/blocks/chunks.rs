@@ -1,5 +1,5 @@
-//! The carved path: a request below [`DEDICATED_MIN`] gets a block carved from a chunk of its
-//! kind in its node's arena; a chunk is made when none has room.
+//! The carved path: a request below [`DEDICATED_MIN`](crate::arena::DEDICATED_MIN) gets a block
+//! carved from a chunk of its kind in its node's arena; a chunk is made when none has room.
 //!
 //! 1. Under the arena lock: settle pending blocks, look at idle memory (decay), carve.
 //! 2. Outside it: populate the granules of the block never populated (and check their pages
@@ -15,8 +15,7 @@
 
 use std::time::Instant;
 
-use super::block::{shortage, HUGE_PAGE};
-use super::{Blocks, Resolved};
+use super::{reserved_key, shortage, shortage_kind, Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{
     count_release, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
     CHUNK_ALIGN, CHUNK_MAX,
@@ -28,11 +27,6 @@ use crate::sys::lock::Guard;
 use crate::sys::{self, NodeMask};
 use crate::topology::sysfs;
 use crate::Error;
-
-/// Whether a request of `size` bytes at `align` is carved (else it gets a mapping of its own).
-pub(crate) fn carved(size: usize, align: usize) -> bool {
-    size < crate::arena::DEDICATED_MIN && size.saturating_add(align) <= CHUNK_MAX
-}
 
 impl Blocks {
     /// A block of `size` bytes (a multiple of the page size) at a multiple of `align`, carved for
@@ -402,14 +396,6 @@ impl Blocks {
     }
 }
 
-/// What a request short of memory by `error` needs given back.
-pub(crate) fn shortage_kind(error: &Error) -> Shortage {
-    match error {
-        Error::Syscall { call: "mmap", .. } => Shortage::AddressSpace,
-        _ => Shortage::Memory,
-    }
-}
-
 /// How many bytes a request short of memory by `error` needs given back.
 fn shortage_bytes(error: &Error, need: usize) -> usize {
     match error {
@@ -419,14 +405,5 @@ fn shortage_bytes(error: &Error, need: usize) -> usize {
             ..
         } => requested.saturating_sub(*available),
         _ => need,
-    }
-}
-
-/// The heap a reservation of bytes makes for `kind`: huge-page chunks when huge pages are on.
-pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
-    HeapKey {
-        kind,
-        huge: huge_pages,
-        reserved: true,
     }
 }

@@ -18,7 +18,7 @@ pub(crate) use pinning::Unpinnable;
 
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
-use crate::arena::Arena;
+use crate::arena::{Arena, HeapKey, Kind, Shortage, CHUNK_MAX};
 use crate::config::Config;
 use crate::cuda::Gpu;
 use crate::process::NODES;
@@ -129,6 +129,44 @@ impl Blocks {
     fn policy_nodes_of(&self, host_node: usize) -> NodeMask {
         let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
         policy_nodes(&self.config, &self.topology, &allowed, host_node)
+    }
+}
+
+/// Blocks of at least this size get 2 MiB alignment and `MADV_HUGEPAGE` (when enabled).
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+/// `CUresult` of a registration beyond what the driver can page-lock.
+const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+
+/// Whether a failure to create a block may go away when memory is given back: mmap, populate or
+/// a full node (ENOMEM), a cgroup limit, or CUDA's page-locking limit.
+pub(crate) fn shortage(error: &Error) -> bool {
+    match error {
+        Error::Syscall { errno, .. } => *errno == libc::ENOMEM,
+        Error::MemoryLimit { .. } => true,
+        Error::Cuda { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
+        _ => false,
+    }
+}
+
+/// What a request short of memory by `error` needs given back.
+pub(crate) fn shortage_kind(error: &Error) -> Shortage {
+    match error {
+        Error::Syscall { call: "mmap", .. } => Shortage::AddressSpace,
+        _ => Shortage::Memory,
+    }
+}
+
+/// Whether a request of `size` bytes at `align` is carved (else it gets a mapping of its own).
+pub(crate) fn carved(size: usize, align: usize) -> bool {
+    size < crate::arena::DEDICATED_MIN && size.saturating_add(align) <= CHUNK_MAX
+}
+
+/// The heap a reservation of bytes makes for `kind`: huge-page chunks when huge pages are on.
+pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
+    HeapKey {
+        kind,
+        huge: huge_pages,
+        reserved: true,
     }
 }
 

@@ -11,7 +11,7 @@
 use std::alloc::Layout;
 use std::ptr::{self, NonNull};
 
-use super::chunks::carved;
+use super::carved;
 use super::{Blocks, Resolved};
 use crate::arena::{class_size, Block, Fit, InFlight, Kind, Released};
 use crate::process::NODES;

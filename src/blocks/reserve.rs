@@ -14,8 +14,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::block::HUGE_PAGE;
-use super::chunks::reserved_key;
+use super::{reserved_key, HUGE_PAGE};
 use super::{Blocks, Resolved};
 use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
 use crate::chunk::Mapping;

@@ -6,7 +6,7 @@
 //! in a static and never unloaded, so the resolved pointers and the driver's static strings live
 //! for the rest of the process.
 //!
-//! To call another driver function: add one line to the [`driver_table!`] list below (its field,
+//! To call another driver function: add one line to the `driver_table!` list below (its field,
 //! C prototype and symbol); the field, its loading and the unit-test fake's default come from
 //! there.
 

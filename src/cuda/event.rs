@@ -27,7 +27,7 @@ const POOL_CAPACITY: usize = 64;
 /// Each keeps its context (cudarc's `Arc<CudaContext>`) alive until the process exits.
 ///
 /// The crate's fork-safe lock, because a forked child can take it (a `PinnedBuf` made and copied
-/// there): the fork handlers (`process.rs`) take it last, after the arenas' locks, since a
+/// there): the fork handlers (`process/mod.rs`) take it last, after the arenas' locks, since a
 /// pending block's event that completed comes back here under its arena's lock, and nothing is
 /// locked while it is held.
 pub(crate) static POOL: Lock<Vec<CudaEvent>> = Lock::new(Vec::new());

@@ -1,5 +1,5 @@
 //! CUDA's own host-NUMA memory, the peer the benchmarks weigh this crate against (re-exported by
-//! [`crate::cuda_driver`]): page-locked host memory on one node from `cuMemCreate` with a
+//! [`cuda_driver`](super::tools)): page-locked host memory on one node from `cuMemCreate` with a
 //! `CU_MEM_LOCATION_TYPE_HOST_NUMA` location, mapped at an address of the driver's, and a
 //! stream-ordered pool (`cuMemPoolCreate`) with such a location.
 //!
@@ -18,7 +18,6 @@ use super::driver::{
     Api, CuDevicePtr, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle, CuMemLocation, CuMemPool,
     CuMemPoolProps, CuResult, CuStream,
 };
-use super::tools::Driver;
 use crate::{Error, Result};
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
@@ -151,7 +150,8 @@ unsafe fn bytes<'a>(ptr: NonNull<u8>, len: usize, filled: &mut bool) -> &'a mut 
 /// releases the allocation, in that order.
 #[derive(Debug)]
 pub struct HostNumaMemory<'d> {
-    _driver: PhantomData<&'d Driver>,
+    /// The context of the `Driver` it came from, borrowed while this lives.
+    _driver: PhantomData<&'d Gpu>,
     steps: Steps,
     ptr: NonNull<u8>,
     filled: bool,
@@ -191,7 +191,8 @@ impl Drop for Steps {
 }
 
 impl<'d> HostNumaMemory<'d> {
-    /// [`Driver::host_numa_memory`]'s body. Needs `gpu`'s context current on this thread.
+    /// [`Driver::host_numa_memory`](super::tools::Driver::host_numa_memory)'s body. Needs `gpu`'s
+    /// context current on this thread.
     pub(super) fn map(gpu: &'d Gpu, node: usize, len: usize) -> Result<Self> {
         let api = gpu.api();
         let calls = VmmCalls::get(api)?;
@@ -271,7 +272,8 @@ impl<'d> HostNumaMemory<'d> {
         self.steps.len
     }
 
-    /// Whether the mapping is empty (never: [`Driver::host_numa_memory`] refuses 0 bytes).
+    /// Whether the mapping is empty (never:
+    /// [`Driver::host_numa_memory`](super::tools::Driver::host_numa_memory) refuses 0 bytes).
     pub fn is_empty(&self) -> bool {
         self.steps.len == 0
     }
@@ -291,7 +293,8 @@ impl<'d> HostNumaMemory<'d> {
 /// the pool and the stream.
 #[derive(Debug)]
 pub struct HostNumaPool<'d> {
-    _driver: PhantomData<&'d Driver>,
+    /// The context of the `Driver` it came from, borrowed while this lives.
+    _driver: PhantomData<&'d Gpu>,
     api: &'static Api,
     calls: PoolCalls,
     pool: CuMemPool,
@@ -299,7 +302,8 @@ pub struct HostNumaPool<'d> {
 }
 
 impl<'d> HostNumaPool<'d> {
-    /// [`Driver::host_numa_pool`]'s body. Needs `gpu`'s context current on this thread.
+    /// [`Driver::host_numa_pool`](super::tools::Driver::host_numa_pool)'s body. Needs `gpu`'s
+    /// context current on this thread.
     pub(super) fn create(gpu: &'d Gpu, node: usize) -> Result<Self> {
         let api = gpu.api();
         let calls = PoolCalls::get(api)?;

@@ -15,8 +15,9 @@
 //! CUDA versions: the crate builds with every CUDA version cudarc 0.19 has bindings for (11.4 to
 //! 13.4 in cudarc 0.19.10), whichever the program's cudarc features, nvcc or cudarc's latest pick;
 //! CI builds 12.6, 12.8, 13.0 and the latest (`.ci/compose/`). Every required entry point exists
-//! since CUDA 11.4. Error names cover every code of `cuda.h` 11.4 to 13.2 (`names.rs`); newer
-//! codes are named by the driver (`cuGetErrorName`), else reported as numbers.
+//! since CUDA 11.4. Error names cover every code of `cuda.h` 11.4 to 13.2
+//! (`error/cuda_codes.rs`); newer codes are named by the driver (`cuGetErrorName`), else reported
+//! as numbers.
 //!
 //! Everything here is written for the allocator's large path: nothing panics, nothing calls into
 //! libcuda before [`driver_present`] has confirmed that the library loads, that every required

@@ -18,6 +18,11 @@ pub(crate) use cuda_codes::{error_hint, known_error_name};
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+// Here, beside the error that cites it, so that this layer imports nothing above it; the
+// topology re-exports it, and so does the crate root.
+/// The ACPI SLIT distance from a node to itself.
+pub const LOCAL_NUMA_DISTANCE: u8 = 10;
+
 /// Everything that can go wrong in this crate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -31,7 +36,7 @@ pub enum Error {
         /// Number of entries supplied.
         entries: usize,
     },
-    /// A node's distance to itself is not [`LOCAL_NUMA_DISTANCE`](crate::LOCAL_NUMA_DISTANCE).
+    /// A node's distance to itself is not [`LOCAL_NUMA_DISTANCE`].
     LocalDistance {
         /// The node whose diagonal entry is wrong.
         node: usize,
@@ -249,7 +254,7 @@ impl fmt::Display for Error {
             Error::LocalDistance { node, distance } => write!(
                 f,
                 "distance from node {node} to itself is {distance}, expected {}",
-                crate::LOCAL_NUMA_DISTANCE
+                LOCAL_NUMA_DISTANCE
             ),
             Error::UnknownNode { node, node_count } => write!(
                 f,

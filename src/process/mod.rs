@@ -1,5 +1,5 @@
 //! Process-wide state: the initialisation lock, and the fork handlers that keep it, every node's
-//! arena lock (`arena/nodes.rs`) and the CUDA event pool's lock (`cuda/event.rs`, with the
+//! arena lock (`nodes.rs`) and the CUDA event pool's lock (`cuda/event.rs`, with the
 //! feature `pinned-buffer`) consistent in a forked child.
 //!
 //! A child inherits each lock in the state some other thread of the parent left it in, and that

@@ -50,7 +50,7 @@ pub struct Placement {
     pub numa_placement: bool,
 }
 
-// `NumaGpuAlloc` shares its runtime between threads through a pointer (see `process.rs`).
+// `NumaGpuAlloc` shares its runtime between threads through a pointer (see `process/mod.rs`).
 const _: () = {
     const fn shared_between_threads<T: Send + Sync>() {}
     shared_between_threads::<Runtime>()

@@ -16,7 +16,7 @@ use crate::Error;
 impl Runtime {
     /// Makes the configured reservation (`reserve=`) now; called once, right after
     /// initialisation. A failure is printed as one line on stderr (the cause is also counted in
-    /// the stats); one refused for its figures (see [`check`]) or by `pin=strict` is already a
+    /// the stats); one refused for its figures (see [`check`](crate::blocks::reserve::check)) or by `pin=strict` is already a
     /// setup error.
     pub(crate) fn reserve_configured(&self) {
         let tally = Tally::new(self.configured_bytes());

@@ -3,7 +3,7 @@
 //! An injected fault stands in for the kernel's answer, after argument checks: the function
 //! returns exactly what it would if the syscall had failed with that errno (so an injected EPERM
 //! into [`bind`](super::bind) gives [`Error::NumaUnavailable`](crate::Error::NumaUnavailable), an
-//! injected EINVAL into a first [`populate`](super::populate) falls back to touching pages).
+//! injected EINVAL into a first [`populate`](fn@super::populate) falls back to touching pages).
 //! Faults are process-wide and thread-safe (one atomic per point); tests that inject must
 //! serialise with every other test of their binary that reaches these calls.
 //!
@@ -19,7 +19,7 @@ pub enum FaultPoint {
     Mmap,
     /// The `mbind` of [`bind`](super::bind).
     Mbind,
-    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](super::populate), at every attempt
+    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](fn@super::populate), at every attempt
     /// (EINTR is retried).
     Populate,
     /// The `move_pages` of [`page_nodes`](super::page_nodes) (first batch).
@@ -57,13 +57,25 @@ pub fn inject(point: FaultPoint, errno: i32, count: u32) {
 }
 
 /// Removes every pending fault and forgets which populate method works, so the next
-/// [`populate`](super::populate) probes `MADV_POPULATE_WRITE` again.
+/// [`populate`](fn@super::populate) probes `MADV_POPULATE_WRITE` again.
 #[cfg(feature = "fault-injection")]
 pub fn clear() {
     for f in &FAULTS {
         f.store(0, Ordering::SeqCst);
     }
-    super::populate::forget_method();
+    PROBE_AGAIN.store(true, Ordering::SeqCst);
+}
+
+/// Set by [`clear`], taken by the next [`populate`](fn@super::populate): the fault state knows
+/// nothing of populate's, populate asks.
+#[cfg(feature = "fault-injection")]
+static PROBE_AGAIN: AtomicBool = AtomicBool::new(false);
+
+/// Whether [`clear`] ran since the last call: [`populate`](fn@super::populate) then forgets the
+/// method it probed.
+#[cfg(feature = "fault-injection")]
+pub(super) fn cleared() -> bool {
+    PROBE_AGAIN.load(Ordering::SeqCst) && PROBE_AGAIN.swap(false, Ordering::SeqCst)
 }
 
 /// How many calls at `point` will still fail (`u32::MAX`: until cleared).
@@ -121,5 +133,12 @@ pub(crate) fn injected(_point: FaultPoint) -> Option<i32> {
 #[cfg(not(feature = "fault-injection"))]
 #[inline(always)]
 pub(crate) fn in_flight_ignored() -> bool {
+    false
+}
+
+/// Never cleared without the feature.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub(super) fn cleared() -> bool {
     false
 }

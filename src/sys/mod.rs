@@ -4,7 +4,8 @@
 //!   the `madvise` hints;
 //! - `policy.rs`: where pages may go — [`NodeMask`], [`MemPolicy`], [`bind`] (`mbind`),
 //!   [`allowed_memory_nodes`] (`get_mempolicy`), [`current_node`] (`getcpu`);
-//! - `populate.rs`: faulting pages in — [`populate`] (`madvise(MADV_POPULATE_WRITE)`);
+//! - `populate.rs`: faulting pages in — [`populate`](fn@populate)
+//!   (`madvise(MADV_POPULATE_WRITE)`);
 //! - `pages.rs`: where pages are — [`page_nodes`] and [`census`] (`move_pages`);
 //! - `affinity.rs`: which CPUs a thread runs on (`sched_setaffinity`, `sched_getaffinity`);
 //! - `lock.rs`: the allocator's fork-safe lock (`futex`); `once.rs`: one-time state a fork cannot
@@ -17,9 +18,9 @@
 //! panics, and errno is read without building an [`std::io::Error`] payload (an `Os` error is
 //! just an integer).
 //!
-//! The pipeline is [`map_anonymous`] → [`bind`] → [`populate`]. Never map with `MAP_POPULATE`:
-//! pages faulted in before `mbind` sets the policy stay on whichever node the faulting CPU chose.
-//! [`page_nodes`] and [`census`] check afterwards where the pages really are.
+//! The pipeline is [`map_anonymous`] → [`bind`] → [`populate`](fn@populate). Never map with
+//! `MAP_POPULATE`: pages faulted in before `mbind` sets the policy stay on whichever node the
+//! faulting CPU chose. [`page_nodes`] and [`census`] check afterwards where the pages really are.
 //!
 //! Unsafe code here relies on `sysconf` having no memory-safety preconditions; each file below
 //! states what its own raw calls rely on.

@@ -47,6 +47,10 @@ const METHOD_TOUCH: u8 = 2;
 /// [`map_anonymous`](super::map_anonymous), that nobody else uses, and whose content is still all zeros (the fallback writes zeros).
 pub unsafe fn populate(ptr: NonNull<u8>, len: usize) -> Result<PopulateMethod> {
     let pages = check_range(ptr, len)?;
+    if fault::cleared() {
+        // The tests' `fault::clear`: probe again.
+        POPULATE_METHOD.store(METHOD_UNKNOWN, Ordering::Relaxed);
+    }
     let method = POPULATE_METHOD.load(Ordering::Relaxed);
     if method == METHOD_TOUCH {
         // The fallback makes no syscall, but an injected fault should still be seen.
@@ -104,10 +108,4 @@ fn madvise_populate_write(ptr: NonNull<u8>, len: usize) -> std::result::Result<(
         return Err(errno());
     }
     Ok(())
-}
-
-/// Forgets the probed method, so the next [`populate`] tries `MADV_POPULATE_WRITE` again.
-#[cfg(feature = "fault-injection")]
-pub(super) fn forget_method() {
-    POPULATE_METHOD.store(METHOD_UNKNOWN, Ordering::Relaxed);
 }

@@ -25,8 +25,8 @@ pub mod sysfs;
 pub use buffer::{NumaAllocTracker, NumaBuffer};
 use sysfs::{NodeFiles, NodeTree};
 
-/// The ACPI SLIT distance from a node to itself.
-pub const LOCAL_NUMA_DISTANCE: u8 = 10;
+// Defined with the error type that cites it (the layer below).
+pub use crate::error::LOCAL_NUMA_DISTANCE;
 
 /// What one NUMA node holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -347,7 +347,7 @@ fn check_matrix_size(node_count: usize, entries: usize) -> Result<()> {
 /// `gpu_home_node`.
 ///
 /// `gpu_home_node` comes from CUDA's host NUMA id or the device's sysfs `numa_node`
-/// ([`pci::home_node`](crate::topology::pci::home_node)). As in the seed API this is the home node itself,
+/// ([`pci::home_node`]). As in the seed API this is the home node itself,
 /// validated against the topology ([`NumaTopology::nearest_node`] of it). It does not look at
 /// memory or CPUs: use [`NumaTopology::host_node_for`] to choose where buffers go. The two agree
 /// whenever the home node has memory and CPUs; they differ for a memoryless home node or a
