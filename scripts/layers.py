@@ -83,14 +83,14 @@ def upward(low, high):
 SELF_TEST = [
     ("arena/mod.rs", 39, "use crate::runtime::Runtime;", 1, upward("arena", "runtime")),
     ("cuda/event.rs", None, "use crate::NumaGpuAlloc;", 1, upward("cuda", "alloc")),
-    ("chunk.rs", None, "use super::runtime::Resolved;", 1, upward("chunk", "runtime")),
+    ("chunk/mod.rs", None, "use super::runtime::Resolved;", 1, upward("chunk", "runtime")),
     # A test module with brackets in literals and comments, then a nested group.
     ("arena/mod.rs", 39, LITERALS, 1, upward("arena", "runtime")),
     # Through the hub's re-export (`sys/mod.rs`: `pub use mem::map_anonymous`); mem.rs uses
     # fault.rs, so this is a loop within sys/.
     ("sys/fault.rs", None, "use super::map_anonymous;", 1, "    sys/fault.rs -> sys/mem.rs"),
     # A root name nobody re-exports.
-    ("chunk.rs", None, "use crate::NoSuchName;", 2, "cannot resolve: "),
+    ("chunk/mod.rs", None, "use crate::NoSuchName;", 2, "cannot resolve: "),
 ]
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -10,7 +10,7 @@ use crate::{Error, GpuSelector, PinMode};
 
 const BLOCK: usize = 256 << 10;
 
-/// Serialises the unit tests that allocate large blocks (here and in `runtime/reserve.rs`), which
+/// Serialises the unit tests that allocate large blocks (here, in `blocks/reserve.rs` and `blocks/tests.rs`), which
 /// share the process's arenas (one switches stream-ordered reuse off process-wide under
 /// `fault-injection`), and releases what earlier ones cached. Each test frees what it allocates
 /// and completes the work it records.

@@ -135,17 +135,19 @@ impl Arena {
             let Some(range) = heap.carver.take_idle(since) else {
                 break;
             };
-            let span = heap
-                .chunk_mut(range.region)
-                .and_then(|chunk| chunk.plan_purge(range.addr, range.size));
-            match span {
-                Some(span) => {
+            let planned = heap.chunk_mut(range.region).and_then(|chunk| {
+                let span = chunk.plan_purge(range.addr, range.size)?;
+                Some((span, chunk.source()))
+            });
+            match planned {
+                Some((span, source)) => {
                     released += span.len;
                     heap.purged += span.len as u64;
                     let _ = out.purges.push(Purge {
                         heap: h,
                         range,
                         span,
+                        source,
                     });
                 }
                 // Nothing resident in it: back at once.

@@ -7,7 +7,7 @@
 
 use super::carve::Range;
 use super::{Arena, Block};
-use crate::chunk::{self, Chunk, ChunkRelease, Span};
+use crate::chunk::{self, Chunk, ChunkRelease, ChunkSource, Span};
 use crate::stats::Counters;
 use crate::sys::lock::Lock;
 
@@ -53,7 +53,7 @@ impl Released {
         let mut done = [false; PURGES];
         for (purge, done) in self.purges.iter().zip(&mut done) {
             // SAFETY: the arena took each range out of its carver for this: unused, unpinned.
-            *done = unsafe { chunk::purge(purge.span) }.is_ok();
+            *done = unsafe { chunk::purge(purge.source, purge.span) }.is_ok();
         }
         arena.lock().purged(self.purges.drain().zip(done))
     }
@@ -65,6 +65,8 @@ pub(crate) struct Purge {
     pub(super) heap: usize,
     pub(super) range: Range,
     pub(crate) span: Span,
+    /// The source of the chunk the range lies in, which purges it.
+    pub(crate) source: &'static dyn ChunkSource,
 }
 
 /// At most `N` values, on the stack.

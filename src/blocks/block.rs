@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::{shortage, shortage_kind, Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{count_release, Block, Kind};
-use crate::chunk::{release_dedicated, Mapping};
+use crate::chunk::{release_dedicated, Mapping, ANONYMOUS};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::process::populate;
@@ -96,7 +96,8 @@ impl Blocks {
     fn map(&self, capacity: usize, align: usize) -> Result<Mapping, Error> {
         let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
         let map_align = if huge { align.max(HUGE_PAGE) } else { align };
-        let mapping = Mapping::new(capacity, map_align.max(self.page_size))?;
+        // Anonymous: a dedicated block grows by `mremap` and is released as anonymous memory.
+        let mapping = Mapping::new(&ANONYMOUS, capacity, map_align.max(self.page_size))?;
         if huge {
             // SAFETY: the mapping was just made by us. Without THP this is a no-op hint.
             let _ = unsafe { sys::advise_hugepage(mapping.ptr(), capacity) };

@@ -306,7 +306,7 @@ impl Blocks {
             // A pinned chunk is populated whole.
             self.memory_limits.check(len)?;
         }
-        let mapping = Mapping::new(len, CHUNK_ALIGN)?;
+        let mapping = Mapping::new(self.source, len, CHUNK_ALIGN)?;
         self.place_chunk(key, mapping, target).inspect_err(|_| {
             // The mapping went with the error (its guard unmapped it).
             self.counters.released_blocks.incr();

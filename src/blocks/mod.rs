@@ -13,12 +13,15 @@ mod chunks;
 mod pinning;
 mod requests;
 pub(crate) mod reserve;
+#[cfg(test)]
+mod tests;
 
 pub(crate) use pinning::Unpinnable;
 
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::{Arena, HeapKey, Kind, Shortage, CHUNK_MAX};
+use crate::chunk::{ChunkSource, ANONYMOUS};
 use crate::config::Config;
 use crate::cuda::Gpu;
 use crate::process::NODES;
@@ -64,6 +67,8 @@ pub(crate) struct Blocks {
     /// The cgroup memory limits a new block is checked against.
     memory_limits: MemoryLimits,
     pub(crate) counters: Counters,
+    /// Where its chunks' memory comes from.
+    source: &'static dyn ChunkSource,
 }
 
 impl Blocks {
@@ -89,7 +94,14 @@ impl Blocks {
             populate_threads,
             memory_limits: MemoryLimits::of_this_process(),
             counters: Counters::default(),
+            source: &ANONYMOUS,
         }
+    }
+
+    /// The same large path with its chunks' memory from `source`.
+    #[cfg(test)]
+    pub(crate) fn with_source(self, source: &'static dyn ChunkSource) -> Blocks {
+        Blocks { source, ..self }
     }
 
     /// Whether blocks are still placed with `mbind`.

@@ -164,7 +164,7 @@ impl Blocks {
             left -= units;
             next = (next * 2).min(max);
             let len = (units * unit).next_multiple_of(CHUNK_ALIGN);
-            let mapping = Mapping::new(len, CHUNK_ALIGN)?;
+            let mapping = Mapping::new(self.source, len, CHUNK_ALIGN)?;
             let mut chunk = self.placed_chunk(key, mapping, target)?;
             tally.placed.fetch_add(len, Ordering::Relaxed);
             self.populate_chunk(&mut chunk, target)?;

@@ -51,7 +51,11 @@ fn arena() -> Arena {
 /// An arena with one unpinned huge-page chunk of `len` bytes under `key`.
 fn arena_with_chunk(key: HeapKey, len: usize) -> Arena {
     let mut arena = arena();
-    let chunk = Chunk::new(Mapping::new(len, CHUNK_ALIGN).unwrap(), 2 * MIB).unwrap();
+    let chunk = Chunk::new(
+        Mapping::new(&crate::chunk::ANONYMOUS, len, CHUNK_ALIGN).unwrap(),
+        2 * MIB,
+    )
+    .unwrap();
     assert!(arena.add_chunk(key, chunk).is_ok());
     arena
 }
@@ -315,7 +319,7 @@ fn purge_now(arena: &mut Arena) {
         .purges
         .iter()
         // SAFETY: taken out of the carver for this: unused, unpinned.
-        .map(|p| unsafe { crate::chunk::purge(p.span) }.is_ok())
+        .map(|p| unsafe { crate::chunk::purge(p.source, p.span) }.is_ok())
         .collect();
     arena.purged(out.purges.drain().zip(done));
 }
@@ -417,7 +421,11 @@ fn pinned_free_space_does_not_count_against_the_idle_limit() {
         ..HUGE
     };
     let mut arena = arena();
-    let mut chunk = Chunk::new(Mapping::new(32 * MIB, CHUNK_ALIGN).unwrap(), 2 * MIB).unwrap();
+    let mut chunk = Chunk::new(
+        Mapping::new(&crate::chunk::ANONYMOUS, 32 * MIB, CHUNK_ALIGN).unwrap(),
+        2 * MIB,
+    )
+    .unwrap();
     // What registration does to the bits: all resident.
     let _ = chunk.plan_populate(chunk.base(), chunk.len());
     assert!(arena.add_chunk(pinned, chunk).is_ok());
@@ -454,7 +462,11 @@ fn ranges_whose_purge_failed_are_not_offered_again() {
         ..HUGE
     };
     let mut arena = arena();
-    let chunk = Chunk::new(Mapping::new(32 * MIB, CHUNK_ALIGN).unwrap(), PAGE).unwrap();
+    let chunk = Chunk::new(
+        Mapping::new(&crate::chunk::ANONYMOUS, 32 * MIB, CHUNK_ALIGN).unwrap(),
+        PAGE,
+    )
+    .unwrap();
     assert!(arena.add_chunk(small, chunk).is_ok());
     let carve_small = |arena: &mut Arena| {
         let carving = arena.carve(small, 64 << 10, PAGE, None).unwrap().unwrap();

@@ -27,8 +27,11 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod source;
+
+pub(crate) use source::{ChunkSource, ANONYMOUS};
+
 use crate::cuda::{Gpu, RegisterFlags};
-use crate::sys;
 use crate::Error;
 
 /// A byte range of a chunk that the caller populates, zeroes or purges outside the arena lock.
@@ -54,11 +57,12 @@ impl Span {
     }
 }
 
-/// An anonymous mapping; unmapped on drop.
+/// A mapping from a [`ChunkSource`]; given back to it on drop.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    source: &'static dyn ChunkSource,
 }
 
 // SAFETY: the mapping is this guard's alone; moving the guard between threads moves the right to
@@ -66,10 +70,19 @@ pub(crate) struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    /// Maps `len` fresh bytes at a multiple of `align` (see [`sys::map_anonymous`]).
-    pub(crate) fn new(len: usize, align: usize) -> Result<Mapping, Error> {
-        let ptr = sys::map_anonymous(len, align)?;
-        Ok(Mapping { ptr, len })
+    /// Maps `len` fresh bytes from `source` at a multiple of `align` (see [`ChunkSource::map`]).
+    pub(crate) fn new(
+        source: &'static dyn ChunkSource,
+        len: usize,
+        align: usize,
+    ) -> Result<Mapping, Error> {
+        let ptr = source.map(len, align)?;
+        Ok(Mapping { ptr, len, source })
+    }
+
+    /// Where the mapping came from.
+    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
+        self.source
     }
 
     pub(crate) fn ptr(&self) -> NonNull<u8> {
@@ -94,20 +107,27 @@ impl Mapping {
         ptr
     }
 
-    /// The mapping `ptr..ptr+len` that [`Self::keep`] kept.
+    /// The anonymous mapping `ptr..ptr+len` that [`Self::keep`] kept (dedicated blocks are
+    /// anonymous: they grow by `mremap`).
     ///
     /// # Safety
-    /// That mapping exists, nothing uses it any more, and it is adopted once.
+    /// That mapping exists, came from [`ANONYMOUS`], nothing uses it any more, and it is adopted
+    /// once.
     unsafe fn adopt(ptr: NonNull<u8>, len: usize) -> Mapping {
-        Mapping { ptr, len }
+        Mapping {
+            ptr,
+            len,
+            source: &ANONYMOUS,
+        }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: the guard made this mapping and owns it alone; nothing uses it any more (the
-        // chunk that holds it is only dropped once no block of it is live or pending).
-        let _ = unsafe { sys::unmap(self.ptr, self.len) };
+        // SAFETY: the guard's source made this mapping, whole, and the guard owns it alone;
+        // nothing uses it any more (the chunk that holds it is only dropped once no block of it
+        // is live or pending), and a registration is released before its mapping.
+        let _ = unsafe { self.source.unmap(self.ptr, self.len) };
     }
 }
 
@@ -342,6 +362,12 @@ impl Chunk {
         Ok(())
     }
 
+    /// Where the chunk's memory came from (its mapping's source; the mapping is only taken by
+    /// the release that consumes the chunk).
+    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
+        self.mapping.as_ref().map_or(&ANONYMOUS, Mapping::source)
+    }
+
     pub(crate) fn base(&self) -> usize {
         self.mapping
             .as_ref()
@@ -509,89 +535,19 @@ impl Drop for Chunk {
     }
 }
 
-/// Gives the pages of `span` back to the kernel (`MADV_DONTNEED`).
+/// Gives the pages of `span` back to `source`, the source of the chunk it lies in (see
+/// [`ChunkSource::purge`]).
 ///
 /// # Safety
-/// `span` lies in an unpinned chunk, and nobody uses it: it is free in the arena's carver and
-/// held out of it (taken as in use) while this runs.
-pub(crate) unsafe fn purge(span: Span) -> Result<(), Error> {
+/// `span` lies in an unpinned chunk of `source`, and nobody uses it: it is free in the arena's
+/// carver and held out of it (taken as in use) while this runs.
+pub(crate) unsafe fn purge(source: &dyn ChunkSource, span: Span) -> Result<(), Error> {
     let Some(ptr) = span.ptr() else {
         return Ok(());
     };
-    // SAFETY: forwarded from the caller: the range is ours, unused, and not registered.
-    unsafe { sys::advise_dontneed(ptr, span.len) }
+    // SAFETY: forwarded from the caller: the range is the source's, unused, and not registered.
+    unsafe { source.purge(ptr, span.len) }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: usize = 1 << 20;
-
-    fn chunk(len: usize, granule: usize) -> Chunk {
-        Chunk::new(Mapping::new(len, 2 * MIB).unwrap(), granule).unwrap()
-    }
-
-    #[test]
-    fn each_granule_is_populated_once_in_the_callers_range() {
-        let mut c = chunk(8 * MIB, 2 * MIB);
-        let base = c.base();
-        // 3 MiB at 1 MiB touches granules 0 and 1: populated in the range only.
-        assert_eq!(
-            c.plan_populate(base + MIB, 3 * MIB),
-            Some(Span {
-                addr: base + MIB,
-                len: 3 * MIB
-            })
-        );
-        assert_eq!(c.resident(), 4 * MIB);
-        assert_eq!(
-            c.plan_populate(base + 2 * MIB, MIB),
-            None,
-            "granule 1 is resident"
-        );
-        assert_eq!(
-            c.plan_populate(base + 3 * MIB, 2 * MIB),
-            Some(Span {
-                addr: base + 4 * MIB,
-                len: MIB
-            })
-        );
-        assert!(c.any_resident(base + 5 * MIB, 100));
-        assert!(!c.any_resident(base + 6 * MIB, MIB));
-    }
-
-    #[test]
-    fn only_dirty_granules_are_zeroed_and_purging_cleans_them() {
-        let page = sys::page_size();
-        let mut c = chunk(8 * MIB, page);
-        let base = c.base();
-        assert_eq!(c.hand_out(base, 2 * page), None, "fresh memory is zero");
-        assert_eq!(
-            c.hand_out(base + page, 2 * page),
-            Some(Span {
-                addr: base + page,
-                len: page
-            }),
-            "the page handed out before"
-        );
-        c.plan_populate(base, 4 * page);
-        // Only whole granules inside the free range are purged.
-        assert_eq!(
-            c.plan_purge(base + 100, 3 * page),
-            Some(Span {
-                addr: base + page,
-                len: 2 * page
-            })
-        );
-        assert_eq!(c.resident(), 2 * page);
-        assert_eq!(c.hand_out(base + page, page), None, "purged: zero again");
-    }
-
-    #[test]
-    fn a_released_chunk_is_unmapped() {
-        let c = chunk(4 * MIB, 2 * MIB);
-        let released = c.release();
-        assert!(released.unmapped && released.unregistered.is_none());
-    }
-}
+mod tests;

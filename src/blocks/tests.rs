@@ -1,0 +1,158 @@
+//! The chunk seam with a test double: chunks come from the value's [`ChunkSource`], go back to
+//! it whole, and have their idle ranges purged through it; a source that cannot map fails the
+//! request cleanly, counted, and loses nothing.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+
+use super::{Blocks, Resolved};
+use crate::alloc::tests::serial;
+use crate::chunk::{ChunkSource, ANONYMOUS};
+use crate::config::{Config, PinMode};
+use crate::sys::NodeMask;
+use crate::{Error, NumaTopology};
+
+/// Anonymous memory, counted, whose mapping can be made to fail.
+#[derive(Debug)]
+struct CountingSource {
+    maps: AtomicUsize,
+    unmaps: AtomicUsize,
+    purges: AtomicUsize,
+    /// Bytes mapped and not given back.
+    mapped: AtomicUsize,
+    refuse: AtomicBool,
+}
+
+impl CountingSource {
+    const fn new() -> CountingSource {
+        CountingSource {
+            maps: AtomicUsize::new(0),
+            unmaps: AtomicUsize::new(0),
+            purges: AtomicUsize::new(0),
+            mapped: AtomicUsize::new(0),
+            refuse: AtomicBool::new(false),
+        }
+    }
+}
+
+// SAFETY: every range comes from the anonymous source, whose contract it forwards.
+unsafe impl ChunkSource for CountingSource {
+    fn map(&self, len: usize, align: usize) -> Result<NonNull<u8>, Error> {
+        if self.refuse.load(Relaxed) {
+            return Err(Error::Syscall {
+                call: "mmap",
+                errno: libc::ENOMEM,
+            });
+        }
+        let ptr = ANONYMOUS.map(len, align)?;
+        self.maps.fetch_add(1, Relaxed);
+        self.mapped.fetch_add(len, Relaxed);
+        Ok(ptr)
+    }
+
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+        self.unmaps.fetch_add(1, Relaxed);
+        self.mapped.fetch_sub(len, Relaxed);
+        // SAFETY: forwarded from the caller; the range is the anonymous source's.
+        unsafe { ANONYMOUS.unmap(ptr, len) }
+    }
+
+    unsafe fn purge(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+        self.purges.fetch_add(1, Relaxed);
+        // SAFETY: forwarded from the caller.
+        unsafe { ANONYMOUS.purge(ptr, len) }
+    }
+}
+
+/// A value's large path on node 0 with chunks from `source`: unpinned, no decay (so that only
+/// `trim` gives back), no decay thread.
+fn blocks(source: &'static CountingSource) -> (Blocks, Resolved) {
+    let config = Config {
+        pin: PinMode::Off,
+        decay_ms: u64::MAX,
+        decay_thread: false,
+        ..Config::DEFAULT
+    };
+    let blocks = Blocks::new(config, NumaTopology::single_node(), None, None).with_source(source);
+    let mut nodes = NodeMask::empty();
+    let _ = nodes.insert(0);
+    let target = Resolved {
+        host_node: 0,
+        nodes,
+        gpu: None,
+        ordinal: None,
+        unpinnable: None,
+    };
+    (blocks, target)
+}
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn chunks_come_from_the_source_and_go_back_to_it() {
+    static SOURCE: CountingSource = CountingSource::new();
+    let _serial = serial();
+    let (blocks, target) = blocks(&SOURCE);
+    let layout = Layout::from_size_align(4 * MIB, 4096).unwrap();
+    let a = blocks
+        .allocate(layout, false, &target)
+        .expect("a carved block");
+    let b = blocks
+        .allocate(layout, false, &target)
+        .expect("a second one");
+    assert_eq!(SOURCE.maps.load(Relaxed), 1, "one chunk, from the source");
+    // SAFETY: the blocks are ours, 4 MiB each.
+    unsafe {
+        a.as_ptr().write_bytes(1, layout.size());
+        b.as_ptr().write_bytes(2, layout.size());
+    }
+    assert!(blocks.free(a.as_ptr() as usize, 0));
+    blocks.trim();
+    assert!(
+        SOURCE.purges.load(Relaxed) >= 1,
+        "the idle range of a chunk still in use is purged through its source"
+    );
+    assert_eq!(
+        SOURCE.unmaps.load(Relaxed),
+        0,
+        "the chunk holds a live block"
+    );
+    assert!(blocks.free(b.as_ptr() as usize, 0));
+    blocks.trim();
+    assert_eq!(
+        SOURCE.unmaps.load(Relaxed),
+        1,
+        "the wholly free chunk goes back to it"
+    );
+    assert_eq!(SOURCE.mapped.load(Relaxed), 0, "whole");
+    assert_eq!(blocks.counters.released_blocks.get(), 1);
+}
+
+#[test]
+fn a_source_that_cannot_map_fails_the_request_and_loses_nothing() {
+    static SOURCE: CountingSource = CountingSource::new();
+    let _serial = serial();
+    let (blocks, target) = blocks(&SOURCE);
+    let layout = Layout::from_size_align(2 * MIB, 4096).unwrap();
+    SOURCE.refuse.store(true, Relaxed);
+    assert!(blocks.allocate(layout, false, &target).is_none());
+    assert_eq!(blocks.counters.failed_allocations.get(), 1);
+    assert_eq!(
+        blocks.counters.map_failures.get(),
+        1,
+        "counted once per request"
+    );
+    assert_eq!(SOURCE.maps.load(Relaxed), 0);
+    SOURCE.refuse.store(false, Relaxed);
+    let block = blocks
+        .allocate(layout, true, &target)
+        .expect("mapped again");
+    // SAFETY: ours, 2 MiB, asked zeroed.
+    let bytes = unsafe { std::slice::from_raw_parts(block.as_ptr(), layout.size()) };
+    assert!(bytes.iter().all(|&b| b == 0));
+    assert!(blocks.free(block.as_ptr() as usize, 0));
+    blocks.trim();
+    assert_eq!(SOURCE.mapped.load(Relaxed), 0, "given back whole");
+}
