@@ -91,8 +91,8 @@ pub struct NodeStats {
     pub registrations: u64,
     /// Bytes of idle free ranges given back to the kernel (`MADV_DONTNEED`) so far.
     pub purged_bytes: u64,
-    /// Idle cached dedicated blocks the decay thread released (they count in no value's
-    /// `released_blocks`).
+    /// Idle cached dedicated blocks the decay thread released (they count in every value's
+    /// `released_blocks` too: the decay thread's releases are added to each value's).
     pub decay_released: u64,
 }
 

@@ -414,7 +414,7 @@ fn an_allocator_that_does_not_pin_says_why() {
         Some(driver) => {
             assert_eq!(why, Some(Error::NoCudaDriver { driver }));
             let text = missing.stats().to_string();
-            assert!(text.contains(", pinning off: no CUDA driver ("), "{text}");
+            assert!(text.contains(", pinning off: CUDA unusable ("), "{text}");
             #[cfg(feature = "pinned-buffer")]
             assert_eq!(
                 crate::PinnedBuf::<u8>::zeroed(&missing, 1).err(),

@@ -292,13 +292,17 @@ impl Blocks {
         }
     }
 
-    /// Starts the peaks over: each node's (the arenas are the process's) and this value's
-    /// longest times.
+    /// Starts the peaks over: each node's (the arenas are the process's), this value's longest
+    /// times and the decay thread's.
     pub(crate) fn reset_peaks(&self) {
         for arena in NODES.arenas() {
             arena.lock().reset_peak();
         }
         self.counters.reset_peaks();
+        // Its longest times are added into every value's, as its releases are.
+        if let Some(decay) = crate::process::decay::counters() {
+            decay.reset_peaks();
+        }
     }
 
     /// Fills the node rows of `stats` (and the GPU and heap rows they hold) from the arenas that

@@ -38,6 +38,7 @@ impl Blocks {
         if blocks == 0 || block_size == 0 {
             return Ok(());
         }
+        linux_only()?;
         check(&self.config, blocks, block_size)?;
         let page = self.page_size;
         // `pin=strict` with nothing to page-lock them: none is made.
@@ -147,6 +148,7 @@ impl Blocks {
         kind: Kind,
         tally: &Tally,
     ) -> Result<(), Error> {
+        linux_only()?;
         let key = reserved_key(kind, self.config.huge_pages);
         self.check_room(bytes, target, kind)?;
         // Counted in units, not bytes: each chunk's rounding up to 2 MiB is room no unit uses.
@@ -188,6 +190,18 @@ impl Blocks {
             self.counters.reserved_bytes.add(len as u64);
         }
         Ok(())
+    }
+}
+
+/// Off Linux no request takes the large path, so reserved memory would serve none: refused.
+fn linux_only() -> Result<(), Error> {
+    if cfg!(target_os = "linux") {
+        Ok(())
+    } else {
+        Err(Error::Syscall {
+            call: "reserve (Linux only: requests go to the inner allocator here)",
+            errno: libc::ENOSYS,
+        })
     }
 }
 

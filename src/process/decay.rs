@@ -15,16 +15,18 @@
 //! ([`Released::finish`]), counted in the process's decay counters, which every value's stats
 //! add in. It reads the sysfs root of the value that started it. A forked child has no such
 //! thread until its own first chunk.
+//!
+//! Unsafe code here relies on the decay counters being leaked once and never freed.
+#![allow(unsafe_code)]
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::NODES;
 use crate::arena::Released;
 use crate::guard::Inside;
 use crate::stats::Counters;
-use crate::sys::once::SetOnce;
 use crate::sys::MAX_NODES;
 use crate::topology::sysfs::node_memory_low;
 
@@ -32,15 +34,14 @@ use crate::topology::sysfs::node_memory_low;
 static RUNNING: AtomicBool = AtomicBool::new(false);
 /// The shortest decay time of the allocator values that started or found it (milliseconds).
 static DECAY_MS: AtomicU64 = AtomicU64::new(u64::MAX);
-/// The sysfs root of the value that started the thread (a fixture tree in tests).
-static SYSFS_ROOT: SetOnce<&'static str> = SetOnce::new();
-/// What the thread released and purged, made by its first run (kept across a fork: the child's
-/// thread counts on).
-static COUNTERS: SetOnce<&'static Counters> = SetOnce::new();
+/// What the thread released and purged, made by its first run and published with one store (no
+/// state in between that a fork could catch); kept across a fork: the child's thread counts on.
+static COUNTERS: AtomicPtr<Counters> = AtomicPtr::new(std::ptr::null_mut());
 
 /// What the decay thread released and purged in this process, once it ran.
 pub(crate) fn counters() -> Option<&'static Counters> {
-    COUNTERS.get()
+    // SAFETY: non-null only once a leaked, never freed `Counters` was stored.
+    unsafe { COUNTERS.load(Ordering::Acquire).as_ref() }
 }
 
 /// Starts the thread unless it runs, for a value whose idle memory decays after `decay_ms` and
@@ -50,14 +51,13 @@ pub(crate) fn ensure_running(decay_ms: u64, sysfs_root: &'static str) {
     if decay_ms == u64::MAX {
         return;
     }
-    SYSFS_ROOT.set(sysfs_root);
     DECAY_MS.fetch_min(decay_ms, Ordering::Relaxed);
     if RUNNING.swap(true, Ordering::AcqRel) {
         return;
     }
     let spawned = super::spawn_started(
         std::thread::Builder::new().name("numa-gpu-alloc-decay".to_owned()),
-        run,
+        move || run(Path::new(sysfs_root)),
     );
     if spawned.is_err() {
         // No thread to be had now: the next chunk tries again.
@@ -70,15 +70,14 @@ pub(crate) fn forget_in_child() {
     RUNNING.store(false, Ordering::Relaxed);
 }
 
-fn run() {
+fn run(root: &Path) {
     // Whatever this thread allocates goes to the inner allocator.
     let _inside = Inside::enter();
-    let counters = COUNTERS.get().unwrap_or_else(|| {
+    let counters = counters().unwrap_or_else(|| {
         let made: &'static Counters = Box::leak(Box::default());
-        COUNTERS.set(made);
+        COUNTERS.store(std::ptr::from_ref(made).cast_mut(), Ordering::Release);
         made
     });
-    let root = Path::new(SYSFS_ROOT.get().unwrap_or("/sys"));
     loop {
         let decay = DECAY_MS.load(Ordering::Relaxed);
         // Often enough to see a node run low before the small objects exhaust it.

@@ -238,7 +238,8 @@ impl Counters {
     }
 
     /// Adds what these counters released and purged (the decay thread's) into `stats`, whose
-    /// own counts were copied in before.
+    /// own counts were copied in before. The CUDA codes of failed unregistrations stay out of
+    /// `pin_failures_by_code` (the exit report's room for them is one value's).
     pub(crate) fn add_releases(&self, stats: &mut Stats) {
         stats.released_blocks += self.released_blocks.get();
         stats.unregistrations += self.unregistrations.get();

@@ -53,8 +53,8 @@ impl fmt::Display for Pinning<'_> {
             None => f.write_str("off"),
             Some(Error::PinningOff) => f.write_str("off (pin=off)"),
             Some(Error::NoCudaDriver { driver }) => match driver {
-                Error::CudaUnavailable { reason } => write!(f, "off: no CUDA driver ({reason})"),
-                driver => write!(f, "off: no CUDA driver ({driver})"),
+                Error::CudaUnavailable { reason } => write!(f, "off: CUDA unusable ({reason})"),
+                driver => write!(f, "off: CUDA unusable ({driver})"),
             },
             Some(Error::NodeTarget) => f.write_str("off: the target is a NUMA node, not a GPU"),
             Some(Error::CudaUnavailable { reason }) => write!(f, "off: {reason}"),
@@ -310,7 +310,7 @@ mod tests {
             (
                 false,
                 Some(Error::NoCudaDriver { driver: &DRIVER }),
-                ", pinning off: no CUDA driver (libcuda.so could not be loaded)".to_owned(),
+                ", pinning off: CUDA unusable (libcuda.so could not be loaded)".to_owned(),
             ),
             (
                 false,
