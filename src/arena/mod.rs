@@ -18,9 +18,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
 
 mod carve;
-mod carving;
 mod decay;
 mod dedicated;
+mod heaps;
 mod index;
 mod pending;
 mod released;

@@ -13,7 +13,7 @@ use crate::arena::{count_release, Block, Kind};
 use crate::chunk::{release_dedicated, Mapping, ANONYMOUS};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
-use crate::process::populate;
+use crate::process::workers;
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
 
@@ -370,7 +370,7 @@ impl Blocks {
         let cpus = || node.map_or_else(process_allowed_cpus, |node| self.node_cpus(node));
         let huge = self.config.huge_pages && len >= HUGE_PAGE;
         // SAFETY: forwarded from the caller.
-        let small_pages = unsafe { populate::populate(node, cpus, ptr, len, threads, huge) }?;
+        let small_pages = unsafe { workers::populate(node, cpus, ptr, len, threads, huge) }?;
         if small_pages {
             self.counters.huge_page_stalls.incr();
         }

@@ -23,7 +23,7 @@
 
 pub(crate) mod decay;
 mod nodes;
-pub(crate) mod populate;
+pub(crate) mod workers;
 
 pub(crate) use nodes::NODES;
 

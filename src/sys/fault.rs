@@ -3,7 +3,7 @@
 //! An injected fault stands in for the kernel's answer, after argument checks: the function
 //! returns exactly what it would if the syscall had failed with that errno (so an injected EPERM
 //! into [`bind`](super::bind) gives [`Error::NumaUnavailable`](crate::Error::NumaUnavailable), an
-//! injected EINVAL into a first [`populate`](fn@super::populate) falls back to touching pages).
+//! injected EINVAL into a first [`populate`](super::populate) falls back to touching pages).
 //! Faults are process-wide and thread-safe (one atomic per point); tests that inject must
 //! serialise with every other test of their binary that reaches these calls.
 //!
@@ -19,7 +19,7 @@ pub enum FaultPoint {
     Mmap,
     /// The `mbind` of [`bind`](super::bind).
     Mbind,
-    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](fn@super::populate), at every attempt
+    /// The `madvise(MADV_POPULATE_WRITE)` of [`populate`](super::populate), at every attempt
     /// (EINTR is retried).
     Populate,
     /// The `move_pages` of [`page_nodes`](super::page_nodes) (first batch).
@@ -57,7 +57,7 @@ pub fn inject(point: FaultPoint, errno: i32, count: u32) {
 }
 
 /// Removes every pending fault and forgets which populate method works, so the next
-/// [`populate`](fn@super::populate) probes `MADV_POPULATE_WRITE` again.
+/// [`populate`](super::populate) probes `MADV_POPULATE_WRITE` again.
 #[cfg(feature = "fault-injection")]
 pub fn clear() {
     for f in &FAULTS {
@@ -66,12 +66,12 @@ pub fn clear() {
     PROBE_AGAIN.store(true, Ordering::SeqCst);
 }
 
-/// Set by [`clear`], taken by the next [`populate`](fn@super::populate): the fault state knows
+/// Set by [`clear`], taken by the next [`populate`](super::populate): the fault state knows
 /// nothing of populate's, populate asks.
 #[cfg(feature = "fault-injection")]
 static PROBE_AGAIN: AtomicBool = AtomicBool::new(false);
 
-/// Whether [`clear`] ran since the last call: [`populate`](fn@super::populate) then forgets the
+/// Whether [`clear`] ran since the last call: [`populate`](super::populate) then forgets the
 /// method it probed.
 #[cfg(feature = "fault-injection")]
 pub(super) fn cleared() -> bool {

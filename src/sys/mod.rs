@@ -4,7 +4,7 @@
 //!   the `madvise` hints;
 //! - `policy.rs`: where pages may go — [`NodeMask`], [`MemPolicy`], [`bind`] (`mbind`),
 //!   [`allowed_memory_nodes`] (`get_mempolicy`), [`current_node`] (`getcpu`);
-//! - `populate.rs`: faulting pages in — [`populate`](fn@populate)
+//! - `resident.rs`: making pages resident — [`populate`]
 //!   (`madvise(MADV_POPULATE_WRITE)`);
 //! - `pages.rs`: where pages are — [`page_nodes`] and [`census`] (`move_pages`);
 //! - `affinity.rs`: which CPUs a thread runs on (`sched_setaffinity`, `sched_getaffinity`);
@@ -18,7 +18,7 @@
 //! panics, and errno is read without building an [`std::io::Error`] payload (an `Os` error is
 //! just an integer).
 //!
-//! The pipeline is [`map_anonymous`] → [`bind`] → [`populate`](fn@populate). Never map with
+//! The pipeline is [`map_anonymous`] → [`bind`] → [`populate`]. Never map with
 //! `MAP_POPULATE`: pages faulted in before `mbind` sets the policy stay on whichever node the
 //! faulting CPU chose. [`page_nodes`] and [`census`] check afterwards where the pages really are.
 //!
@@ -78,8 +78,8 @@ mod mem;
 pub(crate) mod once;
 mod pages;
 mod policy;
-mod populate;
 mod process;
+mod resident;
 
 pub(crate) use affinity::{bind_thread_to_cpus, process_cpus};
 pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
@@ -91,8 +91,8 @@ pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
-pub use populate::{populate, PopulateMethod};
 pub(crate) use process::at_fork;
+pub use resident::{populate, PopulateMethod};
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.
 pub fn page_size() -> usize {

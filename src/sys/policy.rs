@@ -123,7 +123,7 @@ pub enum MemPolicy {
     #[default]
     Preferred,
     /// `MPOL_BIND`: allocate only on the mask's nodes. An exhausted node means ENOMEM from
-    /// [`populate`](fn@super::populate), or the OOM killer / SIGBUS at a later fault.
+    /// [`populate`](super::populate), or the OOM killer / SIGBUS at a later fault.
     Bind,
     /// `MPOL_INTERLEAVE`: spread pages round-robin over the mask's nodes.
     Interleave,
