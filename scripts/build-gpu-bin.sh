@@ -41,7 +41,7 @@ while read -r kind name exe; do
         lib) dest="$out/tests/unit-$name" ;;
         # These read fixture files from the source tree, which does not travel; `faults` holds
         # no test without the fault-injection feature (CI runs it, host-side).
-        test) case $name in fixture_placement | topology_fixtures | fuzz_corpus | faults) continue ;; esac
+        test) case $name in sysfs_fixtures | fuzz_corpus | faults) continue ;; esac
               dest="$out/tests/test-$name" ;;
         *) continue ;; # examples are built (not as tests) by `cargo test`: not test binaries
     esac
