@@ -84,7 +84,7 @@ impl Blocks {
     /// beyond the table, from a strange sysfs) or the arena could not record it: nothing records
     /// it then, so the caller must not hand it out.
     pub(crate) fn record_created(&self, block: Block) -> bool {
-        let limit = self.config.cache_limit;
+        let limit = self.settings.cache_limit;
         self.with_arena(block.node, |arena, out| {
             arena.insert_created(block, limit, out)
         })
@@ -94,7 +94,7 @@ impl Blocks {
     /// A fresh anonymous mapping of `capacity` bytes at a multiple of `align`: 2 MiB aligned and
     /// advised `MADV_HUGEPAGE` for big blocks when huge pages are on.
     fn map(&self, capacity: usize, align: usize) -> Result<Mapping, Error> {
-        let huge = self.config.huge_pages && capacity >= HUGE_PAGE;
+        let huge = self.settings.huge_pages && capacity >= HUGE_PAGE;
         let map_align = if huge { align.max(HUGE_PAGE) } else { align };
         // Anonymous: a dedicated block grows by `mremap` and is released as anonymous memory.
         let mapping = Mapping::new(&ANONYMOUS, capacity, map_align.max(self.page_size))?;
@@ -250,7 +250,7 @@ impl Blocks {
             self.counters.unplaced_blocks.incr();
             return Ok(false);
         }
-        let policy = match self.config.policy {
+        let policy = match self.settings.policy {
             MemPolicy::Bind => MemPolicy::Preferred,
             other => other,
         };
@@ -264,7 +264,7 @@ impl Blocks {
             }
             // `preferred` and `interleave` are best effort: a refused policy (EINVAL: a node the
             // cpuset or the kernel does not allow) leaves the block unplaced, counted.
-            Err(_) if self.config.policy != MemPolicy::Bind => {
+            Err(_) if self.settings.policy != MemPolicy::Bind => {
                 self.counters.placement_failures.incr();
                 self.counters.unplaced_blocks.incr();
                 Ok(false)
@@ -289,8 +289,8 @@ impl Blocks {
         len: usize,
         nodes: &NodeMask,
     ) -> Result<(), Error> {
-        let bind = self.config.policy == MemPolicy::Bind;
-        if !(bind || self.config.verify) {
+        let bind = self.settings.policy == MemPolicy::Bind;
+        if !(bind || self.settings.verify) {
             return Ok(());
         }
         let (mut checked, mut misplaced) = (0u64, 0u64);
@@ -368,7 +368,7 @@ impl Blocks {
         };
         // Workers for several nodes' pages run on any CPU the process may use.
         let cpus = || node.map_or_else(process_allowed_cpus, |node| self.node_cpus(node));
-        let huge = self.config.huge_pages && len >= HUGE_PAGE;
+        let huge = self.settings.huge_pages && len >= HUGE_PAGE;
         // SAFETY: forwarded from the caller.
         let small_pages = unsafe { workers::populate(node, cpus, ptr, len, threads, huge) }?;
         if small_pages {
@@ -415,7 +415,7 @@ impl Blocks {
         len: usize,
         gpu: Option<&'static Gpu>,
     ) -> Result<bool, Error> {
-        if self.config.pin == PinMode::Off {
+        if self.settings.pin == PinMode::Off {
             // Not a fallback: nobody asked for pinning.
             return Ok(false);
         }
@@ -426,7 +426,7 @@ impl Blocks {
                 registration.keep();
                 Ok(true)
             }
-            Err(e) if self.config.pin == PinMode::Strict => Err(e),
+            Err(e) if self.settings.pin == PinMode::Strict => Err(e),
             Err(_) => {
                 self.counters.unpinned_blocks.incr();
                 Ok(false)

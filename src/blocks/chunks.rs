@@ -44,7 +44,7 @@ impl Blocks {
         }
         let key = HeapKey {
             kind,
-            huge: self.config.huge_pages && size >= HUGE_PAGE,
+            huge: self.settings.huge_pages && size >= HUGE_PAGE,
             reserved: false,
         };
         self.carve_from(key, size, align, zeroed, target, true)
@@ -62,7 +62,7 @@ impl Blocks {
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
-        let key = reserved_key(kind, self.config.huge_pages);
+        let key = reserved_key(kind, self.settings.huge_pages);
         // A heap without room (or none at all) carves nothing: `carve_from` then returns `None`.
         if !super::reserve::bytes_reserved() || size.saturating_add(align) > CHUNK_MAX {
             return None;
@@ -93,10 +93,10 @@ impl Blocks {
                         // rather than mapping and populating one to try again at each request.
                         key.kind = Kind::unpinned(key.kind.policy);
                     }
-                    arena.settle_pending(self.config.cache_limit, &mut out);
+                    arena.settle_pending(self.settings.cache_limit, &mut out);
                     let carving = arena.carve(key, size, align, target.ordinal);
                     // After carving: idle ranges taken out to purge must not be the room needed.
-                    arena.decay(self.config.decay_ms, &mut out);
+                    arena.decay(self.settings.decay_ms, &mut out);
                     if make && matches!(carving, Ok(None)) {
                         let fit = Fit::new(size, size, align, kind);
                         if arena.pending_fits(fit) {
@@ -145,10 +145,10 @@ impl Blocks {
             .map(|mut arena| arena.add_chunk(key, chunk));
         match added {
             Some(Ok(())) => {
-                if self.config.decay_thread {
+                if self.settings.decay_thread {
                     crate::process::decay::ensure_running(
-                        self.config.decay_ms,
-                        self.config.sysfs_root,
+                        self.settings.decay_ms,
+                        self.settings.sysfs_root,
                     );
                 }
                 Some(())
@@ -171,7 +171,7 @@ impl Blocks {
         if let Some(span) = populate {
             // A node running low (a cpuset confined to it, say) gets its idle memory back first:
             // the kernel cannot reclaim it, and the OOM killer would come before a failure.
-            let root = std::path::Path::new(self.config.sysfs_root);
+            let root = std::path::Path::new(self.settings.sysfs_root);
             if span.len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
                 self.give_back_for(block.node, span.len, Shortage::Memory);
             }
@@ -324,12 +324,12 @@ impl Blocks {
         if key.kind.pinned {
             self.populate_chunk(&mut chunk, target)?;
             if let Err(e) = self.register_chunk(&mut chunk, target) {
-                if self.config.pin == PinMode::Strict {
+                if self.settings.pin == PinMode::Strict {
                     return Err(e);
                 }
             }
         }
-        if !chunk.pinned() && self.config.pin != PinMode::Off {
+        if !chunk.pinned() && self.settings.pin != PinMode::Off {
             // Pinning was asked for and this chunk has none: a fallback (`pin=off` has none).
             self.counters.unpinned_blocks.incr();
         }

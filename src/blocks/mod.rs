@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::{Arena, HeapKey, Kind, Shortage, CHUNK_MAX};
 use crate::chunk::{ChunkSource, ANONYMOUS};
-use crate::config::Config;
+use crate::config::{Config, PinMode};
 use crate::cuda::Gpu;
 use crate::process::NODES;
 use crate::stats::Counters;
@@ -46,11 +46,54 @@ pub(crate) struct Resolved {
     pub(crate) unpinnable: Option<Unpinnable>,
 }
 
+/// What the large path reads of an allocator value's settings (builder and environment, as
+/// resolved at initialisation): a small value of its own, so that nothing below the runtime
+/// depends on the rest of [`Config`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settings {
+    /// Requests of at least this size take the large path.
+    pub(crate) threshold: usize,
+    pub(crate) policy: MemPolicy,
+    /// Check every block's pages (`verify=on`).
+    pub(crate) verify: bool,
+    pub(crate) huge_pages: bool,
+    pub(crate) pin: PinMode,
+    pub(crate) pin_limit: usize,
+    pub(crate) pin_devicemap: bool,
+    pub(crate) pin_read_only: bool,
+    /// The most one registration covers (`register_max=`).
+    pub(crate) register_max: usize,
+    pub(crate) cache_limit: usize,
+    pub(crate) decay_ms: u64,
+    pub(crate) decay_thread: bool,
+    pub(crate) sysfs_root: &'static str,
+}
+
+impl Settings {
+    /// The large path's part of `config`.
+    pub(crate) fn of(config: &Config) -> Settings {
+        Settings {
+            threshold: config.threshold,
+            policy: config.policy,
+            verify: config.verify,
+            huge_pages: config.huge_pages,
+            pin: config.pin,
+            pin_limit: config.pin_limit,
+            pin_devicemap: config.pin_devicemap,
+            pin_read_only: config.pin_read_only,
+            register_max: config.register_max,
+            cache_limit: config.cache_limit,
+            decay_ms: config.decay_ms,
+            decay_thread: config.decay_thread,
+            sysfs_root: config.sysfs_root,
+        }
+    }
+}
+
 /// The large path of one allocator value: its settings, what it knows of the machine, and its
 /// counters.
 pub(crate) struct Blocks {
-    /// The value's settings (builder and environment), as resolved at initialisation.
-    pub(crate) config: Config,
+    pub(crate) settings: Settings,
     pub(crate) page_size: usize,
     /// For the CPUs that populate a node's memory, and the nodes' sizes.
     topology: NumaTopology,
@@ -85,7 +128,7 @@ impl Blocks {
             n => n,
         };
         Blocks {
-            config,
+            settings: Settings::of(&config),
             page_size: crate::sys::page_size(),
             topology,
             allowed,
@@ -140,7 +183,7 @@ impl Blocks {
     /// The nodes the policy names for blocks of `host_node`'s arena.
     fn policy_nodes_of(&self, host_node: usize) -> NodeMask {
         let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
-        policy_nodes(&self.config, &self.topology, &allowed, host_node)
+        policy_nodes(self.settings.policy, &self.topology, &allowed, host_node)
     }
 }
 
@@ -182,16 +225,16 @@ pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
     }
 }
 
-/// The nodes `config`'s policy names for blocks of `host_node`: every allowed node with memory
-/// for interleave, else the host node.
+/// The nodes `policy` names for blocks of `host_node`: every allowed node with memory for
+/// interleave, else the host node.
 pub(crate) fn policy_nodes(
-    config: &Config,
+    policy: MemPolicy,
     topology: &NumaTopology,
     allowed: &dyn Fn(usize) -> bool,
     host_node: usize,
 ) -> NodeMask {
     let mut mask = NodeMask::empty();
-    if config.policy == MemPolicy::Interleave {
+    if policy == MemPolicy::Interleave {
         for node in topology.nodes().iter() {
             if node.has_memory && allowed(node.id) {
                 let _ = mask.insert(node.id);

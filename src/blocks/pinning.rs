@@ -12,10 +12,10 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use super::{Blocks, Resolved};
+use super::{Blocks, Resolved, Settings};
 use crate::arena::{Kind, Shortage, CHUNK_MAX};
 use crate::chunk::{page_locked_bytes, PinFlags, Registration};
-use crate::config::{Config, PinMode, MAX_REGISTER_MAX, MIN_REGISTER_MAX};
+use crate::config::{PinMode, MAX_REGISTER_MAX, MIN_REGISTER_MAX};
 use crate::cuda::{self, Gpu, RegisterFlags};
 use crate::process::{self, NODES};
 use crate::Error;
@@ -44,15 +44,15 @@ impl Unpinnable {
     /// can be page-locked, or pinning is not strict. A limit of 0 comes first: it fails every
     /// request with a driver or without.
     pub(crate) fn of(
-        config: &Config,
+        settings: &Settings,
         names_gpu: bool,
         gpu: Option<&Gpu>,
         ordinal: Option<u32>,
     ) -> Option<Unpinnable> {
-        if config.pin != PinMode::Strict {
+        if settings.pin != PinMode::Strict {
             return None;
         }
-        if config.pin_limit == 0 {
+        if settings.pin_limit == 0 {
             return Some(Unpinnable::NoPinRoom);
         }
         if gpu.is_some_and(Gpu::usable) {
@@ -97,7 +97,7 @@ impl Blocks {
         if !pinned {
             return CHUNK_MAX;
         }
-        self.config
+        self.settings
             .register_max
             .clamp(MIN_REGISTER_MAX, MAX_REGISTER_MAX)
             .next_multiple_of(MIN_REGISTER_MAX)
@@ -107,9 +107,9 @@ impl Blocks {
     /// What the blocks made for `target` are made with (see [`Kind`]); under `pin=strict`, why
     /// none can be made when they could not be page-locked.
     pub(crate) fn kind(&self, target: &Resolved) -> Result<Kind, Error> {
-        let pinned = self.config.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
-        let no_room = self.config.pin_limit == 0;
-        if self.config.pin == PinMode::Strict && (!pinned || no_room) {
+        let pinned = self.settings.pin != PinMode::Off && target.gpu.is_some_and(Gpu::usable);
+        let no_room = self.settings.pin_limit == 0;
+        if self.settings.pin == PinMode::Strict && (!pinned || no_room) {
             // Resolved with a usable GPU, a target loses it only to a fork.
             return Err(target.unpinnable.unwrap_or(Unpinnable::Forked).error());
         }
@@ -124,7 +124,7 @@ impl Blocks {
             RegisterFlags::default()
         };
         Kind {
-            policy: self.config.policy,
+            policy: self.settings.policy,
             pinned,
             flags,
         }
@@ -136,10 +136,10 @@ impl Blocks {
     pub(crate) fn pin_flags(&self) -> PinFlags {
         PinFlags {
             register: RegisterFlags {
-                devicemap: self.config.pin_devicemap,
-                read_only: self.config.pin_read_only,
+                devicemap: self.settings.pin_devicemap,
+                read_only: self.settings.pin_read_only,
             },
-            limit: self.config.pin_limit,
+            limit: self.settings.pin_limit,
         }
     }
 

@@ -85,7 +85,7 @@ impl Blocks {
     /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
     /// for the target's GPU, once pending blocks that are ready joined the cache.
     fn take_cached(&self, fit: Fit, target: &Resolved) -> Option<Block> {
-        let limit = self.config.cache_limit;
+        let limit = self.settings.cache_limit;
         let hit = self.with_arena(target.host_node, |arena, out| {
             arena.settle_pending(limit, out);
             let hit = arena.take_cached(fit).map(|block| Block {
@@ -130,7 +130,7 @@ impl Blocks {
     /// Allocates nothing.
     pub(crate) fn free(&self, addr: usize, near: usize) -> bool {
         let mut out = Released::default();
-        let (limit, decay) = (self.config.cache_limit, self.config.decay_ms);
+        let (limit, decay) = (self.settings.cache_limit, self.settings.decay_ms);
         let found = NODES.find_map(near, |arena| {
             let live = arena.remove_live(addr)?;
             // The switch tests use to show that they catch reuse during GPU work.

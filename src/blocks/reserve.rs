@@ -18,7 +18,6 @@ use super::{reserved_key, HUGE_PAGE};
 use super::{Blocks, Resolved};
 use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
 use crate::chunk::Mapping;
-use crate::config::Config;
 use crate::cuda;
 use crate::sys::lock::Lock;
 use crate::Error;
@@ -39,12 +38,12 @@ impl Blocks {
             return Ok(());
         }
         linux_only()?;
-        check(&self.config, blocks, block_size)?;
+        check(self.settings.threshold, blocks, block_size)?;
         let page = self.page_size;
         // `pin=strict` with nothing to page-lock them: none is made.
         let kind = self.kind(target)?;
         // A carved block's room: whole huge pages where it is carved from a huge-page chunk.
-        let unit = if self.config.huge_pages && block_size >= HUGE_PAGE {
+        let unit = if self.settings.huge_pages && block_size >= HUGE_PAGE {
             block_size.checked_next_multiple_of(HUGE_PAGE)
         } else {
             block_size.checked_next_multiple_of(page)
@@ -108,7 +107,7 @@ impl Blocks {
         if node_bytes != 0 && bytes > node_bytes {
             return Err(self.too_large(bytes, target.host_node));
         }
-        let limit = self.config.pin_limit;
+        let limit = self.settings.pin_limit;
         if kind.pinned && bytes > limit {
             return Err(Error::PinLimit {
                 requested: bytes,
@@ -149,7 +148,7 @@ impl Blocks {
         tally: &Tally,
     ) -> Result<(), Error> {
         linux_only()?;
-        let key = reserved_key(kind, self.config.huge_pages);
+        let key = reserved_key(kind, self.settings.huge_pages);
         self.check_room(bytes, target, kind)?;
         // Counted in units, not bytes: each chunk's rounding up to 2 MiB is room no unit uses.
         let mut left = bytes.div_ceil(unit);
@@ -283,14 +282,14 @@ impl Tally {
 
 /// [`Error::ReserveRejected`] when blocks of `block_size` bytes would be below `config`'s
 /// threshold: no request of that size takes the large path, so none would use them.
-pub(crate) fn check(config: &Config, blocks: usize, block_size: usize) -> Result<(), Error> {
-    if block_size >= config.threshold {
+pub(crate) fn check(threshold: usize, blocks: usize, block_size: usize) -> Result<(), Error> {
+    if block_size >= threshold {
         return Ok(());
     }
     Err(Error::ReserveRejected {
         blocks,
         block_size,
-        threshold: config.threshold,
+        threshold,
     })
 }
 

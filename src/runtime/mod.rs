@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 
 pub(crate) use crate::blocks::Resolved;
-use crate::blocks::{policy_nodes, Blocks, Unpinnable};
+use crate::blocks::{policy_nodes, Blocks, Settings, Unpinnable};
 use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
 use crate::process;
@@ -141,18 +141,18 @@ impl Runtime {
         if blocks > 0 {
             // Said now, with the other setup problems (the reservation itself comes later).
             problems.add(
-                crate::blocks::reserve::check(&config, blocks, block_size).err(),
+                crate::blocks::reserve::check(config.threshold, blocks, block_size).err(),
                 env.sets(|s| matches!(s, Setting::Reserve(_))),
             );
         }
         let ordinal = target.device.as_ref().map(Device::ordinal);
         let names_gpu = !matches!(config.target, Target::Node(_) | Target::LocalNode);
         let pinning_off = pinning_off(&config, names_gpu, &mut target);
-        let unpinnable = Unpinnable::of(&config, names_gpu, target.gpu, ordinal);
+        let unpinnable = Unpinnable::of(&Settings::of(&config), names_gpu, target.gpu, ordinal);
         // Said once per process, whoever asked for pin=strict: every refused request has it too.
         problems.add(unpinnable.map(Unpinnable::error), true);
         let (setup_errors, unprinted) = problems.sort_out(setup);
-        let nodes = policy_nodes(&config, &topology, &allowed, host_node);
+        let nodes = policy_nodes(config.policy, &topology, &allowed, host_node);
         let gpu_pci = target
             .device
             .as_ref()
@@ -280,11 +280,11 @@ impl Runtime {
             }
         };
         let names_gpu = matches!(route, Route::Gpu(_));
-        let unpinnable = Unpinnable::of(&self.config, names_gpu, gpu, ordinal);
+        let unpinnable = Unpinnable::of(&self.blocks.settings, names_gpu, gpu, ordinal);
         errors.extend(unpinnable.map(Unpinnable::error));
         let resolved = Resolved {
             host_node,
-            nodes: policy_nodes(&self.config, &self.topology, &allowed, host_node),
+            nodes: policy_nodes(self.config.policy, &self.topology, &allowed, host_node),
             gpu,
             ordinal,
             unpinnable,
