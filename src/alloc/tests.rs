@@ -412,13 +412,13 @@ fn an_allocator_that_does_not_pin_says_why() {
     let why = missing.placement().pinning_off;
     match crate::cuda::probe_error() {
         Some(driver) => {
-            assert_eq!(why, Some(Error::NoCudaDriver { driver }));
+            assert_eq!(why, Some(Error::DriverUnusable { driver }));
             let text = missing.stats().to_string();
             assert!(text.contains(", pinning off: CUDA unusable ("), "{text}");
             #[cfg(feature = "pinned-buffer")]
             assert_eq!(
                 crate::PinnedBuf::<u8>::zeroed(&missing, 1).err(),
-                Some(Error::NoCudaDriver { driver })
+                Some(Error::DriverUnusable { driver })
             );
         }
         None => assert!(

@@ -37,7 +37,7 @@ impl Blocks {
         if blocks == 0 || block_size == 0 {
             return Ok(());
         }
-        linux_only()?;
+        reservations_supported()?;
         check(self.settings.threshold, blocks, block_size)?;
         let page = self.page_size;
         // `pin=strict` with nothing to page-lock them: none is made.
@@ -147,7 +147,7 @@ impl Blocks {
         kind: Kind,
         tally: &Tally,
     ) -> Result<(), Error> {
-        linux_only()?;
+        reservations_supported()?;
         let key = reserved_key(kind, self.settings.huge_pages);
         self.check_room(bytes, target, kind)?;
         // Counted in units, not bytes: each chunk's rounding up to 2 MiB is room no unit uses.
@@ -193,7 +193,7 @@ impl Blocks {
 }
 
 /// Off Linux no request takes the large path, so reserved memory would serve none: refused.
-fn linux_only() -> Result<(), Error> {
+fn reservations_supported() -> Result<(), Error> {
     if cfg!(target_os = "linux") {
         Ok(())
     } else {

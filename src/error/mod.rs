@@ -144,7 +144,7 @@ pub enum Error {
     PinningOff,
     /// Pinning was asked for (`pin=on` or `pin=strict`), but the CUDA driver is not usable in
     /// this process, so no block is page-locked.
-    NoCudaDriver {
+    DriverUnusable {
         /// The driver probe's error, as
         /// [`cuda_unavailable_reason`](crate::cuda_unavailable_reason) returns it.
         driver: &'static Error,
@@ -334,7 +334,7 @@ impl fmt::Display for Error {
                 "the allocator does not page-lock its blocks (pin=off, the default): build it \
                  with .pin(PinMode::On) or set NUMA_GPU_ALLOC=pin=on"
             ),
-            Error::NoCudaDriver { driver } => write!(
+            Error::DriverUnusable { driver } => write!(
                 f,
                 "pinning is on, but no block can be page-locked: the CUDA driver is not usable \
                  ({driver})"

@@ -80,7 +80,7 @@ impl<'a, T: DeviceRepr + ValidAsZeroBits, A: GlobalAlloc> PinnedBuf<'a, T, A> {
     ///
     /// Errors: when `alloc`'s blocks are not page-locked, why (as
     /// [`Placement::pinning_off`](crate::Placement::pinning_off) says): [`Error::PinningOff`]
-    /// (`pin=off`), [`Error::NoCudaDriver`], [`Error::GpuNotFound`] (no device matches the
+    /// (`pin=off`), [`Error::DriverUnusable`], [`Error::GpuNotFound`] (no device matches the
     /// selector), [`Error::CudaUnavailable`] (no device visible, or a forked child),
     /// [`Error::NodeTarget`]; [`Error::BufferAllocation`] when the block cannot be allocated.
     pub fn zeroed(alloc: &'a NumaGpuAlloc<A>, len: usize) -> Result<Self> {

@@ -42,7 +42,7 @@ pub struct Placement {
     /// Whether blocks are page-locked with CUDA.
     pub pinning: bool,
     /// Why they are not, when `pinning` is false: [`Error::PinningOff`] (`pin=off`),
-    /// [`Error::NoCudaDriver`], [`Error::NodeTarget`], the GPU lookup's error
+    /// [`Error::DriverUnusable`], [`Error::NodeTarget`], the GPU lookup's error
     /// ([`Error::GpuNotFound`], [`Error::CudaUnavailable`] when no device is visible or in a
     /// forked child, [`Error::Cuda`] when its context could not be retained).
     pub pinning_off: Option<Error>,
@@ -385,7 +385,7 @@ fn find_gpu(
         Err(e) => {
             if pinning {
                 target.unpinned = Some(match cuda_unusable() {
-                    Some(driver) => Error::NoCudaDriver { driver },
+                    Some(driver) => Error::DriverUnusable { driver },
                     None => e.clone(),
                 });
             }

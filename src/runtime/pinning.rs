@@ -43,7 +43,7 @@ pub(super) fn pinning_off(
             reason: cuda::FORKED_REASON,
         }
     } else if let Some(driver) = cuda::probe_error() {
-        Error::NoCudaDriver { driver }
+        Error::DriverUnusable { driver }
     } else {
         Error::CudaUnavailable {
             reason: "no CUDA device was found for the allocator's target",

@@ -52,7 +52,7 @@ impl fmt::Display for Pinning<'_> {
             _ if self.0 => f.write_str("on"),
             None => f.write_str("off"),
             Some(Error::PinningOff) => f.write_str("off (pin=off)"),
-            Some(Error::NoCudaDriver { driver }) => match driver {
+            Some(Error::DriverUnusable { driver }) => match driver {
                 Error::CudaUnavailable { reason } => write!(f, "off: CUDA unusable ({reason})"),
                 driver => write!(f, "off: CUDA unusable ({driver})"),
             },
@@ -309,7 +309,7 @@ mod tests {
             ),
             (
                 false,
-                Some(Error::NoCudaDriver { driver: &DRIVER }),
+                Some(Error::DriverUnusable { driver: &DRIVER }),
                 ", pinning off: CUDA unusable (libcuda.so could not be loaded)".to_owned(),
             ),
             (
