@@ -72,22 +72,25 @@ fn boxes_zero_sizes_and_huge_alignment() {
 #[test]
 fn zeroed_reuse_of_a_dirty_cached_block_is_zero() {
     let _serial = serial();
-    let alloc = NumaGpuAlloc::new();
-    let layout = Layout::from_size_align(6 * MIB, 8).unwrap();
-    let p = alloc.allocate(layout).unwrap().cast::<u8>();
-    // SAFETY: the block is ours and 6 MiB long.
-    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xaa, layout.size()) };
-    // SAFETY: allocated above with this layout.
-    unsafe { alloc.deallocate(p, layout) };
-    let hits = alloc.stats().cache_hits;
-    let q = alloc.allocate_zeroed(layout).unwrap().cast::<u8>();
-    assert_eq!(q, p, "the cached block is reused");
-    assert_eq!(alloc.stats().cache_hits, hits + 1);
-    // SAFETY: the block is ours and 6 MiB long.
-    let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), layout.size()) };
-    assert!(bytes.iter().all(|&b| b == 0));
-    // SAFETY: allocated above with this layout.
-    unsafe { alloc.deallocate(q, layout) };
+    // A carved block, and a dedicated one (a mapping of its own, cached whole).
+    for size in [6 * MIB, 96 * MIB] {
+        let alloc = NumaGpuAlloc::new();
+        let layout = Layout::from_size_align(size, 8).unwrap();
+        let p = alloc.allocate(layout).unwrap().cast::<u8>();
+        // SAFETY: the block is ours and `size` long.
+        unsafe { std::ptr::write_bytes(p.as_ptr(), 0xaa, size) };
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(p, layout) };
+        let hits = alloc.stats().cache_hits;
+        let q = alloc.allocate_zeroed(layout).unwrap().cast::<u8>();
+        assert_eq!(q, p, "the cached block of {size} bytes is reused");
+        assert_eq!(alloc.stats().cache_hits, hits + 1);
+        // SAFETY: the block is ours and `size` long.
+        let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), size) };
+        assert!(bytes.iter().all(|&b| b == 0), "{size} bytes");
+        // SAFETY: allocated above with this layout.
+        unsafe { alloc.deallocate(q, layout) };
+    }
 }
 
 #[test]

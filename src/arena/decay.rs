@@ -71,7 +71,7 @@ impl Arena {
             let Some(old) = old else {
                 break;
             };
-            released += old.capacity;
+            released += old.block.capacity;
             self.evict(old, out);
         }
         released

@@ -2,12 +2,29 @@
 //! freed and reused for a request of nearly their size, under a budget that follows the most
 //! that was in use at once.
 
-use super::{Arena, Block, Fit, Kind, Released, CLASSES_PER_DOUBLING};
+use super::{Arena, Backing, Block, Dedicated, Fit, Kind, Released, CLASSES_PER_DOUBLING};
+
+impl Dedicated {
+    /// Forgets a block, leaving it mapped (and registered) rather than releasing it under the
+    /// arena's lock, tracking it wrongly, or unmapping data its user holds: a block no list had
+    /// room for (only after many evictions in one operation).
+    pub(crate) fn leave_mapped(self) {
+        std::mem::forget(self);
+    }
+
+    /// Writes zeros over its first `len` bytes (a cached block handed out for a zeroed request).
+    pub(crate) fn zero(&mut self, len: usize) {
+        let len = len.min(self.block.capacity);
+        if let Some(mut part) = self.memory.mapping_mut().and_then(|m| m.part(0, len).ok()) {
+            part.zero();
+        }
+    }
+}
 
 impl Arena {
     /// Takes a cached dedicated block that fits (see
     /// [`CacheIndex::take`](super::CacheIndex::take)).
-    pub(crate) fn take_cached(&mut self, fit: Fit) -> Option<Block> {
+    pub(crate) fn take_cached(&mut self, fit: Fit) -> Option<Dedicated> {
         self.cached.take(fit)
     }
 
@@ -16,19 +33,35 @@ impl Arena {
         self.cached.holds(fit)
     }
 
-    /// The live dedicated block at `addr` when it may grow by moving its pages (`mremap`) into a
-    /// block of `kind`: made with that kind, not page-locked (a registration is tied to the
-    /// address), and no GPU work recorded against it.
-    pub(crate) fn growable(&self, addr: usize, kind: Kind) -> Option<Block> {
-        self.live
-            .get(&addr)
-            .filter(|live| {
-                live.slot.is_none()
-                    && live.block.kind == kind
-                    && !live.block.kind.pinned
-                    && live.work.is_empty()
-            })
-            .map(|live| live.block)
+    /// Takes the live dedicated block at `addr` out of the live set when it may grow by moving
+    /// its pages (`mremap`) into a block of `kind` of `capacity` bytes: made with that kind, not
+    /// page-locked (a registration is tied to the address), no GPU work recorded against it, and
+    /// smaller (a block shrunk in place keeps its capacity: it may already be as large). Out of
+    /// the live set before its pages move: once they have, another thread may map a new block
+    /// at this address and record it live.
+    pub(crate) fn take_growable(
+        &mut self,
+        addr: usize,
+        kind: Kind,
+        capacity: usize,
+    ) -> Option<Dedicated> {
+        let live = self.live.get(&addr)?;
+        let growable = matches!(live.backing, Backing::Dedicated(_))
+            && live.block.kind == kind
+            && !kind.pinned
+            && live.work.is_empty()
+            && live.block.capacity < capacity;
+        if !growable {
+            return None;
+        }
+        let live = self.remove_live(addr)?;
+        match live.backing {
+            Backing::Dedicated(memory) => Some(Dedicated {
+                block: live.block,
+                memory,
+            }),
+            Backing::Carved(_) => None,
+        }
     }
 
     /// Whether a pending block would have served this request (a miss deferred by GPU work).
@@ -36,17 +69,18 @@ impl Arena {
         self.pending.holds_fit(fit)
     }
 
-    /// Records a dedicated block handed out to the user (room reserved first: `false` when none
-    /// could be had, and the block is not recorded).
-    pub(crate) fn insert_dedicated(&mut self, block: Block) -> bool {
+    /// Records a dedicated block handed out to the user, and returns what it is (room reserved
+    /// first: when none could be had it is given back, not recorded).
+    pub(crate) fn insert_dedicated(&mut self, dedicated: Dedicated) -> Result<Block, Dedicated> {
         // Room in the cache for every dedicated block out (this one too, and those pending): a
         // free must not allocate.
         let out = self.live_dedicated + self.pending.len() + 1;
         if self.live.try_reserve(1).is_err() || !self.cached.reserve(out) {
-            return false;
+            return Err(dedicated);
         }
-        self.insert_live(block, None);
-        true
+        let Dedicated { block, memory } = dedicated;
+        self.insert_live(block, Backing::Dedicated(memory));
+        Ok(block)
     }
 
     /// Caches a freed dedicated block, then evicts the oldest cached blocks while cached and
@@ -54,13 +88,14 @@ impl Arena {
     /// [`Self::budget`]). A block larger than the whole limit is evicted alone rather than
     /// emptying the cache, and so is a page-locked block in a forked child. Pending blocks are
     /// never evicted: GPU work may still use them.
-    pub(crate) fn cache(&mut self, block: Block, limit: usize, out: &mut Released) {
+    pub(crate) fn cache(&mut self, dedicated: Dedicated, limit: usize, out: &mut Released) {
+        let block = dedicated.block;
         if block.capacity > limit || (block.kind.pinned && self.in_child) {
-            self.evict(block, out);
+            self.evict(dedicated, out);
             return;
         }
-        if let Err(block) = self.cached.insert(block, self.now()) {
-            self.evict(block, out);
+        if let Err(dedicated) = self.cached.insert(dedicated, self.now()) {
+            self.evict(dedicated, out);
             return;
         }
         self.evict_beyond(limit, out);
@@ -69,42 +104,48 @@ impl Arena {
     /// Hands a dedicated block out for release. When `out` is full (only after many evictions
     /// in one operation) it stays cached beyond the budget, for a later operation to evict; when
     /// even that finds no room it is left mapped and forgotten rather than tracked wrongly.
-    pub(super) fn evict(&mut self, block: Block, out: &mut Released) {
-        self.forget_pinned(&block);
-        if let Err(block) = out.blocks.push(block) {
-            self.note_created(&block);
-            let _ = self.cached.insert(block, self.now());
+    pub(super) fn evict(&mut self, dedicated: Dedicated, out: &mut Released) {
+        self.forget_pinned(&dedicated.block);
+        if let Err(dedicated) = out.blocks.push(dedicated) {
+            self.note_created(&dedicated.block);
+            if let Err(dedicated) = self.cached.insert(dedicated, self.now()) {
+                dedicated.leave_mapped();
+            }
         }
     }
 
     /// Records a dedicated block just created for a request, then evicts what the cache may no
-    /// longer hold now that live bytes grew (see [`Self::budget`]). `false` when it could not be
-    /// recorded (the caller releases it).
+    /// longer hold now that live bytes grew (see [`Self::budget`]). Given back when it could not
+    /// be recorded (the caller releases it).
     pub(crate) fn insert_created(
         &mut self,
-        block: Block,
+        dedicated: Dedicated,
         limit: usize,
         out: &mut Released,
-    ) -> bool {
-        if !self.insert_dedicated(block) {
-            return false;
-        }
+    ) -> Result<Block, Dedicated> {
+        let block = self.insert_dedicated(dedicated)?;
         self.note_created(&block);
         self.evict_beyond(limit, out);
-        true
+        Ok(block)
     }
 
     /// Caches a dedicated block made ahead of the requests that will want it (`reserve`). A
     /// reservation says how much will be in use at once, so it raises the high-water mark the
     /// budget follows (see [`Self::budget`]) to everything held now plus the block; only `limit`
     /// can evict it.
-    pub(crate) fn insert_reserved(&mut self, block: Block, limit: usize, out: &mut Released) {
+    pub(crate) fn insert_reserved(
+        &mut self,
+        dedicated: Dedicated,
+        limit: usize,
+        out: &mut Released,
+    ) {
         // No room to be had: `cache` hands it out for release instead.
         let _ = self.cached.reserve(1);
+        let block = dedicated.block;
         self.note_created(&block);
         let held = self.live_bytes() + self.pending.bytes() + self.cached.bytes() + block.capacity;
         self.peak_in_use = self.peak_in_use.max(held);
-        self.cache(block, limit, out);
+        self.cache(dedicated, limit, out);
     }
 
     /// Pinned dedicated bytes include live, pending and cached blocks.

@@ -1,14 +1,18 @@
 //! Carving: blocks cut from a heap's chunks, given back to them (or to the pending list while
 //! GPU work uses them), grown and shrunk where they lie; chunks added as they are made.
+//!
+//! Unsafe code here relies on the carver: a range it just handed out (or a block just grew
+//! into) is nobody's but the caller's.
+#![allow(unsafe_code)]
 
 use super::carve::Carver;
 use super::index::CacheIndex;
 use super::settle;
 use super::{
-    Arena, Block, Carving, Heap, HeapKey, Live, Released, Shortage, Slot, CHUNK_ALIGN, CHUNK_FIRST,
-    CHUNK_MAX,
+    Arena, Backing, Block, Carving, Dedicated, Heap, HeapKey, Live, Released, Shortage, Slot,
+    CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX,
 };
-use crate::chunk::{Chunk, Span};
+use crate::chunk::{Chunk, Part};
 
 impl Arena {
     /// Carves `size` bytes (a multiple of the page size) at a multiple of `align` from a chunk of
@@ -36,14 +40,23 @@ impl Arena {
             // Cannot happen: every region has its chunk. Keep the range out of use.
             return Ok(None);
         };
-        let populate = chunk.plan_populate(range.addr, range.size);
-        let dirty = chunk.hand_out(range.addr, range.size);
+        // SAFETY: both spans lie in the range just carved: nobody else has it until the caller
+        // hands the block out.
+        let (populate, dirty) = unsafe {
+            (
+                chunk
+                    .plan_populate(range.addr, range.size)
+                    .and_then(|s| s.claim()),
+                chunk
+                    .hand_out(range.addr, range.size)
+                    .and_then(|s| s.claim()),
+            )
+        };
         let block = Block {
             addr: range.addr,
             capacity: range.size,
             node: self.node,
             kind: key.kind,
-            registered_by: None,
             routed_for: for_gpu,
         };
         let slot = Slot {
@@ -51,7 +64,7 @@ impl Arena {
             region: range.region,
             handle: range.handle,
         };
-        self.insert_live(block, Some(slot));
+        self.insert_live(block, Backing::Carved(slot));
         Ok(Some(Carving {
             block,
             populate,
@@ -65,7 +78,7 @@ impl Arena {
         let Some(live) = self.remove_live(block.addr) else {
             return;
         };
-        if let Some(slot) = live.slot {
+        if let Backing::Carved(slot) = live.backing {
             let now = self.now();
             let _ = self.heaps[slot.heap]
                 .carver
@@ -129,18 +142,20 @@ impl Arena {
             let mut kept = CacheIndex::default();
             // Room for all of them; short of it, `out` takes what does not fit.
             let _ = kept.reserve(self.cached.len() + self.live_dedicated + self.pending.len());
-            while let Some(block) = self.cached.pop_oldest() {
-                let block = if block.kind.pinned {
-                    self.forget_pinned(&block);
-                    match out.blocks.push(block) {
+            while let Some(cached) = self.cached.pop_oldest() {
+                let cached = if cached.block.kind.pinned {
+                    self.forget_pinned(&cached.block);
+                    match out.blocks.push(cached) {
                         Ok(()) => continue,
-                        Err(block) => block,
+                        Err(cached) => cached,
                     }
                 } else {
-                    block
+                    cached
                 };
-                if let Err(block) = kept.insert(block, 0) {
-                    let _ = out.blocks.push(block);
+                if let Err(cached) = kept.insert(cached, 0) {
+                    if let Err(cached) = out.blocks.push(cached) {
+                        Dedicated::leave_mapped(cached);
+                    }
                 }
             }
             self.cached = kept;
@@ -150,8 +165,8 @@ impl Arena {
         }
         let now = self.now();
         let mut cursor = 0;
-        while let Some((block, slot)) = self.pending.take_ready(&mut cursor) {
-            self.give_back(block, slot, now, limit, out);
+        while let Some((block, backing)) = self.pending.take_ready(&mut cursor) {
+            self.give_back(block, backing, now, limit, out);
         }
     }
 
@@ -159,13 +174,13 @@ impl Arena {
     pub(super) fn give_back(
         &mut self,
         block: Block,
-        slot: Option<Slot>,
+        backing: Backing,
         now: u64,
         limit: usize,
         out: &mut Released,
     ) {
-        match slot {
-            Some(slot) => {
+        match backing {
+            Backing::Carved(slot) => {
                 let heap = &mut self.heaps[slot.heap];
                 let reserved = heap.chunk_mut(slot.region).is_some_and(|c| c.reserved());
                 // A reserved chunk's free space is not idle: out of the decay's sight.
@@ -175,7 +190,7 @@ impl Arena {
                     heap.carver.free(slot.handle, block.addr, now)
                 };
             }
-            None => self.cache(block, limit, out),
+            Backing::Dedicated(memory) => self.cache(Dedicated { block, memory }, limit, out),
         }
     }
 
@@ -184,10 +199,10 @@ impl Arena {
     pub(crate) fn free(&mut self, mut live: Live, limit: usize, out: &mut Released) {
         if settle(&mut live.work) {
             let now = self.now();
-            self.give_back(live.block, live.slot, now, limit, out);
+            self.give_back(live.block, live.backing, now, limit, out);
             self.hold_within(limit, out);
         } else {
-            self.pending.push(live.block, live.slot, live.work);
+            self.pending.push(live.block, live.backing, live.work);
             self.evict_beyond(limit, out);
         }
     }
@@ -207,7 +222,11 @@ impl Arena {
     /// page size) where it lies: into the free range after it, or by freeing its tail. `Some`
     /// with the span to populate (growth into granules never resident); `None`: not carved, or
     /// no room (nothing changed).
-    pub(crate) fn resize_carved(&mut self, addr: usize, new_size: usize) -> Option<Option<Span>> {
+    pub(crate) fn resize_carved(
+        &mut self,
+        addr: usize,
+        new_size: usize,
+    ) -> Option<Option<Part<'static>>> {
         let live = self.live.get_mut(&addr)?;
         // A tail GPU work may still use must not be carved again: such a block moves instead.
         if new_size < live.block.capacity && !live.work.is_empty() {
@@ -217,7 +236,10 @@ impl Arena {
             self.live_with_work = self.live_with_work.saturating_sub(1);
         }
         let live = self.live.get(&addr)?;
-        let (slot, old) = (live.slot?, live.block);
+        let (Backing::Carved(slot), old) = (&live.backing, live.block) else {
+            return None;
+        };
+        let slot = *slot;
         let now = self.now();
         let heap = &mut self.heaps[slot.heap];
         let resized = if new_size > old.capacity {
@@ -237,7 +259,9 @@ impl Arena {
             heap.chunk_mut(slot.region).and_then(|chunk| {
                 let span = chunk.plan_populate(grown.0, grown.1);
                 let _ = chunk.hand_out(grown.0, grown.1);
-                span
+                // SAFETY: the span lies in the room the block just grew into, which only the
+                // caller (resizing it) uses.
+                span.and_then(|s| unsafe { s.claim() })
             })
         } else {
             None

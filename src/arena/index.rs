@@ -6,13 +6,13 @@
 //! vector whose room is reserved before a free caches a block keeps the free path from
 //! allocating.
 
-use super::{Block, Fit};
+use super::{Block, Dedicated, Fit};
 
 /// Cached blocks with the order in which they were cached.
 #[derive(Default)]
 pub(crate) struct CacheIndex {
     /// (sequence number, when cached in arena milliseconds, block), in no particular order.
-    blocks: Vec<(u64, u64, Block)>,
+    blocks: Vec<(u64, u64, Dedicated)>,
     next_seq: u64,
     bytes: usize,
 }
@@ -26,22 +26,26 @@ impl CacheIndex {
 
     /// Adds a block freed at `now` as the newest, within the room reserved for it; gives it back
     /// when there is none (the caller releases it instead). Never allocates.
-    pub(crate) fn insert(&mut self, block: Block, now: u64) -> Result<(), Block> {
+    pub(crate) fn insert(&mut self, dedicated: Dedicated, now: u64) -> Result<(), Dedicated> {
         if self.blocks.len() == self.blocks.capacity() {
-            return Err(block);
+            return Err(dedicated);
         }
-        self.blocks.push((self.next_seq, now, block));
+        self.bytes += dedicated.block.capacity;
+        self.blocks.push((self.next_seq, now, dedicated));
         self.next_seq += 1;
-        self.bytes += block.capacity;
         Ok(())
     }
 
     /// Takes the newest block of the smallest capacity that `fit` admits.
-    pub(crate) fn take(&mut self, fit: Fit) -> Option<Block> {
+    pub(crate) fn take(&mut self, fit: Fit) -> Option<Dedicated> {
         let at = self.find(fit)?;
-        let (_, _, block) = self.blocks.swap_remove(at);
-        self.bytes -= block.capacity;
-        Some(block)
+        Some(self.remove(at))
+    }
+
+    fn remove(&mut self, at: usize) -> Dedicated {
+        let (_, _, dedicated) = self.blocks.swap_remove(at);
+        self.bytes -= dedicated.block.capacity;
+        dedicated
     }
 
     /// Whether [`Self::take`] would find a block.
@@ -53,18 +57,18 @@ impl CacheIndex {
         self.blocks
             .iter()
             .enumerate()
-            .filter(|(_, (_, _, b))| fit.admits(b))
-            .min_by_key(|(_, (seq, _, b))| (b.capacity, u64::MAX - seq))
+            .filter(|(_, (_, _, d))| fit.admits(&d.block))
+            .min_by_key(|(_, (seq, _, d))| (d.block.capacity, u64::MAX - seq))
             .map(|(at, _)| at)
     }
 
     /// Removes the block cached longest ago.
-    pub(crate) fn pop_oldest(&mut self) -> Option<Block> {
+    pub(crate) fn pop_oldest(&mut self) -> Option<Dedicated> {
         self.pop_cached_by(u64::MAX)
     }
 
     /// Removes the block cached longest ago if it was cached at `since` or before.
-    pub(crate) fn pop_cached_by(&mut self, since: u64) -> Option<Block> {
+    pub(crate) fn pop_cached_by(&mut self, since: u64) -> Option<Dedicated> {
         self.pop_cached_where(since, |_| true)
     }
 
@@ -73,17 +77,15 @@ impl CacheIndex {
         &mut self,
         since: u64,
         wanted: impl Fn(&Block) -> bool,
-    ) -> Option<Block> {
+    ) -> Option<Dedicated> {
         let at = self
             .blocks
             .iter()
             .enumerate()
-            .filter(|(_, (_, at, block))| *at <= since && wanted(block))
+            .filter(|(_, (_, at, d))| *at <= since && wanted(&d.block))
             .min_by_key(|(_, (seq, _, _))| *seq)
             .map(|(at, _)| at)?;
-        let (_, _, block) = self.blocks.swap_remove(at);
-        self.bytes -= block.capacity;
-        Some(block)
+        Some(self.remove(at))
     }
 
     /// Number of cached blocks.
@@ -100,8 +102,8 @@ impl CacheIndex {
     pub(crate) fn pinned_bytes(&self) -> usize {
         self.blocks
             .iter()
-            .filter(|(_, _, block)| block.kind.pinned)
-            .map(|(_, _, block)| block.capacity)
+            .filter(|(_, _, d)| d.block.kind.pinned)
+            .map(|(_, _, d)| d.block.capacity)
             .sum()
     }
 }
@@ -109,19 +111,19 @@ impl CacheIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arena::tests::{dedicated, planned};
     use crate::arena::Kind;
 
     const MIB: usize = 1 << 20;
 
-    fn block(addr: usize, capacity: usize) -> Block {
-        Block {
-            addr,
-            capacity,
-            node: 0,
-            kind: Kind::default(),
-            registered_by: None,
-            routed_for: None,
-        }
+    /// An unpinned dedicated block at `offset` of the planned region (1 GiB aligned).
+    fn block(offset: usize, capacity: usize) -> Dedicated {
+        dedicated(offset, capacity, false)
+    }
+
+    /// The address of what `index` took or popped.
+    fn at(taken: Option<Dedicated>) -> Option<usize> {
+        taken.map(|d| d.block.addr - planned(0))
     }
 
     /// Capacities `least..=most`, addresses aligned to `align`.
@@ -142,16 +144,14 @@ mod tests {
             index.insert(block(addr, mib * MIB), 0).unwrap();
         }
         let fits = fit(3 * MIB, 5 * MIB, 4096);
-        assert_eq!(index.take(fits), Some(block(0x300_0000, 3 * MIB)));
-        assert_eq!(index.take(fits), Some(block(0x200_0000, 4 * MIB)));
-        assert_eq!(
-            index.take(fit(5 * MIB, 6 * MIB, 4096)),
-            None,
+        assert_eq!(at(index.take(fits)), Some(0x300_0000));
+        assert_eq!(at(index.take(fits)), Some(0x200_0000));
+        assert!(
+            index.take(fit(5 * MIB, 6 * MIB, 4096)).is_none(),
             "none large enough"
         );
-        assert_eq!(
-            index.take(fit(MIB, 2 * MIB, 4096)),
-            None,
+        assert!(
+            index.take(fit(MIB, 2 * MIB, 4096)).is_none(),
             "none small enough"
         );
         assert_eq!((index.len(), index.bytes()), (1, 4 * MIB));
@@ -164,8 +164,8 @@ mod tests {
         index.insert(block(0x10_1000, 4 * MIB), 0).unwrap();
         index.insert(block(0x40_0000, 5 * MIB), 0).unwrap();
         let fits = fit(4 * MIB, 5 * MIB, 2 * MIB);
-        assert_eq!(index.take(fits), Some(block(0x40_0000, 5 * MIB)));
-        assert_eq!(index.take(fits), None);
+        assert_eq!(at(index.take(fits)), Some(0x40_0000));
+        assert!(index.take(fits).is_none());
     }
 
     #[test]
@@ -173,20 +173,15 @@ mod tests {
         let mut index = CacheIndex::default();
         assert!(index.reserve(4));
         assert!(index.insert(block(0x9000, MIB), 0).is_ok());
-        assert_eq!(index.pop_oldest().map(|b| b.addr), Some(0x9000));
+        assert_eq!(at(index.pop_oldest()), Some(0x9000));
         for (addr, mib) in [(0x1000, 4), (0x2000, 2), (0x3000, 4)] {
             index.insert(block(addr, mib * MIB), 0).unwrap();
         }
-        assert_eq!(
-            index.take(fit(4 * MIB, 4 * MIB, 4096)),
-            Some(block(0x3000, 4 * MIB))
-        );
+        assert_eq!(at(index.take(fit(4 * MIB, 4 * MIB, 4096))), Some(0x3000));
         index.insert(block(0x4000, 2 * MIB), 5).unwrap();
-        assert_eq!(index.pop_cached_by(4).map(|b| b.addr), Some(0x1000));
+        assert_eq!(at(index.pop_cached_by(4)), Some(0x1000));
         index.insert(block(0x1000, 4 * MIB), 0).unwrap();
-        let order: Vec<usize> = std::iter::from_fn(|| index.pop_oldest())
-            .map(|b| b.addr)
-            .collect();
+        let order: Vec<usize> = std::iter::from_fn(|| at(index.pop_oldest())).collect();
         assert_eq!(order, [0x2000, 0x4000, 0x1000]);
         assert_eq!((index.len(), index.bytes()), (0, 0));
     }

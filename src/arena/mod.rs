@@ -34,7 +34,7 @@ use pending::PendingList;
 pub(crate) use pending::{settle, InFlight, Work};
 pub(crate) use released::{count_release, Purge, PurgeFailures, Released};
 
-use crate::chunk::{Chunk, Span};
+use crate::chunk::{Chunk, Memory, Part};
 use crate::cuda::RegisterFlags;
 use crate::stats::GpuStats;
 use crate::sys::MemPolicy;
@@ -124,7 +124,9 @@ pub(crate) enum Shortage {
     PageLocked,
 }
 
-/// One block handed out: carved from a chunk, or a dedicated mapping.
+/// What one block handed out is: where, how large, on which node, made how. It owns nothing:
+/// its memory is its chunk's ([`Backing::Carved`]) or its own ([`Backing::Dedicated`]), held by
+/// the arena's record of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
     /// Start address (the pointer handed out).
@@ -135,9 +137,6 @@ pub(crate) struct Block {
     pub(crate) node: usize,
     /// What it was made with (see [`Kind`]).
     pub(crate) kind: Kind,
-    /// CUDA ordinal of the device whose context registered a dedicated block (for
-    /// unregistering; a carved block's chunk holds its registration).
-    pub(crate) registered_by: Option<u32>,
     /// CUDA ordinal of the GPU the request it is live for was routed to (per-GPU stats).
     pub(crate) routed_for: Option<u32>,
 }
@@ -149,6 +148,37 @@ pub(crate) struct Slot {
     /// The carver region (chunk) it lies in: stable while the block is used.
     region: u32,
     handle: Handle,
+}
+
+/// Who holds a block's memory: its chunk (the block is a carver record), or the block itself
+/// (a dedicated mapping, and its registration when pinned).
+#[derive(Debug)]
+pub(crate) enum Backing {
+    Carved(Slot),
+    Dedicated(Memory),
+}
+
+/// A dedicated block outside the live set (cached, made, handed out for release): what it is,
+/// and the memory it owns. Released by its memory, once: moving it is the only way to pass it
+/// on.
+#[derive(Debug)]
+pub(crate) struct Dedicated {
+    pub(crate) block: Block,
+    pub(crate) memory: Memory,
+}
+
+impl Dedicated {
+    /// A dedicated block over `memory` (its whole mapping).
+    pub(crate) fn new(memory: Memory, node: usize, kind: Kind, routed_for: Option<u32>) -> Self {
+        let block = Block {
+            addr: memory.base(),
+            capacity: memory.len(),
+            node,
+            kind,
+            routed_for,
+        };
+        Dedicated { block, memory }
+    }
 }
 
 /// The cached dedicated blocks that may serve one request.
@@ -185,10 +215,10 @@ impl Fit {
     }
 }
 
-/// A block handed out, with the GPU work recorded against it.
+/// A block handed out, who holds its memory, and the GPU work recorded against it.
 pub(crate) struct Live {
     pub(crate) block: Block,
-    slot: Option<Slot>,
+    backing: Backing,
     work: Work,
 }
 
@@ -202,14 +232,15 @@ impl Live {
     }
 }
 
-/// A carved block just handed out, and what the caller must do to it outside the lock.
+/// A carved block just handed out, and what the caller must do to it outside the lock (the
+/// block is the caller's alone until it returns it to its user).
 #[derive(Debug)]
 pub(crate) struct Carving {
     pub(crate) block: Block,
     /// Granules never populated yet (unpinned chunks only).
-    pub(crate) populate: Option<Span>,
+    pub(crate) populate: Option<Part<'static>>,
     /// The part that may hold old data: a zeroed request clears it.
-    pub(crate) dirty: Option<Span>,
+    pub(crate) dirty: Option<Part<'static>>,
 }
 
 /// Hashes page-aligned addresses for the live map: the page number, scrambled by a multiply
@@ -376,11 +407,16 @@ impl Arena {
     }
 
     /// Records a live block; the map has room (reserved by the caller).
-    fn insert_live(&mut self, block: Block, slot: Option<Slot>) {
+    fn insert_live(&mut self, block: Block, backing: Backing) {
         self.account(&block, true);
-        self.live_dedicated += usize::from(slot.is_none());
+        self.live_dedicated += usize::from(matches!(backing, Backing::Dedicated(_)));
         let work = Work::new();
-        self.live.insert(block.addr, Live { block, slot, work });
+        let live = Live {
+            block,
+            backing,
+            work,
+        };
+        self.live.insert(block.addr, live);
         let live = self.live_bytes();
         self.peak_live_bytes = self.peak_live_bytes.max(live);
         self.peak_in_use = self.peak_in_use.max(live + self.pending.bytes());
@@ -471,7 +507,7 @@ impl Arena {
             self.live
                 .values()
                 .find(|l| {
-                    l.slot.is_none()
+                    matches!(l.backing, Backing::Dedicated(_))
                         && (l.block.addr..l.block.addr + l.block.capacity).contains(&addr)
                 })
                 .map(|l| l.block.addr)
@@ -484,7 +520,7 @@ impl Arena {
         let live = self.live.remove(&addr)?;
         self.live_dedicated = self
             .live_dedicated
-            .saturating_sub(usize::from(live.slot.is_none()));
+            .saturating_sub(usize::from(matches!(live.backing, Backing::Dedicated(_))));
         if !live.work.is_empty() {
             self.live_with_work = self.live_with_work.saturating_sub(1);
         }

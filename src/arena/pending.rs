@@ -3,7 +3,7 @@
 //!
 //! Completion is only ever polled ([`InFlight::is_complete`]) on the allocation path, O(pending).
 
-use super::{Block, Fit, Slot};
+use super::{Backing, Block, Fit};
 
 /// GPU work that may still read or write a block: CUDA events recorded on streams.
 ///
@@ -35,8 +35,8 @@ pub(crate) fn settle(work: &mut Work) -> bool {
 /// A freed block and the work that still uses it.
 struct PendingBlock {
     block: Block,
-    /// Where it was carved from, if it was.
-    slot: Option<Slot>,
+    /// Who holds its memory.
+    backing: Backing,
     work: Work,
 }
 
@@ -56,20 +56,24 @@ impl PendingList {
     }
 
     /// Adds a freed block whose `work` is not complete, within the room reserved for it.
-    pub(crate) fn push(&mut self, block: Block, slot: Option<Slot>, work: Work) {
+    pub(crate) fn push(&mut self, block: Block, backing: Backing, work: Work) {
         self.bytes += block.capacity;
-        self.blocks.push(PendingBlock { block, slot, work });
+        self.blocks.push(PendingBlock {
+            block,
+            backing,
+            work,
+        });
     }
 
     /// The next block from `cursor` on whose work has all completed, taken out (start with
     /// `cursor` 0 and call until `None`). O(pending) over the calls; never blocks.
-    pub(crate) fn take_ready(&mut self, cursor: &mut usize) -> Option<(Block, Option<Slot>)> {
+    pub(crate) fn take_ready(&mut self, cursor: &mut usize) -> Option<(Block, Backing)> {
         while let Some(pending) = self.blocks.get_mut(*cursor) {
             if settle(&mut pending.work) {
                 // The last block moves here: the cursor stays to look at it next.
                 let done = self.blocks.swap_remove(*cursor);
                 self.bytes -= done.block.capacity;
-                return Some((done.block, done.slot));
+                return Some((done.block, done.backing));
             }
             *cursor += 1;
         }
@@ -80,9 +84,9 @@ impl PendingList {
     /// deferred): a dedicated one that `fit` admits, or a carved one of its kind and at least its
     /// size. O(pending).
     pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
-        self.blocks.iter().any(|p| match p.slot {
-            None => fit.admits(&p.block),
-            Some(_) => p.block.kind == fit.kind && p.block.capacity >= fit.least,
+        self.blocks.iter().any(|p| match p.backing {
+            Backing::Dedicated(_) => fit.admits(&p.block),
+            Backing::Carved(_) => p.block.kind == fit.kind && p.block.capacity >= fit.least,
         })
     }
 
@@ -142,9 +146,14 @@ mod tests {
             capacity: 4 * MIB,
             node: 0,
             kind: PINNED,
-            registered_by: Some(0),
             routed_for: None,
         }
+    }
+
+    /// A pinned dedicated block's memory at `offset` of the planned region.
+    fn memory(offset: usize) -> Backing {
+        let dedicated = crate::arena::tests::dedicated(offset, 4 * MIB, true);
+        Backing::Dedicated(dedicated.memory)
     }
 
     const PINNED: Kind = Kind {
@@ -162,9 +171,9 @@ mod tests {
         assert!(list.reserve(2));
         let (first, first_done) = Flag::unfinished();
         let (second, second_done) = Flag::unfinished();
-        list.push(block(0x1000), None, vec![first, second]);
+        list.push(block(0x1000), memory(0x1000), vec![first, second]);
         let (other, other_done) = Flag::unfinished();
-        list.push(block(0x2000), None, vec![other]);
+        list.push(block(0x2000), memory(0x2000), vec![other]);
         assert_eq!((list.len(), list.bytes()), (2, 8 * MIB));
         assert!(list.holds_fit(Fit::new(4 * MIB, 4 * MIB, 4096, PINNED)));
         assert!(!list.holds_fit(Fit::new(5 * MIB, 5 * MIB, 4096, PINNED)));

@@ -6,7 +6,7 @@
 #![allow(unsafe_code)]
 
 use super::carve::Range;
-use super::{Arena, Block};
+use super::{Arena, Dedicated};
 use crate::chunk::{self, Chunk, ChunkRelease, ChunkSource, Span};
 use crate::stats::Counters;
 use crate::sys::lock::Lock;
@@ -16,7 +16,7 @@ use crate::sys::lock::Lock;
 /// a free fills it without allocating; an operation that finds it full leaves the rest for later.
 #[derive(Default)]
 pub(crate) struct Released {
-    pub(crate) blocks: Bounded<Block, 8>,
+    pub(crate) blocks: Bounded<Dedicated, 8>,
     pub(crate) chunks: Bounded<Chunk, 4>,
     pub(crate) purges: Bounded<Purge, PURGES>,
 }
@@ -127,13 +127,8 @@ impl Released {
         arena: Option<&Lock<Arena>>,
         counters: &Counters,
     ) -> PurgeFailures {
-        for block in self.blocks.drain() {
-            // SAFETY: the arena handed it out for release: no longer handed out or cached, and
-            // taken out of the arena, so released once.
-            let released = unsafe {
-                chunk::release_dedicated(block.addr, block.capacity, block.registered_by)
-            };
-            count_release(counters, released);
+        for dedicated in self.blocks.drain() {
+            count_release(counters, dedicated.memory.release());
         }
         for chunk in self.chunks.drain() {
             count_release(counters, chunk.release());

@@ -1,16 +1,13 @@
-//! Making and releasing one block: mmap → mbind → populate → check → cuMemHostRegister, and
-//! back. Runs outside the arena lock, inside the re-entrancy guard.
-//!
-//! Unsafe code here relies on fresh mappings of this crate used by nobody else, and dedicated
-//! blocks the arena no longer holds.
-#![allow(unsafe_code)]
+//! Making and releasing one dedicated block: mmap → mbind → populate → check → cuMemHostRegister,
+//! and back; and the placement steps every block and chunk goes through. Runs outside the arena
+//! lock, inside the re-entrancy guard, on memory this call owns ([`Mapping`], [`Memory`]) or a
+//! [`Part`] it holds alone.
 
-use std::ptr::NonNull;
 use std::time::Instant;
 
 use super::{shortage, shortage_kind, Blocks, Resolved, HUGE_PAGE};
-use crate::arena::{count_release, Block, Kind};
-use crate::chunk::{release_dedicated, Mapping, ANONYMOUS};
+use crate::arena::{count_release, Block, Dedicated};
+use crate::chunk::{Mapping, Memory, Part, ANONYMOUS};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
 use crate::process::workers;
@@ -50,7 +47,7 @@ impl Blocks {
         capacity: usize,
         align: usize,
         target: &Resolved,
-    ) -> Result<Block, Error> {
+    ) -> Result<Dedicated, Error> {
         let mut created = self.try_create_block(capacity, align, target);
         if let Err((_, e)) = &created {
             let needed = match e {
@@ -79,16 +76,26 @@ impl Blocks {
         })
     }
 
-    /// Records a dedicated block just created (or grown) as live in its node's arena, and
-    /// releases what the cache may no longer hold. `false` when its node has no arena (an id
-    /// beyond the table, from a strange sysfs) or the arena could not record it: nothing records
-    /// it then, so the caller must not hand it out.
-    pub(crate) fn record_created(&self, block: Block) -> bool {
-        let limit = self.settings.cache_limit;
-        self.with_arena(block.node, |arena, out| {
-            arena.insert_created(block, limit, out)
-        })
-        .unwrap_or(false)
+    /// Records a dedicated block just created (or grown) as live in its node's arena, releases
+    /// what the cache may no longer hold, and returns what to hand out. `None` when its node has
+    /// no arena (an id beyond the table, from a strange sysfs) or the arena could not record it:
+    /// the block is released then, as nothing could free it.
+    pub(crate) fn record_created(&self, dedicated: Dedicated) -> Option<Block> {
+        let node = dedicated.block.node;
+        let Some(mut arena) = self.arena(node) else {
+            self.release(dedicated);
+            return None;
+        };
+        let mut out = crate::arena::Released::default();
+        let recorded = arena.insert_created(dedicated, self.settings.cache_limit, &mut out);
+        drop(arena);
+        self.finish(node, &mut out);
+        recorded.map_err(|unrecorded| self.release(unrecorded)).ok()
+    }
+
+    /// Unregisters (if pinned) and unmaps a dedicated block nobody uses any more, counted.
+    pub(crate) fn release(&self, dedicated: Dedicated) {
+        count_release(&self.counters, dedicated.memory.release());
     }
 
     /// A fresh anonymous mapping of `capacity` bytes at a multiple of `align`: 2 MiB aligned and
@@ -97,10 +104,9 @@ impl Blocks {
         let huge = self.settings.huge_pages && capacity >= HUGE_PAGE;
         let map_align = if huge { align.max(HUGE_PAGE) } else { align };
         // Anonymous: a dedicated block grows by `mremap` and is released as anonymous memory.
-        let mapping = Mapping::new(&ANONYMOUS, capacity, map_align.max(self.page_size))?;
+        let mut mapping = Mapping::new(&ANONYMOUS, capacity, map_align.max(self.page_size))?;
         if huge {
-            // SAFETY: the mapping was just made by us. Without THP this is a no-op hint.
-            let _ = unsafe { sys::advise_hugepage(mapping.ptr(), capacity) };
+            mapping.whole().advise_huge(true);
         }
         Ok(mapping)
     }
@@ -111,68 +117,48 @@ impl Blocks {
         capacity: usize,
         align: usize,
         target: &Resolved,
-    ) -> Result<Block, (Cause, Error)> {
+    ) -> Result<Dedicated, (Cause, Error)> {
         // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
         self.memory_limits
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
-        let mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
-        // SAFETY: the mapping is ours and not yet shared with anyone.
-        match unsafe { self.place_and_pin(mapping.ptr(), capacity, target) } {
-            Ok(kind) => Ok(Block {
-                addr: mapping.keep().as_ptr() as usize,
-                capacity,
-                node: target.host_node,
-                kind,
-                registered_by: target.gpu.filter(|_| kind.pinned).map(Gpu::ordinal),
-                routed_for: target.ordinal,
-            }),
+        let mut mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
+        let placed = self.place_and_populate(&mut mapping.whole(), &target.nodes);
+        let made = placed.and_then(|()| {
+            let mut memory = Memory::new(mapping);
+            let pinned = self.pin(&mut memory, target.gpu);
+            pinned
+                .map(|pinned| (memory, pinned))
+                .map_err(|e| (Cause::Other, e))
+        });
+        match made {
+            Ok((memory, pinned)) => Ok(Dedicated::new(
+                memory,
+                target.host_node,
+                self.kind_of(pinned),
+                target.ordinal,
+            )),
             Err(e) => {
                 // Unmapped by its guard: nothing registered it (pinning is the last step).
-                drop(mapping);
                 self.counters.released_blocks.incr();
                 Err(e)
             }
         }
     }
 
-    /// Places, populates, checks and pins for `target`; returns what the block was made with.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must be a fresh private mapping of this crate, used by nobody else.
-    unsafe fn place_and_pin(
+    /// Places on `nodes`, populates and checks a part never written (steps 2–4 of the pipeline).
+    fn place_and_populate(
         &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        target: &Resolved,
-    ) -> Result<Kind, (Cause, Error)> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.place_and_populate(ptr, len, &target.nodes) }?;
-        // SAFETY: forwarded from the caller.
-        let pinned = unsafe { self.pin(ptr, len, target.gpu) }.map_err(|e| (Cause::Other, e))?;
-        Ok(self.kind_of(pinned))
-    }
-
-    /// Places on `nodes`, populates and checks (steps 2–4 of the pipeline).
-    ///
-    /// # Safety
-    /// As [`Self::place_and_pin`].
-    unsafe fn place_and_populate(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
+        part: &mut Part<'_>,
         nodes: &NodeMask,
     ) -> Result<(), (Cause, Error)> {
-        // SAFETY: forwarded from the caller.
-        let placed = unsafe { self.place(ptr, len, nodes) }.map_err(|e| (Cause::Other, e))?;
+        let placed = self.place(part, nodes).map_err(|e| (Cause::Other, e))?;
         let start = Instant::now();
-        // SAFETY: forwarded from the caller.
-        let populated = unsafe { self.populate(ptr, len, nodes) };
+        let populated = self.populate(part, nodes);
         self.counters.populate.record(start.elapsed());
         populated.map_err(|e| (Cause::Populate, e))?;
         if placed {
-            // SAFETY: forwarded from the caller.
-            unsafe { self.check_placement(ptr, len, nodes) }.map_err(|e| {
+            self.check_placement(part, nodes).map_err(|e| {
                 let cause = if e == bind_exhausted() {
                     Cause::BindExhausted
                 } else {
@@ -184,68 +170,54 @@ impl Blocks {
         Ok(())
     }
 
-    /// Grows an unpinned block to `capacity` without copying: a new mapping of that size (aligned
-    /// to `align`) gets its tail placed on the block's node (`nodes`, the policy's nodes there)
-    /// and populated, then the block's pages move onto its head
-    /// (`mremap`). Nothing is left behind to cache, and only the tail is populated. On failure the
-    /// block is untouched (the caller then moves it by copying).
-    ///
-    /// # Safety
-    /// `block` is a live, unpinned block of this runtime that nothing uses while this runs (the
-    /// caller owns it, no GPU work is recorded against it); on success it no longer exists.
-    pub(crate) unsafe fn grow_block(
+    /// Grows an unpinned dedicated block to `capacity` without copying: a new mapping of that
+    /// size (aligned to `align`) gets its tail placed on the block's node (`nodes`, the policy's
+    /// nodes there) and populated, then the block's pages move onto its head (`mremap`). Nothing
+    /// is left behind to cache, and only the tail is populated. When it cannot grow so, the block
+    /// is given back untouched (the caller then moves it by copying).
+    pub(crate) fn grow_block(
         &self,
-        block: Block,
+        dedicated: Dedicated,
         capacity: usize,
         align: usize,
         nodes: &NodeMask,
-    ) -> Result<Block, Error> {
+    ) -> Result<Dedicated, Dedicated> {
+        let old = dedicated.block;
         // Growing means a longer block: anything else is the caller's to copy.
-        let Some(tail_len) = capacity.checked_sub(block.capacity).filter(|&n| n > 0) else {
-            return Err(Error::InvalidRange {
-                addr: block.addr,
-                len: capacity,
-            });
+        let Some(tail_len) = capacity.checked_sub(old.capacity).filter(|&n| n > 0) else {
+            return Err(dedicated);
         };
-        let old = NonNull::new(block.addr as *mut u8).ok_or(Error::InvalidRange {
-            addr: block.addr,
-            len: block.capacity,
-        })?;
-        self.memory_limits.check(tail_len)?;
-        let mapping = self.map(capacity, align)?;
-        let region = mapping.ptr();
-        // SAFETY: block.capacity < capacity: inside the region. Block capacities are whole
-        // pages, so the tail starts on a page.
-        let tail = unsafe { region.add(block.capacity) };
-        // SAFETY: the tail is part of the fresh mapping, used by nobody; then the caller's block
-        // (unused while this runs) moves onto the region's head, which nobody uses either.
-        let grown = unsafe {
-            self.place_and_populate(tail, tail_len, nodes)
-                .map_err(|(_, e)| e)
-                .and_then(|()| sys::move_mapping(old, region, block.capacity))
+        let mut grown = match self.memory_limits.check(tail_len).and_then(|()| {
+            let mut mapping = self.map(capacity, align)?;
+            // Block capacities are whole pages, so the tail starts on a page.
+            let mut tail = mapping.part(old.capacity, tail_len)?;
+            self.place_and_populate(&mut tail, nodes)
+                .map_err(|(_, e)| e)?;
+            Ok(Memory::new(mapping))
+        }) {
+            Ok(grown) => grown,
+            // The new mapping's guard unmapped it: the block did not move.
+            Err(_) => return Err(dedicated),
         };
-        // On failure the guard unmaps the region: the block did not move (move_mapping is last).
-        grown.map(|()| Block {
-            addr: mapping.keep().as_ptr() as usize,
-            capacity,
-            ..block
-        })
+        match dedicated.memory.move_onto(&mut grown) {
+            Ok(()) => Ok(Dedicated {
+                block: Block {
+                    addr: grown.base(),
+                    capacity,
+                    ..old
+                },
+                memory: grown,
+            }),
+            Err(memory) => Err(Dedicated { block: old, memory }),
+        }
     }
 
-    /// Sets the range's NUMA policy. `Ok(false)` when placement is unavailable (counted).
+    /// Sets the part's NUMA policy. `Ok(false)` when placement is unavailable (counted).
     ///
     /// `policy=bind` is first applied as `preferred`, so that a node too small for the block
     /// shows up as misplaced pages (and a clean failure) instead of the OOM killer at populate
     /// time; the strict policy is set once every page is known to be on the node.
-    ///
-    /// # Safety
-    /// As [`Self::place_and_pin`].
-    pub(crate) unsafe fn place(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        nodes: &NodeMask,
-    ) -> Result<bool, Error> {
+    pub(crate) fn place(&self, part: &mut Part<'_>, nodes: &NodeMask) -> Result<bool, Error> {
         if !self.numa_placement() {
             self.counters.unplaced_blocks.incr();
             return Ok(false);
@@ -254,8 +226,7 @@ impl Blocks {
             MemPolicy::Bind => MemPolicy::Preferred,
             other => other,
         };
-        // SAFETY: forwarded from the caller.
-        match unsafe { sys::bind(ptr, len, policy, nodes, MbindFlags::default()) } {
+        match part.bind(policy, nodes, MbindFlags::default()) {
             Ok(()) => Ok(true),
             Err(Error::NumaUnavailable { errno, .. }) => {
                 self.refuse_mbind(errno);
@@ -276,17 +247,13 @@ impl Blocks {
         }
     }
 
-    /// Counts pages off the policy's nodes (`verify=on` or `policy=bind`); under `bind` any
-    /// misplaced page fails the block, otherwise the strict policy is set. When `move_pages` is
-    /// refused (seccomp), `bind` sets the strict policy with `MPOL_MF_STRICT`, so that the kernel
-    /// does the check (EIO for a misplaced page).
-    ///
-    /// # Safety
-    /// As [`Self::place_and_pin`], and the range is populated.
-    pub(crate) unsafe fn check_placement(
+    /// Counts pages off the policy's nodes (`verify=on` or `policy=bind`) of a populated part;
+    /// under `bind` any misplaced page fails the block, otherwise the strict policy is set. When
+    /// `move_pages` is refused (seccomp), `bind` sets the strict policy with `MPOL_MF_STRICT`,
+    /// so that the kernel does the check (EIO for a misplaced page).
+    pub(crate) fn check_placement(
         &self,
-        ptr: NonNull<u8>,
-        len: usize,
+        part: &mut Part<'_>,
         nodes: &NodeMask,
     ) -> Result<(), Error> {
         let bind = self.settings.policy == MemPolicy::Bind;
@@ -294,14 +261,11 @@ impl Blocks {
             return Ok(());
         }
         let (mut checked, mut misplaced) = (0u64, 0u64);
-        // SAFETY: forwarded from the caller.
-        let counted = unsafe {
-            sys::page_nodes(ptr, len, |_, node| {
-                checked += 1;
-                let on_policy_node = usize::try_from(node).is_ok_and(|n| nodes.contains(n));
-                misplaced += u64::from(!on_policy_node);
-            })
-        };
+        let counted = part.page_nodes(|_, node| {
+            checked += 1;
+            let on_policy_node = usize::try_from(node).is_ok_and(|n| nodes.contains(n));
+            misplaced += u64::from(!on_policy_node);
+        });
         // Whether the kernel must check instead (MPOL_MF_STRICT: EIO if a page is off the nodes).
         let mut strict = false;
         match counted {
@@ -332,8 +296,7 @@ impl Blocks {
                 strict,
                 move_existing: false,
             };
-            // SAFETY: forwarded from the caller.
-            match unsafe { sys::bind(ptr, len, MemPolicy::Bind, nodes, flags) } {
+            match part.bind(MemPolicy::Bind, nodes, flags) {
                 Err(Error::Syscall { errno, .. }) if strict && errno == libc::EIO => {
                     return Err(bind_exhausted());
                 }
@@ -343,18 +306,11 @@ impl Blocks {
         Ok(())
     }
 
-    /// Populates the range for `nodes`: big ranges with the pooled workers of the node (bound
-    /// to its CPUs), up to `populate_threads` threads in all; a huge-page range that stalls in
-    /// compaction goes on in small pages (counted).
-    ///
-    /// # Safety
-    /// As [`Self::place_and_pin`].
-    pub(crate) unsafe fn populate(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        nodes: &NodeMask,
-    ) -> Result<(), Error> {
+    /// Populates a part never written for `nodes`: big parts with the pooled workers of the node
+    /// (bound to its CPUs), up to `populate_threads` threads in all; a huge-page part that stalls
+    /// in compaction goes on in small pages (counted).
+    pub(crate) fn populate(&self, part: &mut Part<'_>, nodes: &NodeMask) -> Result<(), Error> {
+        let len = part.len();
         let threads = if len >= PARALLEL_POPULATE_MIN {
             self.populate_threads
         } else {
@@ -369,8 +325,7 @@ impl Blocks {
         // Workers for several nodes' pages run on any CPU the process may use.
         let cpus = || node.map_or_else(process_allowed_cpus, |node| self.node_cpus(node));
         let huge = self.settings.huge_pages && len >= HUGE_PAGE;
-        // SAFETY: forwarded from the caller.
-        let small_pages = unsafe { workers::populate(node, cpus, ptr, len, threads, huge) }?;
+        let small_pages = workers::populate(node, cpus, part, threads, huge)?;
         if small_pages {
             self.counters.huge_page_stalls.incr();
         }
@@ -402,48 +357,23 @@ impl Blocks {
         }
     }
 
-    /// Registers the block through `gpu`'s context when pinning is on; returns whether it is
-    /// pinned (the registration is kept in the block, and released with it). Under `pin=strict`
-    /// a failure fails the block; otherwise it is served unpinned, counted (under `pin=off` not
+    /// Registers `memory` (populated) through `gpu`'s context when pinning is on; returns whether
+    /// it is pinned (the registration is the memory's, released with it). Under `pin=strict` a
+    /// failure fails the block; otherwise it is served unpinned, counted (under `pin=off` not
     /// counted: nothing fell back).
-    ///
-    /// # Safety
-    /// As [`Self::place_and_pin`], and the range is populated.
-    unsafe fn pin(
-        &self,
-        ptr: NonNull<u8>,
-        len: usize,
-        gpu: Option<&'static Gpu>,
-    ) -> Result<bool, Error> {
+    fn pin(&self, memory: &mut Memory, gpu: Option<&'static Gpu>) -> Result<bool, Error> {
         if self.settings.pin == PinMode::Off {
             // Not a fallback: nobody asked for pinning.
             return Ok(false);
         }
-        // SAFETY: forwarded from the caller; the range is not registered yet, and stays mapped
-        // until `release_dedicated` adopts the registration back.
-        match unsafe { self.register(gpu, ptr, len) } {
-            Ok(registration) => {
-                registration.keep();
-                Ok(true)
-            }
+        match self.register(gpu, memory) {
+            Ok(()) => Ok(true),
             Err(e) if self.settings.pin == PinMode::Strict => Err(e),
             Err(_) => {
                 self.counters.unpinned_blocks.incr();
                 Ok(false)
             }
         }
-    }
-
-    /// Unregisters (if pinned) and unmaps a block nobody uses any more.
-    ///
-    /// # Safety
-    /// `block` came from [`Self::create_block`], is no longer handed out or cached, and is released
-    /// once.
-    pub(crate) unsafe fn release_block(&self, block: Block) {
-        // SAFETY: forwarded from the caller.
-        count_release(&self.counters, unsafe {
-            release_dedicated(block.addr, block.capacity, block.registered_by)
-        });
     }
 }
 

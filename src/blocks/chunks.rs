@@ -9,10 +9,6 @@
 //!    register), add it, carve again. A shortage gives idle memory of the node back and
 //!    retries, unless what could be given back is too little to help.
 //!
-//! Unsafe code here relies on spans the arena planned for a block this call holds (populated or
-//! zeroed outside the lock), and ranges the arena handed out to purge.
-#![allow(unsafe_code)]
-
 use std::time::Instant;
 
 use super::{reserved_key, shortage, shortage_kind, Blocks, Resolved, HUGE_PAGE};
@@ -20,11 +16,11 @@ use crate::arena::{
     count_release, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
     CHUNK_ALIGN, CHUNK_MAX,
 };
-use crate::chunk::{Chunk, Mapping, Span};
+use crate::chunk::{Chunk, Mapping, Part};
 use crate::config::PinMode;
 use crate::process::NODES;
 use crate::sys::lock::Guard;
-use crate::sys::{self, NodeMask};
+use crate::sys::NodeMask;
 use crate::topology::sysfs;
 use crate::Error;
 
@@ -168,19 +164,20 @@ impl Blocks {
             populate,
             dirty,
         } = carving;
-        if let Some(span) = populate {
+        if let Some(mut part) = populate {
+            let len = part.len();
             // A node running low (a cpuset confined to it, say) gets its idle memory back first:
             // the kernel cannot reclaim it, and the OOM killer would come before a failure.
             let root = std::path::Path::new(self.settings.sysfs_root);
-            if span.len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
-                self.give_back_for(block.node, span.len, Shortage::Memory);
+            if len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
+                self.give_back_for(block.node, len, Shortage::Memory);
             }
-            let mut populated = self.populate_span(span, &target.nodes);
+            let mut populated = self.populate_part(&mut part, &target.nodes);
             if let Err(e) = &populated {
                 // Idle memory of the node may make room (the block itself is live: it stays).
-                if shortage(e) && self.give_back_for(block.node, span.len, shortage_kind(e)) {
+                if shortage(e) && self.give_back_for(block.node, len, shortage_kind(e)) {
                     self.counters.pressure_retries.incr();
-                    populated = self.populate_span(span, &target.nodes);
+                    populated = self.populate_part(&mut part, &target.nodes);
                 }
             }
             if let Err(e) = populated {
@@ -191,21 +188,25 @@ impl Blocks {
                 return None;
             }
         }
-        if let (true, Some(span), Some(ptr)) = (zeroed, dirty, dirty.and_then(Span::ptr)) {
-            // SAFETY: the span lies inside the block, which is ours alone and mapped.
-            unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, span.len) };
+        if let (true, Some(mut dirty)) = (zeroed, dirty) {
+            dirty.zero();
         }
         Some(block)
     }
 
     /// Populates what a carved block grown in place from `old` took of granules never
     /// populated; on failure shrinks it back to `old` and says so.
-    pub(crate) fn populate_grown(&self, node: usize, old: Block, populate: Option<Span>) -> bool {
-        let Some(span) = populate else {
+    pub(crate) fn populate_grown(
+        &self,
+        node: usize,
+        old: Block,
+        populate: Option<Part<'static>>,
+    ) -> bool {
+        let Some(mut part) = populate else {
             return true;
         };
         let nodes = self.policy_nodes_of(node);
-        if self.populate_span(span, &nodes).is_ok() {
+        if self.populate_part(&mut part, &nodes).is_ok() {
             return true;
         }
         // Not a failed request: the caller moves the block instead.
@@ -215,24 +216,16 @@ impl Blocks {
         false
     }
 
-    /// Populates `span` of a carved block (several threads for big spans) and checks its pages
-    /// where the settings ask for it.
-    fn populate_span(&self, span: Span, nodes: &NodeMask) -> Result<(), Error> {
-        let ptr = span.ptr().ok_or(Error::InvalidRange {
-            addr: span.addr,
-            len: span.len,
-        })?;
-        self.memory_limits.check(span.len)?;
+    /// Populates a part of a chunk never populated (several threads for big parts) and checks
+    /// its pages where the settings ask for it.
+    fn populate_part(&self, part: &mut Part<'_>, nodes: &NodeMask) -> Result<(), Error> {
+        self.memory_limits.check(part.len())?;
         let start = Instant::now();
-        // SAFETY: the span lies in a chunk of this process whose granules it covers were never
-        // populated: no block handed out uses them yet (a neighbour sharing a boundary granule
-        // sees it as populated and only ever writes to it, which populating does not disturb).
-        let populated = unsafe { self.populate(ptr, span.len, nodes) };
+        let populated = self.populate(part, nodes);
         self.counters.populate.record(start.elapsed());
         populated?;
         if self.numa_placement() {
-            // SAFETY: as above; the span is populated.
-            unsafe { self.check_placement(ptr, span.len, nodes) }?;
+            self.check_placement(part, nodes)?;
         }
         Ok(())
     }
@@ -340,38 +333,27 @@ impl Blocks {
     pub(crate) fn placed_chunk(
         &self,
         key: HeapKey,
-        mapping: Mapping,
+        mut mapping: Mapping,
         target: &Resolved,
     ) -> Result<Chunk, Error> {
-        let (ptr, len) = (mapping.ptr(), mapping.len());
-        // SAFETY: the mapping is ours, fresh and used by nobody. Without THP this is a no-op.
-        let _ = unsafe {
-            if key.huge {
-                sys::advise_hugepage(ptr, len)
-            } else {
-                sys::advise_nohugepage(ptr, len)
-            }
-        };
-        // SAFETY: as above.
-        unsafe { self.place(ptr, len, &target.nodes) }?;
+        let mut whole = mapping.whole();
+        whole.advise_huge(key.huge);
+        self.place(&mut whole, &target.nodes)?;
         let granule = if key.huge { HUGE_PAGE } else { self.page_size };
         Chunk::new(mapping, granule)
     }
 
     /// Populates and checks a whole chunk (before it is registered, or for a reservation).
     pub(crate) fn populate_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
-        if let Some(span) = chunk.plan_populate(chunk.base(), chunk.len()) {
-            self.populate_span(span, &target.nodes)?;
+        if let Some(mut part) = chunk.plan_populate_whole() {
+            self.populate_part(&mut part, &target.nodes)?;
         }
         Ok(())
     }
 
     /// Registers a populated chunk through the target's GPU, counted.
     pub(crate) fn register_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
-        let gpu = target.gpu;
-        // SAFETY: the chunk's mapping, populated and checked by the caller, not registered yet;
-        // the chunk releases its registration before its mapping.
-        chunk.register(|ptr, len| unsafe { self.register(gpu, ptr, len) })
+        chunk.register(|memory| self.register(target.gpu, memory))
     }
 
     /// Does what an arena operation on `node` left to do outside its lock (see

@@ -5,16 +5,12 @@
 //!
 //! Every registration the allocator makes goes through [`Blocks::register`]: counted, timed,
 //! and held within the pinned limit.
-//!
-//! Unsafe code here relies on callers registering only ranges of their own, once.
-#![allow(unsafe_code)]
 
-use std::ptr::NonNull;
 use std::time::Instant;
 
 use super::{Blocks, Resolved, Settings};
 use crate::arena::{Kind, Shortage, CHUNK_MAX};
-use crate::chunk::{page_locked_bytes, PinFlags, Registration};
+use crate::chunk::{page_locked_bytes, Memory, PinFlags};
 use crate::config::{PinMode, MAX_REGISTER_MAX, MIN_REGISTER_MAX};
 use crate::cuda::{self, Gpu, RegisterFlags};
 use crate::process::{self, NODES};
@@ -143,18 +139,16 @@ impl Blocks {
         }
     }
 
-    /// Registers `ptr..ptr+len` through `gpu` (none: an error), timed and counted. Past the pinned limit, idle
-    /// page-locked memory (wholly free pinned chunks not reserved, cached pinned blocks) is given
-    /// back first, then the limit refuses ([`Error::PinLimit`], counted in `pin_limited`).
-    ///
-    /// # Safety
-    /// As [`Registration::new`]; the range is populated.
-    pub(crate) unsafe fn register(
+    /// Registers `memory` (populated) whole through `gpu` (none: an error), timed and counted.
+    /// Past the pinned limit, idle page-locked memory (wholly free pinned chunks not reserved,
+    /// cached pinned blocks) is given back first, then the limit refuses ([`Error::PinLimit`],
+    /// counted in `pin_limited`).
+    pub(crate) fn register(
         &self,
         gpu: Option<&'static Gpu>,
-        ptr: NonNull<u8>,
-        len: usize,
-    ) -> Result<Registration, Error> {
+        memory: &mut Memory,
+    ) -> Result<(), Error> {
+        let len = memory.len();
         // Tests simulate a failed registration, GPU or not (never compiled without the feature).
         #[cfg(feature = "fault-injection")]
         if let Some(code) = crate::sys::fault::injected(crate::sys::fault::FaultPoint::Register) {
@@ -188,8 +182,7 @@ impl Blocks {
             }
         }
         let start = Instant::now();
-        // SAFETY: forwarded from the caller.
-        let registered = unsafe { Registration::new(gpu, ptr, len, flags) };
+        let registered = memory.register(gpu, flags);
         match &registered {
             Ok(_) => {
                 self.counters.pin.record(start.elapsed());

@@ -2,18 +2,13 @@
 //! place, grow without copying, trim, attach GPU work, reset peaks. Each call runs inside the
 //! re-entrancy guard; `near` is the node whose arena is looked at first (the calling thread's
 //! likely one: a block is most often freed where it was allocated).
-//!
-//! Unsafe code here relies on blocks this call holds: a cached block just taken (zeroed before
-//! it is handed out), a block created and handed to nobody, a live block its caller is
-//! reallocating.
-#![allow(unsafe_code)]
 
 use std::alloc::Layout;
-use std::ptr::{self, NonNull};
+use std::ptr::NonNull;
 
 use super::carved;
 use super::{Blocks, Resolved};
-use crate::arena::{class_size, Block, Fit, InFlight, Kind, Released};
+use crate::arena::{class_size, Block, Dedicated, Fit, InFlight, Kind, Released};
 use crate::process::NODES;
 use crate::stats::Stats;
 use crate::sys;
@@ -62,17 +57,10 @@ impl Blocks {
         kind: Kind,
     ) -> Option<Block> {
         let (capacity, fit) = self.fit(layout, kind)?;
-        match self.take_cached(fit, target) {
-            Some(block) => {
-                if zeroed {
-                    // SAFETY: the block is mapped, at least `layout.size()` long and ours alone.
-                    unsafe { ptr::write_bytes(block.addr as *mut u8, 0, layout.size()) };
-                }
-                Some(block)
-            }
-            // Fresh anonymous memory is already zero: `zeroed` costs nothing here.
-            None => self.create(capacity, fit.align, target),
-        }
+        let zero = zeroed.then_some(layout.size());
+        // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
+        self.take_cached(fit, zero, target)
+            .or_else(|| self.create(capacity, fit.align, target))
     }
 
     /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
@@ -83,44 +71,40 @@ impl Blocks {
     }
 
     /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
-    /// for the target's GPU, once pending blocks that are ready joined the cache.
-    fn take_cached(&self, fit: Fit, target: &Resolved) -> Option<Block> {
+    /// for the target's GPU, once pending blocks that are ready joined the cache; its first
+    /// `zero` bytes zeroed when asked. Taken out under the lock, zeroed outside it, then recorded
+    /// live: in between it is this call's alone, which no `trim` or decay can release.
+    fn take_cached(&self, fit: Fit, zero: Option<usize>, target: &Resolved) -> Option<Block> {
         let limit = self.settings.cache_limit;
-        let hit = self.with_arena(target.host_node, |arena, out| {
+        let node = target.host_node;
+        let mut hit = self.with_arena(node, |arena, out| {
             arena.settle_pending(limit, out);
-            let hit = arena.take_cached(fit).map(|block| Block {
-                routed_for: target.ordinal,
-                ..block
-            });
-            match hit {
-                Some(block) if arena.insert_dedicated(block) => Some(block),
-                Some(block) => {
-                    // No room to record it: back to the cache (released if that fails too).
-                    arena.cache(block, limit, out);
-                    None
-                }
-                None if arena.pending_fits(fit) => {
-                    self.counters.reuse_deferred.incr();
-                    None
-                }
-                None => None,
+            let hit = arena.take_cached(fit);
+            if hit.is_none() && arena.pending_fits(fit) {
+                self.counters.reuse_deferred.incr();
             }
+            hit
         })??;
+        hit.block.routed_for = target.ordinal;
+        if let Some(len) = zero {
+            hit.zero(len);
+        }
+        let recorded = self.with_arena(node, |arena, out| {
+            // No room to record it: back to the cache (released if that fails too).
+            arena
+                .insert_dedicated(hit)
+                .map_err(|unrecorded| arena.cache(unrecorded, limit, out))
+        })?;
+        let block = recorded.ok()?;
         self.counters.cache_hits.incr();
-        Some(hit)
+        Some(block)
     }
 
     /// A new live dedicated block for `target` (a cache miss).
     fn create(&self, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
         self.counters.cache_misses.incr();
-        let block = self.create_block(capacity, align, target).ok()?;
-        if !self.record_created(block) {
-            // A block no arena records could not be freed: give it back instead.
-            // SAFETY: just created and handed to nobody.
-            unsafe { self.release_block(block) };
-            return None;
-        }
-        Some(block)
+        let made = self.create_block(capacity, align, target).ok()?;
+        self.record_created(made)
     }
 
     /// Takes back the live block at `addr`, whichever value or thread allocated it: pending while
@@ -200,36 +184,28 @@ impl Blocks {
         if carved(capacity, fit.align) {
             return None;
         }
-        let old = {
+        let old: Dedicated = {
             let mut arena = NODES.lock(target.host_node)?;
             if arena.holds_fit(fit) {
                 return None;
             }
-            let old = arena.growable(addr, fit.kind)?;
-            // A block shrunk in place keeps its capacity: it may already be as large.
-            if capacity <= old.capacity {
+            arena.take_growable(addr, fit.kind, capacity)?
+        };
+        let grown = match self.grow_block(old, capacity, fit.align, &target.nodes) {
+            Ok(grown) => grown,
+            // Still mapped where it was (a failed grow moves nothing): live again.
+            Err(old) => {
+                let node = old.block.node;
+                let unrecorded = match NODES.lock(node) {
+                    Some(mut arena) => arena.insert_dedicated(old).err(),
+                    None => Some(old),
+                };
+                // No room to record it: given back rather than lost track of.
+                if let Some(unrecorded) = unrecorded {
+                    self.release(unrecorded);
+                }
                 return None;
             }
-            // Out of the live set before its pages move: once `mremap` has moved them, another
-            // thread may map a new block at this address and record it live.
-            arena.remove_live(old.addr);
-            old
-        };
-        // SAFETY: `old` was live, unpinned, without recorded GPU work, and the caller owns it
-        // (reallocating it) while this runs.
-        let Ok(grown) = (unsafe { self.grow_block(old, capacity, fit.align, &target.nodes) })
-        else {
-            // Still mapped where it was (a failed grow moves nothing).
-            if let Some(mut arena) = NODES.lock(old.node) {
-                if !arena.insert_dedicated(old) {
-                    // No room to record it: given back rather than lost track of.
-                    drop(arena);
-                    // SAFETY: it is ours (the caller's block, still where it was), and nobody can
-                    // free it through the arena any more.
-                    unsafe { self.release_block(old) };
-                }
-            }
-            return None;
         };
         // Counted as a move: a new block (a miss) and the old one freed.
         self.counters.record_request(new.size());
@@ -240,10 +216,16 @@ impl Blocks {
         ] {
             counter.incr();
         }
-        // Its node's arena is the one the old block was found in: it is recorded (and the old
-        // pages live there now, so there is nothing to give back if it were not).
-        self.record_created(grown);
-        NonNull::new(grown.addr as *mut u8)
+        // Recorded where the old block was: its room in the live set and the cache is still
+        // reserved (taking it out shrinks neither), so this does not fail. If it did, the block
+        // holds the user's data now: it stays mapped, unrecorded, rather than released.
+        let (node, addr) = (grown.block.node, grown.block.addr);
+        let limit = self.settings.cache_limit;
+        let recorded = self.with_arena(node, |arena, out| arena.insert_created(grown, limit, out));
+        if let Some(Err(unrecorded)) = recorded {
+            unrecorded.leave_mapped();
+        }
+        NonNull::new(addr as *mut u8)
     }
 
     /// Gives back everything idle in every node's arena: free ranges purged, wholly free chunks

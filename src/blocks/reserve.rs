@@ -70,11 +70,11 @@ impl Blocks {
             });
         }
         for _ in 0..blocks {
-            let block = self.create_block(capacity, page, target)?;
+            let made = self.create_block(capacity, page, target)?;
             // Kept whatever the cache limit (checked above against the node and pinned limit);
             // once used and freed again they are cached blocks like any other.
-            self.with_arena(block.node, |arena, out| {
-                arena.insert_reserved(block, usize::MAX, out)
+            self.with_arena(made.block.node, |arena, out| {
+                arena.insert_reserved(made, usize::MAX, out)
             });
             tally.chunk_added(capacity);
             self.counters.reserved_chunks.incr();

@@ -1,13 +1,15 @@
-//! Chunks: the mappings the arenas carve blocks from, each resource owned by a guard.
+//! Chunks: the mappings the arenas carve blocks from, and the guards that own every resource
+//! below a block (`memory.rs`): a chunk or a dedicated block holds a [`Memory`] (its mapping and
+//! its registration), released once, unregistered before it is unmapped.
 //!
-//! A chunk is one anonymous mapping of one kind (node, policy, pinning flags), made in four steps:
+//! A chunk is one mapping of one kind (node, policy, pinning flags), made in four steps:
 //!
 //! 1. `mmap` of 32 MiB to 1 GiB, 2 MiB aligned ([`Mapping`]);
 //! 2. `madvise(MADV_HUGEPAGE)` for chunks that serve blocks of 2 MiB and more, `MADV_NOHUGEPAGE`
 //!    for the others (a small block must not make a whole huge page resident);
 //! 3. `mbind` of the whole chunk, once;
 //! 4. with pinning: populate the whole chunk and `cuMemHostRegister` it, once
-//!    ([`Registration`]); a registration never covers more than one chunk, so a block carved
+//!    ([`Memory::register`]); a registration never covers more than one chunk, so a block carved
 //!    from it never straddles two.
 //!
 //! Unpinned chunks are populated as they are carved: the chunk keeps, per granule (2 MiB in a
@@ -16,22 +18,21 @@
 //! zeroed only when it may not be zero. Purging (`MADV_DONTNEED`) whole idle granules clears both.
 //!
 //! The bit bookkeeping runs under the arena lock and makes no system call; the calls themselves
-//! (populating a [`Span`] in `blocks/chunks.rs`, [`purge`]) run outside it, on ranges
-//! the caller owns for the time being.
+//! (populating a [`Part`] claimed from a [`Span`], [`purge`]) run outside it, on ranges the
+//! caller owns for the time being.
 //!
-//! Unsafe code here relies on the guards own their mapping and registration alone; `purge` is
+//! Unsafe code here relies on the guards owning their mapping and registration alone; `purge` is
 //! called only on a range taken out of its carver.
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
+mod memory;
 mod source;
 
+pub(crate) use memory::{page_locked_bytes, ChunkRelease, Mapping, Memory, Part, PinFlags};
 pub(crate) use source::{ChunkSource, ANONYMOUS};
 
-use crate::cuda::{Gpu, RegisterFlags};
 use crate::Error;
 
 /// A byte range of a chunk that the caller populates, zeroes or purges outside the arena lock.
@@ -55,221 +56,6 @@ impl Span {
             len: end - start,
         })
     }
-}
-
-/// A mapping from a [`ChunkSource`]; given back to it on drop.
-#[derive(Debug)]
-pub(crate) struct Mapping {
-    ptr: NonNull<u8>,
-    len: usize,
-    source: &'static dyn ChunkSource,
-}
-
-// SAFETY: the mapping is this guard's alone; moving the guard between threads moves the right to
-// unmap it, which any thread may exercise.
-unsafe impl Send for Mapping {}
-
-impl Mapping {
-    /// Maps `len` fresh bytes from `source` at a multiple of `align` (see [`ChunkSource::map`]).
-    pub(crate) fn new(
-        source: &'static dyn ChunkSource,
-        len: usize,
-        align: usize,
-    ) -> Result<Mapping, Error> {
-        let ptr = source.map(len, align)?;
-        Ok(Mapping { ptr, len, source })
-    }
-
-    /// Where the mapping came from.
-    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
-        self.source
-    }
-
-    pub(crate) fn ptr(&self) -> NonNull<u8> {
-        self.ptr
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
-    /// unregistration), or a forked child's range is the parent's registration.
-    fn leak(self) {
-        std::mem::forget(self);
-    }
-
-    /// Lets the mapping outlive this guard, as a dedicated block: the block records its address
-    /// and length, and [`release_dedicated`] adopts it back to unmap it.
-    pub(crate) fn keep(self) -> NonNull<u8> {
-        let ptr = self.ptr;
-        self.leak();
-        ptr
-    }
-
-    /// The anonymous mapping `ptr..ptr+len` that [`Self::keep`] kept (dedicated blocks are
-    /// anonymous: they grow by `mremap`).
-    ///
-    /// # Safety
-    /// That mapping exists, came from [`ANONYMOUS`], nothing uses it any more, and it is adopted
-    /// once.
-    unsafe fn adopt(ptr: NonNull<u8>, len: usize) -> Mapping {
-        Mapping {
-            ptr,
-            len,
-            source: &ANONYMOUS,
-        }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: the guard's source made this mapping, whole, and the guard owns it alone;
-        // nothing uses it any more (the chunk that holds it is only dropped once no block of it
-        // is live or pending), and a registration is released before its mapping.
-        let _ = unsafe { self.source.unmap(self.ptr, self.len) };
-    }
-}
-
-/// Bytes the process holds page-locked through the allocator: registered chunks and dedicated
-/// blocks, counted from before each registration (so that two threads cannot both pass the
-/// limit) until it is released.
-static PAGE_LOCKED: AtomicUsize = AtomicUsize::new(0);
-
-/// Bytes page-locked through the allocator now, in the whole process.
-pub(crate) fn page_locked_bytes() -> usize {
-    PAGE_LOCKED.load(Ordering::Relaxed)
-}
-
-/// Counts `len` more bytes as page-locked, unless that would pass `limit`.
-pub(crate) fn take_page_locked(len: usize, limit: usize) -> Result<(), Error> {
-    PAGE_LOCKED
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |pinned| {
-            pinned.checked_add(len).filter(|&total| total <= limit)
-        })
-        .map(drop)
-        .map_err(|pinned| Error::PinLimit {
-            requested: len,
-            pinned,
-            limit,
-        })
-}
-
-/// Counts `len` page-locked bytes as released (an unregistration, or a registration that
-/// failed after [`take_page_locked`]).
-pub(crate) fn give_page_locked(len: usize) {
-    PAGE_LOCKED.fetch_sub(len, Ordering::AcqRel);
-}
-
-/// A `cuMemHostRegister` of a whole chunk, counted in the page-locked bytes while it lasts.
-#[derive(Debug)]
-pub(crate) struct Registration {
-    gpu: &'static Gpu,
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a registration may be released from any thread (the context is pushed for the call).
-unsafe impl Send for Registration {}
-
-impl Registration {
-    /// Registers `ptr..ptr+len` whole through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as
-    /// asked), unless that would page-lock more than `flags.limit` bytes in the process.
-    ///
-    /// # Safety
-    /// The range is a live mapping of this crate, not registered yet, that stays mapped until
-    /// the registration is released (a chunk releases it before its mapping, in
-    /// `Chunk::release` and `Drop`).
-    pub(crate) unsafe fn new(
-        gpu: &'static Gpu,
-        ptr: NonNull<u8>,
-        len: usize,
-        flags: PinFlags,
-    ) -> Result<Registration, Error> {
-        take_page_locked(len, flags.limit)?;
-        // SAFETY: forwarded from the caller.
-        let registered = unsafe { gpu.register(ptr, len, flags.register) };
-        if let Err(e) = registered {
-            give_page_locked(len);
-            return Err(e);
-        }
-        Ok(Registration { gpu, ptr, len })
-    }
-
-    /// Lets the registration outlive this value without releasing it (releasing is always
-    /// explicit: a chunk does it before unmapping): a dedicated block records it in its
-    /// `Block`, and [`Self::adopt`] takes it back to release it.
-    pub(crate) fn keep(self) {}
-
-    /// The registration of `ptr..ptr+len` through `gpu` that [`Self::keep`] kept.
-    ///
-    /// # Safety
-    /// That registration exists, is adopted once, and the range is still mapped.
-    pub(crate) unsafe fn adopt(gpu: &'static Gpu, ptr: NonNull<u8>, len: usize) -> Registration {
-        Registration { gpu, ptr, len }
-    }
-
-    /// Unregisters; an error means the range may still be the driver's and must stay mapped
-    /// (and counted page-locked).
-    pub(crate) fn release(self) -> Result<(), Error> {
-        // SAFETY: `ptr` is the base of a successful registration, still mapped (the mapping is
-        // released after this).
-        unsafe { self.gpu.unregister(self.ptr) }?;
-        give_page_locked(self.len);
-        Ok(())
-    }
-}
-
-/// Unregisters (if `registered_by` that device: a [`Registration`] kept) and unmaps a dedicated
-/// block of `len` bytes at `addr` nobody uses any more; what it did, for the caller's counters. A failed unregistration leaves the block mapped: unmapping a range the
-/// driver still holds would make a later mapping at this address fail to register (712), and in
-/// a forked child the range may not be this block's any more.
-///
-/// # Safety
-/// The block is a mapping of this crate no longer handed out or cached, released once.
-pub(crate) unsafe fn release_dedicated(
-    addr: usize,
-    len: usize,
-    registered_by: Option<u32>,
-) -> ChunkRelease {
-    let mut outcome = ChunkRelease::default();
-    let Some(ptr) = NonNull::new(addr as *mut u8) else {
-        return outcome;
-    };
-    // Through the process's context of the device that registered it.
-    if let Some(gpu) = registered_by.and_then(Gpu::by_ordinal) {
-        let start = Instant::now();
-        // SAFETY: the block's registration, kept by `pin`, adopted once (the block is released
-        // once); the block is still mapped.
-        let unregistered = unsafe { Registration::adopt(gpu, ptr, len) }.release();
-        let failed = unregistered.is_err();
-        outcome.unregistered = Some((start.elapsed(), unregistered));
-        if failed {
-            return outcome;
-        }
-    }
-    // SAFETY: the caller guarantees the block is ours, unused and released once.
-    drop(unsafe { Mapping::adopt(ptr, len) });
-    outcome.unmapped = true;
-    outcome
-}
-
-/// How a range is registered: the driver's flags, and the pinned limit it must stay within.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct PinFlags {
-    /// The driver's flags.
-    pub(crate) register: RegisterFlags,
-    /// The most bytes the process may hold page-locked through the allocator.
-    pub(crate) limit: usize,
-}
-
-/// What releasing a chunk did, for the counters.
-#[derive(Debug, Default)]
-pub(crate) struct ChunkRelease {
-    /// The unregistration's time and outcome, when the chunk was registered.
-    pub(crate) unregistered: Option<(Duration, Result<(), Error>)>,
-    /// Whether the mapping was unmapped (false: kept, as the driver may still hold it).
-    pub(crate) unmapped: bool,
 }
 
 /// One bit per granule, in 64-bit words.
@@ -303,12 +89,10 @@ impl Bits {
     }
 }
 
-/// A chunk: its mapping, its registration, and which granules are resident or dirty.
+/// A chunk: its memory (mapping and registration), and which granules are resident or dirty.
 #[derive(Debug)]
 pub(crate) struct Chunk {
-    // Field order is load-bearing: `Drop` releases the registration before the mapping goes.
-    registration: Option<Registration>,
-    mapping: Option<Mapping>,
+    memory: Memory,
     granule_shift: u32,
     populated: Bits,
     dirty: Bits,
@@ -327,8 +111,7 @@ impl Chunk {
             dirty: Bits::new(granules, false)?,
             resident: 0,
             granule_shift: granule.trailing_zeros(),
-            registration: None,
-            mapping: Some(mapping),
+            memory: Memory::new(mapping),
             reserved: false,
         })
     }
@@ -348,38 +131,32 @@ impl Chunk {
     /// checked it first.
     pub(crate) fn register(
         &mut self,
-        register: impl FnOnce(NonNull<u8>, usize) -> Result<Registration, Error>,
+        register: impl FnOnce(&mut Memory) -> Result<(), Error>,
     ) -> Result<(), Error> {
-        let Some(mapping) = &self.mapping else {
-            return Ok(());
-        };
-        self.registration = Some(register(mapping.ptr(), mapping.len())?);
-        let granules = mapping.len().div_ceil(1 << self.granule_shift);
+        register(&mut self.memory)?;
+        let granules = self.len().div_ceil(1 << self.granule_shift);
         for g in 0..granules {
             self.populated.set(g, true);
         }
-        self.resident = mapping.len();
+        self.resident = self.len();
         Ok(())
     }
 
-    /// Where the chunk's memory came from (its mapping's source; the mapping is only taken by
-    /// the release that consumes the chunk).
+    /// Where the chunk's memory came from.
     pub(crate) fn source(&self) -> &'static dyn ChunkSource {
-        self.mapping.as_ref().map_or(&ANONYMOUS, Mapping::source)
+        self.memory.source()
     }
 
     pub(crate) fn base(&self) -> usize {
-        self.mapping
-            .as_ref()
-            .map_or(0, |m| m.ptr().as_ptr() as usize)
+        self.memory.base()
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.mapping.as_ref().map_or(0, Mapping::len)
+        self.memory.len()
     }
 
     pub(crate) fn pinned(&self) -> bool {
-        self.registration.is_some()
+        self.memory.pinned()
     }
 
     /// Bytes of resident granules.
@@ -430,6 +207,17 @@ impl Chunk {
             }
         }
         todo.and_then(|(f, l)| self.span(f, l).clip(addr, len))
+    }
+
+    /// Marks every granule resident and returns the part never populated yet, to populate while
+    /// the chunk is borrowed: a chunk being made, nobody else's yet.
+    pub(crate) fn plan_populate_whole(&mut self) -> Option<Part<'_>> {
+        let base = self.base();
+        let span = self.plan_populate(base, self.len())?;
+        self.memory
+            .mapping_mut()?
+            .part(span.addr - base, span.len)
+            .ok()
     }
 
     /// Marks the granules of `span` resident and dirty again (a purge of it failed).
@@ -500,38 +288,9 @@ impl Chunk {
         resident.map(|(f, l)| self.span(f, l))
     }
 
-    /// Unregisters (when registered), then unmaps. A failed unregistration, or one refused in a
-    /// forked child (the range is the parent's registration, and the driver may have kept it
-    /// out of the child), leaves the mapping in place.
-    pub(crate) fn release(mut self) -> ChunkRelease {
-        let mut outcome = ChunkRelease::default();
-        if let Some(registration) = self.registration.take() {
-            let start = Instant::now();
-            let result = registration.release();
-            let failed = result.is_err();
-            outcome.unregistered = Some((start.elapsed(), result));
-            if failed {
-                if let Some(mapping) = self.mapping.take() {
-                    mapping.leak();
-                }
-                return outcome;
-            }
-        }
-        outcome.unmapped = self.mapping.take().is_some();
-        outcome
-    }
-}
-
-impl Drop for Chunk {
-    /// The same order as [`Chunk::release`], for a chunk dropped without it.
-    fn drop(&mut self) {
-        if let Some(registration) = self.registration.take() {
-            if registration.release().is_err() {
-                if let Some(mapping) = self.mapping.take() {
-                    mapping.leak();
-                }
-            }
-        }
+    /// Unregisters (when registered), then unmaps (see [`Memory::release`]).
+    pub(crate) fn release(self) -> ChunkRelease {
+        self.memory.release()
     }
 }
 

@@ -149,8 +149,9 @@ const SHARED_GPUS: usize = 256;
 
 /// One retained primary context per device, kept for the life of the process: blocks registered
 /// through it sit in the process-wide arenas and may be released by any allocator value, after
-/// the one that registered them is gone. A slot array, not a locked list: a forked child looks
-/// blocks' devices up without a lock another thread may have held at the fork.
+/// the one that registered them is gone (each registration holds its `&'static Gpu`). A slot
+/// array, not a locked list: a forked child finds its devices without a lock another thread may
+/// have held at the fork.
 static SHARED: [AtomicPtr<Gpu>; SHARED_GPUS] =
     [const { AtomicPtr::new(ptr::null_mut()) }; SHARED_GPUS];
 
@@ -182,11 +183,6 @@ impl Gpu {
         Ok(unsafe { &*opened })
     }
 
-    /// The shared `Gpu` of the device with this ordinal, once [`Gpu::shared`] opened it.
-    pub(crate) fn by_ordinal(ordinal: u32) -> Option<&'static Gpu> {
-        Gpu::in_slot(SHARED.get(usize::try_from(ordinal).ok()?)?)
-    }
-
     fn in_slot(slot: &AtomicPtr<Gpu>) -> Option<&'static Gpu> {
         // SAFETY: slots hold null or a leaked box, never freed.
         unsafe { slot.load(Ordering::Acquire).as_ref() }
@@ -195,11 +191,6 @@ impl Gpu {
     /// Whether blocks can be registered through it: not in a child forked after it was opened.
     pub(crate) fn usable(&self) -> bool {
         !self.forked()
-    }
-
-    /// CUDA ordinal of the device.
-    pub(crate) fn ordinal(&self) -> u32 {
-        self.device.ordinal()
     }
 
     /// Retains the device's primary context, for registering memory with it.

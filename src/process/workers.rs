@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering}
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::chunk::Part;
 use crate::guard::Inside;
 use crate::sys;
 use crate::sys::lock::Lock;
@@ -59,20 +60,19 @@ static POOLS: [AtomicPtr<Pool>; MAX_NODES + 1] =
 /// pieces populate slower than [`STALL_BYTES_PER_SEC`] goes on in small pages; returns whether
 /// that happened.
 ///
-/// # Safety
-/// The range lies in a mapping the caller owns, which nothing else writes to or unmaps until
-/// this returns.
-pub(crate) unsafe fn populate(
+/// The part is never written yet (on kernels without `MADV_POPULATE_WRITE` populating writes
+/// zeros); the caller holds it alone until this returns.
+pub(crate) fn populate(
     node: Option<usize>,
     cpus: impl FnOnce() -> Vec<usize>,
-    ptr: NonNull<u8>,
-    len: usize,
+    part: &mut Part<'_>,
     threads: usize,
     huge: bool,
 ) -> Result<bool, Error> {
+    let (ptr, len) = (part.ptr(), part.len());
     let threads = threads.min(len / MIN_PIECE).max(1);
     if threads == 1 && !(huge && len >= 2 * MIN_PIECE) {
-        // SAFETY: forwarded from the caller.
+        // SAFETY: the part is the caller's alone, and all zeros (never written).
         return unsafe { sys::populate(ptr, len) }.map(|_| false);
     }
     let piece = (len / (threads * PIECES_PER_THREAD))
@@ -317,6 +317,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::chunk::{Mapping, ANONYMOUS};
 
     /// Milliseconds each piece of the range at [`STALL_BASE`] waits before populating: a
     /// compaction stall, made up (other tests' ranges do not wait).
@@ -345,15 +346,11 @@ mod tests {
     /// Populates a fresh huge-page-advised mapping of `len` with `threads`; whether it went on
     /// in small pages.
     fn populate_fresh(len: usize, threads: usize) -> bool {
-        let ptr = sys::map_anonymous(len, 2 << 20).unwrap();
-        STALL_BASE.store(ptr.as_ptr() as usize, Ordering::Relaxed);
-        // SAFETY: a fresh mapping of this test's, unmapped below.
-        unsafe {
-            let _ = sys::advise_hugepage(ptr, len);
-            let small = populate(None, Vec::new, ptr, len, threads, true).unwrap();
-            sys::unmap(ptr, len).unwrap();
-            small
-        }
+        let mut mapping = Mapping::new(&ANONYMOUS, len, 2 << 20).unwrap();
+        STALL_BASE.store(mapping.ptr().as_ptr() as usize, Ordering::Relaxed);
+        let mut whole = mapping.whole();
+        whole.advise_huge(true);
+        populate(None, Vec::new, &mut whole, threads, true).unwrap()
     }
 
     #[test]

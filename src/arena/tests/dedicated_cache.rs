@@ -22,38 +22,41 @@ fn fit(size: usize, pinned: bool) -> Fit {
 }
 
 fn released_blocks(out: &mut Released) -> Vec<Block> {
-    out.blocks.drain().collect()
+    out.blocks.drain().map(|d| d.block).collect()
 }
 
 #[test]
 fn the_dedicated_cache_limit_evicts_oldest_first() {
     let mut arena = arena_that_held(1 << 40);
     let mut out = Released::default();
+    let mut made = Vec::new();
     for i in 1..=3 {
-        let b = dedicated(i << 40, 640 * MIB, true);
-        arena.note_created(&b);
-        arena.cache(b, 1280 * MIB, &mut out);
+        let d = dedicated(i << 30, 640 * MIB, true);
+        made.push(d.block);
+        arena.note_created(&d.block);
+        arena.cache(d, 1280 * MIB, &mut out);
     }
-    assert_eq!(
-        released_blocks(&mut out),
-        [dedicated(1 << 40, 640 * MIB, true)]
-    );
+    assert_eq!(released_blocks(&mut out), [made[0]]);
     let stats = row(&arena);
     assert_eq!(
         (stats.cached_bytes, stats.pinned_bytes),
         (1280 * MIB, 1280 * MIB)
     );
-    let big = dedicated(4 << 40, 2000 * MIB, true);
-    arena.note_created(&big);
+    let big = dedicated(4 << 30, 2000 * MIB, true);
+    let big_block = big.block;
+    arena.note_created(&big_block);
     arena.cache(big, 1280 * MIB, &mut out);
-    assert_eq!(released_blocks(&mut out), [big], "over the limit alone");
     assert_eq!(
-        arena.take_cached(fit(640 * MIB, true)).map(|b| b.addr),
-        Some(3 << 40)
+        released_blocks(&mut out),
+        [big_block],
+        "over the limit alone"
     );
     assert_eq!(
-        arena.take_cached(fit(640 * MIB, false)),
-        None,
+        arena.take_cached(fit(640 * MIB, true)).map(|d| d.block),
+        Some(made[2])
+    );
+    assert!(
+        arena.take_cached(fit(640 * MIB, false)).is_none(),
         "another kind"
     );
 }
@@ -65,9 +68,10 @@ fn the_dedicated_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eig
     let mut out = Released::default();
     let mut previous: Option<Block> = None;
     let mut released = 0;
-    for (i, mib) in [512, 1024, 2048, 4096].into_iter().enumerate() {
-        let next = dedicated((i + 1) << 40, mib * MIB, false);
-        assert!(arena.insert_created(next, usize::MAX, &mut out));
+    // Each next size at its own place: 0, 1 GiB, 2 GiB, 4 GiB.
+    for (offset, mib) in [(0, 512), (1, 1024), (2, 2048), (4, 4096)] {
+        let made = dedicated(offset << 30, mib * MIB, false);
+        let next = arena.insert_created(made, usize::MAX, &mut out).unwrap();
         if let Some(old) = previous.replace(next) {
             let live = arena.remove_live(old.addr).unwrap();
             arena.free(live, usize::MAX, &mut out);
@@ -88,16 +92,20 @@ fn a_forked_child_releases_page_locked_dedicated_blocks() {
     let mut arena = arena_that_held(1 << 40);
     let mut out = Released::default();
     let (pinned, plain) = (
-        dedicated(1 << 40, 640 * MIB, true),
-        dedicated(2 << 40, 640 * MIB, false),
+        dedicated(1 << 30, 640 * MIB, true),
+        dedicated(2 << 30, 640 * MIB, false),
     );
-    for b in [pinned, plain] {
-        arena.note_created(&b);
-        arena.cache(b, usize::MAX, &mut out);
+    let (pinned_block, plain_block) = (pinned.block, plain.block);
+    for d in [pinned, plain] {
+        arena.note_created(&d.block);
+        arena.cache(d, usize::MAX, &mut out);
     }
     arena.enter_child();
     arena.settle_pending(usize::MAX, &mut out);
-    assert_eq!(released_blocks(&mut out), [pinned]);
-    assert_eq!(arena.take_cached(fit(640 * MIB, false)), Some(plain));
+    assert_eq!(released_blocks(&mut out), [pinned_block]);
+    assert_eq!(
+        arena.take_cached(fit(640 * MIB, false)).map(|d| d.block),
+        Some(plain_block)
+    );
     assert_eq!(row(&arena).pinned_bytes, 0);
 }

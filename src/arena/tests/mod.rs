@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::pending::double::Flag;
 use super::*;
-use crate::chunk::Mapping;
+use crate::chunk::{Mapping, Memory, Part, Span};
 use crate::stats::NodeStats;
 
 mod dedicated_cache;
@@ -74,6 +74,14 @@ fn free(arena: &mut Arena, addr: usize, limit: usize) -> Released {
     out
 }
 
+/// What [`Arena::resize_carved`] answered: `None` (not resized), or the length it left to
+/// populate, if any.
+fn resized(arena: &mut Arena, addr: usize, size: usize) -> Option<Option<usize>> {
+    arena
+        .resize_carved(addr, size)
+        .map(|populate| populate.map(|p| p.len()))
+}
+
 fn row(arena: &Arena) -> NodeStats {
     let mut row = NodeStats::default();
     arena.fill(&mut row);
@@ -104,14 +112,14 @@ fn freed_space_is_carved_again_at_any_size() {
 fn each_granule_is_populated_once_and_zeroed_only_when_dirty() {
     let mut arena = arena_with_chunk(HUGE, 32 * MIB);
     let first = carve(&mut arena, 4 * MIB);
-    assert_eq!(first.populate.map(|s| s.len), Some(4 * MIB));
-    assert_eq!(first.dirty, None, "fresh memory is zero");
+    assert_eq!(first.populate.map(|s| s.len()), Some(4 * MIB));
+    assert!(first.dirty.is_none(), "fresh memory is zero");
     let _ = free(&mut arena, first.block.addr, usize::MAX);
     let again = carve(&mut arena, 3 * MIB);
     assert_eq!(again.block.addr, first.block.addr);
-    assert_eq!(again.populate, None, "already resident");
+    assert!(again.populate.is_none(), "already resident");
     assert_eq!(
-        again.dirty.map(|s| s.len),
+        again.dirty.map(|s| s.len()),
         Some(3 * MIB),
         "handed out before"
     );
@@ -136,8 +144,8 @@ fn idle_free_space_decays_and_is_populated_again_after() {
     arena.purged(out.purges.drain().map(|p| (p, true)));
     let again = carve(&mut arena, 8 * MIB);
     assert_eq!(again.block.addr, block.addr);
-    assert_eq!(again.populate.map(|s| s.len), Some(8 * MIB));
-    assert_eq!(again.dirty, None, "purged memory is zero");
+    assert_eq!(again.populate.map(|s| s.len()), Some(8 * MIB));
+    assert!(again.dirty.is_none(), "purged memory is zero");
     let stats = row(&arena);
     assert_eq!(
         (stats.purged_bytes, stats.resident_bytes),
@@ -186,13 +194,13 @@ fn a_carved_block_grows_into_its_free_neighbour_and_shrinks_in_place() {
     let populate = arena
         .resize_carved(block.addr, 10 * MIB)
         .expect("room after it");
-    assert_eq!(populate.map(|s| s.len), Some(6 * MIB));
+    assert_eq!(populate.map(|s| s.len()), Some(6 * MIB));
     assert_eq!(row(&arena).live_bytes, 10 * MIB);
-    assert_eq!(arena.resize_carved(block.addr, 6 * MIB), Some(None));
+    assert_eq!(resized(&mut arena, block.addr, 6 * MIB), Some(None));
     assert_eq!(row(&arena).live_bytes, 6 * MIB);
     let next = carve(&mut arena, 26 * MIB).block;
     assert_eq!(next.addr, block.addr + 6 * MIB, "the tail was given back");
-    assert_eq!(arena.resize_carved(block.addr, 7 * MIB), None, "no room");
+    assert_eq!(resized(&mut arena, block.addr, 7 * MIB), None, "no room");
 }
 
 /// A live carved block with unfinished work recorded through a pointer inside it.
@@ -229,8 +237,9 @@ fn a_freed_block_in_use_is_not_carved_again_before_its_work_completed() {
 fn work_is_recorded_only_inside_a_live_block() {
     let mut arena = arena_with_chunk(HUGE, 32 * MIB);
     let block = carve(&mut arena, 4 * MIB).block;
-    let dedicated = dedicated(0x7000_0000_0000, 4 * MIB, false);
-    assert!(arena.insert_dedicated(dedicated));
+    let dedicated = arena
+        .insert_dedicated(dedicated(0, 4 * MIB, false))
+        .unwrap();
     for addr in [
         block.addr - 1,
         block.addr + 4 * MIB,
@@ -271,21 +280,22 @@ fn a_forked_child_never_carves_page_locked_chunks() {
 #[test]
 fn live_blocks_are_counted_per_node_and_gpu() {
     let mut arena = Arena::new(1);
-    let for_gpu = |addr, gpu, pinned| Block {
-        routed_for: gpu,
-        node: 1,
-        ..dedicated(addr, 4 * MIB, pinned)
+    let for_gpu = |offset, gpu, pinned| {
+        let mut d = dedicated(offset, 4 * MIB, pinned);
+        d.block.routed_for = gpu;
+        d.block.node = 1;
+        d
     };
-    for b in [
+    for d in [
         for_gpu(0x100_0000, Some(3), true),
         for_gpu(0x200_0000, Some(1), false),
         for_gpu(0x300_0000, Some(3), false),
         for_gpu(0x400_0000, None, false),
     ] {
-        assert!(arena.insert_dedicated(b));
+        assert!(arena.insert_dedicated(d).is_ok());
     }
-    assert!(arena.remove_live(0x300_0000).is_some());
-    assert!(arena.remove_live(0x300_0000).is_none());
+    assert!(arena.remove_live(planned(0x300_0000)).is_some());
+    assert!(arena.remove_live(planned(0x300_0000)).is_none());
     let rows: Vec<_> = arena
         .gpus()
         .iter()
@@ -324,17 +334,20 @@ fn purge_now(arena: &mut Arena) {
     arena.purged(out.purges.drain().zip(done));
 }
 
-/// Populates a span the arena planned (the chunk's memory is real).
-fn populate(span: Option<Span>) {
-    if let Some(s) = span {
-        // SAFETY: a span of a chunk of this arena, planned for the block the test holds.
-        unsafe { crate::sys::populate(s.ptr().unwrap(), s.len) }.unwrap();
+/// Populates a part the arena planned (the chunk's memory is real).
+fn populate(part: Option<Part<'static>>) {
+    if let Some(p) = part {
+        // SAFETY: a part of a chunk of this arena, planned for the block the test holds.
+        unsafe { crate::sys::populate(p.ptr(), p.len()) }.unwrap();
     }
 }
 
-/// Whether `byte` at `addr` would reach a zeroed request whose dirty span is `dirty`.
-fn zeroed_would_see(addr: usize, dirty: Option<Span>) -> u8 {
-    let covered = dirty.is_some_and(|d| d.addr <= addr && addr < d.addr + d.len);
+/// Whether `byte` at `addr` would reach a zeroed request whose dirty part is `dirty`.
+fn zeroed_would_see(addr: usize, dirty: Option<Part<'static>>) -> u8 {
+    let covered = dirty.is_some_and(|d| {
+        let start = d.ptr().as_ptr() as usize;
+        (start..start + d.len()).contains(&addr)
+    });
     // SAFETY: inside a populated block of the test's chunk.
     let byte = unsafe { (addr as *const u8).read_volatile() };
     if covered {
@@ -430,8 +443,9 @@ fn pinned_free_space_does_not_count_against_the_idle_limit() {
     let _ = chunk.plan_populate(chunk.base(), chunk.len());
     assert!(arena.add_chunk(pinned, chunk).is_ok());
     let _keep = arena.carve(pinned, 2 * MIB, PAGE, None).unwrap().unwrap();
-    let block = dedicated(0x7000_0000_0000, 8 * MIB, false);
-    assert!(arena.insert_dedicated(block));
+    let block = arena
+        .insert_dedicated(dedicated(0, 8 * MIB, false))
+        .unwrap();
     let live = arena.remove_live(block.addr).unwrap();
     let mut out = Released::default();
     arena.free(live, 16 * MIB, &mut out);
@@ -447,12 +461,12 @@ fn a_block_with_gpu_work_does_not_shrink_in_place() {
     let mut arena = arena_with_chunk(HUGE, 32 * MIB);
     let (block, done) = live_in_use(&mut arena, 8 * MIB);
     assert_eq!(
-        arena.resize_carved(block.addr, 4 * MIB),
+        resized(&mut arena, block.addr, 4 * MIB),
         None,
         "its tail may be in use"
     );
     done.store(true, Ordering::Release);
-    assert_eq!(arena.resize_carved(block.addr, 4 * MIB), Some(None));
+    assert_eq!(resized(&mut arena, block.addr, 4 * MIB), Some(None));
 }
 
 #[test]
@@ -517,16 +531,76 @@ fn ranges_whose_purge_failed_are_not_offered_again() {
     assert_eq!(row(&arena).purged_bytes, 3 * (64 << 10) as u64);
 }
 
-fn dedicated(addr: usize, capacity: usize, pinned: bool) -> Block {
-    Block {
-        addr,
-        capacity,
-        node: 0,
-        kind: Kind {
-            pinned,
-            ..Kind::default()
-        },
-        registered_by: pinned.then_some(0),
-        routed_for: None,
+/// A dedicated block of `capacity` bytes at `offset` of the region [`Planned`] maps, made with
+/// pinning or not (nothing registers it: the arena only reads its kind).
+pub(super) fn dedicated(offset: usize, capacity: usize, pinned: bool) -> Dedicated {
+    let kind = Kind {
+        pinned,
+        ..Kind::default()
+    };
+    NEXT_OFFSET.set(offset);
+    let mapping = Mapping::new(&PLANNED, capacity, PAGE).expect("inside the planned region");
+    Dedicated::new(Memory::new(mapping), 0, kind, None)
+}
+
+/// The start of the region [`Planned`] hands out, plus `offset`.
+pub(super) fn planned(offset: usize) -> usize {
+    planned_base() + offset
+}
+
+/// Bytes of the region [`Planned`] hands out ranges of.
+const PLANNED_REGION: usize = 16 << 30;
+
+thread_local! {
+    /// Where in the region the next range [`Planned`] maps starts.
+    static NEXT_OFFSET: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The region's start, 1 GiB aligned: mapped once, never populated (`MAP_NORESERVE`: it is
+/// larger than some test machines' memory), and never unmapped.
+fn planned_base() -> usize {
+    static BASE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BASE.get_or_init(|| {
+        let len = PLANNED_REGION + (1 << 30);
+        // SAFETY: a fresh anonymous mapping the kernel places; nothing else knows of it.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mapping the planned region");
+        (ptr as usize).next_multiple_of(1 << 30)
+    })
+}
+
+/// Dedicated blocks at the places a test plans, so that it can name their addresses: ranges of
+/// one region, at the offset [`dedicated`] asks for. The tests never touch these bytes (the
+/// arena only keeps books on them), so ranges of tests running at once may overlap; giving one
+/// back leaves the region mapped.
+#[derive(Debug)]
+struct Planned;
+
+static PLANNED: Planned = Planned;
+
+// SAFETY: the ranges are of a private anonymous region mapped read-write and never unmapped;
+// nothing touches them (see the type's docs), so they read as zero; none of the calls allocates.
+unsafe impl crate::chunk::ChunkSource for Planned {
+    fn map(&self, len: usize, _align: usize) -> Result<std::ptr::NonNull<u8>, crate::Error> {
+        let offset = NEXT_OFFSET.get();
+        assert!(offset + len <= PLANNED_REGION, "{offset:#x} + {len:#x}");
+        Ok(std::ptr::NonNull::new(planned(offset) as *mut u8).expect("mapped"))
+    }
+
+    unsafe fn unmap(&self, _ptr: std::ptr::NonNull<u8>, _len: usize) -> Result<(), crate::Error> {
+        Ok(())
+    }
+
+    unsafe fn purge(&self, _ptr: std::ptr::NonNull<u8>, _len: usize) -> Result<(), crate::Error> {
+        Ok(())
     }
 }

@@ -1,0 +1,402 @@
+//! The resources a chunk or a dedicated block owns, each held by a value that releases it:
+//! a [`Mapping`] (given back to its source on drop), a [`Registration`] (unregistered on drop),
+//! and [`Memory`], the two together, released in order (unregistered, then unmapped) once, by
+//! [`Memory::release`] or on drop. A [`Part`] is the right to touch some bytes alone for a
+//! while: borrowed from a mapping held mutably, or claimed from a span the carver handed out.
+//!
+//! Unsafe code here relies on these guards owning their mapping and registration alone, and on
+//! a part's bytes being used by its holder only.
+#![allow(unsafe_code)]
+
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::source::{ChunkSource, ANONYMOUS};
+use super::Span;
+use crate::cuda::{Gpu, RegisterFlags};
+use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
+use crate::Error;
+
+/// A mapping from a [`ChunkSource`]; given back to it on drop.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    source: &'static dyn ChunkSource,
+}
+
+// SAFETY: the mapping is this guard's alone; moving the guard between threads moves the right to
+// unmap it, which any thread may exercise.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Maps `len` fresh bytes from `source` at a multiple of `align` (see [`ChunkSource::map`]).
+    pub(crate) fn new(
+        source: &'static dyn ChunkSource,
+        len: usize,
+        align: usize,
+    ) -> Result<Mapping, Error> {
+        let ptr = source.map(len, align)?;
+        Ok(Mapping { ptr, len, source })
+    }
+
+    /// Where the mapping came from.
+    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
+        self.source
+    }
+
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// `offset..offset+len` of the mapping, to use alone while the borrow lasts.
+    pub(crate) fn part(&mut self, offset: usize, len: usize) -> Result<Part<'_>, Error> {
+        let invalid = Error::InvalidRange {
+            addr: self.ptr.as_ptr() as usize + offset,
+            len,
+        };
+        if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
+            return Err(invalid);
+        }
+        // SAFETY: inside the mapping, which this guard owns and the caller borrows mutably.
+        let ptr = unsafe { self.ptr.add(offset) };
+        Ok(Part {
+            ptr,
+            len,
+            _owner: PhantomData,
+        })
+    }
+
+    /// The whole mapping, to use alone while the borrow lasts.
+    pub(crate) fn whole(&mut self) -> Part<'_> {
+        Part {
+            ptr: self.ptr,
+            len: self.len,
+            _owner: PhantomData,
+        }
+    }
+
+    /// Moves this mapping's pages onto the head of `dest` (`mremap`: nothing is copied); `dest`
+    /// then holds them, and this range is gone. Both must be anonymous (only anonymous pages
+    /// move so) and `dest` at least as long; on failure both are as they were.
+    pub(crate) fn move_onto(self, dest: &mut Mapping) -> Result<(), (Mapping, Error)> {
+        let anonymous = |m: &Mapping| std::ptr::addr_eq(m.source, &ANONYMOUS);
+        if !(anonymous(&self) && anonymous(dest)) || dest.len < self.len {
+            let e = Error::InvalidRange {
+                addr: dest.ptr.as_ptr() as usize,
+                len: self.len,
+            };
+            return Err((self, e));
+        }
+        // SAFETY: both are anonymous mappings of ours that nobody else uses (this one is owned,
+        // `dest` borrowed mutably), they do not overlap (two live mappings), and this one is
+        // forgotten once its range is gone.
+        match unsafe { sys::move_mapping(self.ptr, dest.ptr, self.len) } {
+            Ok(()) => {
+                self.forget();
+                Ok(())
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
+    /// unregistration), or its range moved elsewhere.
+    fn forget(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the guard's source made this mapping, whole, and the guard owns it alone;
+        // nothing uses it any more (its owner is dropped only once no block of it is live or
+        // pending), and a registration is released before its mapping (`Memory`).
+        let _ = unsafe { self.source.unmap(self.ptr, self.len) };
+    }
+}
+
+/// Bytes to use alone while `'a` lasts: part of a mapping borrowed mutably, or a span the carver
+/// took out for its caller ([`Span::claim`]).
+#[derive(Debug)]
+pub(crate) struct Part<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _owner: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: the part is its holder's alone, whichever thread holds it.
+unsafe impl Send for Part<'_> {}
+
+impl Span {
+    /// The span as a part its caller uses alone (`None` for a null address).
+    ///
+    /// # Safety
+    /// The span is mapped and nobody else uses it while the part lives: the carver took it out
+    /// for the caller (a block just handed out, or the room it just grew into).
+    pub(crate) unsafe fn claim(self) -> Option<Part<'static>> {
+        Some(Part {
+            ptr: self.ptr()?,
+            len: self.len,
+            _owner: PhantomData,
+        })
+    }
+}
+
+impl Part<'_> {
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Sets the NUMA policy of the part (see [`sys::bind`]).
+    pub(crate) fn bind(
+        &mut self,
+        policy: MemPolicy,
+        nodes: &NodeMask,
+        flags: MbindFlags,
+    ) -> Result<(), Error> {
+        // SAFETY: a mapping of this crate used by its holder alone.
+        unsafe { sys::bind(self.ptr, self.len, policy, nodes, flags) }
+    }
+
+    /// Calls `f(page index, node)` for each page (see [`sys::page_nodes`]).
+    pub(crate) fn page_nodes(&self, f: impl FnMut(usize, i32)) -> Result<(), Error> {
+        // SAFETY: a mapping of this crate, which stays mapped while the part lives.
+        unsafe { sys::page_nodes(self.ptr, self.len, f) }
+    }
+
+    /// Advises huge pages for the part, or none (a hint: a no-op without THP).
+    pub(crate) fn advise_huge(&mut self, huge: bool) {
+        // SAFETY: a mapping of this crate used by its holder alone.
+        let _ = unsafe {
+            if huge {
+                sys::advise_hugepage(self.ptr, self.len)
+            } else {
+                sys::advise_nohugepage(self.ptr, self.len)
+            }
+        };
+    }
+
+    /// Writes zeros over the part.
+    pub(crate) fn zero(&mut self) {
+        // SAFETY: mapped, writable, and used by its holder alone.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
+    }
+}
+
+/// Bytes the process holds page-locked through the allocator: registered chunks and dedicated
+/// blocks, counted from before each registration (so that two threads cannot both pass the
+/// limit) until it is released.
+static PAGE_LOCKED: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes page-locked through the allocator now, in the whole process.
+pub(crate) fn page_locked_bytes() -> usize {
+    PAGE_LOCKED.load(Ordering::Relaxed)
+}
+
+/// Counts `len` more bytes as page-locked, unless that would pass `limit`.
+pub(crate) fn take_page_locked(len: usize, limit: usize) -> Result<(), Error> {
+    PAGE_LOCKED
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |pinned| {
+            pinned.checked_add(len).filter(|&total| total <= limit)
+        })
+        .map(drop)
+        .map_err(|pinned| Error::PinLimit {
+            requested: len,
+            pinned,
+            limit,
+        })
+}
+
+/// Counts `len` page-locked bytes as released (an unregistration, or a registration that
+/// failed after [`take_page_locked`]).
+pub(crate) fn give_page_locked(len: usize) {
+    PAGE_LOCKED.fetch_sub(len, Ordering::AcqRel);
+}
+
+/// A `cuMemHostRegister` of a whole mapping, counted in the page-locked bytes while it lasts.
+/// Only a [`Memory`] holds one: it releases the registration before its mapping.
+#[derive(Debug)]
+struct Registration {
+    gpu: &'static Gpu,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a registration may be released from any thread (the context is pushed for the call).
+unsafe impl Send for Registration {}
+
+impl Registration {
+    /// Unregisters; an error means the range may still be the driver's and must stay mapped
+    /// (and counted page-locked).
+    fn release(self) -> Result<(), Error> {
+        let this = ManuallyDrop::new(self);
+        // SAFETY: `ptr` is the base of a successful registration, still mapped (its memory
+        // releases the mapping after this), released once (the value is not dropped again).
+        unsafe { this.gpu.unregister(this.ptr) }?;
+        give_page_locked(this.len);
+        Ok(())
+    }
+}
+
+impl Drop for Registration {
+    /// Unregisters a registration nobody released; only reached through [`Memory`], which
+    /// releases it first and keeps the mapping when that fails.
+    fn drop(&mut self) {
+        // SAFETY: as in `release`: the base of a successful registration, still mapped.
+        if unsafe { self.gpu.unregister(self.ptr) }.is_ok() {
+            give_page_locked(self.len);
+        }
+    }
+}
+
+/// How a range is registered: the driver's flags, and the pinned limit it must stay within.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PinFlags {
+    /// The driver's flags.
+    pub(crate) register: RegisterFlags,
+    /// The most bytes the process may hold page-locked through the allocator.
+    pub(crate) limit: usize,
+}
+
+/// What releasing a chunk or a dedicated block did, for the counters.
+#[derive(Debug, Default)]
+pub(crate) struct ChunkRelease {
+    /// The unregistration's time and outcome, when it was registered.
+    pub(crate) unregistered: Option<(Duration, Result<(), Error>)>,
+    /// Whether the mapping was unmapped (false: kept, as the driver may still hold it).
+    pub(crate) unmapped: bool,
+}
+
+/// A mapping and, once registered, its registration: released in that order, once.
+#[derive(Debug)]
+pub(crate) struct Memory {
+    /// `None` only once released.
+    mapping: Option<Mapping>,
+    registration: Option<Registration>,
+}
+
+impl Memory {
+    /// Unregistered memory of `mapping`.
+    pub(crate) fn new(mapping: Mapping) -> Memory {
+        Memory {
+            mapping: Some(mapping),
+            registration: None,
+        }
+    }
+
+    /// The mapping (until released).
+    pub(crate) fn mapping(&self) -> Option<&Mapping> {
+        self.mapping.as_ref()
+    }
+
+    /// The mapping, to use parts of alone (until released).
+    pub(crate) fn mapping_mut(&mut self) -> Option<&mut Mapping> {
+        self.mapping.as_mut()
+    }
+
+    /// The mapping's start, 0 once released.
+    pub(crate) fn base(&self) -> usize {
+        self.mapping().map_or(0, |m| m.ptr().as_ptr() as usize)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.mapping().map_or(0, Mapping::len)
+    }
+
+    /// Where the memory came from.
+    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
+        self.mapping().map_or(&ANONYMOUS, Mapping::source)
+    }
+
+    pub(crate) fn pinned(&self) -> bool {
+        self.registration.is_some()
+    }
+
+    /// Registers the whole mapping through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as
+    /// asked), unless it is registered already, or that would page-lock more than `flags.limit`
+    /// bytes in the process.
+    pub(crate) fn register(&mut self, gpu: &'static Gpu, flags: PinFlags) -> Result<(), Error> {
+        let (Some(mapping), None) = (&self.mapping, &self.registration) else {
+            return Err(Error::InvalidRange {
+                addr: self.base(),
+                len: self.len(),
+            });
+        };
+        let (ptr, len) = (mapping.ptr(), mapping.len());
+        take_page_locked(len, flags.limit)?;
+        // SAFETY: a live mapping of this crate, not registered yet, that stays mapped until the
+        // registration is released: this value releases it first.
+        if let Err(e) = unsafe { gpu.register(ptr, len, flags.register) } {
+            give_page_locked(len);
+            return Err(e);
+        }
+        self.registration = Some(Registration { gpu, ptr, len });
+        Ok(())
+    }
+
+    /// Moves this memory's pages onto the head of `dest`'s (see [`Mapping::move_onto`]); both
+    /// must be unregistered. When they cannot move, gives this memory back: both are as they
+    /// were.
+    pub(crate) fn move_onto(mut self, dest: &mut Memory) -> Result<(), Memory> {
+        // A registration is tied to its address: registered pages do not move.
+        let (Some(to), None, None) = (
+            dest.mapping.as_mut(),
+            &dest.registration,
+            &self.registration,
+        ) else {
+            return Err(self);
+        };
+        let Some(from) = self.mapping.take() else {
+            return Err(self);
+        };
+        from.move_onto(to).map_err(|(from, _)| {
+            self.mapping = Some(from);
+            self
+        })
+    }
+
+    /// Unregisters (when registered), then unmaps. A failed unregistration, or one refused in a
+    /// forked child (the range is the parent's registration, and the driver may have kept it out
+    /// of the child), leaves the mapping in place: unmapping a range the driver still holds
+    /// would make a later mapping at this address fail to register (712).
+    pub(crate) fn release(mut self) -> ChunkRelease {
+        self.release_now()
+    }
+
+    fn release_now(&mut self) -> ChunkRelease {
+        let mut outcome = ChunkRelease::default();
+        if let Some(registration) = self.registration.take() {
+            let start = Instant::now();
+            let result = registration.release();
+            let failed = result.is_err();
+            outcome.unregistered = Some((start.elapsed(), result));
+            if failed {
+                if let Some(mapping) = self.mapping.take() {
+                    mapping.forget();
+                }
+                return outcome;
+            }
+        }
+        outcome.unmapped = self.mapping.take().is_some();
+        outcome
+    }
+}
+
+impl Drop for Memory {
+    /// The same order as [`Memory::release`], for memory dropped without it.
+    fn drop(&mut self) {
+        self.release_now();
+    }
+}
