@@ -46,15 +46,17 @@ impl Arena {
         capacity: usize,
     ) -> Option<Dedicated> {
         let live = self.live.get(&addr)?;
-        let growable = matches!(live.backing, Backing::Dedicated(_))
+        let growable = matches!(&live.backing, Backing::Dedicated(m) if m.movable())
             && live.block.kind == kind
             && !kind.pinned
             && live.work.is_empty()
             && live.block.capacity < capacity;
-        if !growable {
+        // Room for it to come back, grown or not, kept by every insert until then.
+        if !growable || !self.reserve_dedicated(self.moving + 1) {
             return None;
         }
         let live = self.remove_live(addr)?;
+        self.moving += 1;
         match live.backing {
             Backing::Dedicated(memory) => Some(Dedicated {
                 block: live.block,
@@ -69,13 +71,30 @@ impl Arena {
         self.pending.holds_fit(fit)
     }
 
+    /// Records live again, as the user's, a block [`Self::take_growable`] took out: grown (a new
+    /// address) or not. The room it needs was kept since, so this allocates nothing.
+    pub(crate) fn return_grown(
+        &mut self,
+        dedicated: Dedicated,
+        limit: usize,
+        out: &mut Released,
+    ) -> Result<Block, Dedicated> {
+        self.moving = self.moving.saturating_sub(1);
+        self.insert_created(dedicated, limit, out)
+    }
+
+    /// Room in the live set for `more` blocks, and in the cache for every dedicated block out
+    /// (live, pending, growing) and `more`: a free must not allocate, nor a grown block's
+    /// return. False when it could not be had.
+    fn reserve_dedicated(&mut self, more: usize) -> bool {
+        let out = self.live_dedicated + self.pending.len() + self.moving + more;
+        self.live.try_reserve(self.moving + more).is_ok() && self.cached.reserve(out)
+    }
+
     /// Records a dedicated block handed out to the user, and returns what it is (room reserved
     /// first: when none could be had it is given back, not recorded).
     pub(crate) fn insert_dedicated(&mut self, dedicated: Dedicated) -> Result<Block, Dedicated> {
-        // Room in the cache for every dedicated block out (this one too, and those pending): a
-        // free must not allocate.
-        let out = self.live_dedicated + self.pending.len() + 1;
-        if self.live.try_reserve(1).is_err() || !self.cached.reserve(out) {
+        if !self.reserve_dedicated(1) {
             return Err(dedicated);
         }
         let Dedicated { block, memory } = dedicated;
@@ -107,9 +126,10 @@ impl Arena {
     pub(super) fn evict(&mut self, dedicated: Dedicated, out: &mut Released) {
         self.forget_pinned(&dedicated.block);
         if let Err(dedicated) = out.blocks.push(dedicated) {
-            self.note_created(&dedicated.block);
-            if let Err(dedicated) = self.cached.insert(dedicated, self.now()) {
-                dedicated.leave_mapped();
+            let block = dedicated.block;
+            match self.cached.insert(dedicated, self.now()) {
+                Ok(()) => self.note_created(&block),
+                Err(dedicated) => dedicated.leave_mapped(),
             }
         }
     }

@@ -12,7 +12,7 @@ use super::{
     Arena, Backing, Block, Carving, Dedicated, Heap, HeapKey, Live, Released, Shortage, Slot,
     CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX,
 };
-use crate::chunk::{Chunk, Part};
+use crate::chunk::{Chunk, Part, Span};
 
 impl Arena {
     /// Carves `size` bytes (a multiple of the page size) at a multiple of `align` from a chunk of
@@ -40,17 +40,16 @@ impl Arena {
             // Cannot happen: every region has its chunk. Keep the range out of use.
             return Ok(None);
         };
-        // SAFETY: both spans lie in the range just carved: nobody else has it until the caller
-        // hands the block out.
-        let (populate, dirty) = unsafe {
-            (
-                chunk
-                    .plan_populate(range.addr, range.size)
-                    .and_then(|s| s.claim()),
-                chunk
-                    .hand_out(range.addr, range.size)
-                    .and_then(|s| s.claim()),
-            )
+        let populate = chunk.plan_populate(range.addr, range.size);
+        let dirty = chunk.hand_out(range.addr, range.size);
+        let span = Span {
+            addr: range.addr,
+            len: range.size,
+        };
+        // SAFETY: the range was just carved: nobody else has it until the caller hands it out.
+        let Some(part) = (unsafe { span.claim() }) else {
+            // Cannot happen: chunks are never at address 0. Keep the range out of use.
+            return Ok(None);
         };
         let block = Block {
             addr: range.addr,
@@ -67,6 +66,7 @@ impl Arena {
         self.insert_live(block, Backing::Carved(slot));
         Ok(Some(Carving {
             block,
+            part,
             populate,
             dirty,
         }))

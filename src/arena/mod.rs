@@ -34,7 +34,7 @@ use pending::PendingList;
 pub(crate) use pending::{settle, InFlight, Work};
 pub(crate) use released::{count_release, Purge, PurgeFailures, Released};
 
-use crate::chunk::{Chunk, Memory, Part};
+use crate::chunk::{Chunk, Memory, Part, Span};
 use crate::cuda::RegisterFlags;
 use crate::stats::GpuStats;
 use crate::sys::MemPolicy;
@@ -232,15 +232,16 @@ impl Live {
     }
 }
 
-/// A carved block just handed out, and what the caller must do to it outside the lock (the
-/// block is the caller's alone until it returns it to its user).
+/// A carved block just handed out, and what the caller must do to it outside the lock.
 #[derive(Debug)]
 pub(crate) struct Carving {
     pub(crate) block: Block,
+    /// The block's bytes, the caller's alone until it hands the block to its user (or back).
+    pub(crate) part: Part<'static>,
     /// Granules never populated yet (unpinned chunks only).
-    pub(crate) populate: Option<Part<'static>>,
-    /// The part that may hold old data: a zeroed request clears it.
-    pub(crate) dirty: Option<Part<'static>>,
+    pub(crate) populate: Option<Span>,
+    /// The span that may hold old data: a zeroed request clears it.
+    pub(crate) dirty: Option<Span>,
 }
 
 /// Hashes page-aligned addresses for the live map: the page number, scrambled by a multiply
@@ -324,6 +325,9 @@ pub(crate) struct Arena {
     live_with_work: usize,
     /// Live dedicated blocks: the dedicated cache keeps room for each.
     live_dedicated: usize,
+    /// Dedicated blocks out of the live set while they grow ([`Self::take_growable`]): every
+    /// insert keeps room in the live set and the cache for them to come back.
+    moving: usize,
     heaps: Vec<Heap>,
     cached: CacheIndex,
     pending: PendingList,
@@ -358,6 +362,7 @@ impl Arena {
             live: HashMap::default(),
             live_with_work: 0,
             live_dedicated: 0,
+            moving: 0,
             heaps: Vec::new(),
             cached: CacheIndex::default(),
             pending: PendingList::default(),

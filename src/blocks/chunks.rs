@@ -161,23 +161,24 @@ impl Blocks {
     fn prepare(&self, carving: Carving, zeroed: bool, target: &Resolved) -> Option<Block> {
         let Carving {
             block,
+            mut part,
             populate,
             dirty,
         } = carving;
-        if let Some(mut part) = populate {
-            let len = part.len();
+        if let Some(mut unpopulated) = populate.and_then(|span| part.sub(span)) {
+            let len = unpopulated.len();
             // A node running low (a cpuset confined to it, say) gets its idle memory back first:
             // the kernel cannot reclaim it, and the OOM killer would come before a failure.
             let root = std::path::Path::new(self.settings.sysfs_root);
             if len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
                 self.give_back_for(block.node, len, Shortage::Memory);
             }
-            let mut populated = self.populate_part(&mut part, &target.nodes);
+            let mut populated = self.populate_part(&mut unpopulated, &target.nodes);
             if let Err(e) = &populated {
                 // Idle memory of the node may make room (the block itself is live: it stays).
                 if shortage(e) && self.give_back_for(block.node, len, shortage_kind(e)) {
                     self.counters.pressure_retries.incr();
-                    populated = self.populate_part(&mut part, &target.nodes);
+                    populated = self.populate_part(&mut unpopulated, &target.nodes);
                 }
             }
             if let Err(e) = populated {
@@ -188,7 +189,7 @@ impl Blocks {
                 return None;
             }
         }
-        if let (true, Some(mut dirty)) = (zeroed, dirty) {
+        if let (true, Some(mut dirty)) = (zeroed, dirty.and_then(|span| part.sub(span))) {
             dirty.zero();
         }
         Some(block)

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 use super::carved;
 use super::{Blocks, Resolved};
-use crate::arena::{class_size, Block, Dedicated, Fit, InFlight, Kind, Released};
+use crate::arena::{class_size, Arena, Block, Dedicated, Fit, InFlight, Kind, Released};
 use crate::process::NODES;
 use crate::stats::Stats;
 use crate::sys;
@@ -72,30 +72,45 @@ impl Blocks {
 
     /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
     /// for the target's GPU, once pending blocks that are ready joined the cache; its first
-    /// `zero` bytes zeroed when asked. Taken out under the lock, zeroed outside it, then recorded
-    /// live: in between it is this call's alone, which no `trim` or decay can release.
+    /// `zero` bytes zeroed when asked: then it is taken out under the lock, zeroed outside it,
+    /// and recorded live under it again (in between it is this call's alone: no `trim` or
+    /// decay can release it).
     fn take_cached(&self, fit: Fit, zero: Option<usize>, target: &Resolved) -> Option<Block> {
+        /// A cache hit, recorded live (if room could be had) or to zero first.
+        enum Taken {
+            Recorded(Option<Block>),
+            ToZero(Dedicated, usize),
+        }
         let limit = self.settings.cache_limit;
         let node = target.host_node;
-        let mut hit = self.with_arena(node, |arena, out| {
+        // A block no room could be found to record goes back to the cache (released if that
+        // fails too).
+        let record = |arena: &mut Arena, hit, out: &mut Released| {
+            arena
+                .insert_dedicated(hit)
+                .map_err(|unrecorded| arena.cache(unrecorded, limit, out))
+                .ok()
+        };
+        let taken = self.with_arena(node, |arena, out| {
             arena.settle_pending(limit, out);
             let hit = arena.take_cached(fit);
             if hit.is_none() && arena.pending_fits(fit) {
                 self.counters.reuse_deferred.incr();
             }
-            hit
+            let mut hit = hit?;
+            hit.block.routed_for = target.ordinal;
+            Some(match zero {
+                Some(len) => Taken::ToZero(hit, len),
+                None => Taken::Recorded(record(arena, hit, out)),
+            })
         })??;
-        hit.block.routed_for = target.ordinal;
-        if let Some(len) = zero {
-            hit.zero(len);
-        }
-        let recorded = self.with_arena(node, |arena, out| {
-            // No room to record it: back to the cache (released if that fails too).
-            arena
-                .insert_dedicated(hit)
-                .map_err(|unrecorded| arena.cache(unrecorded, limit, out))
-        })?;
-        let block = recorded.ok()?;
+        let block = match taken {
+            Taken::Recorded(block) => block,
+            Taken::ToZero(mut hit, len) => {
+                hit.zero(len);
+                self.with_arena(node, |arena, out| record(arena, hit, out))?
+            }
+        }?;
         self.counters.cache_hits.incr();
         Some(block)
     }
@@ -184,29 +199,32 @@ impl Blocks {
         if carved(capacity, fit.align) {
             return None;
         }
-        let old: Dedicated = {
-            let mut arena = NODES.lock(target.host_node)?;
+        let node = target.host_node;
+        let old = {
+            let mut arena = NODES.lock(node)?;
             if arena.holds_fit(fit) {
                 return None;
             }
             arena.take_growable(addr, fit.kind, capacity)?
         };
-        let grown = match self.grow_block(old, capacity, fit.align, &target.nodes) {
-            Ok(grown) => grown,
-            // Still mapped where it was (a failed grow moves nothing): live again.
-            Err(old) => {
-                let node = old.block.node;
-                let unrecorded = match NODES.lock(node) {
-                    Some(mut arena) => arena.insert_dedicated(old).err(),
-                    None => Some(old),
-                };
-                // No room to record it: given back rather than lost track of.
-                if let Some(unrecorded) = unrecorded {
-                    self.release(unrecorded);
-                }
-                return None;
-            }
+        let (moved, dedicated) = match self.grow_block(old, capacity, fit.align, &target.nodes) {
+            Ok(grown) => (true, grown),
+            // Still where it was: a failed grow moves nothing.
+            Err(old) => (false, old),
         };
+        // Live again, grown or not: its room was kept (`Arena::take_growable`), so it is
+        // recorded. Were it not, it holds the user's data: it stays mapped, unrecorded, rather
+        // than released.
+        let new_addr = dedicated.block.addr;
+        let limit = self.settings.cache_limit;
+        let recorded =
+            self.with_arena(node, |arena, out| arena.return_grown(dedicated, limit, out));
+        if let Some(Err(unrecorded)) = recorded {
+            unrecorded.leave_mapped();
+        }
+        if !moved {
+            return None;
+        }
         // Counted as a move: a new block (a miss) and the old one freed.
         self.counters.record_request(new.size());
         for counter in [
@@ -216,16 +234,7 @@ impl Blocks {
         ] {
             counter.incr();
         }
-        // Recorded where the old block was: its room in the live set and the cache is still
-        // reserved (taking it out shrinks neither), so this does not fail. If it did, the block
-        // holds the user's data now: it stays mapped, unrecorded, rather than released.
-        let (node, addr) = (grown.block.node, grown.block.addr);
-        let limit = self.settings.cache_limit;
-        let recorded = self.with_arena(node, |arena, out| arena.insert_created(grown, limit, out));
-        if let Some(Err(unrecorded)) = recorded {
-            unrecorded.leave_mapped();
-        }
-        NonNull::new(addr as *mut u8)
+        NonNull::new(new_addr as *mut u8)
     }
 
     /// Gives back everything idle in every node's arena: free ranges purged, wholly free chunks

@@ -9,7 +9,6 @@
 #![allow(unsafe_code)]
 
 use std::marker::PhantomData;
-use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -26,6 +25,9 @@ pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
     source: &'static dyn ChunkSource,
+    /// Kernel mappings (VMAs) the range spans: one, until pages moved onto part of it
+    /// ([`Self::move_onto`]) made the moved head one and the rest another.
+    pieces: u32,
 }
 
 // SAFETY: the mapping is this guard's alone; moving the guard between threads moves the right to
@@ -40,7 +42,12 @@ impl Mapping {
         align: usize,
     ) -> Result<Mapping, Error> {
         let ptr = source.map(len, align)?;
-        Ok(Mapping { ptr, len, source })
+        Ok(Mapping {
+            ptr,
+            len,
+            source,
+            pieces: 1,
+        })
     }
 
     /// Where the mapping came from.
@@ -59,7 +66,7 @@ impl Mapping {
     /// `offset..offset+len` of the mapping, to use alone while the borrow lasts.
     pub(crate) fn part(&mut self, offset: usize, len: usize) -> Result<Part<'_>, Error> {
         let invalid = Error::InvalidRange {
-            addr: self.ptr.as_ptr() as usize + offset,
+            addr: (self.ptr.as_ptr() as usize).saturating_add(offset),
             len,
         };
         if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
@@ -83,23 +90,31 @@ impl Mapping {
         }
     }
 
+    /// Whether [`Self::move_onto`] may move it: memory whose pages `mremap` moves, in one kernel
+    /// mapping (or the kernel moves several at once).
+    pub(crate) fn movable(&self) -> bool {
+        self.source.moves_by_remap() && (self.pieces == 1 || sys::moves_several_mappings())
+    }
+
     /// Moves this mapping's pages onto the head of `dest` (`mremap`: nothing is copied); `dest`
-    /// then holds them, and this range is gone. Both must be anonymous (only anonymous pages
-    /// move so) and `dest` at least as long; on failure both are as they were.
+    /// then holds them, and this range is gone. Both must be [movable](Self::movable) and `dest`
+    /// at least as long. On failure this mapping is as it was; `dest`'s head may be unmapped
+    /// (see [`sys::move_mapping`]), which dropping `dest` covers.
     pub(crate) fn move_onto(self, dest: &mut Mapping) -> Result<(), (Mapping, Error)> {
-        let anonymous = |m: &Mapping| std::ptr::addr_eq(m.source, &ANONYMOUS);
-        if !(anonymous(&self) && anonymous(dest)) || dest.len < self.len {
+        if !(self.movable() && dest.source.moves_by_remap()) || dest.len < self.len {
             let e = Error::InvalidRange {
                 addr: dest.ptr.as_ptr() as usize,
                 len: self.len,
             };
             return Err((self, e));
         }
-        // SAFETY: both are anonymous mappings of ours that nobody else uses (this one is owned,
-        // `dest` borrowed mutably), they do not overlap (two live mappings), and this one is
+        // SAFETY: both are mappings of ours whose pages mremap moves, that nobody else uses
+        // (this one is owned, `dest` borrowed mutably); they do not overlap (two live
+        // mappings); this one is one kernel mapping or the kernel moves several; it is
         // forgotten once its range is gone.
         match unsafe { sys::move_mapping(self.ptr, dest.ptr, self.len) } {
             Ok(()) => {
+                dest.pieces = self.pieces + u32::from(dest.len > self.len);
                 self.forget();
                 Ok(())
             }
@@ -139,8 +154,9 @@ impl Span {
     /// The span as a part its caller uses alone (`None` for a null address).
     ///
     /// # Safety
-    /// The span is mapped and nobody else uses it while the part lives: the carver took it out
-    /// for the caller (a block just handed out, or the room it just grew into).
+    /// The span is mapped and nobody else uses it until the caller hands it to its user or back
+    /// to the carver, after which the part is not used: the carver took it out for the caller
+    /// (a block just handed out, or the room it just grew into).
     pub(crate) unsafe fn claim(self) -> Option<Part<'static>> {
         Some(Part {
             ptr: self.ptr()?,
@@ -157,6 +173,21 @@ impl Part<'_> {
 
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The part of `span` inside this part, to use alone while borrowed.
+    pub(crate) fn sub(&mut self, span: Span) -> Option<Part<'_>> {
+        let start = self.ptr.as_ptr() as usize;
+        let inside = span.addr >= start
+            && span
+                .addr
+                .checked_add(span.len)
+                .is_some_and(|end| end <= start + self.len);
+        Some(Part {
+            ptr: span.ptr().filter(|_| inside && span.len > 0)?,
+            len: span.len,
+            _owner: PhantomData,
+        })
     }
 
     /// Sets the NUMA policy of the part (see [`sys::bind`]).
@@ -226,7 +257,8 @@ pub(crate) fn give_page_locked(len: usize) {
 }
 
 /// A `cuMemHostRegister` of a whole mapping, counted in the page-locked bytes while it lasts.
-/// Only a [`Memory`] holds one: it releases the registration before its mapping.
+/// Only a [`Memory`] holds one, and releases it ([`Memory::release`], or on drop) before the
+/// mapping.
 #[derive(Debug)]
 struct Registration {
     gpu: &'static Gpu,
@@ -241,23 +273,11 @@ impl Registration {
     /// Unregisters; an error means the range may still be the driver's and must stay mapped
     /// (and counted page-locked).
     fn release(self) -> Result<(), Error> {
-        let this = ManuallyDrop::new(self);
         // SAFETY: `ptr` is the base of a successful registration, still mapped (its memory
-        // releases the mapping after this), released once (the value is not dropped again).
-        unsafe { this.gpu.unregister(this.ptr) }?;
-        give_page_locked(this.len);
+        // releases the mapping after this), released once (this consumes it).
+        unsafe { self.gpu.unregister(self.ptr) }?;
+        give_page_locked(self.len);
         Ok(())
-    }
-}
-
-impl Drop for Registration {
-    /// Unregisters a registration nobody released; only reached through [`Memory`], which
-    /// releases it first and keeps the mapping when that fails.
-    fn drop(&mut self) {
-        // SAFETY: as in `release`: the base of a successful registration, still mapped.
-        if unsafe { self.gpu.unregister(self.ptr) }.is_ok() {
-            give_page_locked(self.len);
-        }
     }
 }
 
@@ -324,6 +344,12 @@ impl Memory {
         self.registration.is_some()
     }
 
+    /// Whether [`Self::move_onto`] may move it: unregistered, and its mapping
+    /// [movable](Mapping::movable).
+    pub(crate) fn movable(&self) -> bool {
+        self.registration.is_none() && self.mapping().is_some_and(Mapping::movable)
+    }
+
     /// Registers the whole mapping through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as
     /// asked), unless it is registered already, or that would page-lock more than `flags.limit`
     /// bytes in the process.
@@ -351,11 +377,8 @@ impl Memory {
     /// were.
     pub(crate) fn move_onto(mut self, dest: &mut Memory) -> Result<(), Memory> {
         // A registration is tied to its address: registered pages do not move.
-        let (Some(to), None, None) = (
-            dest.mapping.as_mut(),
-            &dest.registration,
-            &self.registration,
-        ) else {
+        let (Some(to), None, true) = (dest.mapping.as_mut(), &dest.registration, self.movable())
+        else {
             return Err(self);
         };
         let Some(from) = self.mapping.take() else {

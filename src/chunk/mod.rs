@@ -60,7 +60,7 @@ impl Span {
 
 /// One bit per granule, in 64-bit words.
 #[derive(Debug)]
-struct Bits(Vec<u64>);
+struct Bits(Box<[u64]>);
 
 impl Bits {
     fn new(granules: usize, set: bool) -> Result<Bits, Error> {
@@ -71,7 +71,8 @@ impl Bits {
             errno: libc::ENOMEM,
         })?;
         bits.resize(words, if set { u64::MAX } else { 0 });
-        Ok(Bits(bits))
+        // Exactly as long as reserved: no reallocation.
+        Ok(Bits(bits.into_boxed_slice()))
     }
 
     fn get(&self, i: usize) -> bool {

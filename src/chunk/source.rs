@@ -49,6 +49,12 @@ pub(crate) unsafe trait ChunkSource: Sync + fmt::Debug {
     /// # Safety
     /// The range lies inside a range this source mapped, unused and unregistered while this runs.
     unsafe fn purge(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error>;
+
+    /// Whether `mremap` moves its ranges' pages to another of its ranges (private anonymous
+    /// memory: a dedicated block grows so, without a copy). False unless the source says so.
+    fn moves_by_remap(&self) -> bool {
+        false
+    }
 }
 
 /// Private anonymous memory: `mmap` (aligned by trimming the slack), `munmap`, and
@@ -75,5 +81,9 @@ unsafe impl ChunkSource for Anonymous {
     unsafe fn purge(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
         // SAFETY: forwarded from the caller: inside a mapping of ours, unused, unregistered.
         unsafe { sys::advise_dontneed(ptr, len) }
+    }
+
+    fn moves_by_remap(&self) -> bool {
+        true
     }
 }

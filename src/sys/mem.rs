@@ -1,4 +1,5 @@
-//! Mappings: [`map_anonymous`] (`mmap`), [`move_mapping`] (`mremap`), [`unmap`] (`munmap`) and
+//! Mappings: [`map_anonymous`] (`mmap`), [`move_mapping`] (`mremap`, and whether it moves
+//! several kernel mappings at once: [`moves_several_mappings`]), [`unmap`] (`munmap`) and
 //! the `madvise` hints ([`advise_hugepage`], [`advise_nohugepage`], [`advise_dontneed`]).
 //!
 //! Unsafe code here relies on the raw calls themselves: each wrapper checks its range, and the
@@ -7,6 +8,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::{check_range, errno, fault, page_size};
 use crate::{Error, Result};
@@ -95,8 +97,13 @@ pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
 /// keep their node and the range its memory policy. Whatever was mapped at `to..to+len` is
 /// unmapped first; `from..from+len` is unmapped afterwards.
 ///
+/// `from..from+len` must be one kernel mapping (VMA) before Linux 6.17: older kernels refuse a
+/// range of several (EFAULT), and only after unmapping `to..to+len`.
+///
 /// Fails with [`Error::InvalidRange`] for an empty or misaligned range, [`Error::Syscall`]
-/// (`call: "mremap"`) if the kernel refuses; then both ranges are as they were.
+/// (`call: "mremap"`) if the kernel refuses; then `from..from+len` is as it was, but
+/// `to..to+len` may already be unmapped (the kernel unmaps the destination before some of its
+/// checks).
 ///
 /// # Safety
 ///
@@ -127,6 +134,46 @@ pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Re
         });
     }
     Ok(())
+}
+
+/// Whether [`move_mapping`] moves a range spanning several kernel mappings (Linux ≥ 6.17, for a
+/// move of unchanged size with `MREMAP_FIXED`). Read once from `uname`.
+pub(crate) fn moves_several_mappings() -> bool {
+    static ANSWER: AtomicU8 = AtomicU8::new(0);
+    match ANSWER.load(Ordering::Relaxed) {
+        1 => return false,
+        2 => return true,
+        _ => {}
+    }
+    let several = cfg!(target_os = "linux")
+        && kernel_release().is_some_and(|(major, minor)| (major, minor) >= (6, 17));
+    ANSWER.store(1 + u8::from(several), Ordering::Relaxed);
+    several
+}
+
+/// The running kernel's major and minor version (`uname`'s release, "6.17.0-…").
+fn kernel_release() -> Option<(u32, u32)> {
+    // SAFETY: `utsname` is plain bytes, valid zeroed, filled by the call.
+    let mut name: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid, writable utsname.
+    if unsafe { libc::uname(&mut name) } != 0 {
+        return None;
+    }
+    let release: Vec<u8> = name
+        .release
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    parse_release(std::str::from_utf8(&release).ok()?)
+}
+
+/// "6.17.0-rc1" → (6, 17).
+fn parse_release(release: &str) -> Option<(u32, u32)> {
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::parse::<u32>);
+    Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
 }
 
 /// Unmaps `ptr..ptr+len` (the length is rounded up to whole pages, as the kernel does).
@@ -232,4 +279,17 @@ unsafe fn advise(ptr: NonNull<u8>, len: usize, advice: c_int, call: &'static str
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_release;
+
+    #[test]
+    fn kernel_releases_parse_to_major_and_minor() {
+        assert_eq!(parse_release("6.17.0-rc1"), Some((6, 17)));
+        assert_eq!(parse_release("5.15.0-91-generic"), Some((5, 15)));
+        assert_eq!(parse_release("6.8"), Some((6, 8)));
+        assert_eq!(parse_release("unknown"), None);
+    }
 }

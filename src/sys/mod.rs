@@ -84,6 +84,7 @@ mod resident;
 pub(crate) use affinity::{bind_thread_to_cpus, process_cpus};
 pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
 pub(crate) use lock::{futex_wait, futex_wake};
+pub(crate) use mem::moves_several_mappings;
 pub use mem::{
     advise_dontneed, advise_hugepage, advise_nohugepage, map_anonymous, move_mapping, unmap,
 };

@@ -109,3 +109,23 @@ fn a_forked_child_releases_page_locked_dedicated_blocks() {
     );
     assert_eq!(row(&arena).pinned_bytes, 0);
 }
+
+#[test]
+fn a_freed_dedicated_block_is_released_once() {
+    let mut arena = arena_that_held(1 << 40);
+    let block = arena
+        .insert_dedicated(dedicated(5 << 30, 640 * MIB, false))
+        .unwrap();
+    let live = arena.remove_live(block.addr).unwrap();
+    let mut out = Released::default();
+    // A cache limit of 0 evicts it at once.
+    arena.free(live, 0, &mut out);
+    assert!(arena.remove_live(block.addr).is_none(), "freed twice");
+    let before = unmapped();
+    out.finish(None, &crate::stats::Counters::default());
+    assert_eq!(unmapped() - before, 1, "unmapped once");
+    assert!(
+        arena.trim(&mut out) && out.is_empty(),
+        "nothing left to release"
+    );
+}

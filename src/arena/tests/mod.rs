@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::pending::double::Flag;
 use super::*;
-use crate::chunk::{Mapping, Memory, Part, Span};
+use crate::chunk::{Mapping, Memory, Span};
 use crate::stats::NodeStats;
 
 mod dedicated_cache;
@@ -112,14 +112,14 @@ fn freed_space_is_carved_again_at_any_size() {
 fn each_granule_is_populated_once_and_zeroed_only_when_dirty() {
     let mut arena = arena_with_chunk(HUGE, 32 * MIB);
     let first = carve(&mut arena, 4 * MIB);
-    assert_eq!(first.populate.map(|s| s.len()), Some(4 * MIB));
+    assert_eq!(first.populate.map(|s| s.len), Some(4 * MIB));
     assert!(first.dirty.is_none(), "fresh memory is zero");
     let _ = free(&mut arena, first.block.addr, usize::MAX);
     let again = carve(&mut arena, 3 * MIB);
     assert_eq!(again.block.addr, first.block.addr);
     assert!(again.populate.is_none(), "already resident");
     assert_eq!(
-        again.dirty.map(|s| s.len()),
+        again.dirty.map(|s| s.len),
         Some(3 * MIB),
         "handed out before"
     );
@@ -144,7 +144,7 @@ fn idle_free_space_decays_and_is_populated_again_after() {
     arena.purged(out.purges.drain().map(|p| (p, true)));
     let again = carve(&mut arena, 8 * MIB);
     assert_eq!(again.block.addr, block.addr);
-    assert_eq!(again.populate.map(|s| s.len()), Some(8 * MIB));
+    assert_eq!(again.populate.map(|s| s.len), Some(8 * MIB));
     assert!(again.dirty.is_none(), "purged memory is zero");
     let stats = row(&arena);
     assert_eq!(
@@ -334,20 +334,17 @@ fn purge_now(arena: &mut Arena) {
     arena.purged(out.purges.drain().zip(done));
 }
 
-/// Populates a part the arena planned (the chunk's memory is real).
-fn populate(part: Option<Part<'static>>) {
-    if let Some(p) = part {
-        // SAFETY: a part of a chunk of this arena, planned for the block the test holds.
-        unsafe { crate::sys::populate(p.ptr(), p.len()) }.unwrap();
+/// Populates a span the arena planned (the chunk's memory is real).
+fn populate(span: Option<Span>) {
+    if let Some(s) = span {
+        // SAFETY: a span of a chunk of this arena, planned for the block the test holds.
+        unsafe { crate::sys::populate(s.ptr().unwrap(), s.len) }.unwrap();
     }
 }
 
-/// Whether `byte` at `addr` would reach a zeroed request whose dirty part is `dirty`.
-fn zeroed_would_see(addr: usize, dirty: Option<Part<'static>>) -> u8 {
-    let covered = dirty.is_some_and(|d| {
-        let start = d.ptr().as_ptr() as usize;
-        (start..start + d.len()).contains(&addr)
-    });
+/// Whether `byte` at `addr` would reach a zeroed request whose dirty span is `dirty`.
+fn zeroed_would_see(addr: usize, dirty: Option<Span>) -> u8 {
+    let covered = dirty.is_some_and(|d| d.addr <= addr && addr < d.addr + d.len);
     // SAFETY: inside a populated block of the test's chunk.
     let byte = unsafe { (addr as *const u8).read_volatile() };
     if covered {
@@ -554,10 +551,17 @@ const PLANNED_REGION: usize = 16 << 30;
 thread_local! {
     /// Where in the region the next range [`Planned`] maps starts.
     static NEXT_OFFSET: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Ranges this thread's tests gave back to [`Planned`].
+    static UNMAPPED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// The region's start, 1 GiB aligned: mapped once, never populated (`MAP_NORESERVE`: it is
-/// larger than some test machines' memory), and never unmapped.
+/// How many ranges this thread's tests gave back to [`Planned`] so far.
+pub(super) fn unmapped() -> usize {
+    UNMAPPED.get()
+}
+
+/// The region's start, 1 GiB aligned: mapped once, inaccessible (`PROT_NONE`: a touch faults),
+/// never unmapped.
 fn planned_base() -> usize {
     static BASE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BASE.get_or_init(|| {
@@ -567,7 +571,7 @@ fn planned_base() -> usize {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
@@ -579,16 +583,17 @@ fn planned_base() -> usize {
 }
 
 /// Dedicated blocks at the places a test plans, so that it can name their addresses: ranges of
-/// one region, at the offset [`dedicated`] asks for. The tests never touch these bytes (the
-/// arena only keeps books on them), so ranges of tests running at once may overlap; giving one
-/// back leaves the region mapped.
+/// one region, at the offset [`dedicated`] asks for. The arena only keeps books on them, so the
+/// region is inaccessible (a test that touched one would fault, rather than pass), ranges of
+/// tests running at once may overlap, and giving one back only counts it ([`unmapped`]).
 #[derive(Debug)]
 struct Planned;
 
 static PLANNED: Planned = Planned;
 
-// SAFETY: the ranges are of a private anonymous region mapped read-write and never unmapped;
-// nothing touches them (see the type's docs), so they read as zero; none of the calls allocates.
+// SAFETY: not as the trait asks, on purpose: the ranges are of a region mapped `PROT_NONE`,
+// never unmapped, that nothing reads or writes (a touch faults instead of using memory another
+// test was given); none of the calls allocates.
 unsafe impl crate::chunk::ChunkSource for Planned {
     fn map(&self, len: usize, _align: usize) -> Result<std::ptr::NonNull<u8>, crate::Error> {
         let offset = NEXT_OFFSET.get();
@@ -597,6 +602,7 @@ unsafe impl crate::chunk::ChunkSource for Planned {
     }
 
     unsafe fn unmap(&self, _ptr: std::ptr::NonNull<u8>, _len: usize) -> Result<(), crate::Error> {
+        UNMAPPED.set(UNMAPPED.get() + 1);
         Ok(())
     }
 
