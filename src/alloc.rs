@@ -21,8 +21,8 @@ use crate::stats::Stats;
 ///
 /// Requests smaller than the threshold (2 MiB by default) go straight to the inner allocator `A`
 /// (the system allocator unless built with [`with_inner`](Self::with_inner)). Larger ones get
-/// blocks placed on the host node nearest the configured GPU, populated up front, page-locked with
-/// CUDA when a driver is present, and cached for reuse when freed.
+/// blocks placed on the host node nearest the configured GPU, page-locked with CUDA when pinning
+/// is on and a driver is present (and then populated up front), and cached for reuse when freed.
 ///
 /// ## Arenas are the process's
 ///
@@ -267,7 +267,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     #[inline]
     pub(crate) fn allocate(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         if self.is_large(layout.size()) {
-            self.allocate_large_path(layout, zeroed)
+            self.allocate_large_path(layout, zeroed, false)
         } else {
             self.inner_alloc(layout, zeroed)
         }
@@ -275,7 +275,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
 
     #[cold]
     #[inline(never)]
-    fn allocate_large_path(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+    fn allocate_large_path(&self, layout: Layout, zeroed: bool, growing: bool) -> *mut u8 {
         let Some(_inside) = Inside::enter() else {
             return self.inner_alloc(layout, zeroed);
         };
@@ -285,7 +285,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             return self.inner_alloc(layout, zeroed);
         }
         rt.blocks
-            .allocate(layout, zeroed, &route::target(rt))
+            .allocate(layout, zeroed, growing, &route::target(rt))
             .map_or(ptr::null_mut(), NonNull::as_ptr)
     }
 
@@ -356,7 +356,12 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
                 return grown.as_ptr();
             }
         }
-        let moved = self.allocate(new, false);
+        // A block that grows and moves gets a place it can grow from without a copy next time.
+        let moved = if new_large && new.size() > old.size() {
+            self.allocate_large_path(new, false, true)
+        } else {
+            self.allocate(new, false)
+        };
         if !moved.is_null() {
             // SAFETY: both are live, distinct allocations at least this long.
             unsafe { ptr::copy_nonoverlapping(ptr, moved, old.size().min(new.size())) };

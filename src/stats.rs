@@ -79,7 +79,8 @@ pub struct NodeStats {
     pub chunks: usize,
     /// Bytes of those chunks (dedicated blocks, live or cached, are not in it).
     pub mapped_bytes: usize,
-    /// Of those, bytes resident (populated and not purged since).
+    /// Of those, bytes that may be resident: populated, or handed out (and so perhaps touched)
+    /// when blocks are faulted in where touched, and not purged since.
     pub resident_bytes: usize,
     /// Of those, bytes free (carved again before a chunk is made).
     pub free_bytes: usize,

@@ -4,6 +4,7 @@
 //! [`serial`] and frees what it allocates.
 
 use std::alloc::Layout;
+use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use allocator_api2::alloc::Allocator;
@@ -93,6 +94,57 @@ fn zeroed_reuse_of_a_dirty_cached_block_is_zero() {
     }
 }
 
+/// Bytes of `len` at `p` that are resident (`mincore`).
+fn resident(p: NonNull<u8>, len: usize) -> usize {
+    let page = numa_gpu_alloc::unstable::sys::page_size();
+    let mut pages = vec![0u8; len.div_ceil(page)];
+    // SAFETY: the range is a live block of ours (whole pages: blocks start on a page); `pages`
+    // has one entry per page.
+    let rc = unsafe { libc::mincore(p.as_ptr().cast(), len, pages.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore of {len} bytes at {p:p}");
+    pages.iter().filter(|&&v| v & 1 != 0).count() * page
+}
+
+#[test]
+fn unpinned_blocks_take_memory_where_touched_unless_populated_eagerly() {
+    let _serial = serial();
+    // A carved block and a dedicated one, handed out fresh (after trim) and again from the cache
+    // after every byte was written, for a zeroed request.
+    for size in [8 * MIB, 96 * MIB] {
+        for eager in [false, true] {
+            let alloc = NumaGpuAlloc::new().populate_eager(eager);
+            alloc.trim();
+            // Without placement the bound workers place pages by populating them: eager always.
+            let populated = eager || !alloc.placement().numa_placement;
+            let layout = Layout::from_size_align(size, 4096).unwrap();
+            let p = alloc.allocate(layout).unwrap().cast::<u8>();
+            let fresh = resident(p, size);
+            // SAFETY: the block is ours and `size` long.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0xaa, size) };
+            // SAFETY: allocated above with this layout.
+            unsafe { alloc.deallocate(p, layout) };
+            let q = alloc.allocate_zeroed(layout).unwrap().cast::<u8>();
+            assert_eq!(q, p, "the freed block of {size} bytes is reused");
+            let reused = resident(q, size);
+            if populated {
+                assert_eq!((fresh, reused), (size, size), "{size} bytes, eager");
+            } else {
+                // At most a huge page at each end of the zeroed block is written.
+                assert_eq!(fresh, 0, "{size} bytes handed out fresh, lazy");
+                assert!(
+                    reused <= 4 * MIB,
+                    "{size} bytes reused zeroed: {reused} resident"
+                );
+            }
+            // SAFETY: the block is ours and `size` long.
+            let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), size) };
+            assert!(bytes.iter().all(|&b| b == 0), "{size} bytes, eager {eager}");
+            // SAFETY: allocated above with this layout.
+            unsafe { alloc.deallocate(q, layout) };
+        }
+    }
+}
+
 #[test]
 fn grow_in_place_within_capacity_and_move_beyond() {
     let _serial = serial();
@@ -157,7 +209,8 @@ fn cache_limit_bounds_idle_resident_memory_and_trim_releases_all() {
 #[test]
 fn reset_peaks_starts_over_from_what_is_live() {
     let _serial = serial();
-    let alloc = NumaGpuAlloc::new().node(0);
+    // Populated when handed out, so that populating has a time to reset.
+    let alloc = NumaGpuAlloc::new().node(0).populate_eager(true);
     alloc.reset_peaks(); // before initialisation: nothing to reset
     let kept: Vec<u8, _> = Vec::with_capacity_in(8 * MIB, &alloc);
     drop(Vec::<u8, _>::with_capacity_in(16 * MIB, &alloc));

@@ -20,7 +20,8 @@ const BLOCK: usize = 96 << 20;
 
 /// Frees a populated dedicated block of `alloc` (so that it is cached), then waits up to `wait`
 /// for the decay thread to release it, without another large request or `trim()`. Returns the
-/// `released_blocks` the stats counted by then, over the count before the free.
+/// `released_blocks` the stats counted by then, over the count before the free (the block leaves
+/// the cache before its release is counted: both are waited for).
 fn released_by_decay(alloc: &NumaGpuAlloc, wait: Duration) -> u64 {
     let layout = Layout::from_size_align(BLOCK, 4096).unwrap();
     let block = alloc.allocate(layout).expect("a dedicated block");
@@ -32,10 +33,11 @@ fn released_by_decay(alloc: &NumaGpuAlloc, wait: Duration) -> u64 {
         "the freed block is cached"
     );
     let start = Instant::now();
-    while alloc.stats().cached_bytes() >= BLOCK && start.elapsed() < wait {
+    let released = || alloc.stats().released_blocks - before;
+    while (alloc.stats().cached_bytes() >= BLOCK || released() == 0) && start.elapsed() < wait {
         std::thread::sleep(Duration::from_millis(10));
     }
-    alloc.stats().released_blocks - before
+    released()
 }
 
 fn counted_child() {

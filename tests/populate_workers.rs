@@ -7,7 +7,8 @@ use std::alloc::{GlobalAlloc, Layout};
 
 use numa_gpu_alloc::NumaGpuAlloc;
 
-static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().populate_threads(2);
+// Eager: unpinned blocks are otherwise faulted in where touched, with no workers.
+static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().populate_threads(2).populate_eager(true);
 
 /// `Cpus_allowed_list` of the task `/proc/self/task/<tid>` (or of the process for `None`).
 fn cpus_allowed(task: Option<&str>) -> String {

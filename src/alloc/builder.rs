@@ -54,6 +54,14 @@ impl<A> NumaGpuAlloc<A> {
         self
     }
 
+    /// Populate every large block when it is handed out (default off: only pinned blocks and
+    /// blocks checked page by page are; the others' pages are faulted in, on their node, where
+    /// they are first touched). See [`Config::populate_eager`](crate::Config::populate_eager).
+    pub const fn populate_eager(mut self, on: bool) -> Self {
+        self.config.populate_eager = on;
+        self
+    }
+
     /// Whether a thread gives idle memory back while the program allocates nothing large
     /// (default on; see the README on decay).
     pub const fn decay_thread(mut self, on: bool) -> Self {

@@ -214,6 +214,51 @@ fn growing_a_dedicated_block_moves_its_pages_and_leaves_nothing_behind() {
     unsafe { alloc.deallocate(grown, layout(2 * size)) };
 }
 
+/// A carved block with a neighbour after it, grown by doubling, moves once, by copying, into a
+/// mapping of its own; every doubling after that moves its pages, as a `Vec` would, though the
+/// sizes are carved ones.
+#[test]
+fn a_doubling_block_is_copied_once_then_moves_its_pages() {
+    let _serial = serial();
+    let alloc = allocator();
+    let mut size = 4 << 20;
+    let mut block = alloc.allocate(layout(size), false);
+    // Carved after it: no room to grow in place.
+    let neighbour = alloc.allocate(layout(size), false);
+    // SAFETY: a live block of `size` bytes.
+    unsafe { ptr::write_bytes(block, 0x5a, size) };
+    let before = alloc.stats();
+    while size < 32 << 20 {
+        // SAFETY: `block` is live with this layout.
+        block = unsafe { alloc.reallocate(block, layout(size), layout(2 * size)) };
+        assert!(!block.is_null());
+        // SAFETY: the grown block is 2 × size long; the new half is the caller's to write.
+        unsafe { ptr::write_bytes(block.add(size), 0x5a, size) };
+        size *= 2;
+    }
+    // SAFETY: the block is `size` bytes long and was written whole.
+    let bytes = unsafe { std::slice::from_raw_parts(block, size) };
+    assert!(
+        bytes.iter().step_by(4096).all(|&b| b == 0x5a),
+        "contents kept"
+    );
+    let stats = alloc.stats();
+    let doublings = 3; // 4 MiB to 32 MiB
+    assert_eq!(
+        (
+            stats.grown_without_copy - before.grown_without_copy,
+            stats.in_place_reallocs - before.in_place_reallocs
+        ),
+        (doublings - 1, 0),
+        "one copy, then pages moved"
+    );
+    // SAFETY: live with these layouts.
+    unsafe {
+        alloc.deallocate(block, layout(size));
+        alloc.deallocate(neighbour, layout(4 << 20));
+    }
+}
+
 #[test]
 fn a_block_freed_through_any_value_returns_to_its_nodes_arena() {
     let _serial = serial();

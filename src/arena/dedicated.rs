@@ -12,11 +12,12 @@ impl Dedicated {
         std::mem::forget(self);
     }
 
-    /// Writes zeros over its first `len` bytes (a cached block handed out for a zeroed request).
-    pub(crate) fn zero(&mut self, len: usize) {
+    /// Makes its first `len` bytes read as zero (a cached block handed out for a zeroed
+    /// request); with `drop_pages`, unpinned, by giving their pages back (see [`Part::clear`](crate::chunk::Part::clear)).
+    pub(crate) fn zero(&mut self, len: usize, drop_pages: bool) {
         let len = len.min(self.block.capacity);
-        if let Some(mut part) = self.memory.mapping_mut().and_then(|m| m.part(0, len).ok()) {
-            part.zero();
+        if let Some(mut part) = self.memory.part(0, len) {
+            part.clear(drop_pages);
         }
     }
 }

@@ -47,7 +47,7 @@ impl Arena {
             len: range.size,
         };
         // SAFETY: the range was just carved: nobody else has it until the caller hands it out.
-        let Some(part) = (unsafe { span.claim() }) else {
+        let Some(part) = (unsafe { chunk.claim(span) }) else {
             // Cannot happen: chunks are never at address 0. Keep the range out of use.
             return Ok(None);
         };
@@ -261,7 +261,7 @@ impl Arena {
                 let _ = chunk.hand_out(grown.0, grown.1);
                 // SAFETY: the span lies in the room the block just grew into, which only the
                 // caller (resizing it) uses.
-                span.and_then(|s| unsafe { s.claim() })
+                span.and_then(|s| unsafe { chunk.claim(s) })
             })
         } else {
             None

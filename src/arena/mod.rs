@@ -459,9 +459,10 @@ impl Arena {
         }
     }
 
-    /// Looks up a live block by address.
-    pub(crate) fn live_block(&self, addr: usize) -> Option<Block> {
-        self.live.get(&addr).map(|live| live.block)
+    /// Looks up a live block by address, and whether it is dedicated (a mapping of its own).
+    pub(crate) fn live_block(&self, addr: usize) -> Option<(Block, bool)> {
+        let live = self.live.get(&addr)?;
+        Some((live.block, matches!(live.backing, Backing::Dedicated(_))))
     }
 
     /// Attaches `work` to the live block containing `addr`; gives it back when there is none, or

@@ -146,13 +146,17 @@ impl Blocks {
         }
     }
 
-    /// Places on `nodes`, populates and checks a part never written (steps 2–4 of the pipeline).
+    /// Places on `nodes`, populates and checks a part never written (steps 2–4 of the pipeline),
+    /// or only places it when its pages are faulted in where touched ([`Self::populates`]).
     fn place_and_populate(
         &self,
         part: &mut Part<'_>,
         nodes: &NodeMask,
     ) -> Result<(), (Cause, Error)> {
         let placed = self.place(part, nodes).map_err(|e| (Cause::Other, e))?;
+        if !self.populates() {
+            return Ok(());
+        }
         let start = Instant::now();
         let populated = self.populate(part, nodes);
         self.counters.populate.record(start.elapsed());

@@ -16,7 +16,7 @@ use crate::arena::{
     count_release, Arena, Block, Carving, Fit, HeapKey, Kind, PurgeFailures, Released, Shortage,
     CHUNK_ALIGN, CHUNK_MAX,
 };
-use crate::chunk::{Chunk, Mapping, Part};
+use crate::chunk::{Chunk, Mapping, Part, Span};
 use crate::config::PinMode;
 use crate::process::NODES;
 use crate::sys::lock::Guard;
@@ -167,11 +167,15 @@ impl Blocks {
         } = carving;
         if let Some(mut unpopulated) = populate.and_then(|span| part.sub(span)) {
             let len = unpopulated.len();
-            // A node running low (a cpuset confined to it, say) gets its idle memory back first:
-            // the kernel cannot reclaim it, and the OOM killer would come before a failure.
+            // A node running low (a cpuset confined to it, say) gets its idle memory back first,
+            // before the block's pages are populated or touched: the kernel cannot reclaim it,
+            // and the OOM killer would come before a failure.
             let root = std::path::Path::new(self.settings.sysfs_root);
             if len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
                 self.give_back_for(block.node, len, Shortage::Memory);
+            }
+            if !self.populates() {
+                return Some(self.cleared(block, part, dirty, zeroed));
             }
             let mut populated = self.populate_part(&mut unpopulated, &target.nodes);
             if let Err(e) = &populated {
@@ -189,10 +193,22 @@ impl Blocks {
                 return None;
             }
         }
+        Some(self.cleared(block, part, dirty, zeroed))
+    }
+
+    /// `block`, its `dirty` part cleared when `zeroed` (pages given back rather than written,
+    /// unless blocks are populated up front).
+    fn cleared(
+        &self,
+        block: Block,
+        mut part: Part<'static>,
+        dirty: Option<Span>,
+        zeroed: bool,
+    ) -> Block {
         if let (true, Some(mut dirty)) = (zeroed, dirty.and_then(|span| part.sub(span))) {
-            dirty.zero();
+            dirty.clear(!self.populates());
         }
-        Some(block)
+        block
     }
 
     /// Populates what a carved block grown in place from `old` took of granules never
@@ -203,7 +219,7 @@ impl Blocks {
         old: Block,
         populate: Option<Part<'static>>,
     ) -> bool {
-        let Some(mut part) = populate else {
+        let Some(mut part) = populate.filter(|_| self.populates()) else {
             return true;
         };
         let nodes = self.policy_nodes_of(node);

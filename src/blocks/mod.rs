@@ -57,6 +57,8 @@ pub(crate) struct Settings {
     /// Check every block's pages (`verify=on`).
     pub(crate) verify: bool,
     pub(crate) huge_pages: bool,
+    /// Populate unpinned, unchecked blocks too when handed out (`populate=eager`).
+    pub(crate) populate_eager: bool,
     pub(crate) pin: PinMode,
     pub(crate) pin_limit: usize,
     pub(crate) pin_devicemap: bool,
@@ -77,6 +79,7 @@ impl Settings {
             policy: config.policy,
             verify: config.verify,
             huge_pages: config.huge_pages,
+            populate_eager: config.populate_eager,
             pin: config.pin,
             pin_limit: config.pin_limit,
             pin_devicemap: config.pin_devicemap,
@@ -147,6 +150,21 @@ impl Blocks {
         Blocks { source, ..self }
     }
 
+    /// Whether a block's pages are populated when it is handed out, not where its user first
+    /// touches them: when it may be pinned (page-locked memory is resident), when its pages are
+    /// checked (`verify=on`, `policy=bind`: only resident pages can be), when placement is off
+    /// (the node's bound workers then place pages by touching them first), or under
+    /// `populate=eager`. Otherwise the kernel faults pages in where they are touched, on the nodes
+    /// of the mapping's policy, and pages never touched take no memory.
+    pub(crate) fn populates(&self) -> bool {
+        let s = &self.settings;
+        s.populate_eager
+            || s.pin != PinMode::Off
+            || s.verify
+            || s.policy == MemPolicy::Bind
+            || !self.numa_placement()
+    }
+
     /// Whether blocks are still placed with `mbind`.
     pub(crate) fn numa_placement(&self) -> bool {
         self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
@@ -188,7 +206,7 @@ impl Blocks {
 }
 
 /// Blocks of at least this size get 2 MiB alignment and `MADV_HUGEPAGE` (when enabled).
-pub(crate) const HUGE_PAGE: usize = 2 << 20;
+pub(crate) use crate::sys::HUGE_PAGE;
 /// `CUresult` of a registration beyond what the driver can page-lock.
 const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
 

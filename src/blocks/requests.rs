@@ -7,30 +7,44 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use super::carved;
-use super::{Blocks, Resolved};
+use super::{Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{class_size, Arena, Block, Dedicated, Fit, InFlight, Kind, Released};
 use crate::process::NODES;
 use crate::stats::Stats;
 use crate::sys;
 
+/// The least size of a growing block given a mapping of its own: below it, a copy costs less
+/// than a mapping.
+pub(crate) const GROWS_BY_REMAP_MIN: usize = HUGE_PAGE;
+
 impl Blocks {
     /// A block for `layout` (of at least the threshold) for `target`: carved from a chunk below
     /// the dedicated size, else from reserved room, else a dedicated mapping (cached or new);
-    /// zeroed when asked. `None` when it cannot be had (counted).
+    /// zeroed when asked. A block `growing` (the new place of a block `realloc` grows) of at
+    /// least [`GROWS_BY_REMAP_MIN`] gets a dedicated mapping when unpinned, whatever its size, so
+    /// that its next growth moves its pages instead of its bytes ([`Self::grow_without_copy`]).
+    /// `None` when it cannot be had (counted).
     pub(crate) fn allocate(
         &self,
         layout: Layout,
         zeroed: bool,
+        growing: bool,
         target: &Resolved,
     ) -> Option<NonNull<u8>> {
-        let block = self.allocate_block(layout, zeroed, target);
+        let block = self.allocate_block(layout, zeroed, growing, target);
         if block.is_none() {
             self.counters.failed_allocations.incr();
         }
         NonNull::new(block?.addr as *mut u8)
     }
 
-    fn allocate_block(&self, layout: Layout, zeroed: bool, target: &Resolved) -> Option<Block> {
+    fn allocate_block(
+        &self,
+        layout: Layout,
+        zeroed: bool,
+        growing: bool,
+        target: &Resolved,
+    ) -> Option<Block> {
         // Before any carving or mapping: `pin=strict` takes no unpinned block, and maps none.
         let kind = self
             .kind(target)
@@ -39,12 +53,19 @@ impl Blocks {
         self.counters.record_request(layout.size());
         let size = layout.size().checked_next_multiple_of(self.page_size)?;
         let align = layout.align().max(self.page_size);
-        if carved(size, align) {
+        let grows_by_remap = growing && !kind.pinned && size >= GROWS_BY_REMAP_MIN;
+        if carved(size, align) && !grows_by_remap {
             self.carve(size, align, zeroed, target, kind)
         } else if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
             Some(block)
+        } else if let Some(block) = self.dedicated(layout, zeroed, target, kind) {
+            Some(block)
+        } else if carved(size, align) {
+            // A growing block without a mapping of its own (the process's mapping count at its
+            // limit, say) is carved after all.
+            self.carve(size, align, zeroed, target, kind)
         } else {
-            self.dedicated(layout, zeroed, target, kind)
+            None
         }
     }
 
@@ -107,7 +128,7 @@ impl Blocks {
         let block = match taken {
             Taken::Recorded(block) => block,
             Taken::ToZero(mut hit, len) => {
-                hit.zero(len);
+                hit.zero(len, !self.populates());
                 self.with_arena(node, |arena, out| record(arena, hit, out))?
             }
         }?;
@@ -162,17 +183,17 @@ impl Blocks {
             return false;
         };
         let resized = NODES.find_map(near, |arena| {
-            let block = arena.live_block(addr)?;
+            let (block, dedicated) = arena.live_block(addr)?;
             Some(match arena.resize_carved(addr, size) {
                 Some(populate) => Ok((arena.node(), block, populate)),
-                None => Err(block),
+                None => Err((block, dedicated)),
             })
         });
         let fits = match resized {
             None => false,
             // Dedicated, or a carved block without room next to it.
-            Some(Err(b)) => {
-                !carved(b.capacity, 0) && new.size() <= b.capacity && new.size() >= b.capacity / 2
+            Some(Err((b, dedicated))) => {
+                dedicated && new.size() <= b.capacity && new.size() >= b.capacity / 2
             }
             Some(Ok((node, old, populate))) => self.populate_grown(node, old, populate),
         };
@@ -196,9 +217,6 @@ impl Blocks {
     ) -> Option<NonNull<u8>> {
         // Refused under `pin=strict`: so is, and counted, the move that follows.
         let (capacity, fit) = self.fit(new, self.kind(target).ok()?)?;
-        if carved(capacity, fit.align) {
-            return None;
-        }
         let node = target.host_node;
         let old = {
             let mut arena = NODES.lock(node)?;

@@ -97,10 +97,10 @@ fn chunks_come_from_the_source_and_go_back_to_it() {
     let (blocks, target) = blocks(&SOURCE);
     let layout = Layout::from_size_align(4 * MIB, 4096).unwrap();
     let a = blocks
-        .allocate(layout, false, &target)
+        .allocate(layout, false, false, &target)
         .expect("a carved block");
     let b = blocks
-        .allocate(layout, false, &target)
+        .allocate(layout, false, false, &target)
         .expect("a second one");
     assert_eq!(SOURCE.maps.load(Relaxed), 1, "one chunk, from the source");
     // SAFETY: the blocks are ours, 4 MiB each.
@@ -137,7 +137,7 @@ fn a_source_that_cannot_map_fails_the_request_and_loses_nothing() {
     let (blocks, target) = blocks(&SOURCE);
     let layout = Layout::from_size_align(2 * MIB, 4096).unwrap();
     SOURCE.refuse.store(true, Relaxed);
-    assert!(blocks.allocate(layout, false, &target).is_none());
+    assert!(blocks.allocate(layout, false, false, &target).is_none());
     assert_eq!(blocks.counters.failed_allocations.get(), 1);
     assert_eq!(
         blocks.counters.map_failures.get(),
@@ -147,7 +147,7 @@ fn a_source_that_cannot_map_fails_the_request_and_loses_nothing() {
     assert_eq!(SOURCE.maps.load(Relaxed), 0);
     SOURCE.refuse.store(false, Relaxed);
     let block = blocks
-        .allocate(layout, true, &target)
+        .allocate(layout, true, false, &target)
         .expect("mapped again");
     // SAFETY: ours, 2 MiB, asked zeroed.
     let bytes = unsafe { std::slice::from_raw_parts(block.as_ptr(), layout.size()) };

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::source::{ChunkSource, ANONYMOUS};
 use super::Span;
 use crate::cuda::{Gpu, RegisterFlags};
-use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
+use crate::sys::{self, MbindFlags, MemPolicy, NodeMask, HUGE_PAGE};
 use crate::Error;
 
 /// A mapping from a [`ChunkSource`]; given back to it on drop.
@@ -74,9 +74,11 @@ impl Mapping {
         }
         // SAFETY: inside the mapping, which this guard owns and the caller borrows mutably.
         let ptr = unsafe { self.ptr.add(offset) };
+        // A mapping outside a `Memory` is never registered.
         Ok(Part {
             ptr,
             len,
+            source: Some(self.source),
             _owner: PhantomData,
         })
     }
@@ -86,6 +88,7 @@ impl Mapping {
         Part {
             ptr: self.ptr,
             len: self.len,
+            source: Some(self.source),
             _owner: PhantomData,
         }
     }
@@ -144,6 +147,8 @@ impl Drop for Mapping {
 pub(crate) struct Part<'a> {
     ptr: NonNull<u8>,
     len: usize,
+    /// The source of the range while it is unregistered: [`Self::clear`] may give its pages back.
+    source: Option<&'static dyn ChunkSource>,
     _owner: PhantomData<&'a mut [u8]>,
 }
 
@@ -151,16 +156,21 @@ pub(crate) struct Part<'a> {
 unsafe impl Send for Part<'_> {}
 
 impl Span {
-    /// The span as a part its caller uses alone (`None` for a null address).
+    /// The span as a part its caller uses alone (`None` for a null address), whose pages
+    /// [`Part::clear`] may give back to `source` (`None`: written instead).
     ///
     /// # Safety
     /// The span is mapped and nobody else uses it until the caller hands it to its user or back
-    /// to the carver, after which the part is not used: the carver took it out for the caller
-    /// (a block just handed out, or the room it just grew into).
-    pub(crate) unsafe fn claim(self) -> Option<Part<'static>> {
+    /// to the carver, after which the part is not used; `source`, when given, mapped it and it is
+    /// not registered.
+    pub(super) unsafe fn claim(
+        self,
+        source: Option<&'static dyn ChunkSource>,
+    ) -> Option<Part<'static>> {
         Some(Part {
             ptr: self.ptr()?,
             len: self.len,
+            source,
             _owner: PhantomData,
         })
     }
@@ -186,6 +196,7 @@ impl Part<'_> {
         Some(Part {
             ptr: span.ptr().filter(|_| inside && span.len > 0)?,
             len: span.len,
+            source: self.source,
             _owner: PhantomData,
         })
     }
@@ -223,6 +234,37 @@ impl Part<'_> {
     pub(crate) fn zero(&mut self) {
         // SAFETY: mapped, writable, and used by its holder alone.
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
+    }
+
+    /// Makes the part read as zero. With `drop_pages`, the whole huge pages inside an
+    /// unregistered part go back to its source instead of being written (they come back zero
+    /// where they are next touched, under the range's NUMA policy, and take no memory until
+    /// then); the rest is written with zeros.
+    pub(crate) fn clear(&mut self, drop_pages: bool) {
+        let start = self.ptr.as_ptr() as usize;
+        let end = start + self.len;
+        let inner = start.next_multiple_of(HUGE_PAGE)..end & !(HUGE_PAGE - 1);
+        if let (true, Some(source)) = (drop_pages && inner.start < inner.end, self.source) {
+            // SAFETY: `inner` lies inside the part, which is `source`'s (`source` is set only on
+            // parts of its mappings), unregistered, and used by its holder alone.
+            let dropped = unsafe {
+                let ptr = self.ptr.add(inner.start - start);
+                source.purge(ptr, inner.end - inner.start)
+            };
+            if dropped.is_ok() {
+                // SAFETY: the edges lie inside the part: mapped, writable, its holder's alone.
+                unsafe {
+                    std::ptr::write_bytes(self.ptr.as_ptr(), 0, inner.start - start);
+                    std::ptr::write_bytes(
+                        self.ptr.add(inner.end - start).as_ptr(),
+                        0,
+                        end - inner.end,
+                    );
+                }
+                return;
+            }
+        }
+        self.zero();
     }
 }
 
@@ -321,9 +363,15 @@ impl Memory {
         self.mapping.as_ref()
     }
 
-    /// The mapping, to use parts of alone (until released).
-    pub(crate) fn mapping_mut(&mut self) -> Option<&mut Mapping> {
-        self.mapping.as_mut()
+    /// `offset..offset+len` of the mapping, to use alone while the borrow lasts (`None` once
+    /// released or outside it); registered, its pages stay (see [`Part::clear`]).
+    pub(crate) fn part(&mut self, offset: usize, len: usize) -> Option<Part<'_>> {
+        let registered = self.registration.is_some();
+        let mut part = self.mapping.as_mut()?.part(offset, len).ok()?;
+        if registered {
+            part.source = None;
+        }
+        Some(part)
     }
 
     /// The mapping's start, 0 once released.

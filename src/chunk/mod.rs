@@ -12,10 +12,11 @@
 //!    ([`Memory::register`]); a registration never covers more than one chunk, so a block carved
 //!    from it never straddles two.
 //!
-//! Unpinned chunks are populated as they are carved: the chunk keeps, per granule (2 MiB in a
-//! huge-page chunk, where the kernel faults whole huge pages, else a page), whether it is
-//! resident and whether it may hold data ("dirty"), so that each granule is populated once and
-//! zeroed only when it may not be zero. Purging (`MADV_DONTNEED`) whole idle granules clears both.
+//! Unpinned chunks are populated (or, when blocks are faulted in where touched, handed out) as
+//! they are carved: the chunk keeps, per granule (2 MiB in a huge-page chunk, where the kernel
+//! faults whole huge pages, else a page), whether it may be resident and whether it may hold data
+//! ("dirty"), so that each granule is populated once and zeroed only when it may not be zero.
+//! Purging (`MADV_DONTNEED`) whole idle granules clears both.
 //!
 //! The bit bookkeeping runs under the arena lock and makes no system call; the calls themselves
 //! (populating a [`Part`] claimed from a [`Span`], [`purge`]) run outside it, on ranges the
@@ -215,10 +216,26 @@ impl Chunk {
     pub(crate) fn plan_populate_whole(&mut self) -> Option<Part<'_>> {
         let base = self.base();
         let span = self.plan_populate(base, self.len())?;
-        self.memory
-            .mapping_mut()?
-            .part(span.addr - base, span.len)
-            .ok()
+        self.memory.part(span.addr - base, span.len)
+    }
+
+    /// `span` of the chunk as a part its caller uses alone (`None` outside the chunk); an
+    /// unpinned chunk's part may give its pages back ([`Part::clear`]).
+    ///
+    /// # Safety
+    /// The carver took the span out for the caller (a block just handed out, or the room it just
+    /// grew into): nobody else uses it until the caller hands it to its user or back to the
+    /// carver, after which the part is not used.
+    pub(crate) unsafe fn claim(&self, span: Span) -> Option<Part<'static>> {
+        let inside = span.addr >= self.base()
+            && span
+                .addr
+                .checked_add(span.len)
+                .is_some_and(|end| end <= self.base() + self.len());
+        let source = (!self.pinned()).then(|| self.source());
+        // SAFETY: inside this chunk's mapping, the caller's alone (forwarded); an unpinned
+        // chunk's mapping is its source's and never registered.
+        inside.then(|| unsafe { span.claim(source) }).flatten()
     }
 
     /// Marks the granules of `span` resident and dirty again (a purge of it failed).

@@ -186,6 +186,12 @@ pub struct Config {
     /// the node's pooled workers); 0: the CPUs this process may use, at most 8 (more rarely
     /// help: the kernel's page clearing saturates a node's memory bandwidth).
     pub populate_threads: usize,
+    /// Populate every large block when it is handed out (`populate=eager`), not only those
+    /// that must be resident then: pinned blocks, and blocks checked page by page (`verify=on`,
+    /// `policy=bind`). Off (`lazy`), the kernel faults the other blocks' pages in where their
+    /// user first touches them, on the node their policy names, and pages never touched take no
+    /// memory.
+    pub populate_eager: bool,
     /// Root of sysfs (`/sys`); tests point it at fixture trees.
     pub sysfs_root: &'static str,
     /// Whether the stats are printed at process exit, and how.
@@ -219,6 +225,7 @@ impl Config {
         pin_read_only: false,
         pin_limit: usize::MAX,
         populate_threads: 0,
+        populate_eager: false,
         sysfs_root: "/sys",
         stats_at_exit: StatsAtExit::Off,
         reserve: Reserve::NONE,
@@ -256,6 +263,7 @@ impl Config {
             Setting::PinReadOnly(on) => self.pin_read_only = on,
             Setting::PinLimit(bytes) => self.pin_limit = bytes,
             Setting::PopulateThreads(threads) => self.populate_threads = threads,
+            Setting::PopulateEager(on) => self.populate_eager = on,
             Setting::StatsAtExit(format) => self.stats_at_exit = format,
             Setting::Reserve(reserve) => self.reserve = reserve,
             Setting::ReserveBackground(on) => self.reserve_background = on,

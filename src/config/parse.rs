@@ -24,6 +24,7 @@ pub(crate) enum Setting {
     PinReadOnly(bool),
     PinLimit(usize),
     PopulateThreads(usize),
+    PopulateEager(bool),
     StatsAtExit(StatsAtExit),
     Reserve(Reserve),
     ReserveBackground(bool),
@@ -139,6 +140,7 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
             parse_size(value).ok_or_else(|| config_error(key, value, PIN_LIMIT_FORMAT))?,
         ),
         "threads" => Setting::PopulateThreads(parse_threads(value)?),
+        "populate" => Setting::PopulateEager(parse_populate(value)?),
         "stats" => Setting::StatsAtExit(parse_stats(value)?),
         "reserve" => Setting::Reserve(parse_reserve(value)?),
         "reserve_background" => Setting::ReserveBackground(parse_switch(key, value)?),
@@ -150,7 +152,7 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
                 key,
                 value,
                 "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                 readonly, pin_limit, register_max, threads, stats, reserve, reserve_background, \
+                 readonly, pin_limit, register_max, threads, populate, stats, reserve, reserve_background, \
                  decay, decay_thread",
             ))
         }
@@ -304,6 +306,14 @@ fn parse_switch(key: &str, value: &str) -> Result<bool, Error> {
         "on" | "true" | "1" | "yes" => Ok(true),
         "off" | "false" | "0" | "no" => Ok(false),
         _ => Err(config_error(key, value, "on or off")),
+    }
+}
+
+fn parse_populate(value: &str) -> Result<bool, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "lazy" => Ok(false),
+        "eager" => Ok(true),
+        _ => Err(config_error("populate", value, "lazy or eager")),
     }
 }
 

@@ -138,6 +138,9 @@ pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Re
 
 /// Whether [`move_mapping`] moves a range spanning several kernel mappings (Linux ≥ 6.17, for a
 /// move of unchanged size with `MREMAP_FIXED`). Read once from `uname`.
+/// The size of a transparent huge page on x86-64 and of the arena's huge-page granule.
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
 pub(crate) fn moves_several_mappings() -> bool {
     static ANSWER: AtomicU8 = AtomicU8::new(0);
     match ANSWER.load(Ordering::Relaxed) {

@@ -84,10 +84,10 @@ mod resident;
 pub(crate) use affinity::{bind_thread_to_cpus, process_cpus};
 pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
 pub(crate) use lock::{futex_wait, futex_wake};
-pub(crate) use mem::moves_several_mappings;
 pub use mem::{
     advise_dontneed, advise_hugepage, advise_nohugepage, map_anonymous, move_mapping, unmap,
 };
+pub(crate) use mem::{moves_several_mappings, HUGE_PAGE};
 pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
