@@ -1,9 +1,12 @@
 //! Peak memory of a whole program with each allocator as `#[global_allocator]`.
 //!
-//! `cargo bench --bench rss` runs the same client workload in fresh child processes (this binary
-//! again, `RSS_BENCH_ALLOCATOR=ours|mimalloc|glibc`), interleaved, 9 times each, and reports the
-//! median peak RSS (`VmHWM`) and wall time of each; the ratios go to
-//! `target/criterion/rss_client/rows.json` for `scripts/bench-table.py`.
+//! `cargo bench --bench rss [-- --runs N]` runs the same client workload in fresh child processes
+//! (this binary again, `RSS_BENCH_ALLOCATOR=ours/mimalloc|mimalloc|jemalloc|glibc|ours/glibc`),
+//! interleaved, 9 times each, and reports the median peak RSS (`VmHWM`) and wall time of each.
+//! The issue's measure is ours over mimalloc against mimalloc alone: run k of `ours/mimalloc` is
+//! paired with run k of `mimalloc`, and the ratios are the medians over the pairs with their
+//! spread (min-max); they go to `target/criterion/rss_client/rows.json` for
+//! `scripts/bench-table.py`.
 //!
 //! The client, modelled on the program of the issue: two threads, each of which reuses a large
 //! buffer (a 24 MiB batch filled and summed 16 times), grows a `Vec` of 24-byte records by `push`
@@ -26,18 +29,34 @@ use std::time::Instant;
 use mimalloc::MiMalloc;
 use numa_gpu_alloc::NumaGpuAlloc;
 use peers::{median, ChosenAllocator};
+use tikv_jemallocator::Jemalloc;
 
 const MIB: usize = 1 << 20;
 const RUNS: usize = 9;
-const PEERS: [&str; 3] = ["ours", "mimalloc", "glibc"];
+const PEERS: [&str; 5] = [
+    "ours/mimalloc",
+    "mimalloc",
+    "jemalloc",
+    "glibc",
+    "ours/glibc",
+];
+/// Ours/mimalloc over mimalloc, peak RSS and wall time.
+const TARGET: f64 = 1.0;
 
-static OURS: NumaGpuAlloc = NumaGpuAlloc::new();
+static OURS_MIMALLOC: NumaGpuAlloc<MiMalloc> = NumaGpuAlloc::with_inner(MiMalloc);
+static OURS_GLIBC: NumaGpuAlloc = NumaGpuAlloc::new();
 
 /// The peers of [`PEERS`], in its order (glibc also when the variable is unset).
 #[global_allocator]
 static GLOBAL: ChosenAllocator = ChosenAllocator::new(
     c"RSS_BENCH_ALLOCATOR",
-    &[("ours", &OURS), ("mimalloc", &MiMalloc), ("glibc", &System)],
+    &[
+        ("ours/mimalloc", &OURS_MIMALLOC),
+        ("mimalloc", &MiMalloc),
+        ("jemalloc", &Jemalloc),
+        ("glibc", &System),
+        ("ours/glibc", &OURS_GLIBC),
+    ],
 );
 
 /// A record of the client's data: 24 bytes.
@@ -123,17 +142,59 @@ fn measure(peer: &str) -> (f64, f64) {
     (next() / 1024.0, next())
 }
 
+/// One ratio's median over the pairs of runs, and its spread.
+struct Paired {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Paired {
+    fn new(ours: &[f64], peer: &[f64]) -> Paired {
+        let mut ratios: Vec<f64> = ours.iter().zip(peer).map(|(o, p)| o / p).collect();
+        let median = median(&mut ratios);
+        Paired {
+            median,
+            min: ratios[0],
+            max: ratios[ratios.len() - 1],
+        }
+    }
+
+    fn verdict(&self, target: Option<f64>) -> String {
+        let spread = format!("{:.3}x ({:.3}-{:.3})", self.median, self.min, self.max);
+        match target {
+            Some(t) if self.median <= t => format!("{spread}, target <= {t:.2}x: PASS"),
+            Some(t) => format!("{spread}, target <= {t:.2}x: MISS"),
+            None => spread,
+        }
+    }
+}
+
+/// `--runs N` (9 under `cargo bench`; `cargo test --benches` runs it once).
+fn runs() -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    let given = args
+        .iter()
+        .position(|a| a == "--runs")
+        .and_then(|i| args.get(i + 1)?.parse().ok());
+    match given {
+        Some(n) if n > 0 => n,
+        _ if args.iter().any(|a| a == "--bench") => RUNS,
+        _ => 1,
+    }
+}
+
 fn main() {
     if std::env::var_os(GLOBAL.var()).is_some() {
         return child();
     }
-    // `cargo bench --no-run` builds it; `cargo test --benches` runs it once, quickly.
-    let runs = if std::env::args().any(|a| a == "--bench") {
-        RUNS
-    } else {
-        1
-    };
-    let mut results = [(); 3].map(|()| (Vec::new(), Vec::new()));
+    let runs = runs();
+    println!(
+        "rss_client: {}; started {}; {runs} run(s) per allocator, alternated",
+        machine::machine(),
+        machine::utc_now()
+    );
+    let mut results = [(); PEERS.len()].map(|()| (Vec::new(), Vec::new()));
     for _ in 0..runs {
         for (peer, (rss, ms)) in PEERS.iter().zip(results.iter_mut()) {
             let (r, t) = measure(peer);
@@ -141,43 +202,43 @@ fn main() {
             ms.push(t);
         }
     }
-    let medians = results.map(|(mut rss, mut ms)| (median(&mut rss), median(&mut ms)));
-    for (peer, (rss, ms)) in PEERS.iter().zip(medians) {
-        println!("rss_client {peer:>8}: peak RSS {rss:7.1} MiB, {ms:7.1} ms (median of {runs})");
+    for (peer, (rss, ms)) in PEERS.iter().zip(&results) {
+        let (rss, ms) = (median(&mut rss.clone()), median(&mut ms.clone()));
+        println!("rss_client {peer:>13}: peak RSS {rss:7.1} MiB, {ms:7.1} ms (median of {runs})");
     }
-    let [(ours_rss, ours_ms), (mi_rss, mi_ms), (glibc_rss, glibc_ms)] = medians;
-    println!(
-        "rss_client: peak RSS ours/mimalloc {:.3} (target <= 1.3), ours/glibc {:.3}; time \
-         ours/mimalloc {:.3}, ours/glibc {:.3}",
-        ours_rss / mi_rss,
-        ours_rss / glibc_rss,
-        ours_ms / mi_ms,
-        ours_ms / glibc_ms
-    );
+    // (ours, peer, target) as indices into PEERS.
+    let pairs = [(0, 1, Some(TARGET)), (0, 2, None), (4, 3, None)];
     let workload = "client program (2 threads: 24 MiB buffer reused, Vec pushed to 64 MiB, \
-                    hash map + JSON), peak RSS";
-    let rows = [
-        rows::row(workload, ours_rss, "mimalloc", mi_rss, "MiB", Some(1.3)),
-        rows::row(workload, ours_rss, "glibc", glibc_rss, "MiB", None),
-        rows::row(
-            "same client, wall time",
-            ours_ms,
-            "mimalloc",
-            mi_ms,
-            "ms",
-            None,
-        ),
-        rows::row(
-            "same client, wall time",
-            ours_ms,
-            "glibc",
-            glibc_ms,
-            "ms",
-            None,
-        ),
-    ];
+                    hash map + JSON)";
+    let mut rows = Vec::new();
+    for (ours, peer, target) in pairs {
+        let ((ours_rss, ours_ms), (peer_rss, peer_ms)) = (&results[ours], &results[peer]);
+        println!(
+            "rss_client {} vs {}, per-pair medians (min-max): peak RSS {}; wall {}",
+            PEERS[ours],
+            PEERS[peer],
+            Paired::new(ours_rss, peer_rss).verdict(target),
+            Paired::new(ours_ms, peer_ms).verdict(target)
+        );
+        let medians = |v: &[f64]| median(&mut v.to_vec());
+        for (what, o, p, unit) in [
+            ("peak RSS", ours_rss, peer_rss, "MiB"),
+            ("wall time", ours_ms, peer_ms, "ms"),
+        ] {
+            rows.push(rows::row(
+                &format!("{workload}, {what}, {}", PEERS[ours]),
+                medians(o),
+                PEERS[peer],
+                medians(p),
+                unit,
+                target,
+            ));
+        }
+    }
     rows::write("rss_client", &rows);
 }
 
+#[path = "common/machine.rs"]
+mod machine;
 #[path = "common/rows.rs"]
 mod rows;

@@ -1,13 +1,10 @@
-//! The table and JSON of `benches/churn.rs`: medians per allocator, ratios against targets, and
+//! The table and JSON of `benches/churn/`: medians per allocator, ratios against targets, and
 //! the machine and time of the run.
 
 use serde_json::{json, Value};
 
 use super::machine::machine;
 use super::{med, Peer, Sample, Scale, Workload};
-
-/// Ours/glibc wall time over glibc's, on every workload.
-const GLIBC_TARGET: f64 = 0.8;
 
 pub fn header(runs: usize, quick: bool, date: &str) -> String {
     format!(
@@ -50,22 +47,48 @@ impl Block {
             med(&samples[i], f)
         };
         let (wall, rss): (Figure, Figure) = (|s| s.wall, |s| s.peak_mib);
+        let ratio = |label, ours, peer, f, target| Ratio {
+            label,
+            value: figure(ours, f) / figure(peer, f),
+            target,
+        };
+        let ours = Peer::OursMimalloc;
         let ratios = vec![
-            Ratio {
-                label: "ours/mimalloc vs mimalloc, wall",
-                value: figure(Peer::OursMimalloc, wall) / figure(Peer::Mimalloc, wall),
-                target: Some(workload.wall_target),
-            },
-            Ratio {
-                label: "ours/mimalloc vs mimalloc, peak RSS",
-                value: figure(Peer::OursMimalloc, rss) / figure(Peer::Mimalloc, rss),
-                target: workload.rss_target,
-            },
-            Ratio {
-                label: "ours/glibc vs glibc, wall",
-                value: figure(Peer::OursGlibc, wall) / figure(Peer::Glibc, wall),
-                target: Some(GLIBC_TARGET),
-            },
+            ratio(
+                "ours/mimalloc vs mimalloc, wall",
+                ours,
+                Peer::Mimalloc,
+                wall,
+                Some(workload.wall_target),
+            ),
+            ratio(
+                "ours/mimalloc vs mimalloc, peak RSS",
+                ours,
+                Peer::Mimalloc,
+                rss,
+                workload.rss_target,
+            ),
+            ratio(
+                "ours/mimalloc vs jemalloc, wall",
+                ours,
+                Peer::Jemalloc,
+                wall,
+                workload.jemalloc_wall_target,
+            ),
+            ratio(
+                "ours/mimalloc vs jemalloc, peak RSS",
+                ours,
+                Peer::Jemalloc,
+                rss,
+                None,
+            ),
+            ratio(
+                "ours/glibc vs glibc, wall",
+                Peer::OursGlibc,
+                Peer::Glibc,
+                wall,
+                workload.glibc_wall_target,
+            ),
         ];
         Block {
             key: workload.key,
@@ -111,7 +134,7 @@ impl Block {
                 |t| {
                     format!(
                         "target <= {t:.2}x: {}",
-                        if r.value <= t { "met" } else { "MISSED" }
+                        if r.value <= t { "PASS" } else { "MISS" }
                     )
                 },
             );
