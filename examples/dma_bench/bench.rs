@@ -26,9 +26,10 @@ pub(super) struct Bench<'a> {
     pub(super) cached: NumaGpuAlloc,
 }
 
-/// An allocator of ours for `host`: pinning explicitly on (strict) with a driver, off without.
+/// An allocator of ours for `host`: pinning explicitly on (strict) with a driver, off without;
+/// populated when handed out either way (as the peers' memory is by their touch or registration).
 pub(super) fn ours_alloc(args: &Args, cuda: bool, host: usize, cache: usize) -> NumaGpuAlloc {
-    let alloc = NumaGpuAlloc::new().cache_limit(cache);
+    let alloc = NumaGpuAlloc::new().cache_limit(cache).populate_eager(true);
     if cuda {
         alloc.gpu(args.gpu).pin(PinMode::Strict)
     } else {
@@ -240,6 +241,7 @@ impl Bench<'_> {
                     .node(self.host)
                     .pin(PinMode::Off)
                     .cache_limit(0)
+                    .populate_eager(true)
                     .populate_threads(threads)
             })
             .collect();

@@ -58,14 +58,8 @@ impl Blocks {
             self.carve(size, align, zeroed, target, kind)
         } else if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
             Some(block)
-        } else if let Some(block) = self.dedicated(layout, zeroed, target, kind) {
-            Some(block)
-        } else if carved(size, align) {
-            // A growing block without a mapping of its own (the process's mapping count at its
-            // limit, say) is carved after all.
-            self.carve(size, align, zeroed, target, kind)
         } else {
-            None
+            self.dedicated(layout, zeroed, target, kind)
         }
     }
 
