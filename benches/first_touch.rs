@@ -108,6 +108,13 @@ fn measure(len: usize, setting: &str) -> Result<[f64; 3], String> {
     Ok([alloc, touch, huge])
 }
 
+/// The least and the greatest of `values`.
+fn spread(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    })
+}
+
 /// The median of `values` (not empty).
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -122,8 +129,8 @@ fn drive(runs: usize) -> Result<(), String> {
         machine::utc_now()
     );
     println!(
-        "{:>8}  {:<15} {:>10} {:>12} {:>10} {:>9}",
-        "size", "setting", "alloc ms", "1st write ms", "sum ms", "huge MiB"
+        "{:>8}  {:<15} {:>10} {:>12} {:>10} {:>19} {:>9}",
+        "size", "setting", "alloc ms", "1st write ms", "sum ms", "(min-max)", "huge MiB"
     );
     for len in SIZES {
         let mut samples = [(); SETTINGS.len()].map(|()| Vec::new());
@@ -133,23 +140,31 @@ fn drive(runs: usize) -> Result<(), String> {
                 samples[i].push(measure(len, SETTINGS[i])?);
             }
         }
-        let mut sums = [0.0; SETTINGS.len()];
-        for ((setting, samples), sum) in SETTINGS.iter().zip(samples).zip(&mut sums) {
-            let med = |f: fn(&[f64; 3]) -> f64| median(samples.iter().map(f).collect());
-            *sum = med(|[a, t, _]| a + t) * 1e3;
+        let total = |s: &[f64; 3]| s[0] + s[1];
+        for (setting, samples) in SETTINGS.iter().zip(&samples) {
+            let med = |f: &dyn Fn(&[f64; 3]) -> f64| median(samples.iter().map(f).collect());
+            let (min, max) = spread(samples.iter().map(total));
             println!(
-                "{:>4} MiB  {setting:<15} {:>10.2} {:>12.2} {:>10.2} {:>9.0}",
+                "{:>4} MiB  {setting:<15} {:>10.2} {:>12.2} {:>10.2} {:>19} {:>9.0}",
                 len / MIB,
-                med(|s| s[0]) * 1e3,
-                med(|s| s[1]) * 1e3,
-                *sum,
-                med(|s| s[2])
+                med(&|s| s[0]) * 1e3,
+                med(&|s| s[1]) * 1e3,
+                med(&total) * 1e3,
+                format!("({:.2}-{:.2})", min * 1e3, max * 1e3),
+                med(&|s| s[2])
             );
         }
+        // Each run measured both settings: its own ratio, so that the spread is the pairs'.
+        let ratios: Vec<f64> = samples[0]
+            .iter()
+            .zip(&samples[1])
+            .map(|(eager, lazy)| total(eager) / total(lazy))
+            .collect();
+        let (min, max) = spread(ratios.iter().copied());
         println!(
-            "{:>4} MiB  eager/lazy, sum: {:.3}x\n",
+            "{:>4} MiB  eager/lazy, sum: {:.3}x (per-run {min:.3}-{max:.3})\n",
             len / MIB,
-            sums[0] / sums[1]
+            median(ratios)
         );
     }
     Ok(())
