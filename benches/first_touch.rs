@@ -9,8 +9,10 @@
 //! times (i) the allocation, (ii) the first write of one byte on every 4 KiB page, (iii) their sum;
 //! it prints them with the setting in force, so that a refused key is seen, not mistaken for a
 //! measurement, and how much of the process was on transparent huge pages after the writes (a
-//! fault of a huge page clears 2 MiB at once). Runs alternate which setting goes first. Figures are medians of the runs
-//! (`--quick`, also the default without `--bench`: one run, for CI).
+//! fault of a huge page clears 2 MiB at once). One discarded child of each setting goes before a
+//! size's runs; the runs alternate which setting goes first. Figures are medians of the runs, and
+//! the eager/lazy ratio the median of each run's own, with their spread (`--quick`, also the
+//! default without `--bench`: one run, for CI).
 
 #[path = "common/machine.rs"]
 mod machine;
@@ -35,18 +37,7 @@ static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
 
 /// The process's memory on transparent huge pages, in MiB (`AnonHugePages`).
 fn huge_mib() -> f64 {
-    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
-    let kib: f64 = rollup
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("AnonHugePages:")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0.0);
-    kib / 1024.0
+    machine::kib_field("/proc/self/smaps_rollup", "AnonHugePages:") / 1024.0
 }
 
 /// Allocates and first-writes one block; prints `alloc_s touch_s huge_mib populate_eager`.
@@ -133,6 +124,11 @@ fn drive(runs: usize) -> Result<(), String> {
         "size", "setting", "alloc ms", "1st write ms", "sum ms", "(min-max)", "huge MiB"
     );
     for len in SIZES {
+        // A discarded child of each setting first: this VM reports freed pages to its host, and
+        // the first process to touch memory after a pause pays seconds for getting it back.
+        for setting in SETTINGS {
+            measure(len, setting)?;
+        }
         let mut samples = [(); SETTINGS.len()].map(|()| Vec::new());
         for run in 0..runs {
             // Alternating which setting goes first, so that a noisy moment falls on both.

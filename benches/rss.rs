@@ -3,7 +3,7 @@
 //! `cargo bench --bench rss [-- --runs N]` runs the same client workload in fresh child processes
 //! (this binary again, `RSS_BENCH_ALLOCATOR=ours/mimalloc|mimalloc|jemalloc|glibc|ours/glibc`),
 //! interleaved, 9 times each, and reports the median peak RSS (`VmHWM`) and wall time of each.
-//! The measure is ours over mimalloc against mimalloc alone: run k of `ours/mimalloc` is
+//! The headline ratio is ours over mimalloc against mimalloc alone: run k of `ours/mimalloc` is
 //! paired with run k of `mimalloc`, and the ratios are the medians over the pairs with their
 //! spread (min-max); they go to `target/criterion/rss_client/rows.json` for
 //! `scripts/bench-table.py`.

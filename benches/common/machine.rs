@@ -8,18 +8,16 @@ pub fn machine() -> String {
         .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
         .map_or("unknown CPU", |(_, m)| m.trim());
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kib: f64 = meminfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("MemTotal:")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0.0);
+    let kib = kib_field("/proc/meminfo", "MemTotal:");
     format!("{model}, {cpus} CPUs, {:.1} GiB", kib / (1 << 20) as f64)
+}
+
+/// The figure after `key` in a `/proc` file of `key value kB` lines (0 when absent).
+pub fn kib_field(path: &str, key: &str) -> f64 {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// Now, `YYYY-MM-DD HH:MM:SS UTC` (days to a civil date: Howard Hinnant's `civil_from_days`).
