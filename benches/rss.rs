@@ -195,11 +195,14 @@ fn main() {
         machine::utc_now()
     );
     let mut results = [(); PEERS.len()].map(|()| (Vec::new(), Vec::new()));
-    for _ in 0..runs {
-        for (peer, (rss, ms)) in PEERS.iter().zip(results.iter_mut()) {
-            let (r, t) = measure(peer);
-            rss.push(r);
-            ms.push(t);
+    for run in 0..runs {
+        // Each run starts at the next allocator, so that none always pays for being the first
+        // to touch memory after a pause (this VM's host takes freed pages back).
+        for k in 0..PEERS.len() {
+            let i = (k + run) % PEERS.len();
+            let (r, t) = measure(PEERS[i]);
+            results[i].0.push(r);
+            results[i].1.push(t);
         }
     }
     for (peer, (rss, ms)) in PEERS.iter().zip(&results) {

@@ -5,7 +5,8 @@
 //!
 //! The driver (this binary with `CHURN_BENCH_ALLOCATOR` unset) runs this binary again once per
 //! workload, allocator and run, with `CHURN_BENCH_ALLOCATOR=<allocator> --child <workload>`; run 1
-//! of every allocator, then run 2, and so on, so that a noisy minute falls on all of them. Each
+//! of every allocator, then run 2 (starting at the next allocator), and so on, so that a noisy
+//! minute falls on all of them. Each
 //! child prints one line: wall seconds of the workload alone, user and system CPU seconds and peak
 //! RSS of the whole process (`getrusage`), and for ours its `stats()`. The driver prints, per
 //! workload, the median of each figure and the ratios with their targets. `--quick` (also the
@@ -258,8 +259,11 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Peer::ALL.len()];
         for run in 1..=runs {
             eprintln!("churn: ({}) run {run}/{runs}", workload.key);
-            for (peer, samples) in Peer::ALL.iter().zip(&mut samples) {
-                samples.push(measure(workload, *peer, args.quick)?);
+            // Each run starts at the next allocator: the first child after a pause pays for pages
+            // this VM's host took back (free page reporting), so no allocator always goes first.
+            for k in 0..Peer::ALL.len() {
+                let i = (k + run - 1) % Peer::ALL.len();
+                samples[i].push(measure(workload, Peer::ALL[i], args.quick)?);
             }
         }
         let block = report::Block::new(workload, scale, samples);
