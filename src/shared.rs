@@ -1,0 +1,597 @@
+//! Shared pools: one placed, populated copy of memory on a node that every process on it maps
+//! and allocates from ([`SharedPool`]).
+//!
+//! A pool is a memory file (`memfd_create`, or a file under `/dev/shm` or a hugetlbfs mount),
+//! placed on its node before any page is touched (`mbind`), populated once by the node's bound
+//! workers and checked page by page (`move_pages`). Other processes attach by descriptor
+//! (inherited, or passed over a Unix socket: [`SharedPool::send`], [`SharedPool::receive`]) or
+//! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
+//! offset into the pool), which each process turns into its own pointer; the carving state
+//! lives in the pool, under a robust process-shared mutex, so a block freed by any process
+//! returns to the pool, and a process killed while holding the lock does not wedge the others.
+//!
+//! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
+//! a block is live in the pool until freed, and lies inside the mapping the pool owns.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::ffi::CString;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::pool::carve::MAX_ALIGN;
+use crate::pool::{PoolMap, DATA_START, MAGIC};
+use crate::sys;
+use crate::topology::NumaTopology;
+use crate::Error;
+
+/// The default chunk: blocks never cross one, and each is one registration in a pinned process
+/// (the allocator's registration bound, `register_max`).
+const DEFAULT_CHUNK: usize = 256 << 20;
+/// The huge page size a pool of huge pages uses.
+const HUGE_PAGE: usize = 2 << 20;
+/// How long attaching waits for a live creator to finish populating.
+const READY_WAIT: Duration = Duration::from_secs(60);
+
+/// A block of a [`SharedPool`], named so that any process attached to the pool finds it:
+/// [`SharedPool::ptr`] turns it into that process's pointer. Plain data: send it to another
+/// process however you like ([`PoolHandle::to_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PoolHandle {
+    /// Bytes from the start of the pool's file.
+    pub offset: u64,
+    /// The block's length (rounded up to 64 bytes).
+    pub len: u64,
+}
+
+impl PoolHandle {
+    /// The handle as 16 bytes (offset, then length, little-endian).
+    pub fn to_bytes(self) -> [u8; 16] {
+        let mut bytes = [0; 16];
+        bytes[..8].copy_from_slice(&self.offset.to_le_bytes());
+        bytes[8..].copy_from_slice(&self.len.to_le_bytes());
+        bytes
+    }
+
+    /// A handle from [`to_bytes`](Self::to_bytes).
+    pub fn from_bytes(bytes: [u8; 16]) -> PoolHandle {
+        let (offset, len) = bytes.split_at(8);
+        PoolHandle {
+            offset: u64::from_le_bytes(offset.try_into().unwrap_or_default()),
+            len: u64::from_le_bytes(len.try_into().unwrap_or_default()),
+        }
+    }
+}
+
+/// What a [`SharedPool`] holds now. Each count is read on its own, at about the same time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Bytes of the pool's file, its header included.
+    pub pool_bytes: usize,
+    /// Bytes blocks may use.
+    pub usable_bytes: usize,
+    /// Bytes of live blocks, all processes together.
+    pub live_bytes: usize,
+    /// Live blocks, all processes together.
+    pub live_blocks: usize,
+    /// Processes attached (as far as the pool knows: one killed is still counted).
+    pub attached: usize,
+    /// Blocks handed out and freed since the pool was made, all processes together.
+    pub allocations: u64,
+    /// See `allocations`.
+    pub frees: u64,
+    /// Times the carving state was rebuilt after a process died holding the pool's lock.
+    pub rebuilds: u64,
+    /// The node the pool's pages are on.
+    pub node: usize,
+    /// Whether its pages are huge pages (hugetlbfs).
+    pub huge_pages: bool,
+}
+
+/// How to make a [`SharedPool`] (see [`SharedPool::builder`]).
+#[derive(Clone, Debug)]
+pub struct SharedPoolBuilder {
+    size: usize,
+    node: Option<usize>,
+    huge_pages: bool,
+    path: Option<PathBuf>,
+    chunk: usize,
+    populate_threads: usize,
+}
+
+impl SharedPoolBuilder {
+    /// The node its pages go on (default: the node of the calling thread's CPU).
+    pub fn node(mut self, node: usize) -> Self {
+        self.node = Some(node);
+        self
+    }
+
+    /// Huge pages (`MFD_HUGETLB`, or a path on a hugetlbfs mount), from the huge pages reserved
+    /// on the node; without, the file is advised for transparent huge pages, which the kernel
+    /// gives shared memory only when `shmem_enabled` allows it.
+    pub fn huge_pages(mut self, on: bool) -> Self {
+        self.huge_pages = on;
+        self
+    }
+
+    /// Makes the pool at `path` (under `/dev/shm` or a hugetlbfs mount) instead of a memory
+    /// file without a name, so that unrelated processes, and a restarted server, find it.
+    pub fn path(mut self, path: impl Into<PathBuf>) -> Self {
+        self.path = Some(path.into());
+        self
+    }
+
+    /// The chunk size, rounded up to 2 MiB (default 256 MiB, at most the pool's blocks): no
+    /// block crosses a chunk, and each chunk is one registration in a pinned process.
+    pub fn chunk(mut self, bytes: usize) -> Self {
+        self.chunk = bytes;
+        self
+    }
+
+    /// How many threads populate it (the caller and the node's bound workers; default 4).
+    pub fn populate_threads(mut self, threads: usize) -> Self {
+        self.populate_threads = threads.max(1);
+        self
+    }
+
+    /// Makes the pool: the file, its placement on the node, populate, the page check.
+    ///
+    /// # Errors
+    /// [`Error::PoolTooLarge`] when the size does not fit the node; [`Error::PoolHugePages`]
+    /// without enough free huge pages; [`Error::PoolExists`] when the path exists;
+    /// [`Error::PoolWrongNode`] when the pages did not land on the node; a system call's error.
+    /// A pool made at a path is removed again when making it failed.
+    pub fn create(self) -> Result<SharedPool, Error> {
+        let topology = NumaTopology::from_sysfs()?;
+        let node = match self.node {
+            Some(node) => node,
+            None => sys::current_node()?,
+        };
+        let info = topology.node(node).ok_or(Error::UnknownNode {
+            node,
+            node_count: topology.node_count(),
+        })?;
+        let size = self.size.next_multiple_of(MAX_ALIGN as usize);
+        if size > info.memory_bytes as usize || size < DATA_START + MAX_ALIGN as usize {
+            return Err(Error::PoolTooLarge {
+                bytes: self.size,
+                node,
+                node_bytes: info.memory_bytes,
+            });
+        }
+        if self.huge_pages {
+            check_huge_pages(node, size, self.path.as_deref())?;
+        }
+        let (file, path) = match &self.path {
+            Some(path) => (create_file(path)?, Some(path.clone())),
+            None => (memfd(self.huge_pages)?, None),
+        };
+        let made = self.make(file, path.as_deref(), node, size, &info.cpus);
+        if made.is_err() {
+            if let Some(path) = &path {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        made.map(|(map, fd)| SharedPool { map, fd, path })
+    }
+
+    fn make(
+        &self,
+        file: File,
+        path: Option<&Path>,
+        node: usize,
+        size: usize,
+        cpus: &[usize],
+    ) -> Result<(PoolMap, OwnedFd), Error> {
+        file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
+        let fd = OwnedFd::from(file);
+        let huge = sys::on_hugetlbfs(fd.as_fd())?;
+        let map = PoolMap::map(fd.as_fd(), size)?;
+        let chunk = self
+            .chunk
+            .next_multiple_of(MAX_ALIGN as usize)
+            .min(size - DATA_START) as u64;
+        // SAFETY: the file was just made, all zeros, and nobody else has it yet (a path is
+        // created exclusively, and attachers wait for it to be ready).
+        unsafe { map.init(node, huge, chunk) }?;
+        let allowed = sys::process_cpus().unwrap_or_default();
+        let cpus = || {
+            let mine: Vec<usize> = cpus
+                .iter()
+                .copied()
+                .filter(|c| allowed.contains(c))
+                .collect();
+            if mine.is_empty() {
+                allowed.clone()
+            } else {
+                mine
+            }
+        };
+        // SAFETY: new, and no page of it touched yet.
+        unsafe { map.place(node, cpus, self.populate_threads, huge) }?;
+        if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, true) {
+            if elsewhere > 0 {
+                return Err(Error::PoolWrongNode {
+                    path: shown(path, &fd),
+                    node,
+                    elsewhere,
+                    pages,
+                    found,
+                });
+            }
+        }
+        map.header().attached.fetch_add(1, Ordering::AcqRel);
+        map.set_ready();
+        Ok((map, fd))
+    }
+}
+
+/// A pool of memory on one node that several processes map and allocate from.
+///
+/// Dropping it detaches this process: its mapping goes; the pages live while any process maps
+/// the pool (or while its path exists). Blocks stay allocated in the pool until some process
+/// frees them.
+pub struct SharedPool {
+    // Declared first so it is unmapped before the file is closed.
+    map: PoolMap,
+    fd: OwnedFd,
+    path: Option<PathBuf>,
+}
+
+impl SharedPool {
+    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, a header of about 130 KiB
+    /// included).
+    pub fn builder(size: usize) -> SharedPoolBuilder {
+        SharedPoolBuilder {
+            size,
+            node: None,
+            huge_pages: false,
+            path: None,
+            chunk: DEFAULT_CHUNK,
+            populate_threads: 4,
+        }
+    }
+
+    /// Attaches to the pool at `path`.
+    ///
+    /// # Errors
+    /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolCorrupt`] for a file that is
+    /// not a pool of this build; [`Error::PoolStale`] for one left half made by a creator that
+    /// is gone; [`Error::PoolWrongNode`] for one whose pages are not on its node. Nothing in
+    /// the file is changed by a refused attach.
+    pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
+        let path = path.as_ref();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| io_error(Some(path), &e))?;
+        SharedPool::attach_file(file, Some(path.to_path_buf()))
+    }
+
+    /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]).
+    ///
+    /// # Errors
+    /// As [`SharedPool::attach`].
+    pub fn attach_fd(fd: OwnedFd) -> Result<SharedPool, Error> {
+        SharedPool::attach_file(File::from(fd), None)
+    }
+
+    /// Sends the pool's file descriptor over `socket` (`SCM_RIGHTS`), for
+    /// [`SharedPool::receive`] in the process at the other end.
+    pub fn send(&self, socket: &UnixStream) -> Result<(), Error> {
+        sys::send_fd(socket.as_fd(), self.fd.as_fd())
+    }
+
+    /// Receives a pool's descriptor [`SharedPool::send`] sent over `socket`, and attaches.
+    ///
+    /// # Errors
+    /// As [`SharedPool::attach`], or the socket's.
+    pub fn receive(socket: &UnixStream) -> Result<SharedPool, Error> {
+        SharedPool::attach_fd(sys::recv_fd(socket.as_fd())?)
+    }
+
+    fn attach_file(file: File, path: Option<PathBuf>) -> Result<SharedPool, Error> {
+        let shown_path = path.clone().unwrap_or_else(|| shown(None, &file.as_fd()));
+        let len = file
+            .metadata()
+            .map_err(|e| io_error(path.as_deref(), &e))?
+            .len() as usize;
+        let mut magic = [0; 8];
+        // At offset 0 whatever the file's position: an inherited descriptor shares its
+        // position with every process holding it.
+        let read = file.read_exact_at(&mut magic, 0);
+        let magic = u64::from_le_bytes(magic);
+        if read.is_err() || magic != MAGIC || len < DATA_START + MAX_ALIGN as usize {
+            return Err(Error::PoolForeign {
+                path: shown_path,
+                found: magic,
+            });
+        }
+        let fd = OwnedFd::from(file);
+        let map = PoolMap::map(fd.as_fd(), len)?;
+        map.check(&shown_path)?;
+        let header = map.header();
+        let start = Instant::now();
+        while !map.ready() {
+            if !sys::process_alive(header.creator) {
+                return Err(Error::PoolStale {
+                    path: shown_path,
+                    pid: header.creator,
+                });
+            }
+            if start.elapsed() > READY_WAIT {
+                return Err(Error::PoolCorrupt {
+                    path: shown_path,
+                    reason: "its creator has not finished making it in 60 s",
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if !map.lock()?.carve().consistent() {
+            return Err(Error::PoolCorrupt {
+                path: shown_path,
+                reason: "its carving state does not hold together",
+            });
+        }
+        let node = header.node as usize;
+        map.map_in_pages();
+        if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, false) {
+            if elsewhere > 0 {
+                return Err(Error::PoolWrongNode {
+                    path: shown_path,
+                    node,
+                    elsewhere,
+                    pages,
+                    found,
+                });
+            }
+        }
+        header.attached.fetch_add(1, Ordering::AcqRel);
+        Ok(SharedPool { map, fd, path })
+    }
+
+    /// The pool's file descriptor: a child inherits it across `fork` (and across `exec` once
+    /// close-on-exec is cleared), and attaches with [`SharedPool::attach_fd`].
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The pool's path, when it has one.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), for any
+    /// attached process to use by its handle; `None` when the pool has no room for it.
+    pub fn allocate(&self, layout: Layout) -> Option<PoolHandle> {
+        let mut guard = self.map.lock().ok()?;
+        let block = guard.carve().allocate(
+            layout.size() as u64,
+            layout.align() as u64,
+            sys::process_id(),
+        )?;
+        Some(PoolHandle {
+            offset: block.offset,
+            len: block.len,
+        })
+    }
+
+    /// Frees the live block `handle` names, whichever process carved it: it returns to the pool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRange`] when no live block starts there (freed already, or not a
+    /// handle of this pool).
+    pub fn free(&self, handle: PoolHandle) -> Result<(), Error> {
+        let mut guard = self.map.lock()?;
+        guard
+            .carve()
+            .free(handle.offset, sys::process_id())
+            .map(drop)
+            .map_err(|_| Error::InvalidRange {
+                addr: handle.offset as usize,
+                len: handle.len as usize,
+            })
+    }
+
+    /// Whether a live block starts at `handle`'s offset with its length.
+    pub fn is_live(&self, handle: PoolHandle) -> bool {
+        self.map.lock().is_ok_and(|mut guard| {
+            guard
+                .carve()
+                .find(handle.offset)
+                .is_some_and(|block| block.len == handle.len)
+        })
+    }
+
+    /// This process's pointer to the block `handle` names (`None` when it lies outside the
+    /// pool's blocks). The bytes are shared with every attached process: writing them while
+    /// another process reads or writes them is a data race; use the block as agreed.
+    pub fn ptr(&self, handle: PoolHandle) -> Option<NonNull<u8>> {
+        let end = handle.offset.checked_add(handle.len)?;
+        if handle.offset < DATA_START as u64 || end > self.map.len() as u64 {
+            return None;
+        }
+        NonNull::new(self.map.ptr().as_ptr().wrapping_add(handle.offset as usize))
+    }
+
+    /// The handle of the live block starting at `ptr`, a pointer of this process.
+    pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
+        let offset = (ptr.as_ptr() as usize).checked_sub(self.map.ptr().as_ptr() as usize)?;
+        let block = self.map.lock().ok()?.carve().find(offset as u64)?;
+        Some(PoolHandle {
+            offset: block.offset,
+            len: block.len,
+        })
+    }
+
+    /// Checks where the pool's pages are now (`move_pages`, each page this process maps).
+    ///
+    /// # Errors
+    /// [`Error::PoolWrongNode`] when some are elsewhere.
+    pub fn check_placement(&self) -> Result<(), Error> {
+        let node = self.map.header().node as usize;
+        match self.map.count_elsewhere(node, false) {
+            Some((elsewhere, pages, found)) if elsewhere > 0 => Err(Error::PoolWrongNode {
+                path: shown(self.path.as_deref(), &self.fd),
+                node,
+                elsewhere,
+                pages,
+                found,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// What the pool holds now.
+    pub fn stats(&self) -> PoolStats {
+        let header = self.map.header();
+        let mut stats = PoolStats {
+            pool_bytes: self.map.len(),
+            usable_bytes: self.map.len() - DATA_START,
+            live_bytes: 0,
+            live_blocks: 0,
+            attached: header.attached.load(Ordering::Acquire) as usize,
+            allocations: 0,
+            frees: 0,
+            rebuilds: 0,
+            node: header.node as usize,
+            huge_pages: header.huge != 0,
+        };
+        if let Ok(mut guard) = self.map.lock() {
+            let carve = guard.carve();
+            stats.live_bytes = carve.live_bytes as usize;
+            stats.live_blocks = carve.live().len();
+            stats.allocations = carve.allocations;
+            stats.frees = carve.frees;
+            stats.rebuilds = carve.rebuilds;
+        }
+        stats
+    }
+
+    /// Holds the pool's lock for `f` (for tests of a process killed while holding it).
+    #[doc(hidden)]
+    pub fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+        let guard = self.map.lock()?;
+        let outcome = f();
+        drop(guard);
+        Ok(outcome)
+    }
+}
+
+impl Drop for SharedPool {
+    fn drop(&mut self) {
+        self.map.header().attached.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl fmt::Debug for SharedPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedPool")
+            .field("path", &self.path)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise.
+fn memfd(huge: bool) -> Result<File, Error> {
+    let name = CString::new("numa-gpu-alloc pool").unwrap_or_default();
+    sys::memfd(&name, huge).map(File::from)
+}
+
+/// Creates `path` exclusively, readable and writable by its owner.
+fn create_file(path: &Path) -> Result<File, Error> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => Error::PoolExists { path: path.into() },
+            _ => io_error(Some(path), &e),
+        })
+}
+
+/// Refuses a pool of huge pages that the node's free huge pages cannot hold.
+fn check_huge_pages(node: usize, size: usize, path: Option<&Path>) -> Result<(), Error> {
+    let file = format!(
+        "/sys/devices/system/node/node{node}/hugepages/hugepages-{}kB/free_hugepages",
+        HUGE_PAGE >> 10
+    );
+    let free = std::fs::read_to_string(&file)
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let needed = size / HUGE_PAGE;
+    if free < needed {
+        return Err(Error::PoolHugePages {
+            needed,
+            free,
+            place: path.map_or_else(|| PathBuf::from("memfd (MFD_HUGETLB)"), Path::to_path_buf),
+        });
+    }
+    Ok(())
+}
+
+fn io_error(path: Option<&Path>, e: &std::io::Error) -> Error {
+    Error::Io {
+        path: path.map_or_else(|| PathBuf::from("<pool fd>"), Path::to_path_buf),
+        kind: e.kind(),
+        errno: e.raw_os_error(),
+    }
+}
+
+/// A path to name a pool by in errors: its own, or its descriptor.
+fn shown(path: Option<&Path>, fd: &impl AsFd) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    path.map_or_else(
+        || PathBuf::from(format!("<fd {}>", fd.as_fd().as_raw_fd())),
+        Path::to_path_buf,
+    )
+}
+
+/// allocator-api2's `Allocator` over a pool, for 0.4 and (feature `allocator-api2-02`) 0.2.
+macro_rules! shared_allocator {
+    ($api:ident) => {
+        // SAFETY: a block is live, and lies in the pool's mapping, from `allocate` until
+        // `deallocate`; the pool outlives every borrow `&SharedPool` gives out; blocks never
+        // overlap (the carving state's tables).
+        unsafe impl $api::alloc::Allocator for &SharedPool {
+            fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, $api::alloc::AllocError> {
+                if layout.size() == 0 {
+                    let dangling =
+                        NonNull::new(layout.align() as *mut u8).ok_or($api::alloc::AllocError)?;
+                    return Ok(NonNull::slice_from_raw_parts(dangling, 0));
+                }
+                let handle = SharedPool::allocate(self, layout).ok_or($api::alloc::AllocError)?;
+                let ptr = self.ptr(handle).ok_or($api::alloc::AllocError)?;
+                Ok(NonNull::slice_from_raw_parts(ptr, handle.len as usize))
+            }
+
+            unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+                if layout.size() == 0 {
+                    return;
+                }
+                let offset = ptr.as_ptr() as usize - self.map.ptr().as_ptr() as usize;
+                let _ = self.free(PoolHandle {
+                    offset: offset as u64,
+                    len: 0,
+                });
+            }
+        }
+    };
+}
+
+shared_allocator!(allocator_api2);
+#[cfg(feature = "allocator-api2-02")]
+shared_allocator!(allocator_api2_02);
