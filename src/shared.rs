@@ -24,13 +24,18 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::blocks::reserve::Tally;
+use crate::chunk::PinFlags;
+use crate::cuda::{Device, Gpu, RegisterFlags};
 use crate::pool::carve::MAX_ALIGN;
+use crate::pool::pinning::Pinned;
 use crate::pool::{PoolMap, DATA_START, MAGIC};
-use crate::sys;
+use crate::sys::{self, lock::Lock};
 use crate::topology::NumaTopology;
-use crate::Error;
+use crate::{Error, GpuSelector, Reservation};
 
 /// The default chunk: blocks never cross one, and each is one registration in a pinned process
 /// (the allocator's registration bound, `register_max`).
@@ -90,6 +95,12 @@ pub struct PoolStats {
     pub frees: u64,
     /// Times the carving state was rebuilt after a process died holding the pool's lock.
     pub rebuilds: u64,
+    /// Chunk registrations held now, all processes together.
+    pub registrations: u64,
+    /// Chunks this process registered, and their bytes (counted in its pinned limit).
+    pub registered_chunks: usize,
+    /// See `registered_chunks`.
+    pub registered_bytes: usize,
     /// The node the pool's pages are on.
     pub node: usize,
     /// Whether its pages are huge pages (hugetlbfs).
@@ -180,7 +191,7 @@ impl SharedPoolBuilder {
                 let _ = std::fs::remove_file(path);
             }
         }
-        made.map(|(map, fd)| SharedPool { map, fd, path })
+        made.map(|(map, fd)| SharedPool::new(map, fd, path))
     }
 
     fn make(
@@ -240,13 +251,42 @@ impl SharedPoolBuilder {
 /// the pool (or while its path exists). Blocks stay allocated in the pool until some process
 /// frees them.
 pub struct SharedPool {
-    // Declared first so it is unmapped before the file is closed.
+    inner: Arc<Inner>,
+    /// The registration under way in the background, cancelled at detach.
+    background: Lock<Option<Arc<Tally>>>,
+}
+
+/// What the pool's handle and its background registration share; dropped (detached) when both
+/// are gone: unregistered, then unmapped, then the file closed.
+struct Inner {
+    pinned: Pinned,
     map: PoolMap,
     fd: OwnedFd,
     path: Option<PathBuf>,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if !self.pinned.release(&self.map) {
+            self.map.keep_mapped();
+        }
+        self.map.header().attached.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl SharedPool {
+    fn new(map: PoolMap, fd: OwnedFd, path: Option<PathBuf>) -> SharedPool {
+        SharedPool {
+            inner: Arc::new(Inner {
+                pinned: Pinned::new(),
+                map,
+                fd,
+                path,
+            }),
+            background: Lock::new(None),
+        }
+    }
+
     /// A builder for a pool of `size` bytes (rounded up to 2 MiB, a header of about 130 KiB
     /// included).
     pub fn builder(size: usize) -> SharedPoolBuilder {
@@ -288,7 +328,7 @@ impl SharedPool {
     /// Sends the pool's file descriptor over `socket` (`SCM_RIGHTS`), for
     /// [`SharedPool::receive`] in the process at the other end.
     pub fn send(&self, socket: &UnixStream) -> Result<(), Error> {
-        sys::send_fd(socket.as_fd(), self.fd.as_fd())
+        sys::send_fd(socket.as_fd(), self.inner.fd.as_fd())
     }
 
     /// Receives a pool's descriptor [`SharedPool::send`] sent over `socket`, and attaches.
@@ -356,24 +396,24 @@ impl SharedPool {
             }
         }
         header.attached.fetch_add(1, Ordering::AcqRel);
-        Ok(SharedPool { map, fd, path })
+        Ok(SharedPool::new(map, fd, path))
     }
 
     /// The pool's file descriptor: a child inherits it across `fork` (and across `exec` once
     /// close-on-exec is cleared), and attaches with [`SharedPool::attach_fd`].
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.inner.fd.as_fd()
     }
 
     /// The pool's path, when it has one.
     pub fn path(&self) -> Option<&Path> {
-        self.path.as_deref()
+        self.inner.path.as_deref()
     }
 
     /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), for any
     /// attached process to use by its handle; `None` when the pool has no room for it.
     pub fn allocate(&self, layout: Layout) -> Option<PoolHandle> {
-        let mut guard = self.map.lock().ok()?;
+        let mut guard = self.inner.map.lock().ok()?;
         let block = guard.carve().allocate(
             layout.size() as u64,
             layout.align() as u64,
@@ -391,7 +431,7 @@ impl SharedPool {
     /// [`Error::InvalidRange`] when no live block starts there (freed already, or not a
     /// handle of this pool).
     pub fn free(&self, handle: PoolHandle) -> Result<(), Error> {
-        let mut guard = self.map.lock()?;
+        let mut guard = self.inner.map.lock()?;
         guard
             .carve()
             .free(handle.offset, sys::process_id())
@@ -404,7 +444,7 @@ impl SharedPool {
 
     /// Whether a live block starts at `handle`'s offset with its length.
     pub fn is_live(&self, handle: PoolHandle) -> bool {
-        self.map.lock().is_ok_and(|mut guard| {
+        self.inner.map.lock().is_ok_and(|mut guard| {
             guard
                 .carve()
                 .find(handle.offset)
@@ -417,20 +457,66 @@ impl SharedPool {
     /// another process reads or writes them is a data race; use the block as agreed.
     pub fn ptr(&self, handle: PoolHandle) -> Option<NonNull<u8>> {
         let end = handle.offset.checked_add(handle.len)?;
-        if handle.offset < DATA_START as u64 || end > self.map.len() as u64 {
+        if handle.offset < DATA_START as u64 || end > self.inner.map.len() as u64 {
             return None;
         }
-        NonNull::new(self.map.ptr().as_ptr().wrapping_add(handle.offset as usize))
+        NonNull::new(
+            self.inner
+                .map
+                .ptr()
+                .as_ptr()
+                .wrapping_add(handle.offset as usize),
+        )
     }
 
     /// The handle of the live block starting at `ptr`, a pointer of this process.
     pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
-        let offset = (ptr.as_ptr() as usize).checked_sub(self.map.ptr().as_ptr() as usize)?;
-        let block = self.map.lock().ok()?.carve().find(offset as u64)?;
+        let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.map.ptr().as_ptr() as usize)?;
+        let block = self.inner.map.lock().ok()?.carve().find(offset as u64)?;
         Some(PoolHandle {
             offset: block.offset,
             len: block.len,
         })
+    }
+
+    /// Registers this process's mapping of the pool with `gpu`'s CUDA context on a thread of
+    /// its own, chunk by chunk (each chunk one `cuMemHostRegister`, holding the node-wide lock
+    /// file `/dev/shm/numa-gpu-alloc.register.node{N}.lock` so that two processes do not
+    /// register at the same moment), within `pin_limit` bytes page-locked by this process
+    /// through the crate. Blocks are usable meanwhile (unpinned until their chunk is
+    /// registered); the handle reports progress, waits, cancels. Chunks registered already are
+    /// skipped. A process without a driver, or that does not pin, just does not call this: the
+    /// pool works unpinned.
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] without a usable driver, [`Error::GpuNotFound`]; a failure to
+    /// start the thread. Later errors (a chunk refused, [`Error::PinLimit`]) come from the
+    /// handle; the chunks registered before stay so until detach.
+    pub fn register_in_background(
+        &self,
+        gpu: GpuSelector,
+        pin_limit: usize,
+    ) -> Result<Reservation, Error> {
+        let gpu = Gpu::shared(Device::find(gpu)?)?;
+        let flags = PinFlags {
+            register: RegisterFlags::default(),
+            limit: pin_limit,
+        };
+        let tally = Arc::new(Tally::new(self.inner.map.len() - DATA_START));
+        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&tally));
+        let thread = std::thread::Builder::new()
+            .name("numa-pool-pin".into())
+            .spawn(move || {
+                let ended = EndOnUnwind(&shared);
+                shared.finish(register_chunks(&inner, gpu, flags, &shared));
+                drop(ended);
+            })
+            .map_err(|e| Error::Syscall {
+                call: "registration thread",
+                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+            })?;
+        *self.background.lock() = Some(Arc::clone(&tally));
+        Ok(Reservation::new(tally, thread))
     }
 
     /// Checks where the pool's pages are now (`move_pages`, each page this process maps).
@@ -438,10 +524,10 @@ impl SharedPool {
     /// # Errors
     /// [`Error::PoolWrongNode`] when some are elsewhere.
     pub fn check_placement(&self) -> Result<(), Error> {
-        let node = self.map.header().node as usize;
-        match self.map.count_elsewhere(node, false) {
+        let node = self.inner.map.header().node as usize;
+        match self.inner.map.count_elsewhere(node, false) {
             Some((elsewhere, pages, found)) if elsewhere > 0 => Err(Error::PoolWrongNode {
-                path: shown(self.path.as_deref(), &self.fd),
+                path: shown(self.inner.path.as_deref(), &self.inner.fd),
                 node,
                 elsewhere,
                 pages,
@@ -453,10 +539,14 @@ impl SharedPool {
 
     /// What the pool holds now.
     pub fn stats(&self) -> PoolStats {
-        let header = self.map.header();
+        let header = self.inner.map.header();
+        let (registered_chunks, registered_bytes) = self.inner.pinned.count();
         let mut stats = PoolStats {
-            pool_bytes: self.map.len(),
-            usable_bytes: self.map.len() - DATA_START,
+            registrations: header.registrations.load(Ordering::Acquire),
+            registered_chunks,
+            registered_bytes,
+            pool_bytes: self.inner.map.len(),
+            usable_bytes: self.inner.map.len() - DATA_START,
             live_bytes: 0,
             live_blocks: 0,
             attached: header.attached.load(Ordering::Acquire) as usize,
@@ -466,7 +556,7 @@ impl SharedPool {
             node: header.node as usize,
             huge_pages: header.huge != 0,
         };
-        if let Ok(mut guard) = self.map.lock() {
+        if let Ok(mut guard) = self.inner.map.lock() {
             let carve = guard.carve();
             stats.live_bytes = carve.live_bytes as usize;
             stats.live_blocks = carve.live().len();
@@ -480,7 +570,7 @@ impl SharedPool {
     /// Holds the pool's lock for `f` (for tests of a process killed while holding it).
     #[doc(hidden)]
     pub fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
-        let guard = self.map.lock()?;
+        let guard = self.inner.map.lock()?;
         let outcome = f();
         drop(guard);
         Ok(outcome)
@@ -488,15 +578,19 @@ impl SharedPool {
 }
 
 impl Drop for SharedPool {
+    /// Detaches: a registration under way stops after its chunk, and once it has, every chunk
+    /// this process registered is unregistered, then the pool unmapped.
     fn drop(&mut self) {
-        self.map.header().attached.fetch_sub(1, Ordering::AcqRel);
+        if let Some(tally) = self.background.lock().take() {
+            tally.cancel.store(true, Ordering::Release);
+        }
     }
 }
 
 impl fmt::Debug for SharedPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SharedPool")
-            .field("path", &self.path)
+            .field("path", &self.inner.path)
             .field("stats", &self.stats())
             .finish()
     }
@@ -560,6 +654,57 @@ fn shown(path: Option<&Path>, fd: &impl AsFd) -> PathBuf {
     )
 }
 
+/// Registers the pool's chunks one by one until all are, or cancelled, or one fails.
+fn register_chunks(
+    inner: &Inner,
+    gpu: &'static Gpu,
+    flags: PinFlags,
+    tally: &Tally,
+) -> Result<(), Error> {
+    for index in 0.. {
+        let Some((_, len)) = Pinned::chunk_range(&inner.map, index) else {
+            break;
+        };
+        if tally.cancel.load(Ordering::Acquire) {
+            break;
+        }
+        if let Some(took) = inner.pinned.register(&inner.map, index, gpu, flags)? {
+            let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            tally.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
+        }
+        for bytes in [
+            &tally.placed,
+            &tally.populated,
+            &tally.registered,
+            &tally.usable,
+        ] {
+            bytes.fetch_add(len, Ordering::Relaxed);
+        }
+        tally.chunks.fetch_add(1, Ordering::Release);
+        let ns = u64::try_from(tally.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let _ = tally.first_chunk_ns.compare_exchange(
+            0,
+            ns.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+    Ok(())
+}
+
+/// Ends a registration whose thread unwinds, so that its handle does not wait for ever.
+struct EndOnUnwind<'a>(&'a Tally);
+
+impl Drop for EndOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.finish(Err(Error::ReservationLost {
+                reason: "its thread panicked",
+            }));
+        }
+    }
+}
+
 /// allocator-api2's `Allocator` over a pool, for 0.4 and (feature `allocator-api2-02`) 0.2.
 macro_rules! shared_allocator {
     ($api:ident) => {
@@ -582,7 +727,7 @@ macro_rules! shared_allocator {
                 if layout.size() == 0 {
                     return;
                 }
-                let offset = ptr.as_ptr() as usize - self.map.ptr().as_ptr() as usize;
+                let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
                 let _ = self.free(PoolHandle {
                     offset: offset as u64,
                     len: 0,

@@ -4,7 +4,8 @@
 //! size, who made it and whether it is ready, how many processes are attached and how many
 //! registrations they hold), the carving state (`carve.rs`) under the header's robust
 //! process-shared mutex, and the mapping of the whole file ([`PoolMap`]) with its placement,
-//! populate and page check. The front end (`shared.rs`) opens files and registers chunks.
+//! populate and page check; and this process's registrations of its chunks (`pinning.rs`). The
+//! front end (`shared.rs`) opens the files and runs the registrations in the background.
 //!
 //! Unsafe code here relies on the header being at the start of a mapping of the pool's file,
 //! which the [`PoolMap`] owns: its fields are written once, by the creator, before the magic
@@ -16,9 +17,10 @@ use std::mem::size_of;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 pub(crate) mod carve;
+pub(crate) mod pinning;
 
 use crate::chunk::Span;
 use crate::process::workers;
@@ -66,6 +68,8 @@ pub(crate) struct Header {
 pub(crate) struct PoolMap {
     ptr: NonNull<u8>,
     len: usize,
+    /// Set when a registration of it could not be released: the range stays mapped.
+    keep: AtomicBool,
 }
 
 // SAFETY: the mapping is this value's alone to unmap; the header it points at is made for use
@@ -78,11 +82,22 @@ impl PoolMap {
     /// Maps bytes `0..len` of `fd` (the whole file), aligned for the largest block alignment.
     pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> Result<PoolMap, Error> {
         let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize)?;
-        Ok(PoolMap { ptr, len })
+        Ok(PoolMap {
+            ptr,
+            len,
+            keep: AtomicBool::new(false),
+        })
     }
 
     pub(crate) fn ptr(&self) -> NonNull<u8> {
         self.ptr
+    }
+
+    /// Leaves the range mapped when this is dropped: the driver may still hold part of it (an
+    /// unregistration refused), and unmapping it would let a later mapping there fail to
+    /// register.
+    pub(crate) fn keep_mapped(&self) {
+        self.keep.store(true, Ordering::Release);
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -257,6 +272,9 @@ impl PoolMap {
 
 impl Drop for PoolMap {
     fn drop(&mut self) {
+        if self.keep.load(Ordering::Acquire) {
+            return;
+        }
         // SAFETY: our mapping, whole; its owner unregistered every chunk before dropping it,
         // and nothing points into it afterwards (blocks are used through the pool's borrow).
         let _ = unsafe { sys::unmap(self.ptr, self.len) };
