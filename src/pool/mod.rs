@@ -104,7 +104,7 @@ impl PoolMap {
         self.len
     }
 
-    /// The header (meaningful once made: [`Self::made`]).
+    /// The header (meaningful once [`Self::check`] passed, or [`Self::init`] ran).
     pub(crate) fn header(&self) -> &Header {
         // SAFETY: the file is at least DATA_START bytes (checked before mapping), mapped while
         // `self` lives, and page aligned, which is enough for the header.

@@ -125,6 +125,7 @@ fn open_lock(node: usize) -> Result<File, Error> {
         .read(true)
         .write(true)
         .create(true)
+        .truncate(false)
         .mode(0o666)
         .open(&path)
         .map_err(|e| Error::Io {

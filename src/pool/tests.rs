@@ -25,12 +25,12 @@ fn random_allocations_and_frees_keep_the_tables_whole() {
     let mut live: Vec<Extent> = Vec::new();
     let mut seed = 0x9e37_79b9_7f4a_7c15;
     for step in 0..20_000 {
-        if live.is_empty() || next(&mut seed) % 3 != 0 {
+        if live.is_empty() || !next(&mut seed).is_multiple_of(3) {
             let len = 1 + next(&mut seed) % (1 << (next(&mut seed) % 21));
             let align = 1 << (next(&mut seed) % 13);
             if let Some(block) = carve.allocate(len, align, 1) {
-                assert!(block.len >= len && block.len % GRANULE == 0);
-                assert_eq!(block.offset % align.max(GRANULE), 0);
+                assert!(block.len >= len && block.len.is_multiple_of(GRANULE));
+                assert!(block.offset.is_multiple_of(align.max(GRANULE)));
                 let first = (block.offset - (2 << 20)) / chunk;
                 assert_eq!(first, (block.offset + block.len - 1 - (2 << 20)) / chunk);
                 for other in &live {
