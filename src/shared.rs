@@ -567,9 +567,9 @@ impl SharedPool {
         stats
     }
 
-    /// Holds the pool's lock for `f` (for tests of a process killed while holding it).
-    #[doc(hidden)]
-    pub fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+    /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill
+    /// a process holding it).
+    pub(crate) fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
         let guard = self.inner.map.lock()?;
         let outcome = f();
         drop(guard);

@@ -69,6 +69,34 @@ fn a_process_killed_holding_the_lock_leaves_the_others_working() {
     );
 }
 
+#[test]
+fn a_process_without_a_driver_uses_the_pool_unpinned() {
+    if numa_gpu_alloc::cuda_driver_present() {
+        eprintln!("SKIPPED: a CUDA driver is loadable here");
+        return;
+    }
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let e = pool
+        .register_in_background(numa_gpu_alloc::GpuSelector::Auto, usize::MAX)
+        .unwrap_err();
+    assert!(matches!(e, Error::CudaUnavailable { .. }), "{e}");
+    let handle = pool.allocate(Layout::from_size_align(4096, 4096).unwrap());
+    assert!(handle.is_some());
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.registered_chunks, stats.registrations),
+        (0, 0),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_pool_is_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<SharedPool>();
+    send_sync::<numa_gpu_alloc::PoolHandle>();
+}
+
 fn pool_path(name: &str) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/numa-gpu-alloc-test-{name}-{}",

@@ -138,7 +138,7 @@ pub fn child() -> bool {
         len: num(6),
     };
     if f[0] == "hold" {
-        pool.with_lock_held(|| {
+        numa_gpu_alloc::unstable::hold_pool_lock(&pool, || {
             println!("holding the pool's lock");
             std::thread::sleep(Duration::from_secs(600));
         })
