@@ -10,16 +10,18 @@
 //! lives in the pool, under a robust process-shared mutex, so a block freed by any process
 //! returns to the pool, and a process killed while holding the lock does not wedge the others.
 //!
+//! `build.rs` makes a pool (the file, its size against the node, the header, placement,
+//! populate, the page check); `register.rs` registers this process's mapping in the background.
+//!
 //! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
 //! a block is live in the pool until freed, and lies inside the mapping the pool owns.
 #![allow(unsafe_code)]
 
 use std::alloc::Layout;
-use std::ffi::CString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -28,14 +30,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::blocks::reserve::Tally;
-use crate::chunk::PinFlags;
-use crate::cuda::{Device, Gpu, RegisterFlags};
 use crate::pool::carve::MAX_ALIGN;
 use crate::pool::pinning::Pinned;
 use crate::pool::{PoolMap, DATA_START, MAGIC};
 use crate::sys::{self, lock::Lock};
-use crate::topology::NumaTopology;
-use crate::{Error, GpuSelector, Reservation};
+use crate::Error;
+
+mod build;
+mod register;
+
+pub use build::SharedPoolBuilder;
 
 /// The default chunk: blocks never cross one, and each is one registration in a pinned process
 /// (the allocator's registration bound, `register_max`).
@@ -107,144 +111,6 @@ pub struct PoolStats {
     pub huge_pages: bool,
 }
 
-/// How to make a [`SharedPool`] (see [`SharedPool::builder`]).
-#[derive(Clone, Debug)]
-pub struct SharedPoolBuilder {
-    size: usize,
-    node: Option<usize>,
-    huge_pages: bool,
-    path: Option<PathBuf>,
-    chunk: usize,
-    populate_threads: usize,
-}
-
-impl SharedPoolBuilder {
-    /// The node its pages go on (default: the node of the calling thread's CPU).
-    pub fn node(mut self, node: usize) -> Self {
-        self.node = Some(node);
-        self
-    }
-
-    /// Huge pages (`MFD_HUGETLB`, or a path on a hugetlbfs mount), from the huge pages reserved
-    /// on the node; without, the file is advised for transparent huge pages, which the kernel
-    /// gives shared memory only when `shmem_enabled` allows it.
-    pub fn huge_pages(mut self, on: bool) -> Self {
-        self.huge_pages = on;
-        self
-    }
-
-    /// Makes the pool at `path` (under `/dev/shm` or a hugetlbfs mount) instead of a memory
-    /// file without a name, so that unrelated processes, and a restarted server, find it.
-    pub fn path(mut self, path: impl Into<PathBuf>) -> Self {
-        self.path = Some(path.into());
-        self
-    }
-
-    /// The chunk size, rounded up to 2 MiB (default 256 MiB, at most the pool's blocks): no
-    /// block crosses a chunk, and each chunk is one registration in a pinned process.
-    pub fn chunk(mut self, bytes: usize) -> Self {
-        self.chunk = bytes;
-        self
-    }
-
-    /// How many threads populate it (the caller and the node's bound workers; default 4).
-    pub fn populate_threads(mut self, threads: usize) -> Self {
-        self.populate_threads = threads.max(1);
-        self
-    }
-
-    /// Makes the pool: the file, its placement on the node, populate, the page check.
-    ///
-    /// # Errors
-    /// [`Error::PoolTooLarge`] when the size does not fit the node; [`Error::PoolHugePages`]
-    /// without enough free huge pages; [`Error::PoolExists`] when the path exists;
-    /// [`Error::PoolWrongNode`] when the pages did not land on the node; a system call's error.
-    /// A pool made at a path is removed again when making it failed.
-    pub fn create(self) -> Result<SharedPool, Error> {
-        let topology = NumaTopology::from_sysfs()?;
-        let node = match self.node {
-            Some(node) => node,
-            None => sys::current_node()?,
-        };
-        let info = topology.node(node).ok_or(Error::UnknownNode {
-            node,
-            node_count: topology.node_count(),
-        })?;
-        let size = self.size.next_multiple_of(MAX_ALIGN as usize);
-        if size > info.memory_bytes as usize || size < DATA_START + MAX_ALIGN as usize {
-            return Err(Error::PoolTooLarge {
-                bytes: self.size,
-                node,
-                node_bytes: info.memory_bytes,
-            });
-        }
-        if self.huge_pages {
-            check_huge_pages(node, size, self.path.as_deref())?;
-        }
-        let (file, path) = match &self.path {
-            Some(path) => (create_file(path)?, Some(path.clone())),
-            None => (memfd(self.huge_pages)?, None),
-        };
-        let made = self.make(file, path.as_deref(), node, size, &info.cpus);
-        if made.is_err() {
-            if let Some(path) = &path {
-                let _ = std::fs::remove_file(path);
-            }
-        }
-        made.map(|(map, fd)| SharedPool::new(map, fd, path))
-    }
-
-    fn make(
-        &self,
-        file: File,
-        path: Option<&Path>,
-        node: usize,
-        size: usize,
-        cpus: &[usize],
-    ) -> Result<(PoolMap, OwnedFd), Error> {
-        file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
-        let fd = OwnedFd::from(file);
-        let huge = sys::on_hugetlbfs(fd.as_fd())?;
-        let map = PoolMap::map(fd.as_fd(), size)?;
-        let chunk = self
-            .chunk
-            .next_multiple_of(MAX_ALIGN as usize)
-            .min(size - DATA_START) as u64;
-        // SAFETY: the file was just made, all zeros, and nobody else has it yet (a path is
-        // created exclusively, and attachers wait for it to be ready).
-        unsafe { map.init(node, huge, chunk) }?;
-        let allowed = sys::process_cpus().unwrap_or_default();
-        let cpus = || {
-            let mine: Vec<usize> = cpus
-                .iter()
-                .copied()
-                .filter(|c| allowed.contains(c))
-                .collect();
-            if mine.is_empty() {
-                allowed.clone()
-            } else {
-                mine
-            }
-        };
-        // SAFETY: new, and no page of it touched yet.
-        unsafe { map.place(node, cpus, self.populate_threads, huge) }?;
-        if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, true) {
-            if elsewhere > 0 {
-                return Err(Error::PoolWrongNode {
-                    path: shown(path, &fd),
-                    node,
-                    elsewhere,
-                    pages,
-                    found,
-                });
-            }
-        }
-        map.header().attached.fetch_add(1, Ordering::AcqRel);
-        map.set_ready();
-        Ok((map, fd))
-    }
-}
-
 /// A pool of memory on one node that several processes map and allocate from.
 ///
 /// Dropping it detaches this process: its mapping goes; the pages live while any process maps
@@ -284,19 +150,6 @@ impl SharedPool {
                 path,
             }),
             background: Lock::new(None),
-        }
-    }
-
-    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, a header of about 130 KiB
-    /// included).
-    pub fn builder(size: usize) -> SharedPoolBuilder {
-        SharedPoolBuilder {
-            size,
-            node: None,
-            huge_pages: false,
-            path: None,
-            chunk: DEFAULT_CHUNK,
-            populate_threads: 4,
         }
     }
 
@@ -479,46 +332,6 @@ impl SharedPool {
         })
     }
 
-    /// Registers this process's mapping of the pool with `gpu`'s CUDA context on a thread of
-    /// its own, chunk by chunk (each chunk one `cuMemHostRegister`, holding the node-wide lock
-    /// file `/dev/shm/numa-gpu-alloc.register.node{N}.lock` so that two processes do not
-    /// register at the same moment), within `pin_limit` bytes page-locked by this process
-    /// through the crate. Blocks are usable meanwhile (unpinned until their chunk is
-    /// registered); the handle reports progress, waits, cancels. Chunks registered already are
-    /// skipped. A process without a driver, or that does not pin, just does not call this: the
-    /// pool works unpinned.
-    ///
-    /// # Errors
-    /// [`Error::CudaUnavailable`] without a usable driver, [`Error::GpuNotFound`]; a failure to
-    /// start the thread. Later errors (a chunk refused, [`Error::PinLimit`]) come from the
-    /// handle; the chunks registered before stay so until detach.
-    pub fn register_in_background(
-        &self,
-        gpu: GpuSelector,
-        pin_limit: usize,
-    ) -> Result<Reservation, Error> {
-        let gpu = Gpu::shared(Device::find(gpu)?)?;
-        let flags = PinFlags {
-            register: RegisterFlags::default(),
-            limit: pin_limit,
-        };
-        let tally = Arc::new(Tally::new(self.inner.map.len() - DATA_START));
-        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&tally));
-        let thread = std::thread::Builder::new()
-            .name("numa-pool-pin".into())
-            .spawn(move || {
-                let ended = EndOnUnwind(&shared);
-                shared.finish(register_chunks(&inner, gpu, flags, &shared));
-                drop(ended);
-            })
-            .map_err(|e| Error::Syscall {
-                call: "registration thread",
-                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
-            })?;
-        *self.background.lock() = Some(Arc::clone(&tally));
-        Ok(Reservation::new(tally, thread))
-    }
-
     /// Checks where the pool's pages are now (`move_pages`, each page this process maps).
     ///
     /// # Errors
@@ -596,47 +409,6 @@ impl fmt::Debug for SharedPool {
     }
 }
 
-/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise.
-fn memfd(huge: bool) -> Result<File, Error> {
-    let name = CString::new("numa-gpu-alloc pool").unwrap_or_default();
-    sys::memfd(&name, huge).map(File::from)
-}
-
-/// Creates `path` exclusively, readable and writable by its owner.
-fn create_file(path: &Path) -> Result<File, Error> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => Error::PoolExists { path: path.into() },
-            _ => io_error(Some(path), &e),
-        })
-}
-
-/// Refuses a pool of huge pages that the node's free huge pages cannot hold.
-fn check_huge_pages(node: usize, size: usize, path: Option<&Path>) -> Result<(), Error> {
-    let file = format!(
-        "/sys/devices/system/node/node{node}/hugepages/hugepages-{}kB/free_hugepages",
-        HUGE_PAGE >> 10
-    );
-    let free = std::fs::read_to_string(&file)
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    let needed = size / HUGE_PAGE;
-    if free < needed {
-        return Err(Error::PoolHugePages {
-            needed,
-            free,
-            place: path.map_or_else(|| PathBuf::from("memfd (MFD_HUGETLB)"), Path::to_path_buf),
-        });
-    }
-    Ok(())
-}
-
 fn io_error(path: Option<&Path>, e: &std::io::Error) -> Error {
     Error::Io {
         path: path.map_or_else(|| PathBuf::from("<pool fd>"), Path::to_path_buf),
@@ -652,57 +424,6 @@ fn shown(path: Option<&Path>, fd: &impl AsFd) -> PathBuf {
         || PathBuf::from(format!("<fd {}>", fd.as_fd().as_raw_fd())),
         Path::to_path_buf,
     )
-}
-
-/// Registers the pool's chunks one by one until all are, or cancelled, or one fails.
-fn register_chunks(
-    inner: &Inner,
-    gpu: &'static Gpu,
-    flags: PinFlags,
-    tally: &Tally,
-) -> Result<(), Error> {
-    for index in 0.. {
-        let Some((_, len)) = Pinned::chunk_range(&inner.map, index) else {
-            break;
-        };
-        if tally.cancel.load(Ordering::Acquire) {
-            break;
-        }
-        if let Some(took) = inner.pinned.register(&inner.map, index, gpu, flags)? {
-            let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-            tally.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
-        }
-        for bytes in [
-            &tally.placed,
-            &tally.populated,
-            &tally.registered,
-            &tally.usable,
-        ] {
-            bytes.fetch_add(len, Ordering::Relaxed);
-        }
-        tally.chunks.fetch_add(1, Ordering::Release);
-        let ns = u64::try_from(tally.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let _ = tally.first_chunk_ns.compare_exchange(
-            0,
-            ns.max(1),
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-    }
-    Ok(())
-}
-
-/// Ends a registration whose thread unwinds, so that its handle does not wait for ever.
-struct EndOnUnwind<'a>(&'a Tally);
-
-impl Drop for EndOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.finish(Err(Error::ReservationLost {
-                reason: "its thread panicked",
-            }));
-        }
-    }
 }
 
 /// allocator-api2's `Allocator` over a pool, for 0.4 and (feature `allocator-api2-02`) 0.2.

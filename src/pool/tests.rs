@@ -4,8 +4,14 @@
 use super::carve::{Carve, Extent, GRANULE};
 
 fn empty(start: u64, end: u64, chunk: u64) -> Box<Carve> {
-    // SAFETY: the carving state is integers only, for which zero is a value (as in a new file).
-    let mut carve = unsafe { Box::<Carve>::new_zeroed().assume_init() };
+    let layout = std::alloc::Layout::new::<Carve>();
+    // SAFETY: the carving state is integers only, for which zero is a value (as in a new file);
+    // the allocation is of its layout, and owned by the box from here on.
+    let mut carve = unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<Carve>();
+        assert!(!ptr.is_null());
+        Box::from_raw(ptr)
+    };
     carve.init(start, end, chunk);
     carve
 }
