@@ -306,3 +306,96 @@ fn remove<const N: usize>(table: &mut [Extent; N], count: &mut u32, at: usize) {
     table.copy_within(at + 1..n, at);
     *count -= 1;
 }
+
+#[cfg(test)]
+mod tests {
+    //! A holder dying at each point of a change: the rebuild makes the tables whole, keeps every
+    //! other live block, and frees the block of the change.
+    use super::*;
+
+    fn carve() -> Box<Carve> {
+        let layout = std::alloc::Layout::new::<Carve>();
+        // SAFETY: integers only, for which zero is a value; the box owns the allocation.
+        let mut carve = unsafe {
+            let ptr = std::alloc::alloc_zeroed(layout).cast::<Carve>();
+            assert!(!ptr.is_null());
+            Box::from_raw(ptr)
+        };
+        carve.init(2 << 20, 10 << 20, 2 << 20);
+        carve
+    }
+
+    fn with_blocks() -> (Box<Carve>, Vec<Extent>) {
+        let mut c = carve();
+        let kept: Vec<Extent> = (0..6).map(|_| c.allocate(4096, 64, 1).unwrap()).collect();
+        c.free(kept[2].offset, 1).unwrap();
+        let kept = [kept[0], kept[1], kept[3], kept[4], kept[5]].to_vec();
+        (c, kept)
+    }
+
+    fn assert_whole(c: &mut Carve, kept: &[Extent], gone: Extent) {
+        assert!(c.rebuild() <= 1);
+        assert!(c.consistent());
+        assert_eq!(c.live(), kept);
+        assert!(c.find(gone.offset).is_none());
+        assert_eq!(c.live_bytes, kept.iter().map(|e| e.len).sum::<u64>());
+    }
+
+    #[test]
+    fn died_allocating_after_taking_the_free_range_before_recording_the_block() {
+        let (mut c, kept) = with_blocks();
+        let block = Extent {
+            offset: kept[4].end(),
+            len: 8192,
+        };
+        c.intent = Intent {
+            op: ALLOCATE,
+            pid: 2,
+            block,
+        };
+        let last = c.free_count as usize - 1;
+        c.free[last].offset += block.len;
+        c.free[last].len -= block.len;
+        assert!(!c.consistent());
+        assert_whole(&mut c, &kept, block);
+    }
+
+    #[test]
+    fn died_allocating_after_recording_the_block() {
+        let (mut c, kept) = with_blocks();
+        let block = c.allocate(8192, 64, 2).unwrap();
+        // As if the holder died before clearing the intent (and before handing the block out).
+        c.intent = Intent {
+            op: ALLOCATE,
+            pid: 2,
+            block,
+        };
+        assert_whole(&mut c, &kept, block);
+    }
+
+    #[test]
+    fn died_freeing_after_dropping_the_block_before_merging_it() {
+        let (mut c, mut kept) = with_blocks();
+        let block = kept.remove(1);
+        c.intent = Intent {
+            op: FREE,
+            pid: 2,
+            block,
+        };
+        remove(&mut c.live, &mut c.live_count, 1);
+        assert!(!c.consistent());
+        assert_whole(&mut c, &kept, block);
+    }
+
+    #[test]
+    fn died_freeing_before_touching_the_tables() {
+        let (mut c, mut kept) = with_blocks();
+        let block = kept.remove(0);
+        c.intent = Intent {
+            op: FREE,
+            pid: 2,
+            block,
+        };
+        assert_whole(&mut c, &kept, block);
+    }
+}
