@@ -252,8 +252,9 @@ impl SharedPool {
         Ok(SharedPool::new(map, fd, path))
     }
 
-    /// The pool's file descriptor: a child inherits it across `fork` (and across `exec` once
-    /// close-on-exec is cleared), and attaches with [`SharedPool::attach_fd`].
+    /// The pool's file descriptor: a child inherits it across `fork` and `exec` (a memory file
+    /// is made without close-on-exec; a file opened by path has it until cleared), and attaches
+    /// with [`SharedPool::attach_fd`].
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.inner.fd.as_fd()
     }
