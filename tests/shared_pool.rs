@@ -142,6 +142,32 @@ fn attach_by_path_and_free_from_the_other_process() {
 }
 
 #[test]
+fn a_pool_at_a_path_outlives_its_creator() {
+    let path = pool_path("outlives");
+    let creator = small_pool_at(&path);
+    let handle = creator
+        .allocate(Layout::from_size_align(4096, 64).unwrap())
+        .unwrap();
+    // SAFETY: a live block of the pool, used by this test alone.
+    unsafe {
+        creator
+            .ptr(handle)
+            .unwrap()
+            .as_ptr()
+            .write_bytes(0x3c, 4096)
+    };
+    drop(creator);
+    let later = SharedPool::attach(&path).expect("the pool is still there");
+    assert!(later.is_live(handle));
+    // SAFETY: as above.
+    let kept = unsafe { *later.ptr(handle).unwrap().as_ptr().add(100) };
+    assert_eq!(kept, 0x3c);
+    assert_eq!(later.stats().attached, 1);
+    later.free(handle).unwrap();
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
 fn attach_by_descriptor_over_a_unix_socket() {
     let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
     let (here, there) = UnixStream::pair().unwrap();

@@ -175,6 +175,33 @@ sim_test!(
     }
 );
 
+sim_test!(
+    /// The pinned limit counts what this process registered: three chunks fit, the fourth is
+    /// refused with the limit's error, and the three stay registered until detach.
+    the_pinned_limit_counts_this_processs_registrations,
+    env: [],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED on the real driver: counts the simulator's registrations");
+            return;
+        }
+        let pool = SharedPool::builder(2 * MIB + CHUNKS * CHUNK)
+            .node(0)
+            .chunk(CHUNK)
+            .create()
+            .unwrap();
+        let reservation = pool
+            .register_in_background(GpuSelector::Ordinal(0), 3 * CHUNK)
+            .unwrap();
+        let e = reservation.wait().unwrap_err();
+        assert!(matches!(e, numa_gpu_alloc::Error::PinLimit { .. }), "{e}");
+        let stats = pool.stats();
+        assert_eq!((stats.registered_chunks, stats.registrations), (3, 3), "{stats:?}");
+        drop(pool);
+        assert_eq!(Sim::get().stats().registered_ranges, 0);
+    }
+);
+
 /// Spawns on a thread of its own, which waits for the child's output.
 trait SpawnAndWait {
     fn spawn_and_wait_output(&mut self) -> std::thread::JoinHandle<std::process::Output>;

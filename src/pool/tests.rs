@@ -30,7 +30,7 @@ fn random_allocations_and_frees_keep_the_tables_whole() {
     let mut carve = empty(2 << 20, (2 << 20) + 4 * chunk, chunk);
     let mut live: Vec<Extent> = Vec::new();
     let mut seed = 0x9e37_79b9_7f4a_7c15;
-    for step in 0..20_000 {
+    for step in 0..5_000 {
         if live.is_empty() || !next(&mut seed).is_multiple_of(3) {
             let len = 1 + next(&mut seed) % (1 << (next(&mut seed) % 21));
             let align = 1 << (next(&mut seed) % 13);
