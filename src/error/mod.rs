@@ -426,8 +426,9 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "shared pool {} is meant for node {node}, but {elsewhere} of its {pages} pages \
-                 are not there (one on {found}); the file's pages were placed before the pool \
-                 was made, or the node ran out: remove it and create the pool again",
+                 are not there (one on {found}): placement was refused (mbind under seccomp), \
+                 the node ran out, or the file's header names another node; remove the file \
+                 and create the pool again on a node with room",
                 path.display()
             ),
             Error::PoolHugePages {
