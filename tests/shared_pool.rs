@@ -97,6 +97,17 @@ fn a_pool_is_send_and_sync() {
     send_sync::<numa_gpu_alloc::PoolHandle>();
 }
 
+#[test]
+fn processes_killed_at_random_moments_leave_the_others_working() {
+    if shared_workload::child() {
+        return;
+    }
+    let test = "processes_killed_at_random_moments_leave_the_others_working";
+    let s = shared_workload::run_killing(8, 3000, 4, children_of(test));
+    println!("{s:?}");
+    assert_eq!((s.finished, s.overlaps), (4, 0));
+}
+
 fn pool_path(name: &str) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/numa-gpu-alloc-test-{name}-{}",

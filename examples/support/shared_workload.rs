@@ -39,6 +39,29 @@ pub struct Summary {
 /// they printed; with `kill`, one more child first takes the pool's lock and is killed with
 /// SIGKILL while the others wait for it.
 pub fn run(processes: usize, ops: u64, kill: bool, command: impl Fn() -> Command) -> Summary {
+    run_with(processes, ops, kill, 0, command)
+}
+
+/// As [`run`] without the holder, and the first `kills` workers killed with SIGKILL at
+/// moments of their work (inside the pool's lock or outside it, wherever they are): the others
+/// finish, and the pool attaches again afterwards (its state holds together). The killed ones'
+/// blocks stay allocated, as a process's do when it dies.
+pub fn run_killing(
+    processes: usize,
+    ops: u64,
+    kills: usize,
+    command: impl Fn() -> Command,
+) -> Summary {
+    run_with(processes, ops, false, kills, command)
+}
+
+fn run_with(
+    processes: usize,
+    ops: u64,
+    kill: bool,
+    kills: usize,
+    command: impl Fn() -> Command,
+) -> Summary {
     let start = Instant::now();
     let pool = SharedPool::builder(POOL_BYTES)
         .node(0)
@@ -76,13 +99,17 @@ pub fn run(processes: usize, ops: u64, kill: bool, command: impl Fn() -> Command
         }
         child
     });
-    let children: Vec<Child> = (0..processes).map(|i| spawn("work", i)).collect();
+    let mut children: Vec<Child> = (0..processes).map(|i| spawn("work", i)).collect();
     words(&pool, dir)[processes * SLOTS * 2].store(1, Ordering::Release);
     if let Some(holder) = &mut holder {
         // The others are blocked on the lock by now, or soon.
         std::thread::sleep(Duration::from_millis(200));
         holder.kill().unwrap();
         holder.wait().unwrap();
+    }
+    for (i, victim) in children.iter_mut().take(kills).enumerate() {
+        std::thread::sleep(Duration::from_micros(1500 + 2300 * i as u64));
+        let _ = victim.kill();
     }
     let mut summary = Summary {
         processes,
@@ -116,8 +143,13 @@ pub fn run(processes: usize, ops: u64, kill: bool, command: impl Fn() -> Command
         }
     }
     summary.rebuilds = pool.stats().rebuilds;
-    pool.free(dir).expect("freeing the directory");
-    assert_eq!(pool.stats().live_blocks, 0, "every block freed");
+    if kills > 0 {
+        let again = SharedPool::attach_fd(pool.fd().try_clone_to_owned().unwrap());
+        again.expect("the pool attaches again: its state holds together");
+    } else {
+        pool.free(dir).expect("freeing the directory");
+        assert_eq!(pool.stats().live_blocks, 0, "every block freed");
+    }
     summary.elapsed = start.elapsed();
     summary
 }
