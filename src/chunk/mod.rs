@@ -32,6 +32,9 @@ mod memory;
 mod source;
 
 pub(crate) use memory::{page_locked_bytes, ChunkRelease, Mapping, Memory, Part, PinFlags};
+// For the registrations of a shared pool's chunks (Linux only), counted in the same bytes.
+#[cfg(target_os = "linux")]
+pub(crate) use memory::{give_page_locked, take_page_locked};
 pub(crate) use source::{ChunkSource, ANONYMOUS};
 
 use crate::Error;
