@@ -190,7 +190,7 @@ impl Span {
     /// The span is mapped and nobody else uses it until the caller hands it to its user or back
     /// to the carver, after which the part is not used; `source`, when given, mapped it and it is
     /// not registered.
-    pub(super) unsafe fn claim(
+    pub(crate) unsafe fn claim(
         self,
         source: Option<&'static dyn ChunkSource>,
     ) -> Option<Part<'static>> {

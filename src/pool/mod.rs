@@ -199,7 +199,7 @@ impl PoolMap {
         };
         // SAFETY: the blocks' part of our mapping, which the caller says nobody else uses yet;
         // the part is dropped before this returns.
-        let Some(mut part) = (unsafe { span.claim() }) else {
+        let Some(mut part) = (unsafe { span.claim(None) }) else {
             return Err(Error::InvalidRange {
                 addr: span.addr,
                 len: span.len,
