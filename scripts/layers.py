@@ -49,10 +49,10 @@ LAYERS = [
     ["chunk"],
     ["arena"],
     ["process"],
-    ["blocks"],
+    ["blocks", "pool"],
     ["runtime"],
     ["stats_exit"],
-    ["alloc", "api2", "global", "pinned", "reservation", "unstable"],
+    ["alloc", "api2", "global", "pinned", "reservation", "shared", "unstable"],
 ]
 # Root modules that only re-export lower ones (for benchmarks and tools): front ends, top layer.
 FRONT_END_REEXPORTS = ["unstable"]

@@ -5,7 +5,8 @@
 # MEMORY_MAX), guest/src/bin/guest_routes.rs (threads bound to devices on several nodes, where the
 # topology sets ROUTES), guest/src/bin/guest_mixed.rs (a client's allocations with glibc and with ours,
 # each inside a cgroup whose cpuset confines it to one node, where the topology sets CPUSET_NODE)
-# and guest/src/bin/guest_check.rs inside each guest.
+# guest/src/bin/guest_shared.rs (a shared pool on each node the topology's SHARED_NODES lists,
+# attached by a second process) and guest/src/bin/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -191,7 +192,7 @@ NUMACTL=$(command -v numactl) || die "numactl not found"
 T0=$(now)
 TARGET_DIR=${CARGO_TARGET_DIR:-target}
 [[ "$TARGET_DIR" == /* ]] || TARGET_DIR="$ROOT/$TARGET_DIR"
-log "building guest/ (guest_check, guest_alloc, guest_routes, guest_mixed; release)"
+log "building guest/ (guest_check, guest_alloc, guest_routes, guest_mixed, guest_shared; release)"
 # The crate's target folder: the crate itself and its dependencies are built once.
 (cd "$ROOT" && cargo build --release --quiet --manifest-path guest/Cargo.toml \
     --target-dir "$TARGET_DIR" --bins) || {
@@ -202,7 +203,8 @@ GUEST_CHECK="$TARGET_DIR/release/guest_check"
 GUEST_ALLOC="$TARGET_DIR/release/guest_alloc"
 GUEST_ROUTES="$TARGET_DIR/release/guest_routes"
 GUEST_MIXED="$TARGET_DIR/release/guest_mixed"
-for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED"; do
+GUEST_SHARED="$TARGET_DIR/release/guest_shared"
+for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED" "$GUEST_SHARED"; do
     [ -x "$bin" ] || die "built binary not found at $bin"
 done
 
@@ -216,9 +218,10 @@ install -m 0755 "$GUEST_CHECK" "$RD/guest_check"
 install -m 0755 "$GUEST_ALLOC" "$RD/guest_alloc"
 install -m 0755 "$GUEST_ROUTES" "$RD/guest_routes"
 install -m 0755 "$GUEST_MIXED" "$RD/guest_mixed"
+install -m 0755 "$GUEST_SHARED" "$RD/guest_shared"
 # Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
 # directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
-for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED"; do
+for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED" "$GUEST_SHARED"; do
     { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
 done | sort -u | while read -r lib; do
     mkdir -p "$RD$(dirname "$lib")"
@@ -237,7 +240,7 @@ log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel 
 load_topology() {
     local file=$1 name=$2 spec id cpus mem c pair nodes=()
     DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST="" MEMORY_MAX=""
-    ROUTES="" CPUSET_NODE=""
+    ROUTES="" CPUSET_NODE="" SHARED_NODES=""
     # shellcheck source=/dev/null
     . "$file"
     if [ -z "$SMP" ] || [ -z "$NODES" ] || [ -z "$DEVICE_NODE" ]; then
@@ -285,6 +288,7 @@ load_topology() {
     if [ -n "$MEMORY_MAX" ]; then APPEND+=" GUEST_MEMORY_MAX=$MEMORY_MAX"; fi
     if [ -n "$ROUTES" ]; then APPEND+=" GUEST_ROUTES=${ROUTES// /,}"; fi
     if [ -n "$CPUSET_NODE" ]; then APPEND+=" GUEST_CPUSET_NODE=$CPUSET_NODE"; fi
+    if [ -n "$SHARED_NODES" ]; then APPEND+=" GUEST_SHARED_NODES=${SHARED_NODES// /,}"; fi
 }
 
 # Turns a serial log into the lines compared with guest/expected/<name>.txt: the topology as

@@ -17,11 +17,12 @@
 // - layer 4, chunk: a mapping and its registration;
 // - layer 5, arena: the carving allocator over chunks;
 // - layer 6, process: the initialisation lock, the node table, the fork handlers, the workers;
-// - layer 7, blocks: the large path's one owner: allocate, free, resize, trim, reserve;
+// - layer 7, blocks and pool: the large path's one owner: allocate, free, resize, trim, reserve;
+//   what a shared pool keeps in its file (header, carving state) and its placement;
 // - layer 8, runtime: one allocator value's state: settings, targets, routes; owns its blocks;
 // - layer 9, stats_exit: the report at exit;
-// - layer 10, alloc, api2, global, pinned, reservation and unstable: the front ends, and the
-//   unstable tools.
+// - layer 10, alloc, api2, global, pinned, reservation, shared and unstable: the front ends,
+//   and the unstable tools.
 // The numbered groups below gather the declarations by job; they are not the layers.
 
 // 1. The error type (with its CUDA error names) and the only raw system calls.
@@ -47,6 +48,8 @@ mod fork;
 // 4. Process-wide state, the re-entrancy guard, the large path's owner, the runtime and its routes.
 mod blocks;
 mod guard;
+#[cfg(target_os = "linux")]
+mod pool;
 mod process;
 mod runtime;
 mod setup;
@@ -65,6 +68,10 @@ mod reservation;
 pub use reservation::{Reservation, ReserveProgress};
 mod global;
 pub use alloc::NumaGpuAlloc;
+#[cfg(target_os = "linux")]
+mod shared;
+#[cfg(target_os = "linux")]
+pub use shared::{PoolHandle, PoolStats, SharedPool, SharedPoolBuilder};
 mod pinned;
 pub use pinned::{cuda_driver_present, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]

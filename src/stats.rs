@@ -135,7 +135,7 @@ pub struct HeapStats {
     pub chunks: usize,
     /// Their bytes.
     pub mapped_bytes: usize,
-    /// Resident bytes of them.
+    /// Bytes of them that may be resident (as [`NodeStats::resident_bytes`]).
     pub resident_bytes: usize,
     /// Page-locked bytes of them.
     pub pinned_bytes: usize,

@@ -8,7 +8,9 @@
 //!   host-NUMA memory, timed copies), the peer `dma_bench` weighs the allocator against;
 //! - [`pci`] and [`sysfs`]: the parsers behind [`NumaTopology::from_sysfs`](crate::NumaTopology::from_sysfs),
 //!   public so that they can be fuzzed;
-//! - [`parse_size`] (the size syntax of the settings) and [`cuda_error_name`].
+//! - [`parse_size`] (the size syntax of the settings) and [`cuda_error_name`];
+//! - [`hold_pool_lock`]: a shared pool's lock held while a closure runs, for the programs that
+//!   kill a process holding it.
 //!
 //! They live in the crate rather than in a crate of their own because the examples a user runs
 //! (`dma_bench`, `topology`) need them, and a feature would have to be switched on for
@@ -18,6 +20,15 @@ pub use crate::config::parse_size;
 pub use crate::cuda::tools as cuda_driver;
 pub use crate::error::cuda_error_name;
 pub use crate::topology::{pci, sysfs};
+
+/// Runs `f` holding `pool`'s lock (every other process's allocate and free wait meanwhile).
+///
+/// # Errors
+/// The lock's, when its state cannot be recovered.
+#[cfg(target_os = "linux")]
+pub fn hold_pool_lock<T>(pool: &crate::SharedPool, f: impl FnOnce() -> T) -> crate::Result<T> {
+    pool.with_lock_held(f)
+}
 
 /// The only raw system calls of the crate: mappings, placement policy, populate and the page
 /// census. Everything here runs inside a memory allocator: nothing allocates or panics.

@@ -145,6 +145,67 @@ fn unpinned_blocks_take_memory_where_touched_unless_populated_eagerly() {
     }
 }
 
+/// A value that faults pages in where touched shares the node's arenas with one that populates
+/// and one that checks pages: neither gets a block of the first one's memory unpopulated.
+#[test]
+fn a_lazy_values_freed_memory_serves_no_value_that_populates() {
+    let _serial = serial();
+    for size in [8 * MIB, 96 * MIB] {
+        let layout = Layout::from_size_align(size, 4096).unwrap();
+        let lazy = NumaGpuAlloc::new();
+        if !lazy.placement().numa_placement {
+            return; // without placement every block is populated
+        }
+        let p = lazy.allocate(layout).unwrap();
+        // SAFETY: allocated above with this layout, untouched.
+        unsafe { lazy.deallocate(p.cast(), layout) };
+        let eager = NumaGpuAlloc::new().populate_eager(true);
+        let q = eager.allocate(layout).unwrap().cast::<u8>();
+        assert_eq!(
+            resident(q, size),
+            size,
+            "{size} bytes populated for the eager value"
+        );
+        // SAFETY: allocated above with this layout.
+        unsafe { eager.deallocate(q, layout) };
+        let lazy_again = lazy.allocate(layout).unwrap();
+        let checked = NumaGpuAlloc::new().verify(true);
+        let r = checked.allocate(layout).unwrap().cast::<u8>();
+        assert_eq!(
+            checked.stats().pages_checked,
+            (size / 4096) as u64,
+            "{size} bytes checked"
+        );
+        // SAFETY: allocated above with this layout.
+        unsafe {
+            checked.deallocate(r, layout);
+            lazy.deallocate(lazy_again.cast(), layout);
+        }
+    }
+}
+
+/// Reserved room stays resident: a zeroed block from it is written, its pages not given back.
+#[test]
+fn zeroed_reuse_of_reserved_room_keeps_it_resident() {
+    let _serial = serial();
+    let alloc = NumaGpuAlloc::new().node(0);
+    alloc.reserve_bytes(64 * MIB).unwrap();
+    let layout = Layout::from_size_align(16 * MIB, 4096).unwrap();
+    let p = alloc.allocate(layout).unwrap().cast::<u8>();
+    // SAFETY: the block is ours and 16 MiB long.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xaa, 16 * MIB) };
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(p, layout) };
+    let q = alloc.allocate_zeroed(layout).unwrap().cast::<u8>();
+    assert_eq!(q, p, "the reserved room is carved again");
+    assert_eq!(resident(q, 16 * MIB), 16 * MIB, "still resident");
+    // SAFETY: the block is ours and 16 MiB long.
+    let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), 16 * MIB) };
+    assert!(bytes.iter().all(|&b| b == 0));
+    // SAFETY: allocated above with this layout.
+    unsafe { alloc.deallocate(q, layout) };
+}
+
 #[test]
 fn grow_in_place_within_capacity_and_move_beyond() {
     let _serial = serial();

@@ -1,6 +1,6 @@
-//! Dedicated blocks: requests too large to carve get a mapping of their own, cached whole when
-//! freed and reused for a request of nearly their size, under a budget that follows the most
-//! that was in use at once.
+//! Dedicated blocks: requests too large to carve (and blocks `realloc` grows) get a mapping of
+//! their own, cached whole when freed and reused for a request of nearly their size, under a
+//! budget that follows the most that was in use at once.
 
 use super::{Arena, Backing, Block, Dedicated, Fit, Kind, Released, CLASSES_PER_DOUBLING};
 

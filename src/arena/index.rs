@@ -1,10 +1,11 @@
-//! The cache of freed dedicated blocks: blocks too large to carve from a chunk, each a mapping
-//! of its own, kept whole and reused for a request of nearly their size.
+//! The cache of freed dedicated blocks: blocks too large to carve from a chunk (or grown by
+//! `realloc`), each a mapping of its own, kept whole and reused for a request of nearly their
+//! size.
 //!
-//! Dedicated blocks are at least half the largest chunk, so a node's cache holds few of them
-//! (its limit over that size: 8 for the default 4 GiB): a scan is cheaper than an index, and a
-//! vector whose room is reserved before a free caches a block keeps the free path from
-//! allocating.
+//! Dedicated blocks are at least 8 MiB (most at least half the largest chunk), so a node's cache
+//! holds few of them (its limit over that size: 512 at most for the default 4 GiB, 8 of 512 MiB
+//! blocks): a scan is cheaper than an index, and a vector whose room is reserved before a free
+//! caches a block keeps the free path from allocating.
 
 use super::{Block, Dedicated, Fit};
 

@@ -1,6 +1,7 @@
 //! The per-node arena: chunks of each kind with the carver that carves blocks of any size from
-//! them (`carve/`), the dedicated blocks too large to carve and their cache (`index.rs`), blocks
-//! waiting for GPU work (`pending.rs`), idle memory's decay, and per-node accounting.
+//! them (`carve/`), the dedicated blocks (too large to carve, or growing) and their cache
+//! (`index.rs`), blocks waiting for GPU work (`pending.rs`), idle memory's decay, and per-node
+//! accounting.
 //!
 //! There is one arena per NUMA node for the whole process (`process/nodes.rs`), shared by every
 //! allocator value. An arena is only touched under its lock (`sys/lock.rs`), from inside the
@@ -80,10 +81,17 @@ pub(crate) struct Kind {
     /// Registered with CUDA, with these flags (default when not pinned).
     pub(crate) pinned: bool,
     pub(crate) flags: RegisterFlags,
+    /// Pages faulted in where touched, not populated when handed out (unpinned only): such
+    /// blocks and chunks never serve a value that populates, nor the other way round, so that
+    /// a granule marked populated is resident for every value carving it.
+    pub(crate) lazy: bool,
+    /// Pages checked to be on the policy's nodes when populated (`verify=on`): a value that
+    /// checks takes no granule another value populated unchecked.
+    pub(crate) verified: bool,
 }
 
 impl Kind {
-    /// An unpinned block under `policy`.
+    /// An unpinned block under `policy`, populated when handed out.
     pub(crate) const fn unpinned(policy: MemPolicy) -> Kind {
         Kind {
             policy,
@@ -92,6 +100,19 @@ impl Kind {
                 devicemap: false,
                 read_only: false,
             },
+            lazy: false,
+            verified: false,
+        }
+    }
+}
+
+impl Kind {
+    /// The same kind unpinned (a registration that failed under `pin=on`).
+    pub(crate) fn without_pinning(self) -> Kind {
+        Kind {
+            pinned: false,
+            flags: RegisterFlags::default(),
+            ..self
         }
     }
 }

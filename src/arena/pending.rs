@@ -163,6 +163,8 @@ mod tests {
             devicemap: false,
             read_only: false,
         },
+        lazy: false,
+        verified: false,
     };
 
     #[test]

@@ -47,8 +47,9 @@ impl Blocks {
         capacity: usize,
         align: usize,
         target: &Resolved,
+        populate: bool,
     ) -> Result<Dedicated, Error> {
-        let mut created = self.try_create_block(capacity, align, target);
+        let mut created = self.try_create_block(capacity, align, target, populate);
         if let Err((_, e)) = &created {
             let needed = match e {
                 Error::MemoryLimit {
@@ -60,7 +61,7 @@ impl Blocks {
             };
             if shortage(e) && self.give_back_for(target.host_node, needed, shortage_kind(e)) {
                 self.counters.pressure_retries.incr();
-                created = self.try_create_block(capacity, align, target);
+                created = self.try_create_block(capacity, align, target, populate);
             }
         }
         created.map_err(|(cause, e)| {
@@ -117,13 +118,14 @@ impl Blocks {
         capacity: usize,
         align: usize,
         target: &Resolved,
+        populate: bool,
     ) -> Result<Dedicated, (Cause, Error)> {
         // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
         self.memory_limits
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
         let mut mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
-        let placed = self.place_and_populate(&mut mapping.whole(), &target.nodes);
+        let placed = self.place_and_populate(&mut mapping.whole(), &target.nodes, populate);
         let made = placed.and_then(|()| {
             let mut memory = Memory::new(mapping);
             let pinned = self.pin(&mut memory, target.gpu);
@@ -146,15 +148,16 @@ impl Blocks {
         }
     }
 
-    /// Places on `nodes`, populates and checks a part never written (steps 2–4 of the pipeline),
-    /// or only places it when its pages are faulted in where touched ([`Self::populates`]).
+    /// Places on `nodes`, populates and checks a part never written (steps 2–4 of the pipeline);
+    /// without `populate` (a lazy kind) only places it: its pages are faulted in where touched.
     fn place_and_populate(
         &self,
         part: &mut Part<'_>,
         nodes: &NodeMask,
+        populate: bool,
     ) -> Result<(), (Cause, Error)> {
         let placed = self.place(part, nodes).map_err(|e| (Cause::Other, e))?;
-        if !self.populates() {
+        if !populate {
             return Ok(());
         }
         let start = Instant::now();
@@ -177,7 +180,9 @@ impl Blocks {
     /// Grows an unpinned dedicated block to `capacity` without copying: a new mapping of that
     /// size (aligned to `align`) gets its tail placed on the block's node (`nodes`, the policy's
     /// nodes there) and populated, then the block's pages move onto its head (`mremap`). Nothing
-    /// is left behind to cache, and only the tail is populated. When it cannot grow so, the block
+    /// is left behind to cache, and only the tail is populated. A lazy block instead moves and
+    /// grows in one `mremap` into the new mapping's place (one kernel mapping still, so it can
+    /// grow so again on kernels that move only one at a time). When it cannot grow so, the block
     /// is given back untouched (the caller then moves it by copying).
     pub(crate) fn grow_block(
         &self,
@@ -191,11 +196,33 @@ impl Blocks {
         let Some(tail_len) = capacity.checked_sub(old.capacity).filter(|&n| n > 0) else {
             return Err(dedicated);
         };
+        if old.kind.lazy {
+            // Nothing to populate first: the block moves and grows in one call, one mapping
+            // still, its new pages under its policy (placed where touched).
+            let place = self
+                .memory_limits
+                .check(tail_len)
+                .and_then(|()| self.map(capacity, align));
+            let Ok(place) = place else {
+                return Err(dedicated);
+            };
+            return match dedicated.memory.grow_into(place) {
+                Ok(memory) => Ok(Dedicated {
+                    block: Block {
+                        addr: memory.base(),
+                        capacity,
+                        ..old
+                    },
+                    memory,
+                }),
+                Err(memory) => Err(Dedicated { block: old, memory }),
+            };
+        }
         let mut grown = match self.memory_limits.check(tail_len).and_then(|()| {
             let mut mapping = self.map(capacity, align)?;
             // Block capacities are whole pages, so the tail starts on a page.
             let mut tail = mapping.part(old.capacity, tail_len)?;
-            self.place_and_populate(&mut tail, nodes)
+            self.place_and_populate(&mut tail, nodes, true)
                 .map_err(|(_, e)| e)?;
             Ok(Memory::new(mapping))
         }) {

@@ -1,5 +1,6 @@
-//! The carved path: a request below [`DEDICATED_MIN`](crate::arena::DEDICATED_MIN) gets a block
-//! carved from a chunk of its kind in its node's arena; a chunk is made when none has room.
+//! The carved path: a request below [`DEDICATED_MIN`](crate::arena::DEDICATED_MIN) (not a
+//! growing one) gets a block carved from a chunk of its kind in its node's arena; a chunk is made
+//! when none has room.
 //!
 //! 1. Under the arena lock: settle pending blocks, look at idle memory (decay), carve.
 //! 2. Outside it: populate the granules of the block never populated (and check their pages
@@ -87,7 +88,7 @@ impl Blocks {
                     if key.kind.pinned && arena.registration_failed_lately() {
                         // `pin=on` after a failed registration: unpinned chunks for a while,
                         // rather than mapping and populating one to try again at each request.
-                        key.kind = Kind::unpinned(key.kind.policy);
+                        key.kind = key.kind.without_pinning();
                     }
                     arena.settle_pending(self.settings.cache_limit, &mut out);
                     let carving = arena.carve(key, size, align, target.ordinal);
@@ -113,7 +114,7 @@ impl Blocks {
                         if key.kind.pinned && !chunk.pinned() {
                             // Registration failed under `pin=on`: served unpinned (the next
                             // round carves from the unpinned chunks).
-                            key.kind = Kind::unpinned(key.kind.policy);
+                            key.kind = key.kind.without_pinning();
                             if let Some(mut arena) = self.arena(target.host_node) {
                                 arena.registration_failed();
                             }
@@ -174,15 +175,13 @@ impl Blocks {
             if len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
                 self.give_back_for(block.node, len, Shortage::Memory);
             }
-            if !self.populates() {
-                return Some(self.cleared(block, part, dirty, zeroed));
-            }
-            let mut populated = self.populate_part(&mut unpopulated, &target.nodes);
+            let populate = !block.kind.lazy;
+            let mut populated = self.populate_part(&mut unpopulated, &target.nodes, populate);
             if let Err(e) = &populated {
                 // Idle memory of the node may make room (the block itself is live: it stays).
                 if shortage(e) && self.give_back_for(block.node, len, shortage_kind(e)) {
                     self.counters.pressure_retries.incr();
-                    populated = self.populate_part(&mut unpopulated, &target.nodes);
+                    populated = self.populate_part(&mut unpopulated, &target.nodes, populate);
                 }
             }
             if let Err(e) = populated {
@@ -196,8 +195,8 @@ impl Blocks {
         Some(self.cleared(block, part, dirty, zeroed))
     }
 
-    /// `block`, its `dirty` part cleared when `zeroed` (pages given back rather than written,
-    /// unless blocks are populated up front).
+    /// `block`, its `dirty` part cleared when `zeroed` (pages given back rather than written
+    /// when its kind is faulted in where touched).
     fn cleared(
         &self,
         block: Block,
@@ -206,7 +205,7 @@ impl Blocks {
         zeroed: bool,
     ) -> Block {
         if let (true, Some(mut dirty)) = (zeroed, dirty.and_then(|span| part.sub(span))) {
-            dirty.clear(!self.populates());
+            dirty.clear(block.kind.lazy);
         }
         block
     }
@@ -219,11 +218,14 @@ impl Blocks {
         old: Block,
         populate: Option<Part<'static>>,
     ) -> bool {
-        let Some(mut part) = populate.filter(|_| self.populates()) else {
+        let Some(mut part) = populate else {
             return true;
         };
         let nodes = self.policy_nodes_of(node);
-        if self.populate_part(&mut part, &nodes).is_ok() {
+        if self
+            .populate_part(&mut part, &nodes, !old.kind.lazy)
+            .is_ok()
+        {
             return true;
         }
         // Not a failed request: the caller moves the block instead.
@@ -234,9 +236,18 @@ impl Blocks {
     }
 
     /// Populates a part of a chunk never populated (several threads for big parts) and checks
-    /// its pages where the settings ask for it.
-    fn populate_part(&self, part: &mut Part<'_>, nodes: &NodeMask) -> Result<(), Error> {
+    /// its pages where the settings ask for it; without `populate` (a lazy kind) only checks
+    /// that the cgroup's limit leaves room for it, as its pages are faulted in where touched.
+    fn populate_part(
+        &self,
+        part: &mut Part<'_>,
+        nodes: &NodeMask,
+        populate: bool,
+    ) -> Result<(), Error> {
         self.memory_limits.check(part.len())?;
+        if !populate {
+            return Ok(());
+        }
         let start = Instant::now();
         let populated = self.populate(part, nodes);
         self.counters.populate.record(start.elapsed());
@@ -363,7 +374,7 @@ impl Blocks {
     /// Populates and checks a whole chunk (before it is registered, or for a reservation).
     pub(crate) fn populate_chunk(&self, chunk: &mut Chunk, target: &Resolved) -> Result<(), Error> {
         if let Some(mut part) = chunk.plan_populate_whole() {
-            self.populate_part(&mut part, &target.nodes)?;
+            self.populate_part(&mut part, &target.nodes, true)?;
         }
         Ok(())
     }

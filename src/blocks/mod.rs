@@ -153,7 +153,8 @@ impl Blocks {
     /// Whether a block's pages are populated when it is handed out, not where its user first
     /// touches them: when it may be pinned (page-locked memory is resident), when its pages are
     /// checked (`verify=on`, `policy=bind`: only resident pages can be), when placement is off
-    /// (the node's bound workers then place pages by touching them first), or under
+    /// (populating is then what places a big block's pages: the node's bound workers touch them
+    /// first, where the thread that first writes them might run elsewhere), or under
     /// `populate=eager`. Otherwise the kernel faults pages in where they are touched, on the nodes
     /// of the mapping's policy, and pages never touched take no memory.
     pub(crate) fn populates(&self) -> bool {

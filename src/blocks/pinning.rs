@@ -123,6 +123,8 @@ impl Blocks {
             policy: self.settings.policy,
             pinned,
             flags,
+            lazy: !pinned && !self.populates(),
+            verified: self.settings.verify,
         }
     }
 }

@@ -13,9 +13,10 @@ use crate::process::NODES;
 use crate::stats::Stats;
 use crate::sys;
 
-/// The least size of a growing block given a mapping of its own: below it, a copy costs less
-/// than a mapping.
-pub(crate) const GROWS_BY_REMAP_MIN: usize = HUGE_PAGE;
+/// The least size of a growing block given a mapping of its own: below it a copy is cheap, and
+/// above it such blocks cost at most two kernel mappings per 8 MiB (a process may have about
+/// 65,000) and the dedicated cache holds at most its limit over 8 MiB (512 for 4 GiB).
+pub(crate) const GROWS_BY_REMAP_MIN: usize = 4 * HUGE_PAGE;
 
 impl Blocks {
     /// A block for `layout` (of at least the threshold) for `target`: carved from a chunk below
@@ -63,7 +64,8 @@ impl Blocks {
         }
     }
 
-    /// A block of its own for a request too large to carve: a cached one, or a new mapping.
+    /// A block of its own for a request too large to carve (or a growing one): a cached one, or
+    /// a new mapping.
     fn dedicated(
         &self,
         layout: Layout,
@@ -75,7 +77,7 @@ impl Blocks {
         let zero = zeroed.then_some(layout.size());
         // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
         self.take_cached(fit, zero, target)
-            .or_else(|| self.create(capacity, fit.align, target))
+            .or_else(|| self.create(capacity, fit.align, target, kind))
     }
 
     /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
@@ -122,7 +124,8 @@ impl Blocks {
         let block = match taken {
             Taken::Recorded(block) => block,
             Taken::ToZero(mut hit, len) => {
-                hit.zero(len, !self.populates());
+                let lazy = hit.block.kind.lazy;
+                hit.zero(len, lazy);
                 self.with_arena(node, |arena, out| record(arena, hit, out))?
             }
         }?;
@@ -130,10 +133,18 @@ impl Blocks {
         Some(block)
     }
 
-    /// A new live dedicated block for `target` (a cache miss).
-    fn create(&self, capacity: usize, align: usize, target: &Resolved) -> Option<Block> {
+    /// A new live dedicated block of `kind` for `target` (a cache miss).
+    fn create(
+        &self,
+        capacity: usize,
+        align: usize,
+        target: &Resolved,
+        kind: Kind,
+    ) -> Option<Block> {
         self.counters.cache_misses.incr();
-        let made = self.create_block(capacity, align, target).ok()?;
+        let made = self
+            .create_block(capacity, align, target, !kind.lazy)
+            .ok()?;
         self.record_created(made)
     }
 

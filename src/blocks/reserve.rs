@@ -70,7 +70,8 @@ impl Blocks {
             });
         }
         for _ in 0..blocks {
-            let made = self.create_block(capacity, page, target)?;
+            // Made populated whatever the kind: a reservation is room made now.
+            let made = self.create_block(capacity, page, target, true)?;
             // Kept whatever the cache limit (checked above against the node and pinned limit);
             // once used and freed again they are cached blocks like any other.
             self.with_arena(made.block.node, |arena, out| {

@@ -125,6 +125,33 @@ impl Mapping {
         }
     }
 
+    /// Moves this mapping's pages to `dest`'s place and grows it there to `dest`'s length, as
+    /// one kernel mapping ([`sys::move_and_grow`]): the rest are fresh pages under this mapping's
+    /// NUMA policy and advice, faulted in where touched, so a mapping grown so stays one piece
+    /// and may grow again on any kernel. Both must be [movable](Self::movable), `dest` at least
+    /// as long. On failure this mapping is as it was, and `dest` is given back (dropped).
+    pub(crate) fn grow_into(self, dest: Mapping) -> Result<Mapping, Mapping> {
+        if !(self.movable() && dest.source.moves_by_remap()) || dest.len < self.len {
+            return Err(self);
+        }
+        // SAFETY: both are mappings of ours whose pages mremap moves, that nobody else uses
+        // (both owned); they do not overlap (two live mappings); this one is one kernel mapping
+        // or the kernel moves several; both guards are forgotten once the move replaced `dest`'s
+        // range and removed this one.
+        match unsafe { sys::move_and_grow(self.ptr, self.len, dest.ptr, dest.len) } {
+            Ok(()) => {
+                let grown = Mapping {
+                    pieces: self.pieces,
+                    ..dest
+                };
+                self.forget();
+                dest.forget();
+                Ok(grown)
+            }
+            Err(_) => Err(self),
+        }
+    }
+
     /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
     /// unregistration), or its range moved elsewhere.
     fn forget(self) {
@@ -163,7 +190,7 @@ impl Span {
     /// The span is mapped and nobody else uses it until the caller hands it to its user or back
     /// to the carver, after which the part is not used; `source`, when given, mapped it and it is
     /// not registered.
-    pub(super) unsafe fn claim(
+    pub(crate) unsafe fn claim(
         self,
         source: Option<&'static dyn ChunkSource>,
     ) -> Option<Part<'static>> {
@@ -436,6 +463,22 @@ impl Memory {
             self.mapping = Some(from);
             self
         })
+    }
+
+    /// Moves this memory's pages to `dest` and grows it to `dest`'s length (see
+    /// [`Mapping::grow_into`]); it must be unregistered. When it cannot, gives it back as it was
+    /// (`dest` dropped).
+    pub(crate) fn grow_into(mut self, dest: Mapping) -> Result<Memory, Memory> {
+        let (true, Some(from)) = (self.movable(), self.mapping.take()) else {
+            return Err(self);
+        };
+        match from.grow_into(dest) {
+            Ok(grown) => Ok(Memory::new(grown)),
+            Err(from) => {
+                self.mapping = Some(from);
+                Err(self)
+            }
+        }
     }
 
     /// Unregisters (when registered), then unmaps. A failed unregistration, or one refused in a

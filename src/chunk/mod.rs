@@ -32,6 +32,9 @@ mod memory;
 mod source;
 
 pub(crate) use memory::{page_locked_bytes, ChunkRelease, Mapping, Memory, Part, PinFlags};
+// For the registrations of a shared pool's chunks (Linux only), counted in the same bytes.
+#[cfg(target_os = "linux")]
+pub(crate) use memory::{give_page_locked, take_page_locked};
 pub(crate) use source::{ChunkSource, ANONYMOUS};
 
 use crate::Error;
@@ -219,8 +222,8 @@ impl Chunk {
         self.memory.part(span.addr - base, span.len)
     }
 
-    /// `span` of the chunk as a part its caller uses alone (`None` outside the chunk); an
-    /// unpinned chunk's part may give its pages back ([`Part::clear`]).
+    /// `span` of the chunk as a part its caller uses alone (`None` outside the chunk); the part
+    /// of an unpinned chunk not reserved may give its pages back ([`Part::clear`]).
     ///
     /// # Safety
     /// The carver took the span out for the caller (a block just handed out, or the room it just
@@ -232,7 +235,8 @@ impl Chunk {
                 .addr
                 .checked_add(span.len)
                 .is_some_and(|end| end <= self.base() + self.len());
-        let source = (!self.pinned()).then(|| self.source());
+        // Reserved room stays resident: its pages are written, never given back here.
+        let source = (!self.pinned() && !self.reserved()).then(|| self.source());
         // SAFETY: inside this chunk's mapping, the caller's alone (forwarded); an unpinned
         // chunk's mapping is its source's and never registered.
         inside.then(|| unsafe { span.claim(source) }).flatten()

@@ -108,6 +108,74 @@ pub enum Error {
         /// The errno it returned.
         errno: i32,
     },
+    /// A shared pool's file is not a pool of this crate (its first bytes are not the pool's
+    /// magic number).
+    PoolForeign {
+        /// The file (`<fd N>` for one attached by descriptor).
+        path: PathBuf,
+        /// The number found where the magic is.
+        found: u64,
+    },
+    /// A shared pool made by a build of this crate with another layout.
+    PoolVersion {
+        /// The file.
+        path: PathBuf,
+        /// The pool's kind and layout version.
+        found: (u32, u32),
+        /// The kind and layout version this build reads.
+        expected: (u32, u32),
+    },
+    /// A shared pool whose header or carving state does not hold together.
+    PoolCorrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, e.g. `"the file is shorter than the pool's size"`.
+        reason: &'static str,
+    },
+    /// A shared pool larger than its node's memory, or too small to hold its header and one
+    /// block.
+    PoolTooLarge {
+        /// The size asked for.
+        bytes: usize,
+        /// The node.
+        node: usize,
+        /// The node's memory.
+        node_bytes: u64,
+    },
+    /// A shared pool whose pages are not on the node it was made for.
+    PoolWrongNode {
+        /// The file.
+        path: PathBuf,
+        /// The node it was made for.
+        node: usize,
+        /// How many of its pages are elsewhere (or not resident), of how many.
+        elsewhere: usize,
+        /// Of how many pages.
+        pages: usize,
+        /// A node one of them is on (negative: not resident, the `move_pages` status).
+        found: i32,
+    },
+    /// A shared pool of huge pages without enough free huge pages for it.
+    PoolHugePages {
+        /// Huge pages needed.
+        needed: usize,
+        /// Huge pages free (`free_hugepages`).
+        free: usize,
+        /// Where they were asked from (the mount, or `memfd`).
+        place: PathBuf,
+    },
+    /// A shared pool left half made by a creator that is gone.
+    PoolStale {
+        /// The file.
+        path: PathBuf,
+        /// The creator's process id.
+        pid: u32,
+    },
+    /// A shared pool was to be created at a path that exists.
+    PoolExists {
+        /// The path.
+        path: PathBuf,
+    },
     /// An address range that is not page-aligned, empty, or overflows the address space.
     InvalidRange {
         /// Start of the range.
@@ -313,6 +381,79 @@ impl fmt::Display for Error {
             Error::Syscall { call, errno } => {
                 write!(f, "{call} failed: {} (errno {errno})", errno_text(*errno))
             }
+            Error::PoolForeign { path, found } => write!(
+                f,
+                "{} is not a numa-gpu-alloc shared pool (magic {found:#x}); give the path of \
+                 one, or remove the file if it is left over",
+                path.display()
+            ),
+            Error::PoolVersion {
+                path,
+                found,
+                expected,
+            } => write!(
+                f,
+                "shared pool {} is of kind {} layout {}, this build reads kind {} layout {}: \
+                 attach with the build that made it, or create a new pool",
+                path.display(),
+                found.0,
+                found.1,
+                expected.0,
+                expected.1
+            ),
+            Error::PoolCorrupt { path, reason } => write!(
+                f,
+                "shared pool {} is damaged: {reason}; create a new pool once no process uses \
+                 this one",
+                path.display()
+            ),
+            Error::PoolTooLarge {
+                bytes,
+                node,
+                node_bytes,
+            } => write!(
+                f,
+                "a shared pool of {bytes} bytes does not fit node {node}, which has \
+                 {node_bytes} bytes of memory (and a pool needs room for its header and one \
+                 block); ask for less, or for another node"
+            ),
+            Error::PoolWrongNode {
+                path,
+                node,
+                elsewhere,
+                pages,
+                found,
+            } => write!(
+                f,
+                "shared pool {} is meant for node {node}, but {elsewhere} of its {pages} pages \
+                 are not there (one on {found}): placement was refused (mbind under seccomp), \
+                 the node ran out, or the file's header names another node; remove the file \
+                 and create the pool again on a node with room",
+                path.display()
+            ),
+            Error::PoolHugePages {
+                needed,
+                free,
+                place,
+            } => write!(
+                f,
+                "a shared pool of huge pages at {} needs {needed} free huge pages, {free} are \
+                 free; reserve more (vm.nr_hugepages, or the node's nr_hugepages) or make the \
+                 pool without huge pages",
+                place.display()
+            ),
+            Error::PoolStale { path, pid } => write!(
+                f,
+                "shared pool {} was left half made by process {pid}, which is gone; remove \
+                 the file and create the pool again",
+                path.display()
+            ),
+            Error::PoolExists { path } => write!(
+                f,
+                "cannot create a shared pool at {}: the file exists; attach to it, or remove \
+                 it first",
+                path.display()
+            ),
             Error::InvalidRange { addr, len } => write!(
                 f,
                 "invalid address range {addr:#x}+{len:#x}: must be non-empty, page-aligned \

@@ -110,15 +110,39 @@ pub fn map_anonymous(len: usize, align: usize) -> Result<NonNull<u8>> {
 /// Both ranges must be mappings this crate created with [`map_anonymous`], must not overlap, and
 /// nothing may use either while this runs; afterwards `from..from+len` must not be used.
 pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Result<()> {
+    // SAFETY: forwarded from the caller; the destination is as long as the range.
+    unsafe { move_and_grow(from, len, to, len) }
+}
+
+/// Moves the mapping `from..from+len` to `to` and grows it there to `new_len` (at least `len`)
+/// in one `mremap(MREMAP_MAYMOVE | MREMAP_FIXED)`: one kernel mapping still, its pages moved
+/// without a copy, the rest fresh zero pages that take the mapping's memory policy and advice.
+/// Whatever was mapped at `to..to+new_len` is unmapped first. Errors as [`move_mapping`]'s.
+///
+/// # Safety
+///
+/// As [`move_mapping`], with `to..to+new_len` for the destination.
+pub(crate) unsafe fn move_and_grow(
+    from: NonNull<u8>,
+    len: usize,
+    to: NonNull<u8>,
+    new_len: usize,
+) -> Result<()> {
     check_range(from, len)?;
-    check_range(to, len)?;
+    check_range(to, new_len)?;
+    if new_len < len {
+        return Err(Error::InvalidRange {
+            addr: to.as_ptr() as usize,
+            len: new_len,
+        });
+    }
     // SAFETY: the caller guarantees both ranges are our mappings and unused; FIXED replaces only
     // the caller's own range at `to`.
     let moved: *mut c_void = linux_only!(unsafe {
         libc::mremap(
             from.as_ptr().cast(),
             len,
-            len,
+            new_len,
             libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
             to.as_ptr().cast::<c_void>(),
         )
@@ -136,11 +160,11 @@ pub unsafe fn move_mapping(from: NonNull<u8>, to: NonNull<u8>, len: usize) -> Re
     Ok(())
 }
 
-/// Whether [`move_mapping`] moves a range spanning several kernel mappings (Linux ≥ 6.17, for a
-/// move of unchanged size with `MREMAP_FIXED`). Read once from `uname`.
 /// The size of a transparent huge page on x86-64 and of the arena's huge-page granule.
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
 
+/// Whether [`move_mapping`] moves a range spanning several kernel mappings (Linux ≥ 6.17, for a
+/// move of unchanged size with `MREMAP_FIXED`). Read once from `uname`.
 pub(crate) fn moves_several_mappings() -> bool {
     static ANSWER: AtomicU8 = AtomicU8::new(0);
     match ANSWER.load(Ordering::Relaxed) {

@@ -12,6 +12,9 @@
 //!   catch half-done;
 //! - `process.rs`: fork handlers (`pthread_atfork`); `exit.rs`: the exit handler, its stderr
 //!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
+//! - `shm.rs` (Linux): memory several processes map — memory files (`memfd_create`), shared
+//!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`), and the
+//!   robust process-shared mutex of a shared pool;
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
 //!
 //! Everything here runs inside a memory allocator, so nothing allocates on the heap, nothing
@@ -80,6 +83,8 @@ mod pages;
 mod policy;
 mod process;
 mod resident;
+#[cfg(target_os = "linux")]
+mod shm;
 
 pub(crate) use affinity::{bind_thread_to_cpus, process_cpus};
 pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
@@ -87,13 +92,18 @@ pub(crate) use lock::{futex_wait, futex_wake};
 pub use mem::{
     advise_dontneed, advise_hugepage, advise_nohugepage, map_anonymous, move_mapping, unmap,
 };
-pub(crate) use mem::{moves_several_mappings, HUGE_PAGE};
+pub(crate) use mem::{move_and_grow, moves_several_mappings, HUGE_PAGE};
 pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
 pub(crate) use process::at_fork;
 pub use resident::{populate, PopulateMethod};
+#[cfg(target_os = "linux")]
+pub use shm::{
+    lock_file, map_in, map_shared, memfd, on_hugetlbfs, process_alive, process_id, recv_fd,
+    send_fd, unlock_file, Locked, RobustMutex,
+};
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.
 pub fn page_size() -> usize {

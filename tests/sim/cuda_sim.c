@@ -56,7 +56,9 @@
  * Environment: CUDA_SIM_DEVICES (default 1), CUDA_SIM_HOST_NUMA_ID (comma list per device,
  * default 0; -1 reports "unknown"), CUDA_SIM_PCI (comma list, default 0000:0N:00.0),
  * CUDA_SIM_DELAY_US, CUDA_SIM_REGISTER_US_PER_GIB, CUDA_SIM_TEARDOWN_US, CUDA_SIM_INIT_US (how long
- * the first cuInit takes).
+ * the first cuInit takes), CUDA_SIM_LOCK_FILE (a lock file every registration must be made under:
+ * cuSimLockStats counts those made while no process held its flock, and the unregistrations of
+ * ranges already unmapped).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -65,6 +67,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -886,6 +890,29 @@ static int find_range_locked(void *p, enum range_kind kind) {
 /* Successful cuMemHostRegister_v2 calls since the start, the longest range one covered and the
  * longest time one took (microseconds, real time). */
 static unsigned long long registrations, largest_registration, longest_registration_us;
+/* With CUDA_SIM_LOCK_FILE set: registrations made while no process held that file's flock, and
+ * unregistrations of ranges already unmapped (first page), of all unregistrations. */
+static unsigned long long unlocked_registrations, unmapped_unregistrations, unregistrations;
+
+/* Whether some open file holds the lock file's flock (a fresh open of ours cannot take it). */
+static int lock_file_held(void) {
+    const char *path = getenv("CUDA_SIM_LOCK_FILE");
+    if (!path) return 1;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) return 0;
+    int held_by_other = flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+    if (!held_by_other) flock(fd, LOCK_UN);
+    close(fd);
+    return held_by_other;
+}
+
+/* Whether the page at p is mapped (mincore answers ENOMEM for an unmapped one). */
+static int page_mapped(void *p) {
+    long ps = sysconf(_SC_PAGESIZE);
+    unsigned char vec;
+    void *page = (void *)((uintptr_t)p & ~(uintptr_t)(ps - 1));
+    return mincore(page, (size_t)ps, &vec) == 0 || errno != ENOMEM;
+}
 
 static unsigned long long now_us(void) {
     struct timespec t;
@@ -921,6 +948,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
     CUresult r = add_range_locked(p, len, RANGE_REGISTERED, NULL);
     if (r == SUCCESS) {
         registrations++;
+        if (!lock_file_held()) unlocked_registrations++;
         if (len > largest_registration) largest_registration = len;
         /* The page-table work, holding the lock as the driver does. */
         sleep_us((unsigned long long)((double)register_us_per_gib * (double)len /
@@ -938,6 +966,8 @@ CUresult cuMemHostUnregister(void *p) {
     pthread_mutex_lock(&lock);
     int i = find_range_locked(p, RANGE_REGISTERED);
     if (i >= 0) {
+        unregistrations++;
+        if (!page_mapped(p)) unmapped_unregistrations++;
         refuse_if_in_use_locked("cuMemHostUnregister", i);
         ranges[i] = ranges[--range_count];
     }
@@ -1567,6 +1597,19 @@ void cuSimStats(struct sim_stats *out) {
     out->registrations = registrations;
     out->largest_registration = largest_registration;
     out->longest_registration_us = longest_registration_us;
+    pthread_mutex_unlock(&lock);
+}
+
+/* What CUDA_SIM_LOCK_FILE and the unregistrations saw (see unlocked_registrations). */
+struct sim_lock_stats {
+    unsigned long long unlocked_registrations, unmapped_unregistrations, unregistrations;
+};
+
+void cuSimLockStats(struct sim_lock_stats *out) {
+    pthread_mutex_lock(&lock);
+    out->unlocked_registrations = unlocked_registrations;
+    out->unmapped_unregistrations = unmapped_unregistrations;
+    out->unregistrations = unregistrations;
     pthread_mutex_unlock(&lock);
 }
 

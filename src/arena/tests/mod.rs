@@ -39,6 +39,8 @@ const HUGE: HeapKey = HeapKey {
             devicemap: false,
             read_only: false,
         },
+        lazy: false,
+        verified: false,
     },
     huge: true,
     reserved: false,

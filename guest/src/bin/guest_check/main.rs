@@ -9,6 +9,7 @@
 //! guest_check --topology NAME --numactl FILE --device DDDD:BB:DD.F
 //!             --expect-home NODE --expect-host NODE [--unknown-device DDDD:BB:DD.F]
 //!             [--alloc-report FILE] [--limit-report FILE] [--routes-report FILE]
+//!             [--shared-report FILE]
 //!             [--cpuset-report NAME=FILE]... [--sysfs /sys]
 //! ```
 //!
@@ -26,6 +27,8 @@
 //!   cgroup with a `memory.max` (topologies that set `MEMORY_MAX`);
 //! * `--routes-report`: the same for `guest_routes` (threads bound to devices on
 //!   different nodes; topologies that set `ROUTES`);
+//! * `--shared-report`: the same for `guest_shared` (a shared pool on each node, attached by a
+//!   second process);
 //! * `--cpuset-report NAME=FILE` (once per allocator): the same for `guest_mixed`
 //!   with allocator `NAME`, run by `guest/init` inside a cgroup whose cpuset confines it to one
 //!   node (topologies that set `CPUSET_NODE`), followed by the cgroup's `memory.events` line:
@@ -124,6 +127,7 @@ struct Args {
     alloc_report: Option<PathBuf>,
     limit_report: Option<PathBuf>,
     routes_report: Option<PathBuf>,
+    shared_report: Option<PathBuf>,
     /// `(allocator, report)` of each `guest_mixed` run.
     cpuset_reports: Vec<(String, PathBuf)>,
     sysfs: PathBuf,
@@ -150,6 +154,7 @@ const GROUPS: &[Group] = &[
     global_allocator,
     memory_limit,
     routes,
+    shared,
     cpuset,
     node_allocators,
     interleave,
@@ -371,6 +376,14 @@ fn routes(cx: &Ctx) -> Vec<Check> {
         .map_or_else(Vec::new, |path| report(path, "routes"))
 }
 
+/// Shared pools on each node, seen from two processes (`guest_shared`, `--shared-report`).
+fn shared(cx: &Ctx) -> Vec<Check> {
+    cx.args
+        .shared_report
+        .as_deref()
+        .map_or_else(Vec::new, |path| report(path, "shared"))
+}
+
 /// A client program confined to one node by a cgroup's cpuset (`guest_mixed`,
 /// `--cpuset-report`): its lines, and that the kernel's OOM killer never ran in its cgroup
 /// (`memory.events`, appended by `guest/init`).
@@ -444,6 +457,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         alloc_report: None,
         limit_report: None,
         routes_report: None,
+        shared_report: None,
         cpuset_reports: Vec::new(),
         sysfs: PathBuf::from("/sys"),
     };
@@ -461,6 +475,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         "--alloc-report",
         "--limit-report",
         "--routes-report",
+        "--shared-report",
         "--cpuset-report",
         "--sysfs",
     ];
@@ -479,6 +494,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--alloc-report" => args.alloc_report = Some(value.into()),
             "--limit-report" => args.limit_report = Some(value.into()),
             "--routes-report" => args.routes_report = Some(value.into()),
+            "--shared-report" => args.shared_report = Some(value.into()),
             "--cpuset-report" => {
                 let (name, path) = value
                     .split_once('=')

@@ -1,0 +1,304 @@
+//! Shared pools: one memory file that several processes map, its pages placed on one node and
+//! populated once, carved by every process that maps it. This module holds what lives in the
+//! file: the header at its start ([`Header`]: magic, kind, layout version, size, node, chunk
+//! size, who made it and whether it is ready, how many processes are attached and how many
+//! registrations they hold), the carving state (`carve.rs`) under the header's robust
+//! process-shared mutex, and the mapping of the whole file ([`PoolMap`]) with its placement,
+//! populate and page check; and this process's registrations of its chunks (`pinning.rs`). The
+//! front end (`shared.rs`) opens the files and runs the registrations in the background.
+//!
+//! Unsafe code here relies on the header being at the start of a mapping of the pool's file,
+//! which the [`PoolMap`] owns: its fields are written once, by the creator, before the magic
+//! says the header is there, and afterwards change only as atomics or under the mutex.
+#![allow(unsafe_code)]
+
+use std::cell::UnsafeCell;
+use std::mem::size_of;
+use std::os::fd::BorrowedFd;
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+pub(crate) mod carve;
+pub(crate) mod pinning;
+
+use crate::chunk::Span;
+use crate::process::workers;
+use crate::sys::{self, Locked, MbindFlags, MemPolicy, NodeMask, RobustMutex};
+use crate::Error;
+use carve::{Carve, MAX_ALIGN};
+
+/// The first eight bytes of a pool's file.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
+/// What the file holds (a pool carved in extents), and the layout of its header.
+pub(crate) const KIND: u32 = 1;
+pub(crate) const VERSION: u32 = 1;
+/// Where blocks start: after the header, on a huge page boundary.
+pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
+
+/// The start of a pool's file.
+#[repr(C)]
+pub(crate) struct Header {
+    magic: AtomicU64,
+    pub(crate) kind: u32,
+    pub(crate) version: u32,
+    /// Bytes of the file, header included.
+    pub(crate) size: u64,
+    /// The node its pages are on.
+    pub(crate) node: u32,
+    /// Whether it is of huge pages (hugetlbfs).
+    pub(crate) huge: u32,
+    /// Blocks never cross a multiple of this from [`DATA_START`]; each chunk is one
+    /// registration.
+    pub(crate) chunk: u64,
+    /// Who made it.
+    pub(crate) creator: u32,
+    /// Set once its pages are placed, populated and checked.
+    ready: AtomicU32,
+    /// Processes attached now (as far as the pool knows: one killed does not detach).
+    pub(crate) attached: AtomicU32,
+    /// Chunk registrations held now, all processes together.
+    pub(crate) registrations: AtomicU64,
+    mutex: RobustMutex,
+    carve: UnsafeCell<Carve>,
+}
+
+/// A mapping of a whole pool file (shared, readable, writable), unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct PoolMap {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Set when a registration of it could not be released: the range stays mapped.
+    keep: AtomicBool,
+}
+
+// SAFETY: the mapping is this value's alone to unmap; the header it points at is made for use
+// from any thread of any process (atomics and the mutex).
+unsafe impl Send for PoolMap {}
+// SAFETY: as above.
+unsafe impl Sync for PoolMap {}
+
+impl PoolMap {
+    /// Maps bytes `0..len` of `fd` (the whole file), aligned for the largest block alignment.
+    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> Result<PoolMap, Error> {
+        let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize)?;
+        Ok(PoolMap {
+            ptr,
+            len,
+            keep: AtomicBool::new(false),
+        })
+    }
+
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// Leaves the range mapped when this is dropped: the driver may still hold part of it (an
+    /// unregistration refused), and unmapping it would let a later mapping there fail to
+    /// register.
+    pub(crate) fn keep_mapped(&self) {
+        self.keep.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The header (meaningful once [`Self::check`] passed, or [`Self::init`] ran).
+    pub(crate) fn header(&self) -> &Header {
+        // SAFETY: the file is at least DATA_START bytes (checked before mapping), mapped while
+        // `self` lives, and page aligned, which is enough for the header.
+        unsafe { &*self.ptr.as_ptr().cast::<Header>() }
+    }
+
+    /// Writes the header of a new pool and publishes it (the magic last).
+    ///
+    /// # Safety
+    /// The file is new (all zeros) and no other process uses it yet.
+    pub(crate) unsafe fn init(&self, node: usize, huge: bool, chunk: u64) -> Result<(), Error> {
+        let header = self.ptr.as_ptr().cast::<Header>();
+        // SAFETY: the caller's file, ours alone until the magic is stored; the fields are
+        // plain data at their place in the mapping.
+        unsafe {
+            (*header).kind = KIND;
+            (*header).version = VERSION;
+            (*header).size = self.len as u64;
+            (*header).node = node as u32;
+            (*header).huge = u32::from(huge);
+            (*header).chunk = chunk;
+            (*header).creator = sys::process_id();
+            RobustMutex::init(std::ptr::addr_of_mut!((*header).mutex))?;
+            (*UnsafeCell::raw_get(std::ptr::addr_of!((*header).carve))).init(
+                DATA_START as u64,
+                self.len as u64,
+                chunk,
+            );
+        }
+        self.header().magic.store(MAGIC, Ordering::Release);
+        Ok(())
+    }
+
+    /// Checks that the mapping holds a pool of this build whose size is the file's.
+    pub(crate) fn check(&self, path: &Path) -> Result<(), Error> {
+        let header = self.header();
+        let magic = header.magic.load(Ordering::Acquire);
+        if magic != MAGIC {
+            return Err(Error::PoolForeign {
+                path: path.into(),
+                found: magic,
+            });
+        }
+        if (header.kind, header.version) != (KIND, VERSION) {
+            return Err(Error::PoolVersion {
+                path: path.into(),
+                found: (header.kind, header.version),
+                expected: (KIND, VERSION),
+            });
+        }
+        let corrupt = |reason| Error::PoolCorrupt {
+            path: path.into(),
+            reason,
+        };
+        if header.size != self.len as u64 {
+            return Err(corrupt(
+                "the file's size is not the pool's size in its header",
+            ));
+        }
+        if header.chunk == 0 || !header.chunk.is_multiple_of(MAX_ALIGN) {
+            return Err(corrupt("its chunk size is not a multiple of 2 MiB"));
+        }
+        Ok(())
+    }
+
+    /// Whether the creator finished placing and populating it.
+    pub(crate) fn ready(&self) -> bool {
+        self.header().ready.load(Ordering::Acquire) != 0
+    }
+
+    /// Says the pool is placed, populated and checked.
+    pub(crate) fn set_ready(&self) {
+        self.header().ready.store(1, Ordering::Release);
+    }
+
+    /// Places the blocks' pages on `node` (`mbind`, before any is touched), populates them with
+    /// the node's bound workers (`cpus`, up to `threads`), and checks where they are
+    /// ([`Self::count_elsewhere`]).
+    ///
+    /// # Safety
+    /// The pool is new: no page of its blocks was touched, and no other process uses them yet.
+    pub(crate) unsafe fn place(
+        &self,
+        node: usize,
+        cpus: impl FnOnce() -> Vec<usize>,
+        threads: usize,
+        huge: bool,
+    ) -> Result<(), Error> {
+        let span = Span {
+            addr: self.ptr.as_ptr() as usize + DATA_START,
+            len: self.len - DATA_START,
+        };
+        // SAFETY: the blocks' part of our mapping, which the caller says nobody else uses yet;
+        // the part is dropped before this returns.
+        let Some(mut part) = (unsafe { span.claim(None) }) else {
+            return Err(Error::InvalidRange {
+                addr: span.addr,
+                len: span.len,
+            });
+        };
+        let flags = MbindFlags {
+            strict: true,
+            move_existing: false,
+        };
+        match part.bind(MemPolicy::Bind, &NodeMask::single(node)?, flags) {
+            // No NUMA here (seccomp, a kernel without it): the pages go where the kernel puts
+            // them, as for the allocator's own blocks; the page check says where.
+            Ok(()) | Err(Error::NumaUnavailable { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        if !huge {
+            part.advise_huge(true);
+        }
+        workers::populate(Some(node), cpus, &mut part, threads, !huge)?;
+        Ok(())
+    }
+
+    /// Maps the pool's pages, populated by its creator, into this process's page tables
+    /// (`MADV_POPULATE_READ`: nothing is allocated nor written), so that the page check sees
+    /// them and first touches do not fault.
+    pub(crate) fn map_in_pages(&self) {
+        // SAFETY: our mapping, whole, mapped while `self` lives.
+        let _ = unsafe { sys::map_in(self.ptr, self.len) };
+    }
+
+    /// How many of the blocks' pages are not on `node` (`move_pages`; pages not resident count
+    /// when `absent_counts`), of how many, and a node one of them is on; `None` when the kernel
+    /// does not say (`move_pages` refused).
+    pub(crate) fn count_elsewhere(
+        &self,
+        node: usize,
+        absent_counts: bool,
+    ) -> Option<(usize, usize, i32)> {
+        let ptr = NonNull::new(self.ptr.as_ptr().wrapping_add(DATA_START))?;
+        let (mut elsewhere, mut pages, mut found) = (0, 0, node as i32);
+        // SAFETY: the blocks' part of our mapping, mapped while `self` lives.
+        let checked = unsafe {
+            sys::page_nodes(ptr, self.len - DATA_START, |_, n| {
+                pages += 1;
+                if n != node as i32 && (n >= 0 || absent_counts) {
+                    elsewhere += 1;
+                    found = n;
+                }
+            })
+        };
+        checked.ok().map(|()| (elsewhere, pages, found))
+    }
+
+    /// Takes the pool's lock; when its holder died, makes the carving state whole first (see
+    /// `carve.rs`).
+    pub(crate) fn lock(&self) -> Result<PoolGuard<'_>, Error> {
+        let header = self.header();
+        let locked = header.mutex.lock()?;
+        let guard = PoolGuard { header };
+        if locked == Locked::OwnerDied {
+            // SAFETY: the lock is held (this guard).
+            let carve = unsafe { &mut *header.carve.get() };
+            carve.rebuild();
+            // SAFETY: held after its owner died, and the state is rebuilt.
+            unsafe { header.mutex.mark_consistent() }?;
+        }
+        Ok(guard)
+    }
+}
+
+impl Drop for PoolMap {
+    fn drop(&mut self) {
+        if self.keep.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: our mapping, whole; its owner unregistered every chunk before dropping it,
+        // and nothing points into it afterwards (blocks are used through the pool's borrow).
+        let _ = unsafe { sys::unmap(self.ptr, self.len) };
+    }
+}
+
+/// The pool's lock, held: the carving state is the holder's.
+pub(crate) struct PoolGuard<'a> {
+    header: &'a Header,
+}
+
+impl PoolGuard<'_> {
+    pub(crate) fn carve(&mut self) -> &mut Carve {
+        // SAFETY: the mutex is held while the guard lives, and the guard is borrowed mutably.
+        unsafe { &mut *self.header.carve.get() }
+    }
+}
+
+impl Drop for PoolGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: this thread took the lock when it made the guard.
+        unsafe { self.header.mutex.unlock() };
+    }
+}
+
+#[cfg(test)]
+mod tests;

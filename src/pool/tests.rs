@@ -1,0 +1,84 @@
+//! The carving state against a model: random allocations and frees keep the tables whole, no two
+//! live blocks overlap or cross a chunk, and a rebuild keeps every live block.
+
+use super::carve::{Carve, Extent, GRANULE};
+
+fn empty(start: u64, end: u64, chunk: u64) -> Box<Carve> {
+    let layout = std::alloc::Layout::new::<Carve>();
+    // SAFETY: the carving state is integers only, for which zero is a value (as in a new file);
+    // the allocation is of its layout, and owned by the box from here on.
+    let mut carve = unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<Carve>();
+        assert!(!ptr.is_null());
+        Box::from_raw(ptr)
+    };
+    carve.init(start, end, chunk);
+    carve
+}
+
+/// A small deterministic generator (xorshift).
+fn next(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+#[test]
+fn random_allocations_and_frees_keep_the_tables_whole() {
+    let chunk = 4 << 20;
+    let mut carve = empty(2 << 20, (2 << 20) + 4 * chunk, chunk);
+    let mut live: Vec<Extent> = Vec::new();
+    let mut seed = 0x9e37_79b9_7f4a_7c15;
+    for step in 0..5_000 {
+        if live.is_empty() || !next(&mut seed).is_multiple_of(3) {
+            let len = 1 + next(&mut seed) % (1 << (next(&mut seed) % 21));
+            let align = 1 << (next(&mut seed) % 13);
+            if let Some(block) = carve.allocate(len, align, 1) {
+                assert!(block.len >= len && block.len.is_multiple_of(GRANULE));
+                assert!(block.offset.is_multiple_of(align.max(GRANULE)));
+                let first = (block.offset - (2 << 20)) / chunk;
+                assert_eq!(first, (block.offset + block.len - 1 - (2 << 20)) / chunk);
+                for other in &live {
+                    let apart = block.offset + block.len <= other.offset
+                        || other.offset + other.len <= block.offset;
+                    assert!(apart, "step {step}: {block:?} overlaps {other:?}");
+                }
+                live.push(block);
+            }
+        } else {
+            let i = (next(&mut seed) as usize) % live.len();
+            let block = live.swap_remove(i);
+            assert_eq!(carve.free(block.offset, 1), Ok(block.len));
+            assert!(
+                carve.free(block.offset, 1).is_err(),
+                "a second free is refused"
+            );
+        }
+        assert!(carve.consistent(), "step {step}");
+        assert_eq!(carve.live().len(), live.len());
+    }
+    let before: Vec<Extent> = carve.live().to_vec();
+    assert_eq!(carve.rebuild(), 0);
+    assert!(carve.consistent());
+    assert_eq!(carve.live(), &before[..]);
+    for block in live {
+        carve.free(block.offset, 1).unwrap();
+    }
+    assert_eq!(carve.free_ranges().len(), 1);
+    assert_eq!(carve.live_bytes, 0);
+}
+
+#[test]
+fn no_block_larger_than_a_chunk_or_aligned_past_2_mib() {
+    let mut carve = empty(2 << 20, 10 << 20, 2 << 20);
+    assert!(carve.allocate((2 << 20) + 1, 64, 1).is_none());
+    assert!(carve.allocate(64, 4 << 20, 1).is_none());
+    let whole = carve.allocate(2 << 20, 2 << 20, 1).unwrap();
+    assert_eq!(whole.len, 2 << 20);
+    // A block that would cross into the next chunk starts at the chunk instead.
+    let a = carve.allocate(1 << 20, 64, 1).unwrap();
+    let b = carve.allocate(1536 << 10, 64, 1).unwrap();
+    assert_eq!(b.offset, a.offset + (2 << 20));
+    assert!(carve.consistent());
+}

@@ -1,0 +1,464 @@
+//! Shared pools: one placed, populated copy of memory on a node that every process on it maps
+//! and allocates from ([`SharedPool`]).
+//!
+//! A pool is a memory file (`memfd_create`, or a file under `/dev/shm` or a hugetlbfs mount),
+//! placed on its node before any page is touched (`mbind`), populated once by the node's bound
+//! workers and checked page by page (`move_pages`). Other processes attach by descriptor
+//! (inherited, or passed over a Unix socket: [`SharedPool::send`], [`SharedPool::receive`]) or
+//! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
+//! offset into the pool), which each process turns into its own pointer; the carving state
+//! lives in the pool, under a robust process-shared mutex, so a block freed by any process
+//! returns to the pool, and a process killed while holding the lock does not wedge the others.
+//!
+//! `build.rs` makes a pool (the file, its size against the node, the header, placement,
+//! populate, the page check); `register.rs` registers this process's mapping in the background.
+//!
+//! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
+//! a block is live in the pool until freed, and lies inside the mapping the pool owns.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::blocks::reserve::Tally;
+use crate::pool::carve::MAX_ALIGN;
+use crate::pool::pinning::Pinned;
+use crate::pool::{PoolMap, DATA_START, MAGIC};
+use crate::sys::{self, lock::Lock};
+use crate::Error;
+
+mod build;
+mod register;
+
+pub use build::SharedPoolBuilder;
+
+/// The default chunk: blocks never cross one, and each is one registration in a pinned process
+/// (the allocator's registration bound, `register_max`).
+const DEFAULT_CHUNK: usize = 256 << 20;
+/// The huge page size a pool of huge pages uses.
+const HUGE_PAGE: usize = 2 << 20;
+/// How long attaching waits for a live creator to finish populating.
+const READY_WAIT: Duration = Duration::from_secs(60);
+
+/// A block of a [`SharedPool`], named so that any process attached to the pool finds it:
+/// [`SharedPool::ptr`] turns it into that process's pointer. Plain data: send it to another
+/// process however you like ([`PoolHandle::to_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PoolHandle {
+    /// Bytes from the start of the pool's file.
+    pub offset: u64,
+    /// The block's length (rounded up to 64 bytes).
+    pub len: u64,
+}
+
+impl PoolHandle {
+    /// The handle as 16 bytes (offset, then length, little-endian).
+    pub fn to_bytes(self) -> [u8; 16] {
+        let mut bytes = [0; 16];
+        bytes[..8].copy_from_slice(&self.offset.to_le_bytes());
+        bytes[8..].copy_from_slice(&self.len.to_le_bytes());
+        bytes
+    }
+
+    /// A handle from [`to_bytes`](Self::to_bytes).
+    pub fn from_bytes(bytes: [u8; 16]) -> PoolHandle {
+        let (offset, len) = bytes.split_at(8);
+        PoolHandle {
+            offset: u64::from_le_bytes(offset.try_into().unwrap_or_default()),
+            len: u64::from_le_bytes(len.try_into().unwrap_or_default()),
+        }
+    }
+}
+
+/// What a [`SharedPool`] holds now. Each count is read on its own, at about the same time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Bytes of the pool's file, its header included.
+    pub pool_bytes: usize,
+    /// Bytes blocks may use.
+    pub usable_bytes: usize,
+    /// Bytes of live blocks, all processes together.
+    pub live_bytes: usize,
+    /// Live blocks, all processes together.
+    pub live_blocks: usize,
+    /// Processes attached (as far as the pool knows: one killed is still counted).
+    pub attached: usize,
+    /// Blocks handed out and freed since the pool was made, all processes together.
+    pub allocations: u64,
+    /// See `allocations`.
+    pub frees: u64,
+    /// Times the carving state was rebuilt after a process died holding the pool's lock.
+    pub rebuilds: u64,
+    /// Chunk registrations held now, all processes together.
+    pub registrations: u64,
+    /// Chunks this process registered, and their bytes (counted in its pinned limit).
+    pub registered_chunks: usize,
+    /// See `registered_chunks`.
+    pub registered_bytes: usize,
+    /// The node the pool's pages are on.
+    pub node: usize,
+    /// Whether its pages are huge pages (hugetlbfs).
+    pub huge_pages: bool,
+}
+
+/// A pool of memory on one node that several processes map and allocate from.
+///
+/// Dropping it detaches this process: its mapping goes; the pages live while any process maps
+/// the pool (or while its path exists). Blocks stay allocated in the pool until some process
+/// frees them.
+pub struct SharedPool {
+    inner: Arc<Inner>,
+    /// The registration under way in the background, cancelled at detach.
+    background: Lock<Option<Arc<Tally>>>,
+}
+
+/// What the pool's handle and its background registration share; dropped (detached) when both
+/// are gone: unregistered, then unmapped, then the file closed.
+struct Inner {
+    pinned: Pinned,
+    map: PoolMap,
+    fd: OwnedFd,
+    path: Option<PathBuf>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if !self.pinned.release(&self.map) {
+            self.map.keep_mapped();
+        }
+        self.map.header().attached.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl SharedPool {
+    fn new(map: PoolMap, fd: OwnedFd, path: Option<PathBuf>) -> SharedPool {
+        SharedPool {
+            inner: Arc::new(Inner {
+                pinned: Pinned::new(),
+                map,
+                fd,
+                path,
+            }),
+            background: Lock::new(None),
+        }
+    }
+
+    /// Attaches to the pool at `path`.
+    ///
+    /// # Errors
+    /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolCorrupt`] for a file that is
+    /// not a pool of this build; [`Error::PoolStale`] for one left half made by a creator that
+    /// is gone; [`Error::PoolWrongNode`] for one whose pages are not on its node. Nothing in
+    /// the file is changed by a refused attach.
+    pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
+        let path = path.as_ref();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| io_error(Some(path), &e))?;
+        SharedPool::attach_file(file, Some(path.to_path_buf()))
+    }
+
+    /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]).
+    ///
+    /// # Errors
+    /// As [`SharedPool::attach`].
+    pub fn attach_fd(fd: OwnedFd) -> Result<SharedPool, Error> {
+        SharedPool::attach_file(File::from(fd), None)
+    }
+
+    /// Sends the pool's file descriptor over `socket` (`SCM_RIGHTS`), for
+    /// [`SharedPool::receive`] in the process at the other end.
+    pub fn send(&self, socket: &UnixStream) -> Result<(), Error> {
+        sys::send_fd(socket.as_fd(), self.inner.fd.as_fd())
+    }
+
+    /// Receives a pool's descriptor [`SharedPool::send`] sent over `socket`, and attaches.
+    ///
+    /// # Errors
+    /// As [`SharedPool::attach`], or the socket's.
+    pub fn receive(socket: &UnixStream) -> Result<SharedPool, Error> {
+        SharedPool::attach_fd(sys::recv_fd(socket.as_fd())?)
+    }
+
+    fn attach_file(file: File, path: Option<PathBuf>) -> Result<SharedPool, Error> {
+        let shown_path = path.clone().unwrap_or_else(|| shown(None, &file.as_fd()));
+        let len = file
+            .metadata()
+            .map_err(|e| io_error(path.as_deref(), &e))?
+            .len() as usize;
+        let mut magic = [0; 8];
+        // At offset 0 whatever the file's position: an inherited descriptor shares its
+        // position with every process holding it.
+        let read = file.read_exact_at(&mut magic, 0);
+        let magic = u64::from_le_bytes(magic);
+        if read.is_err() || magic != MAGIC || len < DATA_START + MAX_ALIGN as usize {
+            return Err(Error::PoolForeign {
+                path: shown_path,
+                found: magic,
+            });
+        }
+        let fd = OwnedFd::from(file);
+        let map = PoolMap::map(fd.as_fd(), len)?;
+        map.check(&shown_path)?;
+        let header = map.header();
+        let start = Instant::now();
+        while !map.ready() {
+            if !sys::process_alive(header.creator) {
+                return Err(Error::PoolStale {
+                    path: shown_path,
+                    pid: header.creator,
+                });
+            }
+            if start.elapsed() > READY_WAIT {
+                return Err(Error::PoolCorrupt {
+                    path: shown_path,
+                    reason: "its creator has not finished making it in 60 s",
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if !map.lock()?.carve().consistent() {
+            return Err(Error::PoolCorrupt {
+                path: shown_path,
+                reason: "its carving state does not hold together",
+            });
+        }
+        let node = header.node as usize;
+        map.map_in_pages();
+        if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, false) {
+            if elsewhere > 0 {
+                return Err(Error::PoolWrongNode {
+                    path: shown_path,
+                    node,
+                    elsewhere,
+                    pages,
+                    found,
+                });
+            }
+        }
+        header.attached.fetch_add(1, Ordering::AcqRel);
+        Ok(SharedPool::new(map, fd, path))
+    }
+
+    /// The pool's file descriptor: a child inherits it across `fork` and `exec` (a memory file
+    /// is made without close-on-exec; a file opened by path has it until cleared), and attaches
+    /// with [`SharedPool::attach_fd`].
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.inner.fd.as_fd()
+    }
+
+    /// The pool's path, when it has one.
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.path.as_deref()
+    }
+
+    /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), for any
+    /// attached process to use by its handle; `None` when the pool has no room for it.
+    pub fn allocate(&self, layout: Layout) -> Option<PoolHandle> {
+        let mut guard = self.inner.map.lock().ok()?;
+        let block = guard.carve().allocate(
+            layout.size() as u64,
+            layout.align() as u64,
+            sys::process_id(),
+        )?;
+        Some(PoolHandle {
+            offset: block.offset,
+            len: block.len,
+        })
+    }
+
+    /// Frees the live block `handle` names, whichever process carved it: it returns to the pool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRange`] when no live block starts there (freed already, or not a
+    /// handle of this pool).
+    pub fn free(&self, handle: PoolHandle) -> Result<(), Error> {
+        let mut guard = self.inner.map.lock()?;
+        guard
+            .carve()
+            .free(handle.offset, sys::process_id())
+            .map(drop)
+            .map_err(|_| Error::InvalidRange {
+                addr: handle.offset as usize,
+                len: handle.len as usize,
+            })
+    }
+
+    /// Whether a live block starts at `handle`'s offset with its length.
+    pub fn is_live(&self, handle: PoolHandle) -> bool {
+        self.inner.map.lock().is_ok_and(|mut guard| {
+            guard
+                .carve()
+                .find(handle.offset)
+                .is_some_and(|block| block.len == handle.len)
+        })
+    }
+
+    /// This process's pointer to the block `handle` names (`None` when it lies outside the
+    /// pool's blocks). The bytes are shared with every attached process: writing them while
+    /// another process reads or writes them is a data race; use the block as agreed.
+    pub fn ptr(&self, handle: PoolHandle) -> Option<NonNull<u8>> {
+        let end = handle.offset.checked_add(handle.len)?;
+        if handle.offset < DATA_START as u64 || end > self.inner.map.len() as u64 {
+            return None;
+        }
+        NonNull::new(
+            self.inner
+                .map
+                .ptr()
+                .as_ptr()
+                .wrapping_add(handle.offset as usize),
+        )
+    }
+
+    /// The handle of the live block starting at `ptr`, a pointer of this process.
+    pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
+        let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.map.ptr().as_ptr() as usize)?;
+        let block = self.inner.map.lock().ok()?.carve().find(offset as u64)?;
+        Some(PoolHandle {
+            offset: block.offset,
+            len: block.len,
+        })
+    }
+
+    /// Checks where the pool's pages are now (`move_pages`, each page this process maps).
+    ///
+    /// # Errors
+    /// [`Error::PoolWrongNode`] when some are elsewhere.
+    pub fn check_placement(&self) -> Result<(), Error> {
+        let node = self.inner.map.header().node as usize;
+        match self.inner.map.count_elsewhere(node, false) {
+            Some((elsewhere, pages, found)) if elsewhere > 0 => Err(Error::PoolWrongNode {
+                path: shown(self.inner.path.as_deref(), &self.inner.fd),
+                node,
+                elsewhere,
+                pages,
+                found,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// What the pool holds now.
+    pub fn stats(&self) -> PoolStats {
+        let header = self.inner.map.header();
+        let (registered_chunks, registered_bytes) = self.inner.pinned.count();
+        let mut stats = PoolStats {
+            registrations: header.registrations.load(Ordering::Acquire),
+            registered_chunks,
+            registered_bytes,
+            pool_bytes: self.inner.map.len(),
+            usable_bytes: self.inner.map.len() - DATA_START,
+            live_bytes: 0,
+            live_blocks: 0,
+            attached: header.attached.load(Ordering::Acquire) as usize,
+            allocations: 0,
+            frees: 0,
+            rebuilds: 0,
+            node: header.node as usize,
+            huge_pages: header.huge != 0,
+        };
+        if let Ok(mut guard) = self.inner.map.lock() {
+            let carve = guard.carve();
+            stats.live_bytes = carve.live_bytes as usize;
+            stats.live_blocks = carve.live().len();
+            stats.allocations = carve.allocations;
+            stats.frees = carve.frees;
+            stats.rebuilds = carve.rebuilds;
+        }
+        stats
+    }
+
+    /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill
+    /// a process holding it).
+    pub(crate) fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+        let guard = self.inner.map.lock()?;
+        let outcome = f();
+        drop(guard);
+        Ok(outcome)
+    }
+}
+
+impl Drop for SharedPool {
+    /// Detaches: a registration under way stops after its chunk, and once it has, every chunk
+    /// this process registered is unregistered, then the pool unmapped.
+    fn drop(&mut self) {
+        if let Some(tally) = self.background.lock().take() {
+            tally.cancel.store(true, Ordering::Release);
+        }
+    }
+}
+
+impl fmt::Debug for SharedPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedPool")
+            .field("path", &self.inner.path)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+fn io_error(path: Option<&Path>, e: &std::io::Error) -> Error {
+    Error::Io {
+        path: path.map_or_else(|| PathBuf::from("<pool fd>"), Path::to_path_buf),
+        kind: e.kind(),
+        errno: e.raw_os_error(),
+    }
+}
+
+/// A path to name a pool by in errors: its own, or its descriptor.
+fn shown(path: Option<&Path>, fd: &impl AsFd) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    path.map_or_else(
+        || PathBuf::from(format!("<fd {}>", fd.as_fd().as_raw_fd())),
+        Path::to_path_buf,
+    )
+}
+
+/// allocator-api2's `Allocator` over a pool, for 0.4 and (feature `allocator-api2-02`) 0.2.
+macro_rules! shared_allocator {
+    ($api:ident) => {
+        // SAFETY: a block is live, and lies in the pool's mapping, from `allocate` until
+        // `deallocate`; the pool outlives every borrow `&SharedPool` gives out; blocks never
+        // overlap (the carving state's tables).
+        unsafe impl $api::alloc::Allocator for &SharedPool {
+            fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, $api::alloc::AllocError> {
+                if layout.size() == 0 {
+                    let dangling =
+                        NonNull::new(layout.align() as *mut u8).ok_or($api::alloc::AllocError)?;
+                    return Ok(NonNull::slice_from_raw_parts(dangling, 0));
+                }
+                let handle = SharedPool::allocate(self, layout).ok_or($api::alloc::AllocError)?;
+                let ptr = self.ptr(handle).ok_or($api::alloc::AllocError)?;
+                Ok(NonNull::slice_from_raw_parts(ptr, handle.len as usize))
+            }
+
+            unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+                if layout.size() == 0 {
+                    return;
+                }
+                let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
+                let _ = self.free(PoolHandle {
+                    offset: offset as u64,
+                    len: 0,
+                });
+            }
+        }
+    };
+}
+
+shared_allocator!(allocator_api2);
+#[cfg(feature = "allocator-api2-02")]
+shared_allocator!(allocator_api2_02);

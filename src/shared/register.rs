@@ -1,0 +1,106 @@
+//! Registering this process's mapping of a shared pool in the background, chunk by chunk, with
+//! the reservations' handle (`Reservation`: progress, wait, cancel).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::{Inner, SharedPool};
+use crate::blocks::reserve::Tally;
+use crate::chunk::PinFlags;
+use crate::cuda::{Device, Gpu, RegisterFlags};
+use crate::pool::pinning::Pinned;
+use crate::pool::DATA_START;
+use crate::{Error, GpuSelector, Reservation};
+
+impl SharedPool {
+    /// Registers this process's mapping of the pool with `gpu`'s CUDA context on a thread of
+    /// its own, chunk by chunk (each chunk one `cuMemHostRegister`, holding the node-wide lock
+    /// file `/dev/shm/numa-gpu-alloc.register.node{N}.lock` so that two processes do not
+    /// register at the same moment), within `pin_limit` bytes page-locked by this process
+    /// through the crate. Blocks are usable meanwhile (unpinned until their chunk is
+    /// registered); the handle reports progress, waits, cancels. Chunks registered already are
+    /// skipped. A process without a driver, or that does not pin, just does not call this: the
+    /// pool works unpinned.
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] without a usable driver, [`Error::GpuNotFound`]; a failure to
+    /// start the thread. Later errors (a chunk refused, [`Error::PinLimit`]) come from the
+    /// handle; the chunks registered before stay so until detach.
+    pub fn register_in_background(
+        &self,
+        gpu: GpuSelector,
+        pin_limit: usize,
+    ) -> Result<Reservation, Error> {
+        let gpu = Gpu::shared(Device::find(gpu)?)?;
+        let flags = PinFlags {
+            register: RegisterFlags::default(),
+            limit: pin_limit,
+        };
+        let tally = Arc::new(Tally::new(self.inner.map.len() - DATA_START));
+        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&tally));
+        let thread = std::thread::Builder::new()
+            .name("numa-pool-pin".into())
+            .spawn(move || {
+                let ended = EndOnUnwind(&shared);
+                shared.finish(register_chunks(&inner, gpu, flags, &shared));
+                drop(ended);
+            })
+            .map_err(|e| Error::Syscall {
+                call: "registration thread",
+                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+            })?;
+        *self.background.lock() = Some(Arc::clone(&tally));
+        Ok(Reservation::new(tally, thread))
+    }
+}
+
+/// Registers the pool's chunks one by one until all are, or cancelled, or one fails.
+fn register_chunks(
+    inner: &Inner,
+    gpu: &'static Gpu,
+    flags: PinFlags,
+    tally: &Tally,
+) -> Result<(), Error> {
+    for index in 0.. {
+        let Some((_, len)) = Pinned::chunk_range(&inner.map, index) else {
+            break;
+        };
+        if tally.cancel.load(Ordering::Acquire) {
+            break;
+        }
+        if let Some(took) = inner.pinned.register(&inner.map, index, gpu, flags)? {
+            let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            tally.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
+        }
+        for bytes in [
+            &tally.placed,
+            &tally.populated,
+            &tally.registered,
+            &tally.usable,
+        ] {
+            bytes.fetch_add(len, Ordering::Relaxed);
+        }
+        tally.chunks.fetch_add(1, Ordering::Release);
+        let ns = u64::try_from(tally.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let _ = tally.first_chunk_ns.compare_exchange(
+            0,
+            ns.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+    Ok(())
+}
+
+/// Ends a registration whose thread unwinds, so that its handle does not wait for ever.
+struct EndOnUnwind<'a>(&'a Tally);
+
+impl Drop for EndOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.finish(Err(Error::ReservationLost {
+                reason: "its thread panicked",
+            }));
+        }
+    }
+}

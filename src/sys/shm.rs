@@ -1,0 +1,374 @@
+//! Memory several processes map: memory files ([`memfd`]), shared mappings of a file
+//! ([`map_shared`], [`map_in`]), what a file lives on ([`on_hugetlbfs`]), whole-file locks ([`lock_file`]),
+//! file descriptors passed over a Unix socket ([`send_fd`], [`recv_fd`], `SCM_RIGHTS`), whether a
+//! process still exists ([`process_alive`]), and the robust process-shared mutex a shared pool's
+//! state lives under ([`RobustMutex`]).
+//!
+//! Unsafe code here relies on the raw calls themselves: each wrapper checks what it is given,
+//! owns the descriptors it makes, and the callers of the `unsafe fn`s own the memory they pass.
+#![allow(unsafe_code)]
+
+use std::cell::UnsafeCell;
+use std::ffi::CStr;
+use std::mem::{size_of, MaybeUninit};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::{self, NonNull};
+
+use super::{errno, page_size};
+use crate::{Error, Result};
+
+fn syscall(call: &'static str) -> Error {
+    Error::Syscall {
+        call,
+        errno: errno(),
+    }
+}
+
+/// A new memory file (`memfd_create`, close-on-exec off so that an exec'd child may inherit
+/// it), of huge pages (`MFD_HUGETLB`, the default huge page size) when `huge`.
+pub fn memfd(name: &CStr, huge: bool) -> Result<OwnedFd> {
+    let flags = if huge { libc::MFD_HUGETLB } else { 0 };
+    // SAFETY: `name` is a valid C string; the call touches no memory of ours besides it.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(syscall("memfd_create"));
+    }
+    // SAFETY: a descriptor just made, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Maps bytes `0..len` of `fd` shared (`MAP_SHARED`, readable and writable) at a multiple of
+/// `align` (a power of two, at least the page size): an address range is reserved
+/// (`PROT_NONE`, anonymous), the file mapped over its aligned part, the slack given back.
+/// Nothing is populated.
+pub fn map_shared(fd: BorrowedFd<'_>, len: usize, align: usize) -> Result<NonNull<u8>> {
+    let bad = Error::InvalidRange { addr: 0, len };
+    if len == 0 || !len.is_multiple_of(page_size()) || !align.is_power_of_two() {
+        return Err(bad);
+    }
+    let total = len
+        .checked_add(align)
+        .ok_or(Error::InvalidRange { addr: 0, len })?;
+    // SAFETY: an anonymous reservation at an address of the kernel's choosing touches no
+    // existing memory.
+    let base = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            total,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(syscall("mmap"));
+    }
+    let start = (base as usize).next_multiple_of(align);
+    // SAFETY: start..start+len lies inside the reservation just made, which nobody else knows.
+    let mapped = unsafe {
+        libc::mmap(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    let outcome = if mapped == libc::MAP_FAILED {
+        Err(syscall("mmap"))
+    } else {
+        Ok(())
+    };
+    let head = start - base as usize;
+    let tail = total - head - len;
+    // SAFETY: the slack before and after the file's mapping is the rest of our reservation (all
+    // of it when the file's mapping failed).
+    unsafe {
+        if outcome.is_err() {
+            libc::munmap(base, total);
+        } else {
+            if head != 0 {
+                libc::munmap(base, head);
+            }
+            if tail != 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
+    }
+    outcome?;
+    NonNull::new(start as *mut u8).ok_or(bad)
+}
+
+/// Maps the pages a shared mapping's file already has into the page tables
+/// (`madvise(MADV_POPULATE_READ)`, Linux ≥ 5.14; older kernels leave them to fault in).
+///
+/// # Safety
+/// `ptr..ptr+len` is a shared file mapping of the caller's, mapped while this runs.
+pub unsafe fn map_in(ptr: NonNull<u8>, len: usize) -> Result<()> {
+    // libc has it only in later versions than Cargo.toml allows.
+    const MADV_POPULATE_READ: libc::c_int = 22;
+    // SAFETY: the caller's mapping; reading faults in existing pages and changes no content.
+    if unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_READ) } != 0 {
+        return Err(syscall("madvise(MADV_POPULATE_READ)"));
+    }
+    Ok(())
+}
+
+/// Whether `fd` lives on a hugetlbfs mount (or is a `MFD_HUGETLB` memory file), by `fstatfs`.
+pub fn on_hugetlbfs(fd: BorrowedFd<'_>) -> Result<bool> {
+    let mut st = MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `st` is a writable statfs the call fills.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(syscall("fstatfs"));
+    }
+    // SAFETY: filled by the successful call (and zeroed before).
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_type == libc::HUGETLBFS_MAGIC)
+}
+
+/// Locks the whole of `fd`'s file (`flock`), exclusively or shared, waiting for it unless
+/// `wait` is false; `Ok(false)` when it did not wait and another holds it. The lock goes with
+/// the open file: closing the last descriptor of it releases it, so a killed holder leaves none.
+pub fn lock_file(fd: BorrowedFd<'_>, exclusive: bool, wait: bool) -> Result<bool> {
+    let mut op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    };
+    if !wait {
+        op |= libc::LOCK_NB;
+    }
+    loop {
+        // SAFETY: flock on a descriptor we hold touches no memory.
+        if unsafe { libc::flock(fd.as_raw_fd(), op) } == 0 {
+            return Ok(true);
+        }
+        match errno() {
+            libc::EINTR => continue,
+            libc::EWOULDBLOCK if !wait => return Ok(false),
+            errno => {
+                return Err(Error::Syscall {
+                    call: "flock",
+                    errno,
+                })
+            }
+        }
+    }
+}
+
+/// Releases a lock [`lock_file`] took.
+pub fn unlock_file(fd: BorrowedFd<'_>) {
+    // SAFETY: flock on a descriptor we hold touches no memory; a failure leaves nothing to do
+    // (the lock goes with the descriptor's close).
+    unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_UN) };
+}
+
+/// Room for one descriptor's control message.
+#[repr(C)]
+union FdMessage {
+    bytes: [u8; 64],
+    _align: libc::cmsghdr,
+}
+
+/// Sends `fd` over the Unix socket `socket` (`sendmsg`, `SCM_RIGHTS`, one byte of data).
+pub fn send_fd(socket: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<()> {
+    let mut byte = [b'p'];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut control = FdMessage { bytes: [0; 64] };
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as usize;
+    // SAFETY: zero is a valid msghdr (null pointers, zero lengths), filled in below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ptr::addr_of_mut!(control).cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer is 64 bytes, aligned for a cmsghdr, and holds one message of
+    // one descriptor (CMSG_SPACE(4) = 24); CMSG_FIRSTHDR of it is its start.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as _;
+        ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd.as_raw_fd());
+    }
+    loop {
+        // SAFETY: `msg` points at live buffers of the sizes it names.
+        if unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) } >= 0 {
+            return Ok(());
+        }
+        if errno() != libc::EINTR {
+            return Err(syscall("sendmsg"));
+        }
+    }
+}
+
+/// Receives a descriptor [`send_fd`] sent over `socket` (`recvmsg`, close-on-exec).
+pub fn recv_fd(socket: BorrowedFd<'_>) -> Result<OwnedFd> {
+    let mut byte = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut control = FdMessage { bytes: [0; 64] };
+    // SAFETY: zero is a valid msghdr, filled in below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ptr::addr_of_mut!(control).cast();
+    msg.msg_controllen = size_of::<FdMessage>() as _;
+    loop {
+        // SAFETY: `msg` points at live, writable buffers of the sizes it names.
+        let got = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if got > 0 {
+            break;
+        }
+        if got == 0 {
+            return Err(Error::Syscall {
+                call: "recvmsg",
+                errno: libc::ECONNRESET,
+            });
+        }
+        if errno() != libc::EINTR {
+            return Err(syscall("recvmsg"));
+        }
+    }
+    // SAFETY: the kernel filled the control buffer `msg` points at; CMSG_FIRSTHDR is null or a
+    // message inside it, whose data holds one descriptor when it is SCM_RIGHTS.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null()
+            || (*cmsg).cmsg_level != libc::SOL_SOCKET
+            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
+        {
+            return Err(Error::Syscall {
+                call: "recvmsg",
+                errno: libc::EBADMSG,
+            });
+        }
+        let fd = ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// Whether process `pid` exists (`kill(pid, 0)`; one of another user's counts as existing).
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists.
+    pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || errno() == libc::EPERM)
+}
+
+/// This process's id.
+pub fn process_id() -> u32 {
+    std::process::id()
+}
+
+/// A `pthread_mutex_t` shared between processes (`PTHREAD_PROCESS_SHARED`) that a holder's death
+/// does not wedge (`PTHREAD_MUTEX_ROBUST`): the next locker gets it with
+/// [`Locked::OwnerDied`], checks or rebuilds what it guards, and calls
+/// [`RobustMutex::mark_consistent`].
+#[repr(C)]
+pub struct RobustMutex {
+    raw: UnsafeCell<libc::pthread_mutex_t>,
+}
+
+// SAFETY: a process-shared pthread mutex is made to be used from any thread of any process.
+unsafe impl Sync for RobustMutex {}
+
+/// How [`RobustMutex::lock`] got the lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Locked {
+    /// From an unlock.
+    Clean,
+    /// From a holder that died holding it (`EOWNERDEAD`): what it guards may be half changed.
+    OwnerDied,
+}
+
+impl RobustMutex {
+    /// Initialises the mutex at `this`.
+    ///
+    /// # Safety
+    /// `this` points at writable memory for a `RobustMutex` (shared memory, for other processes
+    /// to use), not in use by anyone, and initialised once.
+    pub unsafe fn init(this: *mut RobustMutex) -> Result<()> {
+        let mut attr = MaybeUninit::<libc::pthread_mutexattr_t>::uninit();
+        // SAFETY: `attr` is initialised by the first call and destroyed last; `this` is the
+        // caller's to initialise.
+        unsafe {
+            if libc::pthread_mutexattr_init(attr.as_mut_ptr()) != 0 {
+                return Err(syscall("pthread_mutexattr_init"));
+            }
+            let mut code =
+                libc::pthread_mutexattr_setpshared(attr.as_mut_ptr(), libc::PTHREAD_PROCESS_SHARED);
+            if code == 0 {
+                code = libc::pthread_mutexattr_setrobust(
+                    attr.as_mut_ptr(),
+                    libc::PTHREAD_MUTEX_ROBUST,
+                );
+            }
+            if code == 0 {
+                code = libc::pthread_mutex_init(
+                    UnsafeCell::raw_get(ptr::addr_of!((*this).raw)),
+                    attr.as_ptr(),
+                );
+            }
+            libc::pthread_mutexattr_destroy(attr.as_mut_ptr());
+            if code != 0 {
+                return Err(Error::Syscall {
+                    call: "pthread_mutex_init",
+                    errno: code,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the lock, waiting for it.
+    ///
+    /// # Errors
+    /// `ENOTRECOVERABLE` when a holder died and the next one unlocked without marking it
+    /// consistent: the state it guards is lost.
+    pub fn lock(&self) -> Result<Locked> {
+        // SAFETY: an initialised mutex (see `init`), in memory that outlives `self`.
+        match unsafe { libc::pthread_mutex_lock(self.raw.get()) } {
+            0 => Ok(Locked::Clean),
+            libc::EOWNERDEAD => Ok(Locked::OwnerDied),
+            errno => Err(Error::Syscall {
+                call: "pthread_mutex_lock",
+                errno,
+            }),
+        }
+    }
+
+    /// Marks the state consistent again after [`Locked::OwnerDied`].
+    ///
+    /// # Safety
+    /// The caller holds the lock, got with [`Locked::OwnerDied`], and checked or rebuilt what it
+    /// guards.
+    pub unsafe fn mark_consistent(&self) -> Result<()> {
+        // SAFETY: the caller holds the lock after its owner died.
+        match unsafe { libc::pthread_mutex_consistent(self.raw.get()) } {
+            0 => Ok(()),
+            errno => Err(Error::Syscall {
+                call: "pthread_mutex_consistent",
+                errno,
+            }),
+        }
+    }
+
+    /// Releases the lock.
+    ///
+    /// # Safety
+    /// The calling thread holds it (from [`Self::lock`]).
+    pub unsafe fn unlock(&self) {
+        // SAFETY: the caller's thread holds the lock.
+        unsafe { libc::pthread_mutex_unlock(self.raw.get()) };
+    }
+}

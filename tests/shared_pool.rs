@@ -1,0 +1,281 @@
+//! Shared pools across processes: two and eight processes allocating, freeing, writing their
+//! blocks and reading the others' at their handles with no overlap; a process killed while it
+//! holds the pool's lock leaves the others working; attach by descriptor (inherited, and over a
+//! Unix socket) and by path; each bad case refused with its error, the pool others use intact.
+#![cfg(target_os = "linux")]
+
+#[path = "../examples/support/shared_workload.rs"]
+mod shared_workload;
+
+use std::alloc::Layout;
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::Command;
+
+use allocator_api2::vec::Vec as ApiVec;
+use numa_gpu_alloc::{Error, SharedPool};
+
+const MIB: usize = 1 << 20;
+
+/// Byte offsets of header fields the bad cases change (`src/pool/mod.rs`, `Header`).
+const VERSION_AT: u64 = 12;
+const NODE_AT: u64 = 24;
+const CREATOR_AT: u64 = 40;
+const READY_AT: u64 = 44;
+
+fn children_of(test: &'static str) -> impl Fn() -> Command {
+    move || {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command.args([test, "--exact", "--nocapture", "--test-threads=1"]);
+        command
+    }
+}
+
+#[test]
+fn two_processes_share_one_pool() {
+    if shared_workload::child() {
+        return;
+    }
+    let s = shared_workload::run(2, 400, false, children_of("two_processes_share_one_pool"));
+    println!("{s:?}");
+    assert_eq!((s.finished, s.operations, s.overlaps), (2, 800, 0));
+}
+
+#[test]
+fn eight_processes_share_one_pool() {
+    if shared_workload::child() {
+        return;
+    }
+    let s = shared_workload::run(8, 400, false, children_of("eight_processes_share_one_pool"));
+    println!("{s:?}");
+    assert_eq!((s.finished, s.operations, s.overlaps), (8, 3200, 0));
+    assert!(s.cross_reads > 0, "the processes read each other's blocks");
+}
+
+#[test]
+fn a_process_killed_holding_the_lock_leaves_the_others_working() {
+    if shared_workload::child() {
+        return;
+    }
+    let test = "a_process_killed_holding_the_lock_leaves_the_others_working";
+    let s = shared_workload::run(4, 200, true, children_of(test));
+    println!("{s:?}");
+    assert_eq!((s.finished, s.operations, s.overlaps), (4, 800, 0));
+    assert_eq!(
+        s.rebuilds, 1,
+        "the state was checked once, after the holder died"
+    );
+}
+
+#[test]
+fn a_process_without_a_driver_uses_the_pool_unpinned() {
+    if numa_gpu_alloc::cuda_driver_present() {
+        eprintln!("SKIPPED: a CUDA driver is loadable here");
+        return;
+    }
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let e = pool
+        .register_in_background(numa_gpu_alloc::GpuSelector::Auto, usize::MAX)
+        .unwrap_err();
+    assert!(matches!(e, Error::CudaUnavailable { .. }), "{e}");
+    let handle = pool.allocate(Layout::from_size_align(4096, 4096).unwrap());
+    assert!(handle.is_some());
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.registered_chunks, stats.registrations),
+        (0, 0),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_pool_is_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<SharedPool>();
+    send_sync::<numa_gpu_alloc::PoolHandle>();
+}
+
+#[test]
+fn processes_killed_at_random_moments_leave_the_others_working() {
+    if shared_workload::child() {
+        return;
+    }
+    let test = "processes_killed_at_random_moments_leave_the_others_working";
+    let s = shared_workload::run_killing(8, 3000, 4, children_of(test));
+    println!("{s:?}");
+    assert_eq!((s.finished, s.overlaps), (4, 0));
+}
+
+fn pool_path(name: &str) -> PathBuf {
+    PathBuf::from(format!(
+        "/dev/shm/numa-gpu-alloc-test-{name}-{}",
+        std::process::id()
+    ))
+}
+
+fn small_pool_at(path: &PathBuf) -> SharedPool {
+    let _ = std::fs::remove_file(path);
+    SharedPool::builder(8 * MIB)
+        .node(0)
+        .chunk(2 * MIB)
+        .path(path)
+        .create()
+        .expect("making a pool at a path")
+}
+
+#[test]
+fn attach_by_path_and_free_from_the_other_process() {
+    let path = pool_path("path");
+    let a = small_pool_at(&path);
+    let b = SharedPool::attach(&path).expect("attaching by path");
+    let handle = a
+        .allocate(Layout::from_size_align(4096, 64).unwrap())
+        .unwrap();
+    // SAFETY: a live block of the pool, used by this test alone.
+    unsafe { a.ptr(handle).unwrap().as_ptr().write_bytes(0xa5, 4096) };
+    // SAFETY: as above, through the other mapping.
+    let seen = unsafe { *b.ptr(handle).unwrap().as_ptr().add(4095) };
+    assert_eq!(seen, 0xa5);
+    assert_eq!(b.stats().attached, 2);
+    b.free(handle).expect("freed by the other attachment");
+    assert!(matches!(a.free(handle), Err(Error::InvalidRange { .. })));
+    assert_eq!(a.stats().live_blocks, 0);
+    // Creating again at the path is refused, and the pool is untouched.
+    let kept = a.allocate(Layout::from_size_align(64, 8).unwrap()).unwrap();
+    let again = SharedPool::builder(8 * MIB).node(0).path(&path).create();
+    assert!(matches!(again, Err(Error::PoolExists { .. })), "{again:?}");
+    assert!(b.is_live(kept));
+    drop(b);
+    assert_eq!(a.stats().attached, 1);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_pool_at_a_path_outlives_its_creator() {
+    let path = pool_path("outlives");
+    let creator = small_pool_at(&path);
+    let handle = creator
+        .allocate(Layout::from_size_align(4096, 64).unwrap())
+        .unwrap();
+    // SAFETY: a live block of the pool, used by this test alone.
+    unsafe {
+        creator
+            .ptr(handle)
+            .unwrap()
+            .as_ptr()
+            .write_bytes(0x3c, 4096)
+    };
+    drop(creator);
+    let later = SharedPool::attach(&path).expect("the pool is still there");
+    assert!(later.is_live(handle));
+    // SAFETY: as above.
+    let kept = unsafe { *later.ptr(handle).unwrap().as_ptr().add(100) };
+    assert_eq!(kept, 0x3c);
+    assert_eq!(later.stats().attached, 1);
+    later.free(handle).unwrap();
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn attach_by_descriptor_over_a_unix_socket() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let (here, there) = UnixStream::pair().unwrap();
+    pool.send(&here).unwrap();
+    let other = SharedPool::receive(&there).expect("attaching by a received descriptor");
+    let mut v = ApiVec::new_in(&other);
+    v.extend(0..10_000u32);
+    let handle = other
+        .handle_of(std::ptr::NonNull::from(&v[0]).cast())
+        .unwrap();
+    // SAFETY: the vector's block, not written while read here.
+    let first = unsafe { *pool.ptr(handle).unwrap().as_ptr().cast::<u32>().add(9_999) };
+    assert_eq!(first, 9_999);
+    assert_eq!(pool.stats().live_blocks, 1);
+    drop(v);
+    assert_eq!(pool.stats().live_blocks, 0);
+    assert_eq!(pool.stats().attached, 2);
+}
+
+fn patch(path: &PathBuf, at: u64, bytes: &[u8]) {
+    let file = OpenOptions::new().write(true).open(path).unwrap();
+    file.write_all_at(bytes, at).unwrap();
+}
+
+#[test]
+fn bad_cases_are_refused_with_their_errors() {
+    // Not a pool.
+    let path = pool_path("foreign");
+    std::fs::write(&path, vec![7u8; 4 * MIB]).unwrap();
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(matches!(e, Error::PoolForeign { .. }), "{e}");
+    assert!(
+        e.to_string().contains("not a numa-gpu-alloc shared pool"),
+        "{e}"
+    );
+    std::fs::remove_file(&path).unwrap();
+
+    // Another layout version; a damaged size; pages on another node; a stale half-made pool:
+    // each refused, and the pool is as it was for the process using it.
+    let path = pool_path("bad");
+    let pool = small_pool_at(&path);
+    let block = pool
+        .allocate(Layout::from_size_align(64, 8).unwrap())
+        .unwrap();
+
+    patch(&path, VERSION_AT, &99u32.to_le_bytes());
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(e, Error::PoolVersion { found: (1, 99), .. }),
+        "{e}"
+    );
+    patch(&path, VERSION_AT, &1u32.to_le_bytes());
+
+    patch(&path, NODE_AT, &7u32.to_le_bytes());
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(matches!(e, Error::PoolWrongNode { node: 7, .. }), "{e}");
+    patch(&path, NODE_AT, &0u32.to_le_bytes());
+
+    let gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait_with_output().unwrap();
+    patch(&path, CREATOR_AT, &pid.to_le_bytes());
+    patch(&path, READY_AT, &0u32.to_le_bytes());
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(e, Error::PoolStale { pid: p, .. } if p == pid),
+        "{e}"
+    );
+    assert!(e.to_string().contains("remove the file"), "{e}");
+    patch(&path, READY_AT, &1u32.to_le_bytes());
+
+    let file = OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(10 * MIB as u64).unwrap();
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
+    file.set_len(8 * MIB as u64).unwrap();
+
+    assert!(pool.is_live(block));
+    assert_eq!(pool.stats().attached, 1, "no refused attach counted");
+    SharedPool::attach(&path).expect("the pool is whole again");
+    std::fs::remove_file(&path).unwrap();
+
+    // Larger than the node.
+    let e = SharedPool::builder(1 << 50).node(0).create().unwrap_err();
+    assert!(matches!(e, Error::PoolTooLarge { node: 0, .. }), "{e}");
+
+    // Huge pages without free ones (this machine reserves none; skipped where some are).
+    let free = std::fs::read_to_string(
+        "/sys/devices/system/node/node0/hugepages/hugepages-2048kB/free_hugepages",
+    )
+    .map_or(0, |s| s.trim().parse::<usize>().unwrap_or(0));
+    if free < 4 {
+        let e = SharedPool::builder(8 * MIB)
+            .node(0)
+            .huge_pages(true)
+            .create()
+            .unwrap_err();
+        assert!(matches!(e, Error::PoolHugePages { .. }), "{e}");
+    }
+}

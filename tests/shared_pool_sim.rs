@@ -1,0 +1,215 @@
+//! Shared pools registered against the CUDA driver simulator (`tests/sim/`): two processes
+//! attach one pool and each registers its own mapping chunk by chunk in the background, one
+//! registration per chunk per process, each made under the node-wide lock file, and each
+//! unregistered before the mapping goes at detach (and at exit, for a process that detaches by
+//! ending); a copy over a whole block works (none straddles two registrations).
+#![cfg(target_os = "linux")]
+
+#[macro_use]
+mod common {
+    #[macro_use]
+    pub mod sim;
+}
+
+use std::alloc::Layout;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::process::Command;
+
+use common::sim::{self, Sim};
+use numa_gpu_alloc::{GpuSelector, SharedPool};
+
+const MIB: usize = 1 << 20;
+/// The pool's chunk, and its chunks: 8 of 2 MiB after the 2 MiB header.
+const CHUNK: usize = 2 * MIB;
+const CHUNKS: usize = 8;
+const LOCK_FILE: &str = "/dev/shm/numa-gpu-alloc.register.node0.lock";
+/// Set in the second process, to the pool's inherited descriptor.
+const ATTACH_VAR: &str = "NUMA_GPU_ALLOC_SIM_POOL_FD";
+
+/// What the simulator saw about the lock file and unregistrations (`struct sim_lock_stats`).
+#[repr(C)]
+#[derive(Debug, Default)]
+struct LockStats {
+    unlocked_registrations: u64,
+    unmapped_unregistrations: u64,
+    unregistrations: u64,
+}
+
+fn lock_stats() -> LockStats {
+    let mut stats = LockStats::default();
+    // SAFETY: `void cuSimLockStats(struct sim_lock_stats *)`, whose layout `LockStats` repeats.
+    unsafe {
+        let f: unsafe extern "C" fn(*mut LockStats) = Sim::get().function("cuSimLockStats");
+        f(&mut stats);
+    }
+    stats
+}
+
+/// Registers `pool` in the background, waits, checks this process's counts, detaches, and
+/// returns the simulator's registrations and lock counts after the detach.
+fn register_and_detach(pool: SharedPool) -> (u64, LockStats) {
+    let before = Sim::get().stats().registrations;
+    let reservation = pool
+        .register_in_background(GpuSelector::Ordinal(0), usize::MAX)
+        .expect("registering with the simulator");
+    let done = reservation.wait().expect("every chunk registered");
+    assert_eq!(done.chunks, CHUNKS, "{done}");
+    let stats = pool.stats();
+    assert_eq!(stats.registered_chunks, CHUNKS, "{stats:?}");
+    assert_eq!(stats.registered_bytes, CHUNKS * CHUNK);
+    let sim = Sim::get().stats();
+    assert!(sim.largest_registration <= CHUNK as u64, "{sim:?}");
+    assert_eq!(sim.registrations - before, CHUNKS as u64);
+    // A host-to-device copy of a whole chunk-sized block: inside one registration.
+    let block = pool
+        .allocate(Layout::from_size_align(CHUNK, 64).unwrap())
+        .expect("a chunk-sized block");
+    let ptr = pool.ptr(block).unwrap();
+    copy_to_device(ptr.as_ptr(), CHUNK);
+    pool.free(block).unwrap();
+    drop(pool);
+    assert_eq!(
+        Sim::get().stats().registered_ranges,
+        0,
+        "all unregistered at detach"
+    );
+    (sim.registrations - before, lock_stats())
+}
+
+/// `cuMemcpyHtoDAsync_v2` of `len` bytes at `host` to a fresh device allocation on the null
+/// stream, then its synchronisation: the simulator refuses a copy over two registrations, and
+/// runs a copy from page-locked memory asynchronously (counted).
+fn copy_to_device(host: *mut u8, len: usize) {
+    type Retain = unsafe extern "C" fn(*mut *mut std::ffi::c_void, i32) -> u32;
+    type SetCurrent = unsafe extern "C" fn(*mut std::ffi::c_void) -> u32;
+    type Alloc = unsafe extern "C" fn(*mut u64, usize) -> u32;
+    type Copy = unsafe extern "C" fn(u64, *const std::ffi::c_void, usize, usize) -> u32;
+    type Sync = unsafe extern "C" fn(usize) -> u32;
+    type Free = unsafe extern "C" fn(u64) -> u32;
+    let sim = Sim::get();
+    let before = sim.stats().async_copies;
+    // SAFETY: the driver's prototypes (a stream as a pointer-sized handle, 0 the null stream);
+    // the crate pushes its context only for its own calls, so this makes it current.
+    unsafe {
+        let retain: Retain = sim.function("cuDevicePrimaryCtxRetain");
+        let set: SetCurrent = sim.function("cuCtxSetCurrent");
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(retain(&mut ctx, 0), 0);
+        assert_eq!(set(ctx), 0);
+        let alloc: Alloc = sim.function("cuMemAlloc_v2");
+        let copy: Copy = sim.function("cuMemcpyHtoDAsync_v2");
+        let sync: Sync = sim.function("cuStreamSynchronize");
+        let free: Free = sim.function("cuMemFree_v2");
+        let mut dev = 0;
+        assert_eq!(alloc(&mut dev, len), 0);
+        assert_eq!(
+            copy(dev, host.cast(), len, 0),
+            0,
+            "a block's copy is refused"
+        );
+        assert_eq!(sync(0), 0);
+        assert_eq!(free(dev), 0);
+    }
+    assert_eq!(
+        sim.stats().async_copies,
+        before + 1,
+        "copied from page-locked memory"
+    );
+}
+
+sim_test!(
+    /// Two processes, each registering its mapping: 2 × 8 chunk registrations, all under the
+    /// lock file, none unregistered after its range was unmapped.
+    two_processes_register_their_mappings_chunk_by_chunk,
+    env: [("CUDA_SIM_LOCK_FILE", LOCK_FILE), ("CUDA_SIM_REGISTER_US_PER_GIB", "200000")],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED on the real driver: counts the simulator's registrations");
+            return;
+        }
+        if let Ok(fd) = std::env::var(ATTACH_VAR) {
+            // SAFETY: the descriptor the first process left open for us.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd.parse().unwrap()) };
+            let pool = SharedPool::attach_fd(fd).expect("attaching by descriptor");
+            let (registrations, locks) = register_and_detach(pool);
+            println!(
+                "second: registrations {registrations} unlocked {} unmapped-before-unregister {} \
+                 unregistrations {}",
+                locks.unlocked_registrations, locks.unmapped_unregistrations, locks.unregistrations
+            );
+            return;
+        }
+        let pool = SharedPool::builder(2 * MIB + CHUNKS * CHUNK)
+            .node(0)
+            .chunk(CHUNK)
+            .create()
+            .unwrap();
+        let second = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "two_processes_register_their_mappings_chunk_by_chunk",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ATTACH_VAR, pool.fd().as_raw_fd().to_string())
+            .stderr(std::process::Stdio::inherit())
+            .spawn_and_wait_output();
+        let (registrations, locks) = register_and_detach(pool);
+        let out = second.join().unwrap();
+        assert!(out.status.success(), "the second process failed");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().find_map(|l| l.find("second:").map(|at| &l[at..])).unwrap();
+        println!("first: registrations {registrations} unlocked {} unmapped-before-unregister {} \
+                  unregistrations {}\n{line}",
+            locks.unlocked_registrations, locks.unmapped_unregistrations, locks.unregistrations);
+        let field = |name: &str| -> u64 {
+            let at = line.find(name).unwrap() + name.len() + 1;
+            line[at..].split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let total = registrations + field("registrations");
+        println!("2 processes x {CHUNKS} chunks = {total} registrations");
+        assert_eq!(total, 2 * CHUNKS as u64);
+        assert_eq!(locks.unlocked_registrations + field("unlocked"), 0);
+        assert_eq!(locks.unmapped_unregistrations + field("unmapped-before-unregister"), 0);
+        assert_eq!(locks.unregistrations + field(" unregistrations"), 2 * CHUNKS as u64);
+    }
+);
+
+sim_test!(
+    /// The pinned limit counts what this process registered: three chunks fit, the fourth is
+    /// refused with the limit's error, and the three stay registered until detach.
+    the_pinned_limit_counts_this_processs_registrations,
+    env: [],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED on the real driver: counts the simulator's registrations");
+            return;
+        }
+        let pool = SharedPool::builder(2 * MIB + CHUNKS * CHUNK)
+            .node(0)
+            .chunk(CHUNK)
+            .create()
+            .unwrap();
+        let reservation = pool
+            .register_in_background(GpuSelector::Ordinal(0), 3 * CHUNK)
+            .unwrap();
+        let e = reservation.wait().unwrap_err();
+        assert!(matches!(e, numa_gpu_alloc::Error::PinLimit { .. }), "{e}");
+        let stats = pool.stats();
+        assert_eq!((stats.registered_chunks, stats.registrations), (3, 3), "{stats:?}");
+        drop(pool);
+        assert_eq!(Sim::get().stats().registered_ranges, 0);
+    }
+);
+
+/// Spawns on a thread of its own, which waits for the child's output.
+trait SpawnAndWait {
+    fn spawn_and_wait_output(&mut self) -> std::thread::JoinHandle<std::process::Output>;
+}
+
+impl SpawnAndWait for Command {
+    fn spawn_and_wait_output(&mut self) -> std::thread::JoinHandle<std::process::Output> {
+        let child = self.stdout(std::process::Stdio::piped()).spawn().unwrap();
+        std::thread::spawn(move || child.wait_with_output().unwrap())
+    }
+}
