@@ -27,14 +27,7 @@ fn main() {
         if cli::is_help(&arg) {
             cli::help(USAGE);
         }
-        let mut value = |name: &str| -> u64 {
-            let v = args
-                .next()
-                .unwrap_or_else(|| cli::usage_error(format_args!("{name} needs a value"), USAGE));
-            v.to_string_lossy()
-                .parse()
-                .unwrap_or_else(|_| cli::usage_error(format_args!("bad {name} {v:?}"), USAGE))
-        };
+        let mut value = |name: &str| -> u64 { cli::option_value(&mut args, name, USAGE) };
         match arg.to_string_lossy().as_ref() {
             "--processes" => processes = value("--processes").max(1) as usize,
             "--ops" => ops = value("--ops"),

@@ -190,14 +190,7 @@ fn main() {
         if cli::is_help(&arg) {
             cli::help(USAGE);
         }
-        let mut value = |name: &str| -> f64 {
-            let v = args
-                .next()
-                .unwrap_or_else(|| cli::usage_error(format_args!("{name} needs a value"), USAGE));
-            v.to_string_lossy()
-                .parse()
-                .unwrap_or_else(|_| cli::usage_error(format_args!("bad {name} {v:?}"), USAGE))
-        };
+        let mut value = |name: &str| -> f64 { cli::option_value(&mut args, name, USAGE) };
         match arg.to_string_lossy().as_ref() {
             "--gib" => gib = value("--gib"),
             "--processes" => processes = (value("--processes") as usize).max(1),

@@ -117,6 +117,15 @@ fn copy_to_device(host: *mut u8, len: usize) {
     );
 }
 
+/// A pool of `CHUNKS` chunks of `CHUNK` on node 0.
+fn chunked_pool() -> SharedPool {
+    SharedPool::builder(2 * MIB + CHUNKS * CHUNK)
+        .node(0)
+        .chunk(CHUNK)
+        .create()
+        .unwrap()
+}
+
 sim_test!(
     /// Two processes, each registering its mapping: 2 × 8 chunk registrations, all under the
     /// lock file, none unregistered after its range was unmapped.
@@ -139,11 +148,7 @@ sim_test!(
             );
             return;
         }
-        let pool = SharedPool::builder(2 * MIB + CHUNKS * CHUNK)
-            .node(0)
-            .chunk(CHUNK)
-            .create()
-            .unwrap();
+        let pool = chunked_pool();
         let second = Command::new(std::env::current_exe().unwrap())
             .args([
                 "two_processes_register_their_mappings_chunk_by_chunk",
@@ -185,11 +190,7 @@ sim_test!(
             eprintln!("SKIPPED on the real driver: counts the simulator's registrations");
             return;
         }
-        let pool = SharedPool::builder(2 * MIB + CHUNKS * CHUNK)
-            .node(0)
-            .chunk(CHUNK)
-            .create()
-            .unwrap();
+        let pool = chunked_pool();
         let reservation = pool
             .register_in_background(GpuSelector::Ordinal(0), 3 * CHUNK)
             .unwrap();

@@ -42,6 +42,20 @@ pub fn positional(usage: &str, max: usize) -> Vec<OsString> {
     args
 }
 
+/// The value after the option `name`, parsed; a missing or unparsable one is a usage error.
+pub fn option_value<T: std::str::FromStr>(
+    args: &mut impl Iterator<Item = OsString>,
+    name: &str,
+    usage: &str,
+) -> T {
+    let v = args
+        .next()
+        .unwrap_or_else(|| usage_error(format_args!("{name} needs a value"), usage));
+    v.to_string_lossy()
+        .parse()
+        .unwrap_or_else(|_| usage_error(format_args!("bad {name} {v:?}"), usage))
+}
+
 /// Exits 1 with `error: {e}` on stderr when the run failed.
 pub fn exit_on_error<E: Display>(result: Result<(), E>) {
     if let Err(e) = result {
