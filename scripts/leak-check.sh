@@ -29,8 +29,11 @@ binary() {
 # target source | test-binary arguments (filters, skips)
 runs=(
     # The carver's property test is thousands of sequences of bookkeeping that maps nothing:
-    # minutes under valgrind for no leak it could show.
-    "unittests src/lib.rs|--skip arena::carve::fuzz"
+    # minutes under valgrind for no leak it could show. Valgrind 3.19 marks the pages an mremap
+    # adds to a mapping it moves (MREMAP_FIXED to a larger size) unaddressable once other tests
+    # mapped and unmapped around it, though they are mapped (its report: "in a rw- anonymous
+    # segment"): the doubling test passes under valgrind alone and natively checks every page.
+    "unittests src/lib.rs|--skip arena::carve::fuzz --skip alloc::tests::a_doubling_block"
     "tests/allocator_api.rs|"
     "tests/global_allocator.rs|"
     "tests/env_config.rs|"

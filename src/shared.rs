@@ -284,7 +284,12 @@ impl SharedPool {
     /// # Errors
     /// [`Error::InvalidRange`] when no live block starts there (freed already, or not a
     /// handle of this pool).
-    pub fn free(&self, handle: PoolHandle) -> Result<(), Error> {
+    ///
+    /// # Safety
+    /// Nothing in any process uses the block afterwards, and it is not owned by a value the
+    /// pool's `Allocator` impl serves (a `Vec` in the pool frees its block itself): its range
+    /// may be handed out again at once.
+    pub unsafe fn free(&self, handle: PoolHandle) -> Result<(), Error> {
         let mut guard = self.inner.map.lock()?;
         guard
             .carve()
@@ -450,10 +455,13 @@ macro_rules! shared_allocator {
                     return;
                 }
                 let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
-                let _ = self.free(PoolHandle {
-                    offset: offset as u64,
-                    len: 0,
-                });
+                // SAFETY: the caller of `deallocate` gives the block up; it was carved for it.
+                let _ = unsafe {
+                    self.free(PoolHandle {
+                        offset: offset as u64,
+                        len: 0,
+                    })
+                };
             }
         }
     };

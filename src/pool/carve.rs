@@ -29,8 +29,26 @@ pub(crate) struct Extent {
 }
 
 impl Extent {
+    /// Its end; saturated for a corrupt extent, which then fits no pool.
     fn end(self) -> u64 {
-        self.offset + self.len
+        self.offset.saturating_add(self.len)
+    }
+}
+
+/// The pool's geometry as the carving state records it: where blocks start and end, and the
+/// chunk no block crosses (set once when the pool is made).
+///
+/// # Safety
+/// `carve` points to the carving state of a mapped pool; only these fields, which nothing
+/// changes after the pool is made, are read (its tables may be changing under another process).
+pub(crate) unsafe fn geometry(carve: *const Carve) -> (u64, u64, u64) {
+    // SAFETY: forwarded: mapped, and these fields are written only before the pool is shared.
+    unsafe {
+        (
+            std::ptr::addr_of!((*carve).start).read_volatile(),
+            std::ptr::addr_of!((*carve).end).read_volatile(),
+            std::ptr::addr_of!((*carve).chunk).read_volatile(),
+        )
     }
 }
 
@@ -203,12 +221,12 @@ impl Carve {
         {
             return false;
         }
-        let chunk_of = |at: u64| (at - self.start) / self.chunk;
-        if self
-            .live()
-            .iter()
-            .any(|e| e.len == 0 || chunk_of(e.offset) != chunk_of(e.end() - 1))
-        {
+        let chunk_of = |at: u64| at.checked_sub(self.start).map(|at| at / self.chunk);
+        if self.live().iter().any(|e| {
+            e.len == 0
+                || chunk_of(e.offset).is_none()
+                || chunk_of(e.offset) != chunk_of(e.end() - 1)
+        }) {
             return false;
         }
         let mut f = self.free_ranges().iter().peekable();
@@ -236,14 +254,18 @@ impl Carve {
     /// of the change under way, and makes the free ranges again from the gaps. Returns how many
     /// live entries were dropped.
     pub(crate) fn rebuild(&mut self) -> usize {
+        // One slot past the count too: a holder killed inside an insert may have shifted the
+        // last live block there before counting it (a shift leaves entries in order, at worst
+        // one twice, which the overlap filter below drops; removes clear the slot they vacate).
         let count = (self.live_count as usize).min(EXTENTS);
+        let scanned = (count + 1).min(EXTENTS);
         if self.chunk == 0 || self.start >= self.end {
             return count;
         }
         let doomed = (self.intent.op != 0).then_some(self.intent.block);
         // Insertion sort in place: no allocation inside the allocator, and the table is nearly
         // sorted (at most one entry moved when the holder died).
-        for i in 1..count {
+        for i in 1..scanned {
             let mut j = i;
             while j > 0 && self.live[j - 1].offset > self.live[j].offset {
                 self.live.swap(j - 1, j);
@@ -252,10 +274,11 @@ impl Carve {
         }
         let (mut kept, mut end) = (0, self.start);
         let mut live_bytes = 0;
-        for i in 0..count {
+        for i in 0..scanned {
             let e = self.live[i];
             let fits = e.len > 0
                 && e.offset >= end
+                && e.offset >= self.start
                 && e.end() <= self.end
                 && (e.offset - self.start) / self.chunk == (e.end() - 1 - self.start) / self.chunk;
             if fits && doomed != Some(e) {
@@ -265,7 +288,9 @@ impl Carve {
                 live_bytes += e.len;
             }
         }
-        let dropped = count - kept;
+        let dropped = count.saturating_sub(kept);
+        // Nothing stale past the kept ones for a later rebuild to take back.
+        self.live[kept..scanned].fill(Extent::default());
         self.live_count = kept as u32;
         self.live_bytes = live_bytes;
         let mut free = 0;
@@ -305,6 +330,8 @@ fn remove<const N: usize>(table: &mut [Extent; N], count: &mut u32, at: usize) {
     let n = *count as usize;
     table.copy_within(at + 1..n, at);
     *count -= 1;
+    // The vacated slot holds no extent a rebuild could take for live.
+    table[n - 1] = Extent::default();
 }
 
 #[cfg(test)]
@@ -385,6 +412,32 @@ mod tests {
         remove(&mut c.live, &mut c.live_count, 1);
         assert!(!c.consistent());
         assert_whole(&mut c, &kept, block);
+    }
+
+    #[test]
+    fn died_inside_the_live_insert_after_shifting_before_counting() {
+        let (mut c, kept) = with_blocks();
+        // A block going in at index 2 (the hole a free left between kept[1] and kept[2]).
+        let block = Extent {
+            offset: kept[1].end(),
+            len: 4096,
+        };
+        c.intent = Intent {
+            op: ALLOCATE,
+            pid: 2,
+            block,
+        };
+        let n = c.live_count as usize;
+        c.live.copy_within(2..n, 3);
+        c.live[2] = block;
+        // Killed here: the last live block sits at index `live_count`, uncounted.
+        assert!(!c.consistent());
+        assert_whole(&mut c, &kept, block);
+        // Its range is not handed out again.
+        let again = c.allocate(4096, 64, 3).unwrap();
+        assert!(kept
+            .iter()
+            .all(|k| again.end() <= k.offset || k.end() <= again.offset));
     }
 
     #[test]

@@ -167,6 +167,15 @@ impl PoolMap {
         if header.chunk == 0 || !header.chunk.is_multiple_of(MAX_ALIGN) {
             return Err(corrupt("its chunk size is not a multiple of 2 MiB"));
         }
+        // SAFETY: the header's carving state, in this mapping; its geometry is set once, when
+        // the pool is made.
+        let geometry = unsafe { carve::geometry(header.carve.get()) };
+        if geometry != (DATA_START as u64, header.size, header.chunk) {
+            // Blocks could straddle two registrations, or lie over the header.
+            return Err(corrupt(
+                "its carving state's bounds or chunk differ from its header's",
+            ));
+        }
         Ok(())
     }
 
