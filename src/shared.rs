@@ -116,6 +116,11 @@ pub struct PoolStats {
 /// Dropping it detaches this process: its mapping goes; the pages live while any process maps
 /// the pool (or while its path exists). Blocks stay allocated in the pool until some process
 /// frees them.
+///
+/// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
+/// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
+/// API does not wait for it. Synchronize the stream (or wait on an event recorded after the copy)
+/// before writing a block a copy reads, reading one a download writes, or freeing either.
 pub struct SharedPool {
     inner: Arc<Inner>,
     /// The registration under way in the background, cancelled at detach.
@@ -286,9 +291,9 @@ impl SharedPool {
     /// handle of this pool).
     ///
     /// # Safety
-    /// Nothing in any process uses the block afterwards, and it is not owned by a value the
-    /// pool's `Allocator` impl serves (a `Vec` in the pool frees its block itself): its range
-    /// may be handed out again at once.
+    /// Nothing in any process uses the block afterwards (a GPU copy still in flight included),
+    /// and it is not owned by a value the pool's `Allocator` impl serves (a `Vec` in the pool
+    /// frees its block itself): its range may be handed out again at once.
     pub unsafe fn free(&self, handle: PoolHandle) -> Result<(), Error> {
         let mut guard = self.inner.map.lock()?;
         guard
