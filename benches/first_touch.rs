@@ -1,5 +1,7 @@
 //! What populating up front buys: a freshly handed-out block, populated when allocated
-//! (`NUMA_GPU_ALLOC=populate=eager`) or faulted in where first touched (`populate=lazy`).
+//! (`NUMA_GPU_ALLOC=populate=eager`) or faulted in where first touched (`populate=lazy`); and
+//! what transparent huge pages buy a block faulted in (`populate=lazy,huge=off`: 4 KiB faults,
+//! as a block of a peer allocator that does not advise `MADV_HUGEPAGE` gets them).
 //!
 //! `cargo bench --bench first_touch [-- --quick] [-- --runs N]`
 //!
@@ -30,7 +32,7 @@ const SIZES: [usize; 4] = [4 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB];
 const RUNS: usize = 5;
 /// The child's block size in bytes; unset in the driver.
 const CHILD: &str = "FIRST_TOUCH_BENCH_SIZE";
-const SETTINGS: [&str; 2] = ["populate=eager", "populate=lazy"];
+const SETTINGS: [&str; 3] = ["populate=eager", "populate=lazy", "populate=lazy,huge=off"];
 
 #[global_allocator]
 static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
@@ -40,7 +42,8 @@ fn huge_mib() -> f64 {
     machine::kib_field("/proc/self/smaps_rollup", "AnonHugePages:") / 1024.0
 }
 
-/// Allocates and first-writes one block; prints `alloc_s touch_s huge_mib populate_eager`.
+/// Allocates and first-writes one block; prints `alloc_s touch_s huge_mib populate_eager
+/// huge_pages`.
 fn child(len: usize) {
     let layout = Layout::from_size_align(len, PAGE).expect("a valid layout");
     let start = Instant::now();
@@ -59,8 +62,9 @@ fn child(len: usize) {
     // SAFETY: allocated above with this layout.
     unsafe { ALLOC.dealloc(ptr, layout) };
     println!(
-        "{allocated:.6} {touched:.6} {huge:.1} {}",
-        ALLOC.config().populate_eager
+        "{allocated:.6} {touched:.6} {huge:.1} {} {}",
+        ALLOC.config().populate_eager,
+        ALLOC.config().huge_pages
     );
 }
 
@@ -81,18 +85,16 @@ fn measure(len: usize, setting: &str) -> Result<[f64; 3], String> {
     }
     let fields: Vec<&str> = stdout.split_whitespace().collect();
     let num = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
-    let (Some(alloc), Some(touch), Some(huge), Some(eager)) = (
-        num(0),
-        num(1),
-        num(2),
-        fields.get(3).and_then(|f| f.parse::<bool>().ok()),
-    ) else {
+    let switch = |i: usize| fields.get(i).and_then(|f| f.parse::<bool>().ok());
+    let (Some(alloc), Some(touch), Some(huge), Some(eager), Some(huge_pages)) =
+        (num(0), num(1), num(2), switch(3), switch(4))
+    else {
         return Err(format!("{what}: unexpected output {stdout:?}{stderr}"));
     };
-    if eager != (setting == SETTINGS[0]) {
+    if eager != setting.contains("eager") || huge_pages == setting.contains("huge=off") {
         return Err(format!(
-            "{what}: the crate refused the setting (in force: populate_eager = {eager}); it \
-             needs a numa-gpu-alloc with the `populate=` key\n{}",
+            "{what}: the crate refused the setting (in force: populate_eager = {eager}, \
+             huge_pages = {huge_pages}); it needs a numa-gpu-alloc with the `populate=` key\n{}",
             stderr.trim_end()
         ));
     }
@@ -115,12 +117,12 @@ fn median(mut values: Vec<f64>) -> f64 {
 fn drive(runs: usize) -> Result<(), String> {
     println!(
         "first_touch: a fresh block from NumaGpuAlloc (the global allocator), populated when \
-         handed out or on first touch\nmachine: {}; started {}; median of {runs} run(s)\n",
+         handed out or on first touch (with huge pages, or 4 KiB pages)\nmachine: {}; started {}; median of {runs} run(s)\n",
         machine::machine(),
         machine::utc_now()
     );
     println!(
-        "{:>8}  {:<15} {:>10} {:>12} {:>10} {:>19} {:>9}",
+        "{:>8}  {:<22} {:>10} {:>12} {:>10} {:>19} {:>9}",
         "size", "setting", "alloc ms", "1st write ms", "sum ms", "(min-max)", "huge MiB"
     );
     for len in SIZES {
@@ -131,8 +133,9 @@ fn drive(runs: usize) -> Result<(), String> {
         }
         let mut samples = [(); SETTINGS.len()].map(|()| Vec::new());
         for run in 0..runs {
-            // Alternating which setting goes first, so that a noisy moment falls on both.
-            for i in [run % 2, 1 - run % 2] {
+            // Rotating which setting goes first, so that a noisy moment falls on all.
+            for k in 0..SETTINGS.len() {
+                let i = (run + k) % SETTINGS.len();
                 samples[i].push(measure(len, SETTINGS[i])?);
             }
         }
@@ -141,7 +144,7 @@ fn drive(runs: usize) -> Result<(), String> {
             let med = |f: &dyn Fn(&[f64; 3]) -> f64| median(samples.iter().map(f).collect());
             let (min, max) = spread(samples.iter().map(total));
             println!(
-                "{:>4} MiB  {setting:<15} {:>10.2} {:>12.2} {:>10.2} {:>19} {:>9.0}",
+                "{:>4} MiB  {setting:<22} {:>10.2} {:>12.2} {:>10.2} {:>19} {:>9.0}",
                 len / MIB,
                 med(&|s| s[0]) * 1e3,
                 med(&|s| s[1]) * 1e3,
@@ -150,18 +153,21 @@ fn drive(runs: usize) -> Result<(), String> {
                 med(&|s| s[2])
             );
         }
-        // Each run measured both settings: its own ratio, so that the spread is the pairs'.
-        let ratios: Vec<f64> = samples[0]
-            .iter()
-            .zip(&samples[1])
-            .map(|(eager, lazy)| total(eager) / total(lazy))
-            .collect();
-        let (min, max) = spread(ratios.iter().copied());
-        println!(
-            "{:>4} MiB  eager/lazy, sum: {:.3}x (per-run {min:.3}-{max:.3})\n",
-            len / MIB,
-            median(ratios)
-        );
+        // Each run measured every setting: its own ratios, so that the spread is the runs'.
+        for (name, over, under) in [("eager/lazy", 0, 1), ("lazy/lazy 4 KiB pages", 1, 2)] {
+            let ratios: Vec<f64> = samples[over]
+                .iter()
+                .zip(&samples[under])
+                .map(|(a, b)| total(a) / total(b))
+                .collect();
+            let (min, max) = spread(ratios.iter().copied());
+            println!(
+                "{:>4} MiB  {name}, sum: {:.3}x (per-run {min:.3}-{max:.3})",
+                len / MIB,
+                median(ratios)
+            );
+        }
+        println!();
     }
     Ok(())
 }
