@@ -5,8 +5,8 @@
 //!
 //! The driver (this binary with `CHURN_BENCH_ALLOCATOR` unset) runs this binary again once per
 //! workload, allocator and run, with `CHURN_BENCH_ALLOCATOR=<allocator> --child <workload>`; run 1
-//! of every allocator, then run 2 (starting at the next allocator), and so on, so that a noisy
-//! minute falls on all of them. Each
+//! of every allocator, then run 2 (starting at the next allocator, in the reverse order), and so
+//! on, so that a noisy minute falls on all of them. Each
 //! child prints one line: wall seconds of the workload alone, user and system CPU seconds and peak
 //! RSS of the whole process (`getrusage`), and for ours its `stats()`. The driver prints, per
 //! workload, the median of each figure and the ratios with their targets. `--quick` (also the
@@ -259,10 +259,13 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Peer::ALL.len()];
         for run in 1..=runs {
             eprintln!("churn: ({}) run {run}/{runs}", workload.key);
-            // Each run starts at the next allocator: the first child after a pause pays for pages
-            // this VM's host took back (free page reporting), so no allocator always goes first.
-            for k in 0..Peer::ALL.len() {
-                let i = (k + run - 1) % Peer::ALL.len();
+            // Each run starts at the next allocator, and every other run goes backwards: a child
+            // pays for pages that this VM's host took back after the child before it freed them
+            // (free page reporting), so no allocator always goes first or after the same one.
+            let n = Peer::ALL.len();
+            let step = if run % 2 == 1 { 1 } else { n - 1 };
+            for k in 0..n {
+                let i = (run - 1 + k * step) % n;
                 samples[i].push(measure(workload, Peer::ALL[i], args.quick)?);
             }
         }
