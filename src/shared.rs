@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use crate::blocks::reserve::Tally;
 use crate::pool::carve::MAX_ALIGN;
 use crate::pool::pinning::Pinned;
-use crate::pool::{PoolMap, DATA_START, MAGIC};
+use crate::pool::{self, PoolMap, DATA_START, MAGIC};
 use crate::sys::{self, lock::Lock};
 use crate::Error;
 
@@ -161,10 +161,10 @@ impl SharedPool {
     /// Attaches to the pool at `path`.
     ///
     /// # Errors
-    /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolCorrupt`] for a file that is
-    /// not a pool of this build; [`Error::PoolStale`] for one left half made by a creator that
-    /// is gone; [`Error::PoolWrongNode`] for one whose pages are not on its node. Nothing in
-    /// the file is changed by a refused attach.
+    /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
+    /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
+    /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
+    /// pages are not on its node. Nothing in the file is changed by a refused attach.
     pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
         let path = path.as_ref();
         let file = OpenOptions::new()
@@ -206,12 +206,14 @@ impl SharedPool {
         let mut magic = [0; 8];
         // At offset 0 whatever the file's position: an inherited descriptor shares its
         // position with every process holding it.
-        let read = file.read_exact_at(&mut magic, 0);
-        let magic = u64::from_le_bytes(magic);
-        if read.is_err() || magic != MAGIC || len < DATA_START + MAX_ALIGN as usize {
+        // A file shorter than that is not a pool: its zeros are no magic.
+        let _ = file.read_exact_at(&mut magic, 0);
+        // In this machine's byte order, as the creator's atomic store wrote it.
+        pool::check_magic(u64::from_ne_bytes(magic), &shown_path)?;
+        if len < DATA_START + MAX_ALIGN as usize {
             return Err(Error::PoolForeign {
                 path: shown_path,
-                found: magic,
+                found: MAGIC,
             });
         }
         let fd = OwnedFd::from(file);

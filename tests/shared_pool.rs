@@ -21,9 +21,11 @@ const MIB: usize = 1 << 20;
 
 /// Byte offsets of header fields the bad cases change (`src/pool/mod.rs`, `Header`).
 const VERSION_AT: u64 = 12;
-const NODE_AT: u64 = 24;
-const CREATOR_AT: u64 = 40;
-const READY_AT: u64 = 44;
+/// The layout tag's third entry: the size of the mutex.
+const MUTEX_SIZE_AT: u64 = 24;
+const NODE_AT: u64 = 56;
+const CREATOR_AT: u64 = 72;
+const READY_AT: u64 = 76;
 
 fn children_of(test: &'static str) -> impl Fn() -> Command {
     move || {
@@ -236,7 +238,39 @@ fn bad_cases_are_refused_with_their_errors() {
         matches!(e, Error::PoolVersion { found: (1, 99), .. }),
         "{e}"
     );
-    patch(&path, VERSION_AT, &1u32.to_le_bytes());
+    patch(&path, VERSION_AT, &2u32.to_le_bytes());
+
+    // Made by a build of another layout: another libc's mutex, another byte order.
+    let mut mutex_size = [0; 4];
+    let file = OpenOptions::new().read(true).open(&path).unwrap();
+    file.read_exact_at(&mut mutex_size, MUTEX_SIZE_AT).unwrap();
+    let mutex_size = u32::from_ne_bytes(mutex_size);
+    patch(&path, MUTEX_SIZE_AT, &(mutex_size + 8).to_ne_bytes());
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(e, Error::PoolLayout { field: "mutex size", found, expected, .. }
+            if (found, expected) == (mutex_size + 8, mutex_size)),
+        "{e}"
+    );
+    assert!(e.to_string().contains("same layout"), "{e}");
+    patch(&path, MUTEX_SIZE_AT, &mutex_size.to_ne_bytes());
+    let mut magic = [0; 8];
+    file.read_exact_at(&mut magic, 0).unwrap();
+    magic.reverse();
+    patch(&path, 0, &magic);
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::PoolLayout {
+                field: "byte order mark",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    magic.reverse();
+    patch(&path, 0, &magic);
 
     patch(&path, NODE_AT, &7u32.to_le_bytes());
     let e = SharedPool::attach(&path).unwrap_err();

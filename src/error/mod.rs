@@ -125,6 +125,19 @@ pub enum Error {
         /// The kind and layout version this build reads.
         expected: (u32, u32),
     },
+    /// A shared pool made by a build whose memory layout differs from this one's (another
+    /// libc's `pthread_mutex_t`, a 32-bit process, another byte order): its header would be
+    /// misread.
+    PoolLayout {
+        /// The file.
+        path: PathBuf,
+        /// What differs, e.g. `"mutex size"`.
+        field: &'static str,
+        /// The pool's value.
+        found: u32,
+        /// This build's.
+        expected: u32,
+    },
     /// A shared pool whose header or carving state does not hold together.
     PoolCorrupt {
         /// The file.
@@ -401,6 +414,18 @@ impl fmt::Display for Error {
                 expected.0,
                 expected.1
             ),
+            Error::PoolLayout {
+                path,
+                field,
+                found,
+                expected,
+            } => write!(
+                f,
+                "shared pool {} was made by a build of another memory layout: its {field} is \
+                 {found}, this build's is {expected}; attach with a build of the same layout or \
+                 create a new pool",
+                path.display()
+            ),
             Error::PoolCorrupt { path, reason } => write!(
                 f,
                 "shared pool {} is damaged: {reason}; create a new pool once no process uses \
@@ -559,32 +584,4 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn display_names_the_values() {
-        let e = Error::UnknownNode {
-            node: 7,
-            node_count: 2,
-        };
-        assert_eq!(
-            e.to_string(),
-            "node 7 is not one of the topology's 2 online nodes"
-        );
-        let e = Error::NumaUnavailable {
-            call: "mbind",
-            errno: libc::EPERM,
-        };
-        assert!(e.to_string().contains("mbind"));
-        assert!(e.to_string().contains("errno 1"));
-        let e = Error::DistanceMatrixSize {
-            node_count: 2,
-            entries: 3,
-        };
-        assert_eq!(
-            e.to_string(),
-            "distance matrix for 2 nodes needs 4 entries, got 3"
-        );
-    }
-}
+mod tests;
