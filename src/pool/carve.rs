@@ -12,6 +12,8 @@
 //! Blocks never cross a chunk boundary (a multiple of `chunk` from `start`): each chunk is one
 //! registration in every attached process, and no block straddles two.
 
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
 /// Offsets and lengths are multiples of this (a cache line: no two blocks share one).
 pub(crate) const GRANULE: u64 = 64;
 /// The most live blocks a pool holds at once; the free table holds one more (each free range
@@ -53,13 +55,48 @@ pub(crate) unsafe fn geometry(carve: *const Carve) -> (u64, u64, u64) {
 }
 
 /// What the holder of the lock is changing, written before it starts and cleared after.
+///
+/// Atomics with release ordering, not plain fields: plain stores are the compiler's to reorder
+/// against the tables' (or to drop, as a store overwritten by the clear with nothing reading it
+/// in between), and a survivor that takes the lock after the holder died reads whatever reached
+/// memory. With these, the record is in memory before any table changes, and cleared only after
+/// they all did.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Debug, Default)]
 struct Intent {
     /// 0: nothing; [`ALLOCATE`]; [`FREE`].
-    op: u32,
-    pid: u32,
-    block: Extent,
+    op: AtomicU32,
+    /// Who is changing it (for a reader of the pool's memory).
+    pid: AtomicU32,
+    offset: AtomicU64,
+    len: AtomicU64,
+}
+
+impl Intent {
+    /// Records `op` on `block`, before the tables change: the block first, then the op (a
+    /// release store: a survivor that sees the op sees its block), then a release fence, which
+    /// keeps the tables' stores after all of it.
+    fn begin(&self, op: u32, pid: u32, block: Extent) {
+        self.offset.store(block.offset, Ordering::Relaxed);
+        self.len.store(block.len, Ordering::Relaxed);
+        self.pid.store(pid, Ordering::Relaxed);
+        self.op.store(op, Ordering::Release);
+        fence(Ordering::Release);
+    }
+
+    /// Clears the record once the tables are whole: the fence keeps their stores before it.
+    fn end(&self) {
+        fence(Ordering::Release);
+        self.op.store(0, Ordering::Relaxed);
+    }
+
+    /// The block of the change under way, if one is.
+    fn pending(&self) -> Option<Extent> {
+        (self.op.load(Ordering::Acquire) != 0).then(|| Extent {
+            offset: self.offset.load(Ordering::Relaxed),
+            len: self.len.load(Ordering::Relaxed),
+        })
+    }
 }
 
 const ALLOCATE: u32 = 1;
@@ -96,7 +133,7 @@ impl Carve {
         self.start = start;
         self.end = end;
         self.chunk = chunk;
-        self.intent = Intent::default();
+        self.intent.end();
         self.live_count = 0;
         self.free_count = 1;
         self.free[0] = Extent {
@@ -134,11 +171,7 @@ impl Carve {
             (at + len <= e.end()).then_some((i, at))
         })?;
         let block = Extent { offset, len };
-        self.intent = Intent {
-            op: ALLOCATE,
-            pid,
-            block,
-        };
+        self.intent.begin(ALLOCATE, pid, block);
         let range = self.free[index];
         let head = Extent {
             offset: range.offset,
@@ -161,7 +194,7 @@ impl Carve {
         insert(&mut self.live, &mut self.live_count, at, block);
         self.live_bytes += len;
         self.allocations += 1;
-        self.intent = Intent::default();
+        self.intent.end();
         Some(block)
     }
 
@@ -181,11 +214,7 @@ impl Carve {
             .get(at)
             .filter(|e| e.offset == offset)
             .ok_or(NotLive)?;
-        self.intent = Intent {
-            op: FREE,
-            pid,
-            block,
-        };
+        self.intent.begin(FREE, pid, block);
         remove(&mut self.live, &mut self.live_count, at);
         let next = self.free_ranges().partition_point(|e| e.offset < offset);
         let joins_prev = next > 0 && self.free[next - 1].end() == offset;
@@ -206,7 +235,7 @@ impl Carve {
         }
         self.live_bytes -= block.len;
         self.frees += 1;
-        self.intent = Intent::default();
+        self.intent.end();
         Ok(block.len)
     }
 
@@ -246,7 +275,7 @@ impl Carve {
             at = e.end();
             last_free = is_free;
         }
-        at == self.end && self.intent.op == 0
+        at == self.end && self.intent.pending().is_none()
     }
 
     /// Makes the state whole again after a holder died mid-change: keeps the live blocks that
@@ -262,7 +291,7 @@ impl Carve {
         if self.chunk == 0 || self.start >= self.end {
             return count;
         }
-        let doomed = (self.intent.op != 0).then_some(self.intent.block);
+        let doomed = self.intent.pending();
         // Insertion sort in place: no allocation inside the allocator, and the table is nearly
         // sorted (at most one entry moved when the holder died).
         for i in 1..scanned {
@@ -313,7 +342,7 @@ impl Carve {
             }
         }
         self.free_count = free as u32;
-        self.intent = Intent::default();
+        self.intent.end();
         self.rebuilds += 1;
         dropped
     }
@@ -375,11 +404,7 @@ mod tests {
             offset: kept[4].end(),
             len: 8192,
         };
-        c.intent = Intent {
-            op: ALLOCATE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(ALLOCATE, 2, block);
         let last = c.free_count as usize - 1;
         c.free[last].offset += block.len;
         c.free[last].len -= block.len;
@@ -392,11 +417,7 @@ mod tests {
         let (mut c, kept) = with_blocks();
         let block = c.allocate(8192, 64, 2).unwrap();
         // As if the holder died before clearing the intent (and before handing the block out).
-        c.intent = Intent {
-            op: ALLOCATE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(ALLOCATE, 2, block);
         assert_whole(&mut c, &kept, block);
     }
 
@@ -404,11 +425,7 @@ mod tests {
     fn died_freeing_after_dropping_the_block_before_merging_it() {
         let (mut c, mut kept) = with_blocks();
         let block = kept.remove(1);
-        c.intent = Intent {
-            op: FREE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(FREE, 2, block);
         remove(&mut c.live, &mut c.live_count, 1);
         assert!(!c.consistent());
         assert_whole(&mut c, &kept, block);
@@ -422,11 +439,7 @@ mod tests {
             offset: kept[1].end(),
             len: 4096,
         };
-        c.intent = Intent {
-            op: ALLOCATE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(ALLOCATE, 2, block);
         let n = c.live_count as usize;
         c.live.copy_within(2..n, 3);
         c.live[2] = block;
@@ -444,11 +457,7 @@ mod tests {
     fn died_freeing_before_touching_the_tables() {
         let (mut c, mut kept) = with_blocks();
         let block = kept.remove(0);
-        c.intent = Intent {
-            op: FREE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(FREE, 2, block);
         assert_whole(&mut c, &kept, block);
     }
 }
