@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use crate::blocks::reserve::Tally;
 use crate::pool::carve::MAX_ALIGN;
 use crate::pool::pinning::Pinned;
-use crate::pool::{self, PoolMap, DATA_START, MAGIC};
+use crate::pool::{self, PoolMap, DATA_START};
 use crate::sys::{self, lock::Lock};
 use crate::Error;
 
@@ -164,14 +164,20 @@ impl SharedPool {
     /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
     /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
     /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
-    /// pages are not on its node. Nothing in the file is changed by a refused attach.
+    /// pages are not on its node; [`Error::PoolReadOnly`] for a file or descriptor this process
+    /// may not map for writing. Nothing in the file is changed by a refused attach.
     pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
         let path = path.as_ref();
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
-            .map_err(|e| io_error(Some(path), &e))?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EACCES | libc::EPERM | libc::EROFS) => {
+                    Error::PoolReadOnly { path: path.into() }
+                }
+                _ => io_error(Some(path), &e),
+            })?;
         SharedPool::attach_file(file, Some(path.to_path_buf()))
     }
 
@@ -211,14 +217,14 @@ impl SharedPool {
         // In this machine's byte order, as the creator's atomic store wrote it.
         pool::check_magic(u64::from_ne_bytes(magic), &shown_path)?;
         if len < DATA_START + MAX_ALIGN as usize {
-            return Err(Error::PoolForeign {
+            return Err(Error::PoolCorrupt {
                 path: shown_path,
-                found: MAGIC,
+                reason: "the file is shorter than a pool's header and one block (truncated)",
             });
         }
         let fd = OwnedFd::from(file);
-        let map = PoolMap::map(fd.as_fd(), len)?;
-        map.check(&shown_path)?;
+        let map = PoolMap::map(fd.as_fd(), len, shown_path.clone())?;
+        map.check()?;
         let header = map.header();
         let start = Instant::now();
         while !map.ready() {

@@ -1,7 +1,8 @@
 //! Shared pools across processes: two and eight processes allocating, freeing, writing their
 //! blocks and reading the others' at their handles with no overlap; a process killed while it
 //! holds the pool's lock leaves the others working; attach by descriptor (inherited, and over a
-//! Unix socket) and by path; each bad case refused with its error, the pool others use intact.
+//! Unix socket) and by path; each bad case (another layout, truncated, read-only, ...) refused
+//! with its error, the pool others use intact.
 #![cfg(target_os = "linux")]
 
 #[path = "../examples/support/shared_workload.rs"]
@@ -294,7 +295,24 @@ fn bad_cases_are_refused_with_their_errors() {
     file.set_len(10 * MIB as u64).unwrap();
     let e = SharedPool::attach(&path).unwrap_err();
     assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
+    // Truncated, with its header (and carving state) kept, or shorter than a header and a
+    // block: damaged, not foreign.
+    for len in [6 * MIB, 3 * MIB] {
+        file.set_len(len as u64).unwrap();
+        let e = SharedPool::attach(&path).unwrap_err();
+        assert!(matches!(e, Error::PoolCorrupt { .. }), "{len}: {e}");
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
     file.set_len(8 * MIB as u64).unwrap();
+
+    // A descriptor opened read-only: refused, naming it, before anything is mapped.
+    let read_only = std::fs::File::open(&path).unwrap();
+    let e = SharedPool::attach_fd(read_only.into()).unwrap_err();
+    assert!(
+        matches!(&e, Error::PoolReadOnly { path } if path.to_string_lossy().starts_with("<fd ")),
+        "{e}"
+    );
+    assert!(e.to_string().contains("read-write access"), "{e}");
 
     assert!(pool.is_live(block));
     assert_eq!(pool.stats().attached, 1, "no refused attach counted");

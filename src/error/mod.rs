@@ -138,6 +138,12 @@ pub enum Error {
         /// This build's.
         expected: u32,
     },
+    /// A shared pool that this process may not map shared and writable (a descriptor opened
+    /// read-only, a file it may not write, a read-only mount).
+    PoolReadOnly {
+        /// The file.
+        path: PathBuf,
+    },
     /// A shared pool whose header or carving state does not hold together.
     PoolCorrupt {
         /// The file.
@@ -424,6 +430,13 @@ impl fmt::Display for Error {
                 "shared pool {} was made by a build of another memory layout: its {field} is \
                  {found}, this build's is {expected}; attach with a build of the same layout or \
                  create a new pool",
+                path.display()
+            ),
+            Error::PoolReadOnly { path } => write!(
+                f,
+                "shared pool {} cannot be mapped for writing: a pool needs read-write access \
+                 (every process carves it); open the file read-write, or pass a descriptor \
+                 opened so",
                 path.display()
             ),
             Error::PoolCorrupt { path, reason } => write!(

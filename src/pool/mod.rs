@@ -15,7 +15,7 @@
 use std::cell::UnsafeCell;
 use std::mem::{align_of, size_of};
 use std::os::fd::BorrowedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
@@ -29,7 +29,7 @@ use crate::Error;
 use carve::{Carve, MAX_ALIGN};
 
 /// The first eight bytes of a pool's file.
-pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
+const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
 /// What the file holds (a pool carved in extents), and the layout of its header.
 pub(crate) const KIND: u32 = 1;
 pub(crate) const VERSION: u32 = 2;
@@ -122,6 +122,8 @@ pub(crate) fn check_magic(found: u64, path: &Path) -> Result<(), Error> {
 pub(crate) struct PoolMap {
     ptr: NonNull<u8>,
     len: usize,
+    /// The file's path, or `<fd N>`: what its errors name.
+    name: PathBuf,
     /// Set when a registration of it could not be released: the range stays mapped.
     keep: AtomicBool,
 }
@@ -133,12 +135,27 @@ unsafe impl Send for PoolMap {}
 unsafe impl Sync for PoolMap {}
 
 impl PoolMap {
-    /// Maps bytes `0..len` of `fd` (the whole file), aligned for the largest block alignment.
-    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> Result<PoolMap, Error> {
-        let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize)?;
+    /// Maps bytes `0..len` of `fd` (the whole file, `name` in errors), aligned for the largest
+    /// block alignment.
+    ///
+    /// # Errors
+    /// [`Error::PoolReadOnly`] when `fd` is not open for reading and writing, or the kernel
+    /// refuses a writable shared mapping of it (`EACCES`, `EPERM`).
+    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize, name: PathBuf) -> Result<PoolMap, Error> {
+        if !sys::read_write(fd)? {
+            return Err(Error::PoolReadOnly { path: name });
+        }
+        let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize).map_err(|e| match e {
+            Error::Syscall {
+                errno: libc::EACCES | libc::EPERM,
+                ..
+            } => Error::PoolReadOnly { path: name.clone() },
+            e => e,
+        })?;
         Ok(PoolMap {
             ptr,
             len,
+            name,
             keep: AtomicBool::new(false),
         })
     }
@@ -194,7 +211,8 @@ impl PoolMap {
     }
 
     /// Checks that the mapping holds a pool of this build whose size is the file's.
-    pub(crate) fn check(&self, path: &Path) -> Result<(), Error> {
+    pub(crate) fn check(&self) -> Result<(), Error> {
+        let path = self.name.as_path();
         let header = self.header();
         check_magic(header.magic.load(Ordering::Acquire), path)?;
         if (header.kind, header.version) != (KIND, VERSION) {
@@ -218,9 +236,14 @@ impl PoolMap {
             path: path.into(),
             reason,
         };
+        if header.size > self.len as u64 {
+            return Err(corrupt(
+                "the file is shorter than the pool's size in its header (truncated)",
+            ));
+        }
         if header.size != self.len as u64 {
             return Err(corrupt(
-                "the file's size is not the pool's size in its header",
+                "the file is longer than the pool's size in its header",
             ));
         }
         if header.chunk == 0 || !header.chunk.is_multiple_of(MAX_ALIGN) {
@@ -323,9 +346,23 @@ impl PoolMap {
 
     /// Takes the pool's lock; when its holder died, makes the carving state whole first (see
     /// `carve.rs`).
+    ///
+    /// # Errors
+    /// [`Error::PoolCorrupt`] when the lock is unrecoverable (`ENOTRECOVERABLE`: a holder died
+    /// and the next one released it without repairing the state).
     pub(crate) fn lock(&self) -> Result<PoolGuard<'_>, Error> {
         let header = self.header();
-        let locked = header.mutex.lock()?;
+        let locked = header.mutex.lock().map_err(|e| match e {
+            Error::Syscall {
+                errno: libc::ENOTRECOVERABLE,
+                ..
+            } => Error::PoolCorrupt {
+                path: self.name.clone(),
+                reason: "its lock is unrecoverable (a process died holding it, and the state it \
+                         guards was not repaired after)",
+            },
+            e => e,
+        })?;
         let guard = PoolGuard { header };
         if locked == Locked::OwnerDied {
             // SAFETY: the lock is held (this guard).

@@ -1,7 +1,13 @@
 //! The carving state against a model: random allocations and frees keep the tables whole, no two
-//! live blocks overlap or cross a chunk, and a rebuild keeps every live block.
+//! live blocks overlap or cross a chunk, and a rebuild keeps every live block; a pool whose lock
+//! is unrecoverable is refused as corrupt.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
 
 use super::carve::{Carve, Extent, GRANULE};
+use super::{Locked, PoolMap};
+use crate::{sys, Error};
 
 fn empty(start: u64, end: u64, chunk: u64) -> Box<Carve> {
     let layout = std::alloc::Layout::new::<Carve>();
@@ -81,4 +87,33 @@ fn no_block_larger_than_a_chunk_or_aligned_past_2_mib() {
     let b = carve.allocate(1536 << 10, 64, 1).unwrap();
     assert_eq!(b.offset, a.offset + (2 << 20));
     assert!(carve.consistent());
+}
+
+/// A new pool of `len` bytes in a memory file, its header written as its creator writes it.
+fn new_pool(len: usize) -> (OwnedFd, PoolMap) {
+    let fd = sys::memfd(c"numa-gpu-alloc test pool", false).unwrap();
+    let file = File::from(fd);
+    file.set_len(len as u64).unwrap();
+    let fd = OwnedFd::from(file);
+    let map = PoolMap::map(fd.as_fd(), len, "<test pool>".into()).unwrap();
+    // SAFETY: the file was just made (all zeros), and nothing else has it.
+    unsafe { map.init(0, false, 2 << 20) }.unwrap();
+    (fd, map)
+}
+
+#[test]
+fn an_unrecoverable_lock_is_a_corrupt_pool() {
+    let (_fd, map) = new_pool(4 << 20);
+    // A holder whose thread ends holding the lock: the robust mutex's owner died.
+    std::thread::scope(|s| {
+        s.spawn(|| std::mem::forget(map.lock().unwrap()));
+    });
+    let mutex = &map.header().mutex;
+    assert_eq!(mutex.lock().unwrap(), Locked::OwnerDied);
+    // Released without repairing the state (`mark_consistent`): unrecoverable from now on.
+    // SAFETY: this thread holds the lock.
+    unsafe { mutex.unlock() };
+    let e = map.lock().err().expect("an unrecoverable lock is refused");
+    assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
+    assert!(e.to_string().contains("create a new pool"), "{e}");
 }

@@ -117,7 +117,7 @@ impl SharedPoolBuilder {
         file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
         let fd = OwnedFd::from(file);
         let huge = sys::on_hugetlbfs(fd.as_fd())?;
-        let map = PoolMap::map(fd.as_fd(), size)?;
+        let map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
         let chunk = self
             .chunk
             .next_multiple_of(MAX_ALIGN as usize)

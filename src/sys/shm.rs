@@ -116,6 +116,17 @@ pub unsafe fn map_in(ptr: NonNull<u8>, len: usize) -> Result<()> {
     Ok(())
 }
 
+/// Whether `fd` was opened for reading and writing (`fcntl(F_GETFL)`), as a writable shared
+/// mapping of it needs.
+pub fn read_write(fd: BorrowedFd<'_>) -> Result<bool> {
+    // SAFETY: F_GETFL on a descriptor we hold touches no memory.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(syscall("fcntl(F_GETFL)"));
+    }
+    Ok(flags & libc::O_ACCMODE == libc::O_RDWR)
+}
+
 /// Whether `fd` lives on a hugetlbfs mount (or is a `MFD_HUGETLB` memory file), by `fstatfs`.
 pub fn on_hugetlbfs(fd: BorrowedFd<'_>) -> Result<bool> {
     let mut st = MaybeUninit::<libc::statfs>::zeroed();
