@@ -1,9 +1,10 @@
 //! Shared pools: one placed, populated copy of memory on a node that every process on it maps
 //! and allocates from ([`SharedPool`]).
 //!
-//! A pool is a memory file (`memfd_create`, or a file under `/dev/shm` or a hugetlbfs mount),
-//! placed on its node before any page is touched (`mbind`), populated once by the node's bound
-//! workers and checked page by page (`move_pages`). Other processes attach by descriptor
+//! A pool is a memory file (`memfd_create`, sealed against resizing, or a file under `/dev/shm`
+//! or a hugetlbfs mount, which cannot be sealed), placed on its node before any page is touched
+//! (`mbind`), populated once by the node's bound workers and checked page by page
+//! (`move_pages`). Other processes attach by descriptor
 //! (inherited, or passed over a Unix socket: [`SharedPool::send`], [`SharedPool::receive`]) or
 //! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
 //! offset into the pool), which each process turns into its own pointer; the carving state

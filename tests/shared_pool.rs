@@ -111,6 +111,20 @@ fn processes_killed_at_random_moments_leave_the_others_working() {
     assert_eq!((s.finished, s.overlaps), (4, 0));
 }
 
+#[test]
+fn a_memory_file_pool_is_sealed_against_resizing() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    // Another holder of the file (as a process it was sent to or inherited it).
+    let other = std::fs::File::from(pool.fd().try_clone_to_owned().unwrap());
+    for len in [4 * MIB, 16 * MIB] {
+        let e = other.set_len(len as u64).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "set_len({len}): {e}");
+    }
+    assert_eq!(other.metadata().unwrap().len(), 8 * MIB as u64);
+    let handle = pool.allocate(Layout::from_size_align(4096, 64).unwrap());
+    assert!(handle.is_some(), "the pool works as before");
+}
+
 fn pool_path(name: &str) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/numa-gpu-alloc-test-{name}-{}",

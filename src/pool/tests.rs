@@ -1,6 +1,6 @@
 //! The carving state against a model: random allocations and frees keep the tables whole, no two
 //! live blocks overlap or cross a chunk, and a rebuild keeps every live block; a pool whose lock
-//! is unrecoverable is refused as corrupt.
+//! is unrecoverable is refused as corrupt; a memory file of huge pages takes the size seals.
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
@@ -116,4 +116,20 @@ fn an_unrecoverable_lock_is_a_corrupt_pool() {
     let e = map.lock().err().expect("an unrecoverable lock is refused");
     assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
     assert!(e.to_string().contains("create a new pool"), "{e}");
+}
+
+/// What `seal_size`'s comment says of this kernel: a memory file of huge pages takes the size
+/// seals and then refuses a shrink. Sizing it needs no free huge pages; skipped where the
+/// kernel makes no such file (no hugetlbfs).
+#[test]
+fn a_huge_page_memory_file_takes_the_size_seals() {
+    let Ok(fd) = sys::memfd(c"numa-gpu-alloc test huge", true) else {
+        eprintln!("SKIPPED: no memory files of huge pages here");
+        return;
+    };
+    let file = File::from(fd);
+    file.set_len(4 << 20).unwrap();
+    sys::seal_size(file.as_fd()).expect("hugetlbfs memory files take seals");
+    let e = file.set_len(2 << 20).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
 }

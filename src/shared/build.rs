@@ -37,8 +37,8 @@ impl SharedPoolBuilder {
         self
     }
 
-    /// Huge pages (`MFD_HUGETLB`, or a path on a hugetlbfs mount), from the huge pages reserved
-    /// on the node; without, the file is advised for transparent huge pages, which the kernel
+    /// 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`, or a path on a hugetlbfs mount of 2 MiB
+    /// pages), from the huge pages reserved on the node; without, the file is advised for transparent huge pages, which the kernel
     /// gives shared memory only when `shmem_enabled` allows it.
     pub fn huge_pages(mut self, on: bool) -> Self {
         self.huge_pages = on;
@@ -116,6 +116,12 @@ impl SharedPoolBuilder {
     ) -> Result<(PoolMap, OwnedFd), Error> {
         file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
         let fd = OwnedFd::from(file);
+        if path.is_none() {
+            // A memory file: nobody who holds it may resize it from now on. A file at a path
+            // cannot be sealed (tmpfs and hugetlbfs files are made sealed against sealing):
+            // whoever may write it can still truncate it.
+            sys::seal_size(fd.as_fd())?;
+        }
         let huge = sys::on_hugetlbfs(fd.as_fd())?;
         let map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
         let chunk = self
@@ -172,7 +178,8 @@ impl SharedPool {
     }
 }
 
-/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise.
+/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise, and
+/// sealed against resizing once sized (`make`).
 fn memfd(huge: bool) -> Result<File, Error> {
     let name = CString::new("numa-gpu-alloc pool").unwrap_or_default();
     sys::memfd(&name, huge).map(File::from)

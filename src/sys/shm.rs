@@ -25,9 +25,13 @@ fn syscall(call: &'static str) -> Error {
 }
 
 /// A new memory file (`memfd_create`, close-on-exec off so that an exec'd child may inherit
-/// it), of huge pages (`MFD_HUGETLB`, the default huge page size) when `huge`.
+/// it), of 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`, whatever the system's default huge
+/// page size) when `huge`; sealing allowed, for [`seal_size`].
 pub fn memfd(name: &CStr, huge: bool) -> Result<OwnedFd> {
-    let flags = if huge { libc::MFD_HUGETLB } else { 0 };
+    let mut flags = libc::MFD_ALLOW_SEALING;
+    if huge {
+        flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
+    }
     // SAFETY: `name` is a valid C string; the call touches no memory of ours besides it.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
@@ -35,6 +39,21 @@ pub fn memfd(name: &CStr, huge: bool) -> Result<OwnedFd> {
     }
     // SAFETY: a descriptor just made, owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Seals the size of a memory file made by [`memfd`] (`F_ADD_SEALS`: `F_SEAL_SHRINK`,
+/// `F_SEAL_GROW`, then `F_SEAL_SEAL` so that nobody lifts them): another process holding the
+/// descriptor can no longer truncate it under every process that maps it (which would end each
+/// in `SIGBUS`), nor grow it. Memory files of huge pages take these seals too (hugetlbfs
+/// supports them since Linux 4.16; on 6.18 the seals are added and a shrink is refused with
+/// `EPERM`, as for other memory files).
+pub fn seal_size(fd: BorrowedFd<'_>) -> Result<()> {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on a descriptor we hold touches no memory.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(syscall("fcntl(F_ADD_SEALS)"));
+    }
+    Ok(())
 }
 
 /// Maps bytes `0..len` of `fd` shared (`MAP_SHARED`, readable and writable) at a multiple of
