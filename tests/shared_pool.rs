@@ -10,6 +10,7 @@ mod shared_workload;
 
 use std::alloc::Layout;
 use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -219,6 +220,78 @@ fn attach_by_descriptor_over_a_unix_socket() {
     drop(v);
     assert_eq!(pool.stats().live_blocks, 0);
     assert_eq!(pool.stats().attached, 2);
+}
+
+/// Sends `count` copies of `fd` in one `SCM_RIGHTS` message (none: a plain message), as a peer
+/// other than `SharedPool::send` might.
+fn send_fds(socket: &UnixStream, fd: std::os::fd::RawFd, count: usize) {
+    let mut control = [0u64; 32];
+    let mut byte = [b'p'];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: a zeroed msghdr pointing at live buffers: `control` (256 bytes, aligned for a
+    // cmsghdr) holds one message of `count` (at most 32) descriptors, when there are any.
+    unsafe {
+        let data_len = (count * std::mem::size_of::<libc::c_int>()) as u32;
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if count > 0 {
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(data_len) as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(data_len) as _;
+            let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+            for i in 0..count {
+                data.add(i).write_unaligned(fd);
+            }
+        }
+        assert_eq!(libc::sendmsg(socket.as_raw_fd(), &msg, 0), 1);
+    }
+}
+
+/// How many of this process's descriptors are of the memory file named `name`.
+fn descriptors_of(name: &str) -> usize {
+    let wanted = format!("/memfd:{name} (deleted)");
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.to_string_lossy() == wanted)
+        .count()
+}
+
+#[test]
+fn a_message_not_carrying_one_descriptor_is_refused_and_closed() {
+    let name = format!("numa-gpu-alloc-recv-test-{}", std::process::id());
+    let c_name = std::ffi::CString::new(name.as_str()).unwrap();
+    // SAFETY: a valid C string; the new descriptor is owned by the file from here on.
+    let file = unsafe {
+        let fd = libc::memfd_create(c_name.as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fd >= 0);
+        std::fs::File::from_raw_fd(fd)
+    };
+    // 20 descriptors overflow the receiver's control buffer (MSG_CTRUNC); two fit but are
+    // not one; none is a plain message.
+    for (count, said) in [
+        (20, "MSG_CTRUNC"),
+        (2, "more than one"),
+        (0, "no descriptor"),
+    ] {
+        let (here, there) = UnixStream::pair().unwrap();
+        send_fds(&here, file.as_raw_fd(), count);
+        let e = SharedPool::receive(&there).unwrap_err();
+        assert!(matches!(e, Error::FdNotReceived { .. }), "{count}: {e}");
+        assert!(e.to_string().contains(said), "{count}: {e}");
+        assert_eq!(
+            descriptors_of(&name),
+            1,
+            "{count}: each that arrived was closed"
+        );
+    }
 }
 
 fn patch(path: &PathBuf, at: u64, bytes: &[u8]) {

@@ -125,9 +125,8 @@ pub enum Error {
         /// The kind and layout version this build reads.
         expected: (u32, u32),
     },
-    /// A shared pool made by a build whose memory layout differs from this one's (another
-    /// libc's `pthread_mutex_t`, a 32-bit process, another byte order): its header would be
-    /// misread.
+    /// A shared pool made by a build of another memory layout (another libc's mutex, a 32-bit
+    /// process, another byte order): its header would be misread.
     PoolLayout {
         /// The file.
         path: PathBuf,
@@ -143,6 +142,11 @@ pub enum Error {
     PoolReadOnly {
         /// The file.
         path: PathBuf,
+    },
+    /// A descriptor to be received over a Unix socket (`SCM_RIGHTS`) did not arrive as one.
+    FdNotReceived {
+        /// What came instead, and what to do.
+        reason: &'static str,
     },
     /// A shared pool whose header or carving state does not hold together.
     PoolCorrupt {
@@ -439,6 +443,9 @@ impl fmt::Display for Error {
                  opened so",
                 path.display()
             ),
+            Error::FdNotReceived { reason } => {
+                write!(f, "no descriptor was received over the socket: {reason}")
+            }
             Error::PoolCorrupt { path, reason } => write!(
                 f,
                 "shared pool {} is damaged: {reason}; create a new pool once no process uses \

@@ -239,6 +239,10 @@ pub fn send_fd(socket: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<()> {
 }
 
 /// Receives a descriptor [`send_fd`] sent over `socket` (`recvmsg`, close-on-exec).
+///
+/// # Errors
+/// [`Error::FdNotReceived`] when the message carried no descriptor, more than one, or was cut
+/// short (`MSG_CTRUNC`); every descriptor that did arrive is closed.
 pub fn recv_fd(socket: BorrowedFd<'_>) -> Result<OwnedFd> {
     let mut byte = [0u8];
     let mut iov = libc::iovec {
@@ -268,22 +272,44 @@ pub fn recv_fd(socket: BorrowedFd<'_>) -> Result<OwnedFd> {
             return Err(syscall("recvmsg"));
         }
     }
-    // SAFETY: the kernel filled the control buffer `msg` points at; CMSG_FIRSTHDR is null or a
-    // message inside it, whose data holds one descriptor when it is SCM_RIGHTS.
+    // Every descriptor that came, owned (closed on drop) before anything is decided: the
+    // 64-byte buffer holds at most 12.
+    let mut fds: [Option<OwnedFd>; 12] = Default::default();
+    let mut count = 0;
+    // SAFETY: the kernel filled the control buffer `msg` points at; CMSG_FIRSTHDR and
+    // CMSG_NXTHDR walk the messages inside it, each SCM_RIGHTS one holding
+    // `(cmsg_len - CMSG_LEN(0)) / 4` descriptors this process now owns.
     unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        if cmsg.is_null()
-            || (*cmsg).cmsg_level != libc::SOL_SOCKET
-            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
-        {
-            return Err(Error::Syscall {
-                call: "recvmsg",
-                errno: libc::EBADMSG,
-            });
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+                let bytes = ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..bytes / size_of::<libc::c_int>() {
+                    let fd = OwnedFd::from_raw_fd(ptr::read_unaligned(data.add(i)));
+                    if let Some(slot) = fds.get_mut(count) {
+                        *slot = Some(fd);
+                    }
+                    count += 1;
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
-        let fd = ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
-        Ok(OwnedFd::from_raw_fd(fd))
     }
+    let reason = if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        "the control message was cut short (MSG_CTRUNC: this process may be at its open-file \
+         limit, RLIMIT_NOFILE, or more descriptors were sent than fit), and the descriptors \
+         that did arrive were closed; raise the limit, or send one descriptor"
+    } else if count > 1 {
+        "the message carried more than one descriptor (all were closed); send one, as \
+         SharedPool::send does"
+    } else {
+        match fds[0].take() {
+            Some(fd) => return Ok(fd),
+            None => "the message carried no descriptor; send it with SharedPool::send",
+        }
+    };
+    Err(Error::FdNotReceived { reason })
 }
 
 /// Whether process `pid` exists (`kill(pid, 0)`; one of another user's counts as existing).
