@@ -2,7 +2,8 @@
 //! attach one pool and each registers its own mapping chunk by chunk in the background, one
 //! registration per chunk per process, each made under the node-wide lock file, and each
 //! unregistered before the mapping goes at detach (and at exit, for a process that detaches by
-//! ending); a copy over a whole block works (none straddles two registrations).
+//! ending); a copy over a whole block works (none straddles two registrations); the pool's stats
+//! do not wait behind a registration waiting for the lock file.
 #![cfg(target_os = "linux")]
 
 #[macro_use]
@@ -12,8 +13,11 @@ mod common {
 }
 
 use std::alloc::Layout;
+use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use common::sim::{self, Sim};
 use numa_gpu_alloc::{GpuSelector, SharedPool};
@@ -201,6 +205,63 @@ sim_test!(
         assert_eq!((stats.registered_chunks, stats.registrations), (3, 3), "{stats:?}");
         drop(pool);
         assert_eq!(Sim::get().stats().registered_ranges, 0);
+    }
+);
+
+/// Waits (up to 10 s) until some thread of this process waits for a `flock` (a `->` line of
+/// `/proc/locks` with its pid); false when none did, or the kernel does not say.
+fn a_flock_waiter_appears() -> bool {
+    let me = format!(" {} ", std::process::id());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let Ok(locks) = std::fs::read_to_string("/proc/locks") else {
+            return false;
+        };
+        if locks
+            .lines()
+            .any(|l| l.contains("->") && l.contains("FLOCK") && l.contains(&me))
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+sim_test!(
+    /// The pool's stats (and its `Debug`) answer while a registration waits for the node-wide
+    /// lock file, which the test holds meanwhile: they do not wait behind it.
+    stats_answer_while_a_registration_waits_for_the_node_lock,
+    env: [],
+    {
+        let pool = chunked_pool();
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(LOCK_FILE)
+            .unwrap();
+        // SAFETY: flock on a descriptor we hold.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let reservation = pool
+            .register_in_background(GpuSelector::Ordinal(0), usize::MAX)
+            .unwrap();
+        if !a_flock_waiter_appears() {
+            eprintln!("note: /proc/locks showed no waiter; the registration may not wait yet");
+        }
+        let (sent, got) = mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| sent.send((pool.stats(), format!("{pool:?}"))).unwrap());
+            // Generous for a loaded 2-core machine: the stats take microseconds.
+            let answer = got.recv_timeout(Duration::from_secs(5));
+            // SAFETY: as above; lets the registration (and a stalled stats) go on.
+            unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_UN) };
+            let (stats, debug) = answer.expect("the stats waited behind the registration");
+            assert_eq!(stats.registered_chunks, 0, "{stats:?}");
+            assert!(debug.contains("registered_chunks: 0"), "{debug}");
+        });
+        assert_eq!(reservation.wait().unwrap().chunks, CHUNKS);
     }
 );
 

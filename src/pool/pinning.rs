@@ -37,12 +37,19 @@ unsafe impl Send for Registered {}
 
 /// The chunks this process registered.
 pub(crate) struct Pinned {
+    /// Held through a whole registration (the wait for the node's lock file, which another
+    /// process may hold for as long as its driver call takes, and this process's call), so that
+    /// two threads of this process never register one chunk twice.
+    registering: Lock<()>,
+    /// The registered chunks, locked only to read or change the list: the pool's stats read
+    /// it, and must not wait behind a registration.
     chunks: Lock<Vec<Registered>>,
 }
 
 impl Pinned {
     pub(crate) const fn new() -> Pinned {
         Pinned {
+            registering: Lock::new(()),
             chunks: Lock::new(Vec::new()),
         }
     }
@@ -70,9 +77,8 @@ impl Pinned {
         })?;
         let ptr = NonNull::new(map.ptr().as_ptr().wrapping_add(offset))
             .ok_or(Error::InvalidRange { addr: offset, len })?;
-        // Held through the call: two threads of this process never register one chunk twice.
-        let mut chunks = self.chunks.lock();
-        if chunks.iter().any(|r| r.ptr == ptr) {
+        let _one_at_a_time = self.registering.lock();
+        if self.chunks.lock().iter().any(|r| r.ptr == ptr) {
             return Ok(None);
         }
         let lock = open_lock(map.header().node as usize)?;
@@ -88,7 +94,7 @@ impl Pinned {
             give_page_locked(len);
             return Err(e);
         }
-        chunks.push(Registered { gpu, ptr, len });
+        self.chunks.lock().push(Registered { gpu, ptr, len });
         map.header().registrations.fetch_add(1, Ordering::AcqRel);
         Ok(Some(took))
     }
