@@ -42,9 +42,6 @@ mod register;
 
 pub use build::SharedPoolBuilder;
 
-/// The default chunk: blocks never cross one, and each is one registration in a pinned process
-/// (the allocator's registration bound, `register_max`).
-const DEFAULT_CHUNK: usize = 256 << 20;
 /// The huge page size a pool of huge pages uses.
 const HUGE_PAGE: usize = 2 << 20;
 /// How long attaching waits for a live creator to finish populating.

@@ -126,6 +126,42 @@ fn a_memory_file_pool_is_sealed_against_resizing() {
     assert!(handle.is_some(), "the pool works as before");
 }
 
+#[test]
+fn the_chunk_is_at_most_the_registration_bound() {
+    const BOUND: &str = "register_max=4MiB";
+    // The child runs with the bound in NUMA_GPU_ALLOC, which a process reads once.
+    let child = std::env::var_os("NUMA_GPU_ALLOC").is_some_and(|v| v == BOUND);
+    let pool = SharedPool::builder(16 * MIB)
+        .node(0)
+        .chunk(1 << 30)
+        .create()
+        .unwrap();
+    let fits = |len| match pool.allocate(Layout::from_size_align(len, 64).unwrap()) {
+        // SAFETY: a block just carved, used by nothing.
+        Some(handle) => unsafe { pool.free(handle) }.is_ok(),
+        None => false,
+    };
+    if child {
+        assert!(fits(4 * MIB), "a block of the bound");
+        assert!(
+            !fits(6 * MIB),
+            "no block larger than the bound: the chunk is capped"
+        );
+        return;
+    }
+    assert!(
+        fits(6 * MIB),
+        "by default (256 MiB) the pool's 14 MiB of blocks are one chunk"
+    );
+    let test = "the_chunk_is_at_most_the_registration_bound";
+    let out = children_of(test)()
+        .env("NUMA_GPU_ALLOC", BOUND)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}
+
 fn pool_path(name: &str) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/numa-gpu-alloc-test-{name}-{}",

@@ -1,11 +1,13 @@
 //! The carving state against a model: random allocations and frees keep the tables whole, no two
 //! live blocks overlap or cross a chunk, and a rebuild keeps every live block; a pool whose lock
-//! is unrecoverable is refused as corrupt; a memory file of huge pages takes the size seals.
+//! is unrecoverable is refused as corrupt; a memory file of huge pages takes the size seals; the
+//! node lock file is made for every user whatever the umask, and opened read-only once it exists.
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 
 use super::carve::{Carve, Extent, GRANULE};
+use super::pinning::open_lock_at;
 use super::{Locked, PoolMap};
 use crate::{sys, Error};
 
@@ -132,4 +134,30 @@ fn a_huge_page_memory_file_takes_the_size_seals() {
     sys::seal_size(file.as_fd()).expect("hugetlbfs memory files take seals");
     let e = file.set_len(2 << 20).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+}
+
+#[test]
+fn the_node_lock_file_is_made_for_every_user_and_opened_read_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::path::PathBuf::from(format!(
+        "/dev/shm/numa-gpu-alloc-test-lock-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    // A restrictive umask, for as short a time as possible (it is the process's).
+    // SAFETY: umask only sets the process's file mode mask.
+    let before = unsafe { libc::umask(0o077) };
+    let made = open_lock_at(&path);
+    // SAFETY: as above.
+    unsafe { libc::umask(before) };
+    drop(made.unwrap());
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o666, "{mode:o}");
+    let again = open_lock_at(&path).unwrap();
+    assert!(!sys::read_write(again.as_fd()).unwrap(), "opened read-only");
+    assert!(
+        sys::lock_file(again.as_fd(), true, false).unwrap(),
+        "flock works read-only"
+    );
+    std::fs::remove_file(&path).unwrap();
 }
