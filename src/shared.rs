@@ -113,7 +113,9 @@ pub struct PoolStats {
 ///
 /// Dropping it detaches this process: its mapping goes; the pages live while any process maps
 /// the pool (or while its path exists). Blocks stay allocated in the pool until some process
-/// frees them.
+/// frees them. A child forked from an attached process inherits the value but is not counted
+/// as attached, nor does it register: dropping it there unmaps the child's mapping alone; a
+/// child that means to attach calls [`SharedPool::attach_fd`] with a duplicate of [`fd`](Self::fd).
 ///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
@@ -132,10 +134,28 @@ struct Inner {
     map: PoolMap,
     fd: OwnedFd,
     path: Option<PathBuf>,
+    /// The process that attached (and counted itself in the header), and its fork generation.
+    attached_by: (u32, u32),
+}
+
+impl Inner {
+    /// Whether this is a forked child's copy of another process's attachment: the child was not
+    /// counted in the header, its registrations are the parent's (CUDA is unusable here), and
+    /// their list's locks may have been held by a parent's thread at the fork. The fork
+    /// generation tells a child even where the pid of a gone ancestor was reused; the pid, even
+    /// where the crate's fork handlers were not linked in.
+    fn inherited(&self) -> bool {
+        self.attached_by != (sys::process_id(), crate::fork::generation())
+    }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if self.inherited() {
+            // Only the child's own mapping goes; the count and the registrations are the
+            // parent's.
+            return;
+        }
         if !self.pinned.release(&self.map) {
             self.map.keep_mapped();
         }
@@ -151,6 +171,7 @@ impl SharedPool {
                 map,
                 fd,
                 path,
+                attached_by: (sys::process_id(), crate::fork::generation()),
             }),
             background: Lock::new(None),
         }
@@ -370,7 +391,11 @@ impl SharedPool {
     /// What the pool holds now.
     pub fn stats(&self) -> PoolStats {
         let header = self.inner.map.header();
-        let (registered_chunks, registered_bytes) = self.inner.pinned.count();
+        let (registered_chunks, registered_bytes) = if self.inner.inherited() {
+            (0, 0)
+        } else {
+            self.inner.pinned.count()
+        };
         let mut stats = PoolStats {
             registrations: header.registrations.load(Ordering::Acquire),
             registered_chunks,
@@ -411,6 +436,10 @@ impl Drop for SharedPool {
     /// Detaches: a registration under way stops after its chunk, and once it has, every chunk
     /// this process registered is unregistered, then the pool unmapped.
     fn drop(&mut self) {
+        // A forked child has no registration thread (and its lock may be a parent's thread's).
+        if self.inner.inherited() {
+            return;
+        }
         if let Some(tally) = self.background.lock().take() {
             tally.cancel.store(true, Ordering::Release);
         }

@@ -162,6 +162,32 @@ fn the_chunk_is_at_most_the_registration_bound() {
     assert!(out.status.success() && text.contains("1 passed"), "{text}");
 }
 
+#[test]
+fn a_forked_child_dropping_its_inherited_pool_leaves_the_count() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    assert_eq!(pool.stats().attached, 1);
+    // SAFETY: the child only reads the pool's stats, drops it and leaves with _exit.
+    match unsafe { libc::fork() } {
+        0 => {
+            let seen = pool.stats();
+            drop(pool);
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(i32::from(seen.attached != 1 || seen.registered_chunks != 0)) }
+        }
+        child => {
+            assert!(child > 0, "fork failed");
+            let mut status = 0;
+            // SAFETY: waits for the child just forked.
+            assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+            assert!(
+                libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                "{status}"
+            );
+        }
+    }
+    assert_eq!(pool.stats().attached, 1, "the child never counted itself");
+}
+
 fn pool_path(name: &str) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/numa-gpu-alloc-test-{name}-{}",

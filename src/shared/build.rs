@@ -42,8 +42,9 @@ impl SharedPoolBuilder {
     }
 
     /// 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`, or a path on a hugetlbfs mount of 2 MiB
-    /// pages), from the huge pages reserved on the node; without, the file is advised for transparent huge pages, which the kernel
-    /// gives shared memory only when `shmem_enabled` allows it.
+    /// pages), from the huge pages reserved on the node; without, the file is advised for
+    /// transparent huge pages, which the kernel gives shared memory only when `shmem_enabled`
+    /// allows it.
     pub fn huge_pages(mut self, on: bool) -> Self {
         self.huge_pages = on;
         self
