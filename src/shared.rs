@@ -117,6 +117,12 @@ pub struct PoolStats {
 /// as attached, nor does it register: dropping it there unmaps the child's mapping alone; a
 /// child that means to attach calls [`SharedPool::attach_fd`] with a duplicate of [`fd`](Self::fd).
 ///
+/// A process that ends without dropping it (`std::process::exit`, a pool in a static) is not
+/// detached: at exit the crate neither unregisters nor unmaps it (the kernel unmaps the pool as
+/// the process ends, and the driver releases the process's registrations with it), a
+/// registration under way makes no driver call once the driver's teardown may have begun, and
+/// the pool's `attached` count keeps counting the process.
+///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
 /// API does not wait for it. Synchronize the stream (or wait on an event recorded after the copy)

@@ -1,9 +1,10 @@
 //! Shared pools registered against the CUDA driver simulator (`tests/sim/`): two processes
 //! attach one pool and each registers its own mapping chunk by chunk in the background, one
 //! registration per chunk per process, each made under the node-wide lock file, and each
-//! unregistered before the mapping goes at detach (and at exit, for a process that detaches by
-//! ending); a copy over a whole block works (none straddles two registrations); the pool's stats
-//! do not wait behind a registration waiting for the lock file.
+//! unregistered before the mapping goes at detach; a process that exits with its pool attached
+//! ends cleanly, a registration under way included; a copy over a whole block works (none
+//! straddles two registrations); the pool's stats do not wait behind a registration waiting for
+//! the lock file.
 #![cfg(target_os = "linux")]
 
 #[macro_use]
@@ -205,6 +206,61 @@ sim_test!(
         assert_eq!((stats.registered_chunks, stats.registrations), (3, 3), "{stats:?}");
         drop(pool);
         assert_eq!(Sim::get().stats().registered_ranges, 0);
+    }
+);
+
+/// Set in the process that exits with its pool attached.
+const EXIT_VAR: &str = "NUMA_GPU_ALLOC_SIM_POOL_EXIT";
+
+sim_test!(
+    /// A process that ends with `std::process::exit` while its pool is attached, registered in
+    /// part, and a registration under way: nothing drops the pool, so the crate neither
+    /// unregisters nor unmaps (the kernel unmaps at exit, the driver releases the
+    /// registrations with the process), no registration reaches the driver after its teardown
+    /// began (the simulator aborts on one), and nothing was unregistered after an unmap.
+    a_process_exiting_with_its_pool_attached_ends_cleanly,
+    env: [("CUDA_SIM_REGISTER_US_PER_GIB", "20000000"), ("CUDA_SIM_TEARDOWN_US", "200000")],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED on the real driver: reads the simulator's counts");
+            return;
+        }
+        let test = "a_process_exiting_with_its_pool_attached_ends_cleanly";
+        if std::env::var_os(EXIT_VAR).is_some() {
+            let pool = chunked_pool();
+            let reservation = pool
+                .register_in_background(GpuSelector::Ordinal(0), usize::MAX)
+                .unwrap();
+            while reservation.progress().chunks == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let (sim, locks) = (Sim::get().stats(), lock_stats());
+            println!(
+                "exiting: registered {} unmapped-before-unregister {}",
+                sim.registered_ranges, locks.unmapped_unregistrations
+            );
+            std::process::exit(0);
+        }
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(EXIT_VAR, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "the exiting process failed: {:?}\n{text}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = text.lines().find(|l| l.contains("exiting:")).expect("the exit line");
+        println!("{line}");
+        let field = |name: &str| -> u64 {
+            let at = line.find(name).unwrap() + name.len() + 1;
+            line[at..].split_whitespace().next().unwrap().parse().unwrap()
+        };
+        assert!(field("registered") >= 1, "it exited with chunks registered");
+        assert_eq!(field("unmapped-before-unregister"), 0);
     }
 );
 
