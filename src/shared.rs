@@ -339,6 +339,27 @@ impl SharedPool {
             })
     }
 
+    /// Frees every live block process `pid` carved, once that process is gone (killed before
+    /// it freed them: nothing else ever frees them); how many blocks, and their bytes, went
+    /// back to the pool. Blocks a process carved are recorded with its pid (`0` after a
+    /// rebuild could not tell, and those are never reclaimed); pids are of the pool creator's
+    /// pid namespace only if every attached process shares it.
+    ///
+    /// # Errors
+    /// [`Error::PoolOwnerAlive`] while a process `pid` exists (checked under the pool's lock, so
+    /// that none with that pid carves meanwhile).
+    ///
+    /// # Safety
+    /// No process uses any of those blocks afterwards: a block `pid` carved and handed to a
+    /// process still running (by its handle) is freed too, and may be handed out again at once.
+    pub unsafe fn reclaim(&self, pid: u32) -> Result<(usize, u64), Error> {
+        let mut guard = self.inner.map.lock()?;
+        if sys::process_alive(pid) {
+            return Err(Error::PoolOwnerAlive { pid });
+        }
+        Ok(guard.carve().reclaim(pid, sys::process_id()))
+    }
+
     /// Whether a live block starts at `handle`'s offset with its length.
     pub fn is_live(&self, handle: PoolHandle) -> bool {
         self.inner.map.lock().is_ok_and(|mut guard| {

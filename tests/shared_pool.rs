@@ -188,6 +188,45 @@ fn a_forked_child_dropping_its_inherited_pool_leaves_the_count() {
     assert_eq!(pool.stats().attached, 1, "the child never counted itself");
 }
 
+/// Set in the child of the reclaim test, to the pool's inherited descriptor.
+const RECLAIM_FD_VAR: &str = "NUMA_GPU_ALLOC_TEST_RECLAIM_FD";
+
+#[test]
+fn the_blocks_of_a_process_gone_are_reclaimed() {
+    if let Ok(fd) = std::env::var(RECLAIM_FD_VAR) {
+        // SAFETY: the descriptor the parent left open for this process.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd.parse().unwrap()) };
+        let pool = SharedPool::attach_fd(fd).unwrap();
+        for _ in 0..3 {
+            pool.allocate(Layout::from_size_align(4096, 64).unwrap())
+                .unwrap();
+        }
+        // Ends without freeing them (and, returning, detaches).
+        return;
+    }
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let mine = pool
+        .allocate(Layout::from_size_align(64, 8).unwrap())
+        .unwrap();
+    let test = "the_blocks_of_a_process_gone_are_reclaimed";
+    let child = children_of(test)()
+        .env(RECLAIM_FD_VAR, pool.fd().as_raw_fd().to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    assert!(child.wait_with_output().unwrap().status.success());
+    assert_eq!(pool.stats().live_blocks, 4);
+    // SAFETY: nothing uses the blocks of either process afterwards (refused here anyway).
+    let e = unsafe { pool.reclaim(std::process::id()) }.unwrap_err();
+    assert!(matches!(e, Error::PoolOwnerAlive { .. }), "{e}");
+    // SAFETY: the child is gone, and its blocks were never handed to anyone.
+    assert_eq!(unsafe { pool.reclaim(pid) }.unwrap(), (3, 3 * 4096));
+    let stats = pool.stats();
+    assert_eq!((stats.live_blocks, stats.frees), (1, 3), "{stats:?}");
+    assert!(pool.is_live(mine));
+}
+
 fn pool_path(name: &str) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/numa-gpu-alloc-test-{name}-{}",
@@ -388,7 +427,7 @@ fn bad_cases_are_refused_with_their_errors() {
         matches!(e, Error::PoolVersion { found: (1, 99), .. }),
         "{e}"
     );
-    patch(&path, VERSION_AT, &2u32.to_le_bytes());
+    patch(&path, VERSION_AT, &3u32.to_le_bytes());
 
     // Made by a build of another layout: another libc's mutex, another byte order.
     let mut mutex_size = [0; 4];

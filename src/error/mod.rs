@@ -194,6 +194,11 @@ pub enum Error {
         /// The creator's process id.
         pid: u32,
     },
+    /// A shared pool's blocks were to be reclaimed from a process that still runs.
+    PoolOwnerAlive {
+        /// The process.
+        pid: u32,
+    },
     /// A shared pool was to be created at a path that exists.
     PoolExists {
         /// The path.
@@ -492,6 +497,11 @@ impl fmt::Display for Error {
                 "shared pool {} was left half made by process {pid}, which is gone; remove \
                  the file and create the pool again",
                 path.display()
+            ),
+            Error::PoolOwnerAlive { pid } => write!(
+                f,
+                "process {pid} still runs: its shared pool blocks are not reclaimed; reclaim \
+                 only a process that is gone"
             ),
             Error::PoolExists { path } => write!(
                 f,

@@ -32,7 +32,7 @@ use carve::{Carve, MAX_ALIGN};
 const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
 /// What the file holds (a pool carved in extents), and the layout of its header.
 pub(crate) const KIND: u32 = 1;
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// Where blocks start: after the header, on a huge page boundary.
 pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
 

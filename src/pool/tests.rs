@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 
-use super::carve::{Carve, Extent, GRANULE};
+use super::carve::{Carve, Extent, Live, GRANULE};
 use super::pinning::open_lock_at;
 use super::{Locked, PoolMap};
 use crate::{sys, Error};
@@ -66,7 +66,7 @@ fn random_allocations_and_frees_keep_the_tables_whole() {
         assert!(carve.consistent(), "step {step}");
         assert_eq!(carve.live().len(), live.len());
     }
-    let before: Vec<Extent> = carve.live().to_vec();
+    let before: Vec<Live> = carve.live().to_vec();
     assert_eq!(carve.rebuild(), 0);
     assert!(carve.consistent());
     assert_eq!(carve.live(), &before[..]);

@@ -174,8 +174,8 @@ impl SharedPoolBuilder {
 }
 
 impl SharedPool {
-    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, a header of about 130 KiB
-    /// included).
+    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, its first 2 MiB included:
+    /// the header, about 160 KiB, then blocks from 2 MiB on).
     pub fn builder(size: usize) -> SharedPoolBuilder {
         SharedPoolBuilder {
             size,
