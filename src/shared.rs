@@ -1,9 +1,10 @@
 //! Shared pools: one placed, populated copy of memory on a node that every process on it maps
 //! and allocates from ([`SharedPool`]).
 //!
-//! A pool is a memory file (`memfd_create`, or a file under `/dev/shm` or a hugetlbfs mount),
-//! placed on its node before any page is touched (`mbind`), populated once by the node's bound
-//! workers and checked page by page (`move_pages`). Other processes attach by descriptor
+//! A pool is a memory file (`memfd_create`, sealed against resizing, or a file under `/dev/shm`
+//! or a hugetlbfs mount, which cannot be sealed), placed on its node before any page is touched
+//! (`mbind`), populated once by the node's bound workers and checked page by page
+//! (`move_pages`). Other processes attach by descriptor
 //! (inherited, or passed over a Unix socket: [`SharedPool::send`], [`SharedPool::receive`]) or
 //! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
 //! offset into the pool), which each process turns into its own pointer; the carving state
@@ -32,7 +33,7 @@ use std::time::{Duration, Instant};
 use crate::blocks::reserve::Tally;
 use crate::pool::carve::MAX_ALIGN;
 use crate::pool::pinning::Pinned;
-use crate::pool::{PoolMap, DATA_START, MAGIC};
+use crate::pool::{self, PoolMap, DATA_START};
 use crate::sys::{self, lock::Lock};
 use crate::Error;
 
@@ -41,9 +42,6 @@ mod register;
 
 pub use build::SharedPoolBuilder;
 
-/// The default chunk: blocks never cross one, and each is one registration in a pinned process
-/// (the allocator's registration bound, `register_max`).
-const DEFAULT_CHUNK: usize = 256 << 20;
 /// The huge page size a pool of huge pages uses.
 const HUGE_PAGE: usize = 2 << 20;
 /// How long attaching waits for a live creator to finish populating.
@@ -115,7 +113,15 @@ pub struct PoolStats {
 ///
 /// Dropping it detaches this process: its mapping goes; the pages live while any process maps
 /// the pool (or while its path exists). Blocks stay allocated in the pool until some process
-/// frees them.
+/// frees them. A child forked from an attached process inherits the value but is not counted
+/// as attached, nor does it register: dropping it there unmaps the child's mapping alone; a
+/// child that means to attach calls [`SharedPool::attach_fd`] with a duplicate of [`fd`](Self::fd).
+///
+/// A process that ends without dropping it (`std::process::exit`, a pool in a static) is not
+/// detached: at exit the crate neither unregisters nor unmaps it (the kernel unmaps the pool as
+/// the process ends, and the driver releases the process's registrations with it), a
+/// registration under way makes no driver call once the driver's teardown may have begun, and
+/// the pool's `attached` count keeps counting the process.
 ///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
@@ -134,10 +140,28 @@ struct Inner {
     map: PoolMap,
     fd: OwnedFd,
     path: Option<PathBuf>,
+    /// The process that attached (and counted itself in the header), and its fork generation.
+    attached_by: (u32, u32),
+}
+
+impl Inner {
+    /// Whether this is a forked child's copy of another process's attachment: the child was not
+    /// counted in the header, its registrations are the parent's (CUDA is unusable here), and
+    /// their list's locks may have been held by a parent's thread at the fork. The fork
+    /// generation tells a child even where the pid of a gone ancestor was reused; the pid, even
+    /// where the crate's fork handlers were not linked in.
+    fn inherited(&self) -> bool {
+        self.attached_by != (sys::process_id(), crate::fork::generation())
+    }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if self.inherited() {
+            // Only the child's own mapping goes; the count and the registrations are the
+            // parent's.
+            return;
+        }
         if !self.pinned.release(&self.map) {
             self.map.keep_mapped();
         }
@@ -153,6 +177,7 @@ impl SharedPool {
                 map,
                 fd,
                 path,
+                attached_by: (sys::process_id(), crate::fork::generation()),
             }),
             background: Lock::new(None),
         }
@@ -161,17 +186,23 @@ impl SharedPool {
     /// Attaches to the pool at `path`.
     ///
     /// # Errors
-    /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolCorrupt`] for a file that is
-    /// not a pool of this build; [`Error::PoolStale`] for one left half made by a creator that
-    /// is gone; [`Error::PoolWrongNode`] for one whose pages are not on its node. Nothing in
-    /// the file is changed by a refused attach.
+    /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
+    /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
+    /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
+    /// pages are not on its node; [`Error::PoolReadOnly`] for a file or descriptor this process
+    /// may not map for writing. Nothing in the file is changed by a refused attach.
     pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
         let path = path.as_ref();
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
-            .map_err(|e| io_error(Some(path), &e))?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EACCES | libc::EPERM | libc::EROFS) => {
+                    Error::PoolReadOnly { path: path.into() }
+                }
+                _ => io_error(Some(path), &e),
+            })?;
         SharedPool::attach_file(file, Some(path.to_path_buf()))
     }
 
@@ -206,17 +237,19 @@ impl SharedPool {
         let mut magic = [0; 8];
         // At offset 0 whatever the file's position: an inherited descriptor shares its
         // position with every process holding it.
-        let read = file.read_exact_at(&mut magic, 0);
-        let magic = u64::from_le_bytes(magic);
-        if read.is_err() || magic != MAGIC || len < DATA_START + MAX_ALIGN as usize {
-            return Err(Error::PoolForeign {
+        // A file shorter than that is not a pool: its zeros are no magic.
+        let _ = file.read_exact_at(&mut magic, 0);
+        // In this machine's byte order, as the creator's atomic store wrote it.
+        pool::check_magic(u64::from_ne_bytes(magic), &shown_path)?;
+        if len < DATA_START + MAX_ALIGN as usize {
+            return Err(Error::PoolCorrupt {
                 path: shown_path,
-                found: magic,
+                reason: "the file is shorter than a pool's header and one block (truncated)",
             });
         }
         let fd = OwnedFd::from(file);
-        let map = PoolMap::map(fd.as_fd(), len)?;
-        map.check(&shown_path)?;
+        let map = PoolMap::map(fd.as_fd(), len, shown_path.clone())?;
+        map.check()?;
         let header = map.header();
         let start = Instant::now();
         while !map.ready() {
@@ -306,6 +339,27 @@ impl SharedPool {
             })
     }
 
+    /// Frees every live block process `pid` carved, once that process is gone (killed before
+    /// it freed them: nothing else ever frees them); how many blocks, and their bytes, went
+    /// back to the pool. Blocks a process carved are recorded with its pid (`0` after a
+    /// rebuild could not tell, and those are never reclaimed); pids are of the pool creator's
+    /// pid namespace only if every attached process shares it.
+    ///
+    /// # Errors
+    /// [`Error::PoolOwnerAlive`] while a process `pid` exists (checked under the pool's lock, so
+    /// that none with that pid carves meanwhile).
+    ///
+    /// # Safety
+    /// No process uses any of those blocks afterwards: a block `pid` carved and handed to a
+    /// process still running (by its handle) is freed too, and may be handed out again at once.
+    pub unsafe fn reclaim(&self, pid: u32) -> Result<(usize, u64), Error> {
+        let mut guard = self.inner.map.lock()?;
+        if sys::process_alive(pid) {
+            return Err(Error::PoolOwnerAlive { pid });
+        }
+        Ok(guard.carve().reclaim(pid, sys::process_id()))
+    }
+
     /// Whether a live block starts at `handle`'s offset with its length.
     pub fn is_live(&self, handle: PoolHandle) -> bool {
         self.inner.map.lock().is_ok_and(|mut guard| {
@@ -364,7 +418,11 @@ impl SharedPool {
     /// What the pool holds now.
     pub fn stats(&self) -> PoolStats {
         let header = self.inner.map.header();
-        let (registered_chunks, registered_bytes) = self.inner.pinned.count();
+        let (registered_chunks, registered_bytes) = if self.inner.inherited() {
+            (0, 0)
+        } else {
+            self.inner.pinned.count()
+        };
         let mut stats = PoolStats {
             registrations: header.registrations.load(Ordering::Acquire),
             registered_chunks,
@@ -405,6 +463,10 @@ impl Drop for SharedPool {
     /// Detaches: a registration under way stops after its chunk, and once it has, every chunk
     /// this process registered is unregistered, then the pool unmapped.
     fn drop(&mut self) {
+        // A forked child has no registration thread (and its lock may be a parent's thread's).
+        if self.inner.inherited() {
+            return;
+        }
         if let Some(tally) = self.background.lock().take() {
             tally.cancel.store(true, Ordering::Release);
         }

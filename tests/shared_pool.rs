@@ -1,7 +1,8 @@
 //! Shared pools across processes: two and eight processes allocating, freeing, writing their
 //! blocks and reading the others' at their handles with no overlap; a process killed while it
 //! holds the pool's lock leaves the others working; attach by descriptor (inherited, and over a
-//! Unix socket) and by path; each bad case refused with its error, the pool others use intact.
+//! Unix socket) and by path; each bad case (another layout, truncated, read-only, ...) refused
+//! with its error, the pool others use intact.
 #![cfg(target_os = "linux")]
 
 #[path = "../examples/support/shared_workload.rs"]
@@ -9,6 +10,7 @@ mod shared_workload;
 
 use std::alloc::Layout;
 use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -21,9 +23,11 @@ const MIB: usize = 1 << 20;
 
 /// Byte offsets of header fields the bad cases change (`src/pool/mod.rs`, `Header`).
 const VERSION_AT: u64 = 12;
-const NODE_AT: u64 = 24;
-const CREATOR_AT: u64 = 40;
-const READY_AT: u64 = 44;
+/// The layout tag's third entry: the size of the mutex.
+const MUTEX_SIZE_AT: u64 = 24;
+const NODE_AT: u64 = 56;
+const CREATOR_AT: u64 = 72;
+const READY_AT: u64 = 76;
 
 fn children_of(test: &'static str) -> impl Fn() -> Command {
     move || {
@@ -106,6 +110,121 @@ fn processes_killed_at_random_moments_leave_the_others_working() {
     let s = shared_workload::run_killing(8, 3000, 4, children_of(test));
     println!("{s:?}");
     assert_eq!((s.finished, s.overlaps), (4, 0));
+}
+
+#[test]
+fn a_memory_file_pool_is_sealed_against_resizing() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    // Another holder of the file (as a process it was sent to or inherited it).
+    let other = std::fs::File::from(pool.fd().try_clone_to_owned().unwrap());
+    for len in [4 * MIB, 16 * MIB] {
+        let e = other.set_len(len as u64).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "set_len({len}): {e}");
+    }
+    assert_eq!(other.metadata().unwrap().len(), 8 * MIB as u64);
+    let handle = pool.allocate(Layout::from_size_align(4096, 64).unwrap());
+    assert!(handle.is_some(), "the pool works as before");
+}
+
+#[test]
+fn the_chunk_is_at_most_the_registration_bound() {
+    const BOUND: &str = "register_max=4MiB";
+    // The child runs with the bound in NUMA_GPU_ALLOC, which a process reads once.
+    let child = std::env::var_os("NUMA_GPU_ALLOC").is_some_and(|v| v == BOUND);
+    let pool = SharedPool::builder(16 * MIB)
+        .node(0)
+        .chunk(1 << 30)
+        .create()
+        .unwrap();
+    let fits = |len| match pool.allocate(Layout::from_size_align(len, 64).unwrap()) {
+        // SAFETY: a block just carved, used by nothing.
+        Some(handle) => unsafe { pool.free(handle) }.is_ok(),
+        None => false,
+    };
+    if child {
+        assert!(fits(4 * MIB), "a block of the bound");
+        assert!(
+            !fits(6 * MIB),
+            "no block larger than the bound: the chunk is capped"
+        );
+        return;
+    }
+    assert!(
+        fits(6 * MIB),
+        "by default (256 MiB) the pool's 14 MiB of blocks are one chunk"
+    );
+    let test = "the_chunk_is_at_most_the_registration_bound";
+    let out = children_of(test)()
+        .env("NUMA_GPU_ALLOC", BOUND)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}
+
+#[test]
+fn a_forked_child_dropping_its_inherited_pool_leaves_the_count() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    assert_eq!(pool.stats().attached, 1);
+    // SAFETY: the child only reads the pool's stats, drops it and leaves with _exit.
+    match unsafe { libc::fork() } {
+        0 => {
+            let seen = pool.stats();
+            drop(pool);
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(i32::from(seen.attached != 1 || seen.registered_chunks != 0)) }
+        }
+        child => {
+            assert!(child > 0, "fork failed");
+            let mut status = 0;
+            // SAFETY: waits for the child just forked.
+            assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+            assert!(
+                libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                "{status}"
+            );
+        }
+    }
+    assert_eq!(pool.stats().attached, 1, "the child never counted itself");
+}
+
+/// Set in the child of the reclaim test, to the pool's inherited descriptor.
+const RECLAIM_FD_VAR: &str = "NUMA_GPU_ALLOC_TEST_RECLAIM_FD";
+
+#[test]
+fn the_blocks_of_a_process_gone_are_reclaimed() {
+    if let Ok(fd) = std::env::var(RECLAIM_FD_VAR) {
+        // SAFETY: the descriptor the parent left open for this process.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd.parse().unwrap()) };
+        let pool = SharedPool::attach_fd(fd).unwrap();
+        for _ in 0..3 {
+            pool.allocate(Layout::from_size_align(4096, 64).unwrap())
+                .unwrap();
+        }
+        // Ends without freeing them (and, returning, detaches).
+        return;
+    }
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let mine = pool
+        .allocate(Layout::from_size_align(64, 8).unwrap())
+        .unwrap();
+    let test = "the_blocks_of_a_process_gone_are_reclaimed";
+    let child = children_of(test)()
+        .env(RECLAIM_FD_VAR, pool.fd().as_raw_fd().to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    assert!(child.wait_with_output().unwrap().status.success());
+    assert_eq!(pool.stats().live_blocks, 4);
+    // SAFETY: nothing uses the blocks of either process afterwards (refused here anyway).
+    let e = unsafe { pool.reclaim(std::process::id()) }.unwrap_err();
+    assert!(matches!(e, Error::PoolOwnerAlive { .. }), "{e}");
+    // SAFETY: the child is gone, and its blocks were never handed to anyone.
+    assert_eq!(unsafe { pool.reclaim(pid) }.unwrap(), (3, 3 * 4096));
+    let stats = pool.stats();
+    assert_eq!((stats.live_blocks, stats.frees), (1, 3), "{stats:?}");
+    assert!(pool.is_live(mine));
 }
 
 fn pool_path(name: &str) -> PathBuf {
@@ -204,6 +323,78 @@ fn attach_by_descriptor_over_a_unix_socket() {
     assert_eq!(pool.stats().attached, 2);
 }
 
+/// Sends `count` copies of `fd` in one `SCM_RIGHTS` message (none: a plain message), as a peer
+/// other than `SharedPool::send` might.
+fn send_fds(socket: &UnixStream, fd: std::os::fd::RawFd, count: usize) {
+    let mut control = [0u64; 32];
+    let mut byte = [b'p'];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: a zeroed msghdr pointing at live buffers: `control` (256 bytes, aligned for a
+    // cmsghdr) holds one message of `count` (at most 32) descriptors, when there are any.
+    unsafe {
+        let data_len = (count * std::mem::size_of::<libc::c_int>()) as u32;
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if count > 0 {
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(data_len) as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(data_len) as _;
+            let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+            for i in 0..count {
+                data.add(i).write_unaligned(fd);
+            }
+        }
+        assert_eq!(libc::sendmsg(socket.as_raw_fd(), &msg, 0), 1);
+    }
+}
+
+/// How many of this process's descriptors are of the memory file named `name`.
+fn descriptors_of(name: &str) -> usize {
+    let wanted = format!("/memfd:{name} (deleted)");
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.to_string_lossy() == wanted)
+        .count()
+}
+
+#[test]
+fn a_message_not_carrying_one_descriptor_is_refused_and_closed() {
+    let name = format!("numa-gpu-alloc-recv-test-{}", std::process::id());
+    let c_name = std::ffi::CString::new(name.as_str()).unwrap();
+    // SAFETY: a valid C string; the new descriptor is owned by the file from here on.
+    let file = unsafe {
+        let fd = libc::memfd_create(c_name.as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fd >= 0);
+        std::fs::File::from_raw_fd(fd)
+    };
+    // 20 descriptors overflow the receiver's control buffer (MSG_CTRUNC); two fit but are
+    // not one; none is a plain message.
+    for (count, said) in [
+        (20, "MSG_CTRUNC"),
+        (2, "more than one"),
+        (0, "no descriptor"),
+    ] {
+        let (here, there) = UnixStream::pair().unwrap();
+        send_fds(&here, file.as_raw_fd(), count);
+        let e = SharedPool::receive(&there).unwrap_err();
+        assert!(matches!(e, Error::FdNotReceived { .. }), "{count}: {e}");
+        assert!(e.to_string().contains(said), "{count}: {e}");
+        assert_eq!(
+            descriptors_of(&name),
+            1,
+            "{count}: each that arrived was closed"
+        );
+    }
+}
+
 fn patch(path: &PathBuf, at: u64, bytes: &[u8]) {
     let file = OpenOptions::new().write(true).open(path).unwrap();
     file.write_all_at(bytes, at).unwrap();
@@ -236,7 +427,39 @@ fn bad_cases_are_refused_with_their_errors() {
         matches!(e, Error::PoolVersion { found: (1, 99), .. }),
         "{e}"
     );
-    patch(&path, VERSION_AT, &1u32.to_le_bytes());
+    patch(&path, VERSION_AT, &3u32.to_le_bytes());
+
+    // Made by a build of another layout: another libc's mutex, another byte order.
+    let mut mutex_size = [0; 4];
+    let file = OpenOptions::new().read(true).open(&path).unwrap();
+    file.read_exact_at(&mut mutex_size, MUTEX_SIZE_AT).unwrap();
+    let mutex_size = u32::from_ne_bytes(mutex_size);
+    patch(&path, MUTEX_SIZE_AT, &(mutex_size + 8).to_ne_bytes());
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(e, Error::PoolLayout { field: "mutex size", found, expected, .. }
+            if (found, expected) == (mutex_size + 8, mutex_size)),
+        "{e}"
+    );
+    assert!(e.to_string().contains("same layout"), "{e}");
+    patch(&path, MUTEX_SIZE_AT, &mutex_size.to_ne_bytes());
+    let mut magic = [0; 8];
+    file.read_exact_at(&mut magic, 0).unwrap();
+    magic.reverse();
+    patch(&path, 0, &magic);
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::PoolLayout {
+                field: "byte order mark",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    magic.reverse();
+    patch(&path, 0, &magic);
 
     patch(&path, NODE_AT, &7u32.to_le_bytes());
     let e = SharedPool::attach(&path).unwrap_err();
@@ -260,7 +483,24 @@ fn bad_cases_are_refused_with_their_errors() {
     file.set_len(10 * MIB as u64).unwrap();
     let e = SharedPool::attach(&path).unwrap_err();
     assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
+    // Truncated, with its header (and carving state) kept, or shorter than a header and a
+    // block: damaged, not foreign.
+    for len in [6 * MIB, 3 * MIB] {
+        file.set_len(len as u64).unwrap();
+        let e = SharedPool::attach(&path).unwrap_err();
+        assert!(matches!(e, Error::PoolCorrupt { .. }), "{len}: {e}");
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
     file.set_len(8 * MIB as u64).unwrap();
+
+    // A descriptor opened read-only: refused, naming it, before anything is mapped.
+    let read_only = std::fs::File::open(&path).unwrap();
+    let e = SharedPool::attach_fd(read_only.into()).unwrap_err();
+    assert!(
+        matches!(&e, Error::PoolReadOnly { path } if path.to_string_lossy().starts_with("<fd ")),
+        "{e}"
+    );
+    assert!(e.to_string().contains("read-write access"), "{e}");
 
     assert!(pool.is_live(block));
     assert_eq!(pool.stats().attached, 1, "no refused attach counted");

@@ -1,8 +1,10 @@
 //! Shared pools registered against the CUDA driver simulator (`tests/sim/`): two processes
 //! attach one pool and each registers its own mapping chunk by chunk in the background, one
 //! registration per chunk per process, each made under the node-wide lock file, and each
-//! unregistered before the mapping goes at detach (and at exit, for a process that detaches by
-//! ending); a copy over a whole block works (none straddles two registrations).
+//! unregistered before the mapping goes at detach; a process that exits with its pool attached
+//! ends cleanly, a registration under way included; a copy over a whole block works (none
+//! straddles two registrations); the pool's stats do not wait behind a registration waiting for
+//! the lock file.
 #![cfg(target_os = "linux")]
 
 #[macro_use]
@@ -12,8 +14,11 @@ mod common {
 }
 
 use std::alloc::Layout;
+use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use common::sim::{self, Sim};
 use numa_gpu_alloc::{GpuSelector, SharedPool};
@@ -201,6 +206,118 @@ sim_test!(
         assert_eq!((stats.registered_chunks, stats.registrations), (3, 3), "{stats:?}");
         drop(pool);
         assert_eq!(Sim::get().stats().registered_ranges, 0);
+    }
+);
+
+/// Set in the process that exits with its pool attached.
+const EXIT_VAR: &str = "NUMA_GPU_ALLOC_SIM_POOL_EXIT";
+
+sim_test!(
+    /// A process that ends with `std::process::exit` while its pool is attached, registered in
+    /// part, and a registration under way: nothing drops the pool, so the crate neither
+    /// unregisters nor unmaps (the kernel unmaps at exit, the driver releases the
+    /// registrations with the process), no registration reaches the driver after its teardown
+    /// began (the simulator aborts on one), and nothing was unregistered after an unmap.
+    a_process_exiting_with_its_pool_attached_ends_cleanly,
+    env: [("CUDA_SIM_REGISTER_US_PER_GIB", "20000000"), ("CUDA_SIM_TEARDOWN_US", "200000")],
+    {
+        if sim::real_driver() {
+            eprintln!("SKIPPED on the real driver: reads the simulator's counts");
+            return;
+        }
+        let test = "a_process_exiting_with_its_pool_attached_ends_cleanly";
+        if std::env::var_os(EXIT_VAR).is_some() {
+            let pool = chunked_pool();
+            let reservation = pool
+                .register_in_background(GpuSelector::Ordinal(0), usize::MAX)
+                .unwrap();
+            while reservation.progress().chunks == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let (sim, locks) = (Sim::get().stats(), lock_stats());
+            println!(
+                "exiting: registered {} unmapped-before-unregister {}",
+                sim.registered_ranges, locks.unmapped_unregistrations
+            );
+            std::process::exit(0);
+        }
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(EXIT_VAR, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "the exiting process failed: {:?}\n{text}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = text.lines().find(|l| l.contains("exiting:")).expect("the exit line");
+        println!("{line}");
+        let field = |name: &str| -> u64 {
+            let at = line.find(name).unwrap() + name.len() + 1;
+            line[at..].split_whitespace().next().unwrap().parse().unwrap()
+        };
+        assert!(field("registered") >= 1, "it exited with chunks registered");
+        assert_eq!(field("unmapped-before-unregister"), 0);
+    }
+);
+
+/// Waits (up to 10 s) until some thread of this process waits for a `flock` (a `->` line of
+/// `/proc/locks` with its pid); false when none did, or the kernel does not say.
+fn a_flock_waiter_appears() -> bool {
+    let me = format!(" {} ", std::process::id());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let Ok(locks) = std::fs::read_to_string("/proc/locks") else {
+            return false;
+        };
+        if locks
+            .lines()
+            .any(|l| l.contains("->") && l.contains("FLOCK") && l.contains(&me))
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+sim_test!(
+    /// The pool's stats (and its `Debug`) answer while a registration waits for the node-wide
+    /// lock file, which the test holds meanwhile: they do not wait behind it.
+    stats_answer_while_a_registration_waits_for_the_node_lock,
+    env: [],
+    {
+        let pool = chunked_pool();
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(LOCK_FILE)
+            .unwrap();
+        // SAFETY: flock on a descriptor we hold.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let reservation = pool
+            .register_in_background(GpuSelector::Ordinal(0), usize::MAX)
+            .unwrap();
+        if !a_flock_waiter_appears() {
+            eprintln!("note: /proc/locks showed no waiter; the registration may not wait yet");
+        }
+        let (sent, got) = mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| sent.send((pool.stats(), format!("{pool:?}"))).unwrap());
+            // Generous for a loaded 2-core machine: the stats take microseconds.
+            let answer = got.recv_timeout(Duration::from_secs(5));
+            // SAFETY: as above; lets the registration (and a stalled stats) go on.
+            unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_UN) };
+            let (stats, debug) = answer.expect("the stats waited behind the registration");
+            assert_eq!(stats.registered_chunks, 0, "{stats:?}");
+            assert!(debug.contains("registered_chunks: 0"), "{debug}");
+        });
+        assert_eq!(reservation.wait().unwrap().chunks, CHUNKS);
     }
 );
 

@@ -125,6 +125,29 @@ pub enum Error {
         /// The kind and layout version this build reads.
         expected: (u32, u32),
     },
+    /// A shared pool made by a build of another memory layout (another libc's mutex, a 32-bit
+    /// process, another byte order): its header would be misread.
+    PoolLayout {
+        /// The file.
+        path: PathBuf,
+        /// What differs, e.g. `"mutex size"`.
+        field: &'static str,
+        /// The pool's value.
+        found: u32,
+        /// This build's.
+        expected: u32,
+    },
+    /// A shared pool that this process may not map shared and writable (a descriptor opened
+    /// read-only, a file it may not write, a read-only mount).
+    PoolReadOnly {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A descriptor to be received over a Unix socket (`SCM_RIGHTS`) did not arrive as one.
+    FdNotReceived {
+        /// What came instead, and what to do.
+        reason: &'static str,
+    },
     /// A shared pool whose header or carving state does not hold together.
     PoolCorrupt {
         /// The file.
@@ -169,6 +192,11 @@ pub enum Error {
         /// The file.
         path: PathBuf,
         /// The creator's process id.
+        pid: u32,
+    },
+    /// A shared pool's blocks were to be reclaimed from a process that still runs.
+    PoolOwnerAlive {
+        /// The process.
         pid: u32,
     },
     /// A shared pool was to be created at a path that exists.
@@ -401,6 +429,28 @@ impl fmt::Display for Error {
                 expected.0,
                 expected.1
             ),
+            Error::PoolLayout {
+                path,
+                field,
+                found,
+                expected,
+            } => write!(
+                f,
+                "shared pool {} was made by a build of another memory layout: its {field} is \
+                 {found}, this build's is {expected}; attach with a build of the same layout or \
+                 create a new pool",
+                path.display()
+            ),
+            Error::PoolReadOnly { path } => write!(
+                f,
+                "shared pool {} cannot be mapped for writing: a pool needs read-write access \
+                 (every process carves it); open the file read-write, or pass a descriptor \
+                 opened so",
+                path.display()
+            ),
+            Error::FdNotReceived { reason } => {
+                write!(f, "no descriptor was received over the socket: {reason}")
+            }
             Error::PoolCorrupt { path, reason } => write!(
                 f,
                 "shared pool {} is damaged: {reason}; create a new pool once no process uses \
@@ -447,6 +497,11 @@ impl fmt::Display for Error {
                 "shared pool {} was left half made by process {pid}, which is gone; remove \
                  the file and create the pool again",
                 path.display()
+            ),
+            Error::PoolOwnerAlive { pid } => write!(
+                f,
+                "process {pid} still runs: its shared pool blocks are not reclaimed; reclaim \
+                 only a process that is gone"
             ),
             Error::PoolExists { path } => write!(
                 f,
@@ -559,32 +614,4 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn display_names_the_values() {
-        let e = Error::UnknownNode {
-            node: 7,
-            node_count: 2,
-        };
-        assert_eq!(
-            e.to_string(),
-            "node 7 is not one of the topology's 2 online nodes"
-        );
-        let e = Error::NumaUnavailable {
-            call: "mbind",
-            errno: libc::EPERM,
-        };
-        assert!(e.to_string().contains("mbind"));
-        assert!(e.to_string().contains("errno 1"));
-        let e = Error::DistanceMatrixSize {
-            node_count: 2,
-            entries: 3,
-        };
-        assert_eq!(
-            e.to_string(),
-            "distance matrix for 2 nodes needs 4 entries, got 3"
-        );
-    }
-}
+mod tests;

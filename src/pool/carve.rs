@@ -1,6 +1,7 @@
 //! The carving state of a shared pool, kept inside the pool's own memory so that every process
 //! that maps the pool carves from it: two tables of extents (free ranges by offset, merged; live
-//! blocks by offset) and an intent record written before each change.
+//! blocks by offset, each with the pid that carved it, for [`Carve::reclaim`]) and an intent
+//! record written before each change.
 //!
 //! Everything here runs under the pool's robust mutex. A holder killed in the middle of a change
 //! leaves the tables half changed; the next holder sees it (the mutex says its owner died) and
@@ -11,6 +12,8 @@
 //!
 //! Blocks never cross a chunk boundary (a multiple of `chunk` from `start`): each chunk is one
 //! registration in every attached process, and no block straddles two.
+
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// Offsets and lengths are multiples of this (a cache line: no two blocks share one).
 pub(crate) const GRANULE: u64 = 64;
@@ -26,6 +29,14 @@ pub(crate) const MAX_ALIGN: u64 = 2 << 20;
 pub(crate) struct Extent {
     pub(crate) offset: u64,
     pub(crate) len: u64,
+}
+
+/// A live block and the process that carved it (0: not known, see [`Carve::rebuild`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Live {
+    pub(crate) block: Extent,
+    pub(crate) pid: u32,
 }
 
 impl Extent {
@@ -53,13 +64,48 @@ pub(crate) unsafe fn geometry(carve: *const Carve) -> (u64, u64, u64) {
 }
 
 /// What the holder of the lock is changing, written before it starts and cleared after.
+///
+/// Atomics with release ordering, not plain fields: plain stores are the compiler's to reorder
+/// against the tables' (or to drop, as a store overwritten by the clear with nothing reading it
+/// in between), and a survivor that takes the lock after the holder died reads whatever reached
+/// memory. With these, the record is in memory before any table changes, and cleared only after
+/// they all did.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Debug, Default)]
 struct Intent {
     /// 0: nothing; [`ALLOCATE`]; [`FREE`].
-    op: u32,
-    pid: u32,
-    block: Extent,
+    op: AtomicU32,
+    /// Who is changing it (for a reader of the pool's memory).
+    pid: AtomicU32,
+    offset: AtomicU64,
+    len: AtomicU64,
+}
+
+impl Intent {
+    /// Records `op` on `block`, before the tables change: the block first, then the op (a
+    /// release store: a survivor that sees the op sees its block), then a release fence, which
+    /// keeps the tables' stores after all of it.
+    fn begin(&self, op: u32, pid: u32, block: Extent) {
+        self.offset.store(block.offset, Ordering::Relaxed);
+        self.len.store(block.len, Ordering::Relaxed);
+        self.pid.store(pid, Ordering::Relaxed);
+        self.op.store(op, Ordering::Release);
+        fence(Ordering::Release);
+    }
+
+    /// Clears the record once the tables are whole: the fence keeps their stores before it.
+    fn end(&self) {
+        fence(Ordering::Release);
+        self.op.store(0, Ordering::Relaxed);
+    }
+
+    /// The block of the change under way, if one is.
+    fn pending(&self) -> Option<Extent> {
+        (self.op.load(Ordering::Acquire) != 0).then(|| Extent {
+            offset: self.offset.load(Ordering::Relaxed),
+            len: self.len.load(Ordering::Relaxed),
+        })
+    }
 }
 
 const ALLOCATE: u32 = 1;
@@ -82,7 +128,7 @@ pub(crate) struct Carve {
     /// Times the state was rebuilt after a holder died.
     pub(crate) rebuilds: u64,
     free: [Extent; EXTENTS + 1],
-    live: [Extent; EXTENTS],
+    live: [Live; EXTENTS],
 }
 
 /// Why a free was refused.
@@ -96,7 +142,7 @@ impl Carve {
         self.start = start;
         self.end = end;
         self.chunk = chunk;
-        self.intent = Intent::default();
+        self.intent.end();
         self.live_count = 0;
         self.free_count = 1;
         self.free[0] = Extent {
@@ -109,7 +155,7 @@ impl Carve {
         self.rebuilds = 0;
     }
 
-    pub(crate) fn live(&self) -> &[Extent] {
+    pub(crate) fn live(&self) -> &[Live] {
         &self.live[..self.live_count as usize]
     }
 
@@ -134,11 +180,7 @@ impl Carve {
             (at + len <= e.end()).then_some((i, at))
         })?;
         let block = Extent { offset, len };
-        self.intent = Intent {
-            op: ALLOCATE,
-            pid,
-            block,
-        };
+        self.intent.begin(ALLOCATE, pid, block);
         let range = self.free[index];
         let head = Extent {
             offset: range.offset,
@@ -157,35 +199,39 @@ impl Carve {
             (false, true) => self.free[index] = tail,
             (false, false) => remove(&mut self.free, &mut self.free_count, index),
         }
-        let at = self.live().partition_point(|e| e.offset < offset);
-        insert(&mut self.live, &mut self.live_count, at, block);
+        let at = self.live().partition_point(|e| e.block.offset < offset);
+        insert(
+            &mut self.live,
+            &mut self.live_count,
+            at,
+            Live { block, pid },
+        );
         self.live_bytes += len;
         self.allocations += 1;
-        self.intent = Intent::default();
+        self.intent.end();
         Some(block)
     }
 
     /// The live block at `offset`, if there is one.
     pub(crate) fn find(&self, offset: u64) -> Option<Extent> {
         let live = self.live();
-        let at = live.partition_point(|e| e.offset < offset);
-        live.get(at).filter(|e| e.offset == offset).copied()
+        let at = live.partition_point(|e| e.block.offset < offset);
+        live.get(at)
+            .filter(|e| e.block.offset == offset)
+            .map(|e| e.block)
     }
 
     /// Frees the live block at `offset` (whoever carved it), merging it with its free
     /// neighbours; its length.
     pub(crate) fn free(&mut self, offset: u64, pid: u32) -> Result<u64, NotLive> {
-        let at = self.live().partition_point(|e| e.offset < offset);
-        let block = *self
+        let at = self.live().partition_point(|e| e.block.offset < offset);
+        let block = self
             .live()
             .get(at)
-            .filter(|e| e.offset == offset)
-            .ok_or(NotLive)?;
-        self.intent = Intent {
-            op: FREE,
-            pid,
-            block,
-        };
+            .filter(|e| e.block.offset == offset)
+            .ok_or(NotLive)?
+            .block;
+        self.intent.begin(FREE, pid, block);
         remove(&mut self.live, &mut self.live_count, at);
         let next = self.free_ranges().partition_point(|e| e.offset < offset);
         let joins_prev = next > 0 && self.free[next - 1].end() == offset;
@@ -206,8 +252,28 @@ impl Carve {
         }
         self.live_bytes -= block.len;
         self.frees += 1;
-        self.intent = Intent::default();
+        self.intent.end();
         Ok(block.len)
+    }
+
+    /// Frees every live block process `pid` carved (as `by`); how many, and their bytes.
+    pub(crate) fn reclaim(&mut self, pid: u32, by: u32) -> (usize, u64) {
+        let (mut blocks, mut bytes) = (0, 0);
+        // Never 0, the owner of blocks a rebuild could not attribute.
+        while let Some(e) = self
+            .live()
+            .iter()
+            .find(|e| pid != 0 && e.pid == pid)
+            .copied()
+        {
+            // A block just found live frees.
+            let Ok(len) = self.free(e.block.offset, by) else {
+                break;
+            };
+            blocks += 1;
+            bytes += len;
+        }
+        (blocks, bytes)
     }
 
     /// Whether the tables hold together: each sorted, inside the pool, live blocks inside one
@@ -222,7 +288,7 @@ impl Carve {
             return false;
         }
         let chunk_of = |at: u64| at.checked_sub(self.start).map(|at| at / self.chunk);
-        if self.live().iter().any(|e| {
+        if self.live().iter().map(|e| e.block).any(|e| {
             e.len == 0
                 || chunk_of(e.offset).is_none()
                 || chunk_of(e.offset) != chunk_of(e.end() - 1)
@@ -230,7 +296,7 @@ impl Carve {
             return false;
         }
         let mut f = self.free_ranges().iter().peekable();
-        let mut l = self.live().iter().peekable();
+        let mut l = self.live().iter().map(|e| &e.block).peekable();
         let (mut at, mut last_free) = (self.start, false);
         loop {
             let next = match (f.peek(), l.peek()) {
@@ -246,7 +312,7 @@ impl Carve {
             at = e.end();
             last_free = is_free;
         }
-        at == self.end && self.intent.op == 0
+        at == self.end && self.intent.pending().is_none()
     }
 
     /// Makes the state whole again after a holder died mid-change: keeps the live blocks that
@@ -262,12 +328,12 @@ impl Carve {
         if self.chunk == 0 || self.start >= self.end {
             return count;
         }
-        let doomed = (self.intent.op != 0).then_some(self.intent.block);
+        let doomed = self.intent.pending();
         // Insertion sort in place: no allocation inside the allocator, and the table is nearly
         // sorted (at most one entry moved when the holder died).
         for i in 1..scanned {
             let mut j = i;
-            while j > 0 && self.live[j - 1].offset > self.live[j].offset {
+            while j > 0 && self.live[j - 1].block.offset > self.live[j].block.offset {
                 self.live.swap(j - 1, j);
                 j -= 1;
             }
@@ -275,14 +341,21 @@ impl Carve {
         let (mut kept, mut end) = (0, self.start);
         let mut live_bytes = 0;
         for i in 0..scanned {
-            let e = self.live[i];
+            let entry = self.live[i];
+            let e = entry.block;
+            if kept > 0 && self.live[kept - 1].block.offset == e.offset {
+                // The same block twice: the holder died copying entries, and the one kept may
+                // be torn (its owner another entry's): its owner is not known, and
+                // `reclaim` never frees it.
+                self.live[kept - 1].pid = 0;
+            }
             let fits = e.len > 0
                 && e.offset >= end
                 && e.offset >= self.start
                 && e.end() <= self.end
                 && (e.offset - self.start) / self.chunk == (e.end() - 1 - self.start) / self.chunk;
             if fits && doomed != Some(e) {
-                self.live[kept] = e;
+                self.live[kept] = entry;
                 kept += 1;
                 end = e.end();
                 live_bytes += e.len;
@@ -290,7 +363,7 @@ impl Carve {
         }
         let dropped = count.saturating_sub(kept);
         // Nothing stale past the kept ones for a later rebuild to take back.
-        self.live[kept..scanned].fill(Extent::default());
+        self.live[kept..scanned].fill(Live::default());
         self.live_count = kept as u32;
         self.live_bytes = live_bytes;
         let mut free = 0;
@@ -300,7 +373,7 @@ impl Carve {
                 .live
                 .get(i)
                 .filter(|_| i < kept)
-                .map_or(self.end, |e| e.offset);
+                .map_or(self.end, |e| e.block.offset);
             if until > at {
                 self.free[free] = Extent {
                     offset: at,
@@ -309,29 +382,29 @@ impl Carve {
                 free += 1;
             }
             if i < kept {
-                at = self.live[i].end();
+                at = self.live[i].block.end();
             }
         }
         self.free_count = free as u32;
-        self.intent = Intent::default();
+        self.intent.end();
         self.rebuilds += 1;
         dropped
     }
 }
 
-fn insert<const N: usize>(table: &mut [Extent; N], count: &mut u32, at: usize, e: Extent) {
+fn insert<T: Copy, const N: usize>(table: &mut [T; N], count: &mut u32, at: usize, e: T) {
     let n = *count as usize;
     table.copy_within(at..n, at + 1);
     table[at] = e;
     *count += 1;
 }
 
-fn remove<const N: usize>(table: &mut [Extent; N], count: &mut u32, at: usize) {
+fn remove<T: Copy + Default, const N: usize>(table: &mut [T; N], count: &mut u32, at: usize) {
     let n = *count as usize;
     table.copy_within(at + 1..n, at);
     *count -= 1;
     // The vacated slot holds no extent a rebuild could take for live.
-    table[n - 1] = Extent::default();
+    table[n - 1] = T::default();
 }
 
 #[cfg(test)]
@@ -363,7 +436,8 @@ mod tests {
     fn assert_whole(c: &mut Carve, kept: &[Extent], gone: Extent) {
         assert!(c.rebuild() <= 1);
         assert!(c.consistent());
-        assert_eq!(c.live(), kept);
+        let live: Vec<Extent> = c.live().iter().map(|e| e.block).collect();
+        assert_eq!(live, kept);
         assert!(c.find(gone.offset).is_none());
         assert_eq!(c.live_bytes, kept.iter().map(|e| e.len).sum::<u64>());
     }
@@ -375,11 +449,7 @@ mod tests {
             offset: kept[4].end(),
             len: 8192,
         };
-        c.intent = Intent {
-            op: ALLOCATE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(ALLOCATE, 2, block);
         let last = c.free_count as usize - 1;
         c.free[last].offset += block.len;
         c.free[last].len -= block.len;
@@ -392,11 +462,7 @@ mod tests {
         let (mut c, kept) = with_blocks();
         let block = c.allocate(8192, 64, 2).unwrap();
         // As if the holder died before clearing the intent (and before handing the block out).
-        c.intent = Intent {
-            op: ALLOCATE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(ALLOCATE, 2, block);
         assert_whole(&mut c, &kept, block);
     }
 
@@ -404,11 +470,7 @@ mod tests {
     fn died_freeing_after_dropping_the_block_before_merging_it() {
         let (mut c, mut kept) = with_blocks();
         let block = kept.remove(1);
-        c.intent = Intent {
-            op: FREE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(FREE, 2, block);
         remove(&mut c.live, &mut c.live_count, 1);
         assert!(!c.consistent());
         assert_whole(&mut c, &kept, block);
@@ -422,14 +484,10 @@ mod tests {
             offset: kept[1].end(),
             len: 4096,
         };
-        c.intent = Intent {
-            op: ALLOCATE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(ALLOCATE, 2, block);
         let n = c.live_count as usize;
         c.live.copy_within(2..n, 3);
-        c.live[2] = block;
+        c.live[2] = Live { block, pid: 2 };
         // Killed here: the last live block sits at index `live_count`, uncounted.
         assert!(!c.consistent());
         assert_whole(&mut c, &kept, block);
@@ -444,11 +502,43 @@ mod tests {
     fn died_freeing_before_touching_the_tables() {
         let (mut c, mut kept) = with_blocks();
         let block = kept.remove(0);
-        c.intent = Intent {
-            op: FREE,
-            pid: 2,
-            block,
-        };
+        c.intent.begin(FREE, 2, block);
         assert_whole(&mut c, &kept, block);
+    }
+
+    #[test]
+    fn reclaim_frees_the_blocks_of_one_process_only() {
+        let mut c = carve();
+        let blocks: Vec<Extent> = [1, 2, 1, 3]
+            .iter()
+            .map(|&pid| c.allocate(4096, 64, pid).unwrap())
+            .collect();
+        assert_eq!(c.reclaim(1, 9), (2, 8192));
+        assert!(c.consistent());
+        let owners: Vec<u32> = c.live().iter().map(|e| e.pid).collect();
+        assert_eq!(owners, [2, 3]);
+        assert!(c.find(blocks[0].offset).is_none() && c.find(blocks[1].offset).is_some());
+        assert_eq!(c.reclaim(1, 9), (0, 0));
+        assert_eq!(c.frees, 2);
+    }
+
+    #[test]
+    fn a_block_seen_twice_by_a_rebuild_has_no_owner_to_reclaim() {
+        let (mut c, kept) = with_blocks();
+        // Killed shifting entries up for an insert at 2: entries 2.. copied one up, and the
+        // one left at 2, the same block as at 3, torn (another process's pid over it).
+        let n = c.live_count as usize;
+        c.live.copy_within(2..n, 3);
+        c.live[2].pid = 7;
+        assert_whole(&mut c, &kept, Extent::default());
+        let at = c.live().iter().position(|e| e.block == kept[2]).unwrap();
+        assert_eq!(
+            c.live()[at].pid,
+            0,
+            "the owner of a block seen twice is not known"
+        );
+        assert_eq!(c.reclaim(7, 9), (0, 0));
+        assert_eq!(c.reclaim(0, 9), (0, 0), "owner 0 is never reclaimed");
+        assert_eq!(c.live().len(), kept.len());
     }
 }

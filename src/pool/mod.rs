@@ -1,7 +1,7 @@
 //! Shared pools: one memory file that several processes map, its pages placed on one node and
 //! populated once, carved by every process that maps it. This module holds what lives in the
-//! file: the header at its start ([`Header`]: magic, kind, layout version, size, node, chunk
-//! size, who made it and whether it is ready, how many processes are attached and how many
+//! file: the header at its start ([`Header`]: magic, kind, layout version, layout tag, size, node,
+//! chunk size, who made it and whether it is ready, how many processes are attached and how many
 //! registrations they hold), the carving state (`carve.rs`) under the header's robust
 //! process-shared mutex, and the mapping of the whole file ([`PoolMap`]) with its placement,
 //! populate and page check; and this process's registrations of its chunks (`pinning.rs`). The
@@ -13,9 +13,9 @@
 #![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
-use std::mem::size_of;
+use std::mem::{align_of, size_of};
 use std::os::fd::BorrowedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
@@ -29,12 +29,41 @@ use crate::Error;
 use carve::{Carve, MAX_ALIGN};
 
 /// The first eight bytes of a pool's file.
-pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
+const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
 /// What the file holds (a pool carved in extents), and the layout of its header.
 pub(crate) const KIND: u32 = 1;
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 3;
 /// Where blocks start: after the header, on a huge page boundary.
 pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
+
+/// What [`Header::layout`] records, in its order: the sizes and alignments the header's layout
+/// follows from. A build where one differs (another libc's `pthread_mutex_t`, a 32-bit process,
+/// another byte order) would misread every field after the tag.
+const LAYOUT_FIELDS: [&str; 8] = [
+    "header size",
+    "header alignment",
+    "mutex size",
+    "mutex alignment",
+    "carving state size",
+    "carving state alignment",
+    "pointer width (bits)",
+    "byte order mark",
+];
+
+/// This build's layout tag (see [`LAYOUT_FIELDS`]).
+const LAYOUT: [u32; 8] = [
+    size_of::<Header>() as u32,
+    align_of::<Header>() as u32,
+    size_of::<RobustMutex>() as u32,
+    align_of::<RobustMutex>() as u32,
+    size_of::<Carve>() as u32,
+    align_of::<Carve>() as u32,
+    usize::BITS,
+    BYTE_ORDER_MARK,
+];
+
+/// Stored in the machine's byte order: another reads it byte-swapped.
+const BYTE_ORDER_MARK: u32 = 0x0102_0304;
 
 /// The start of a pool's file.
 #[repr(C)]
@@ -42,6 +71,10 @@ pub(crate) struct Header {
     magic: AtomicU64,
     pub(crate) kind: u32,
     pub(crate) version: u32,
+    /// The layout tag of the build that made it ([`LAYOUT_FIELDS`]). It and the fields before
+    /// it are at the same offsets in every build (8, 4, 4, then u32s from offset 16), so that
+    /// any build reads them before trusting the rest.
+    layout: [u32; 8],
     /// Bytes of the file, header included.
     pub(crate) size: u64,
     /// The node its pages are on.
@@ -63,11 +96,34 @@ pub(crate) struct Header {
     carve: UnsafeCell<Carve>,
 }
 
+/// Refuses a file whose first eight bytes, read in this machine's byte order, are not the
+/// pool's magic: byte-swapped, it is a pool of another byte order (a layout mismatch, said so);
+/// anything else is not a pool.
+pub(crate) fn check_magic(found: u64, path: &Path) -> Result<(), Error> {
+    if found == MAGIC {
+        Ok(())
+    } else if found == MAGIC.swap_bytes() {
+        Err(Error::PoolLayout {
+            path: path.into(),
+            field: LAYOUT_FIELDS[7],
+            found: BYTE_ORDER_MARK.swap_bytes(),
+            expected: BYTE_ORDER_MARK,
+        })
+    } else {
+        Err(Error::PoolForeign {
+            path: path.into(),
+            found,
+        })
+    }
+}
+
 /// A mapping of a whole pool file (shared, readable, writable), unmapped on drop.
 #[derive(Debug)]
 pub(crate) struct PoolMap {
     ptr: NonNull<u8>,
     len: usize,
+    /// The file's path, or `<fd N>`: what its errors name.
+    name: PathBuf,
     /// Set when a registration of it could not be released: the range stays mapped.
     keep: AtomicBool,
 }
@@ -79,12 +135,27 @@ unsafe impl Send for PoolMap {}
 unsafe impl Sync for PoolMap {}
 
 impl PoolMap {
-    /// Maps bytes `0..len` of `fd` (the whole file), aligned for the largest block alignment.
-    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> Result<PoolMap, Error> {
-        let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize)?;
+    /// Maps bytes `0..len` of `fd` (the whole file, `name` in errors), aligned for the largest
+    /// block alignment.
+    ///
+    /// # Errors
+    /// [`Error::PoolReadOnly`] when `fd` is not open for reading and writing, or the kernel
+    /// refuses a writable shared mapping of it (`EACCES`, `EPERM`).
+    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize, name: PathBuf) -> Result<PoolMap, Error> {
+        if !sys::read_write(fd)? {
+            return Err(Error::PoolReadOnly { path: name });
+        }
+        let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize).map_err(|e| match e {
+            Error::Syscall {
+                errno: libc::EACCES | libc::EPERM,
+                ..
+            } => Error::PoolReadOnly { path: name.clone() },
+            e => e,
+        })?;
         Ok(PoolMap {
             ptr,
             len,
+            name,
             keep: AtomicBool::new(false),
         })
     }
@@ -122,6 +193,7 @@ impl PoolMap {
         unsafe {
             (*header).kind = KIND;
             (*header).version = VERSION;
+            (*header).layout = LAYOUT;
             (*header).size = self.len as u64;
             (*header).node = node as u32;
             (*header).huge = u32::from(huge);
@@ -139,15 +211,10 @@ impl PoolMap {
     }
 
     /// Checks that the mapping holds a pool of this build whose size is the file's.
-    pub(crate) fn check(&self, path: &Path) -> Result<(), Error> {
+    pub(crate) fn check(&self) -> Result<(), Error> {
+        let path = self.name.as_path();
         let header = self.header();
-        let magic = header.magic.load(Ordering::Acquire);
-        if magic != MAGIC {
-            return Err(Error::PoolForeign {
-                path: path.into(),
-                found: magic,
-            });
-        }
+        check_magic(header.magic.load(Ordering::Acquire), path)?;
         if (header.kind, header.version) != (KIND, VERSION) {
             return Err(Error::PoolVersion {
                 path: path.into(),
@@ -155,13 +222,28 @@ impl PoolMap {
                 expected: (KIND, VERSION),
             });
         }
+        let differs = header.layout.iter().zip(LAYOUT).zip(LAYOUT_FIELDS);
+        if let Some(((&found, expected), field)) = differs.into_iter().find(|((a, b), _)| **a != *b)
+        {
+            return Err(Error::PoolLayout {
+                path: path.into(),
+                field,
+                found,
+                expected,
+            });
+        }
         let corrupt = |reason| Error::PoolCorrupt {
             path: path.into(),
             reason,
         };
+        if header.size > self.len as u64 {
+            return Err(corrupt(
+                "the file is shorter than the pool's size in its header (truncated)",
+            ));
+        }
         if header.size != self.len as u64 {
             return Err(corrupt(
-                "the file's size is not the pool's size in its header",
+                "the file is longer than the pool's size in its header",
             ));
         }
         if header.chunk == 0 || !header.chunk.is_multiple_of(MAX_ALIGN) {
@@ -264,9 +346,23 @@ impl PoolMap {
 
     /// Takes the pool's lock; when its holder died, makes the carving state whole first (see
     /// `carve.rs`).
+    ///
+    /// # Errors
+    /// [`Error::PoolCorrupt`] when the lock is unrecoverable (`ENOTRECOVERABLE`: a holder died
+    /// and the next one released it without repairing the state).
     pub(crate) fn lock(&self) -> Result<PoolGuard<'_>, Error> {
         let header = self.header();
-        let locked = header.mutex.lock()?;
+        let locked = header.mutex.lock().map_err(|e| match e {
+            Error::Syscall {
+                errno: libc::ENOTRECOVERABLE,
+                ..
+            } => Error::PoolCorrupt {
+                path: self.name.clone(),
+                reason: "its lock is unrecoverable (a process died holding it, and the state it \
+                         guards was not repaired after)",
+            },
+            e => e,
+        })?;
         let guard = PoolGuard { header };
         if locked == Locked::OwnerDied {
             // SAFETY: the lock is held (this guard).

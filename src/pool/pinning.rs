@@ -7,9 +7,11 @@
 //! Unsafe code here relies on every registered range lying inside the pool's mapping, which its
 //! owner keeps mapped until [`Pinned::release`] ran.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, Permissions};
+use std::io::ErrorKind;
 use std::os::fd::AsFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -37,12 +39,19 @@ unsafe impl Send for Registered {}
 
 /// The chunks this process registered.
 pub(crate) struct Pinned {
+    /// Held through a whole registration (the wait for the node's lock file, which another
+    /// process may hold for as long as its driver call takes, and this process's call), so that
+    /// two threads of this process never register one chunk twice.
+    registering: Lock<()>,
+    /// The registered chunks, locked only to read or change the list: the pool's stats read
+    /// it, and must not wait behind a registration.
     chunks: Lock<Vec<Registered>>,
 }
 
 impl Pinned {
     pub(crate) const fn new() -> Pinned {
         Pinned {
+            registering: Lock::new(()),
             chunks: Lock::new(Vec::new()),
         }
     }
@@ -70,9 +79,8 @@ impl Pinned {
         })?;
         let ptr = NonNull::new(map.ptr().as_ptr().wrapping_add(offset))
             .ok_or(Error::InvalidRange { addr: offset, len })?;
-        // Held through the call: two threads of this process never register one chunk twice.
-        let mut chunks = self.chunks.lock();
-        if chunks.iter().any(|r| r.ptr == ptr) {
+        let _one_at_a_time = self.registering.lock();
+        if self.chunks.lock().iter().any(|r| r.ptr == ptr) {
             return Ok(None);
         }
         let lock = open_lock(map.header().node as usize)?;
@@ -88,7 +96,7 @@ impl Pinned {
             give_page_locked(len);
             return Err(e);
         }
-        chunks.push(Registered { gpu, ptr, len });
+        self.chunks.lock().push(Registered { gpu, ptr, len });
         map.header().registrations.fetch_add(1, Ordering::AcqRel);
         Ok(Some(took))
     }
@@ -119,18 +127,39 @@ impl Pinned {
     }
 }
 
+/// Opens the node's lock file (see [`open_lock_at`]).
 fn open_lock(node: usize) -> Result<File, Error> {
-    let path = lock_path(node);
-    OpenOptions::new()
+    open_lock_at(Path::new(&lock_path(node)))
+}
+
+/// Opens a lock file that every user's processes share: read-only when it exists (`flock` needs
+/// no write access; a file another user made need not be writable by this one, and opening it
+/// with `O_CREAT` in sticky `/dev/shm` is refused under `fs.protected_regular`), else made here
+/// and given mode 0666 with `fchmod`, since the umask narrows the mode `open` is given.
+pub(crate) fn open_lock_at(path: &Path) -> Result<File, Error> {
+    let io = |e: std::io::Error| Error::Io {
+        path: path.into(),
+        kind: e.kind(),
+        errno: e.raw_os_error(),
+    };
+    match File::open(path) {
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        opened => return opened.map_err(io),
+    }
+    let made = OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
-        .truncate(false)
+        .create_new(true)
         .mode(0o666)
-        .open(&path)
-        .map_err(|e| Error::Io {
-            path: path.into(),
-            kind: e.kind(),
-            errno: e.raw_os_error(),
-        })
+        .open(path);
+    match made {
+        Ok(file) => {
+            file.set_permissions(Permissions::from_mode(0o666))
+                .map_err(io)?;
+            Ok(file)
+        }
+        // Made by another process in between.
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => File::open(path).map_err(io),
+        Err(e) => Err(io(e)),
+    }
 }

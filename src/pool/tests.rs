@@ -1,7 +1,15 @@
 //! The carving state against a model: random allocations and frees keep the tables whole, no two
-//! live blocks overlap or cross a chunk, and a rebuild keeps every live block.
+//! live blocks overlap or cross a chunk, and a rebuild keeps every live block; a pool whose lock
+//! is unrecoverable is refused as corrupt; a memory file of huge pages takes the size seals; the
+//! node lock file is made for every user whatever the umask, and opened read-only once it exists.
 
-use super::carve::{Carve, Extent, GRANULE};
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+
+use super::carve::{Carve, Extent, Live, GRANULE};
+use super::pinning::open_lock_at;
+use super::{Locked, PoolMap};
+use crate::{sys, Error};
 
 fn empty(start: u64, end: u64, chunk: u64) -> Box<Carve> {
     let layout = std::alloc::Layout::new::<Carve>();
@@ -58,7 +66,7 @@ fn random_allocations_and_frees_keep_the_tables_whole() {
         assert!(carve.consistent(), "step {step}");
         assert_eq!(carve.live().len(), live.len());
     }
-    let before: Vec<Extent> = carve.live().to_vec();
+    let before: Vec<Live> = carve.live().to_vec();
     assert_eq!(carve.rebuild(), 0);
     assert!(carve.consistent());
     assert_eq!(carve.live(), &before[..]);
@@ -81,4 +89,75 @@ fn no_block_larger_than_a_chunk_or_aligned_past_2_mib() {
     let b = carve.allocate(1536 << 10, 64, 1).unwrap();
     assert_eq!(b.offset, a.offset + (2 << 20));
     assert!(carve.consistent());
+}
+
+/// A new pool of `len` bytes in a memory file, its header written as its creator writes it.
+fn new_pool(len: usize) -> (OwnedFd, PoolMap) {
+    let fd = sys::memfd(c"numa-gpu-alloc test pool", false).unwrap();
+    let file = File::from(fd);
+    file.set_len(len as u64).unwrap();
+    let fd = OwnedFd::from(file);
+    let map = PoolMap::map(fd.as_fd(), len, "<test pool>".into()).unwrap();
+    // SAFETY: the file was just made (all zeros), and nothing else has it.
+    unsafe { map.init(0, false, 2 << 20) }.unwrap();
+    (fd, map)
+}
+
+#[test]
+fn an_unrecoverable_lock_is_a_corrupt_pool() {
+    let (_fd, map) = new_pool(4 << 20);
+    // A holder whose thread ends holding the lock: the robust mutex's owner died.
+    std::thread::scope(|s| {
+        s.spawn(|| std::mem::forget(map.lock().unwrap()));
+    });
+    let mutex = &map.header().mutex;
+    assert_eq!(mutex.lock().unwrap(), Locked::OwnerDied);
+    // Released without repairing the state (`mark_consistent`): unrecoverable from now on.
+    // SAFETY: this thread holds the lock.
+    unsafe { mutex.unlock() };
+    let e = map.lock().err().expect("an unrecoverable lock is refused");
+    assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
+    assert!(e.to_string().contains("create a new pool"), "{e}");
+}
+
+/// What `seal_size`'s comment says of this kernel: a memory file of huge pages takes the size
+/// seals and then refuses a shrink. Sizing it needs no free huge pages; skipped where the
+/// kernel makes no such file (no hugetlbfs).
+#[test]
+fn a_huge_page_memory_file_takes_the_size_seals() {
+    let Ok(fd) = sys::memfd(c"numa-gpu-alloc test huge", true) else {
+        eprintln!("SKIPPED: no memory files of huge pages here");
+        return;
+    };
+    let file = File::from(fd);
+    file.set_len(4 << 20).unwrap();
+    sys::seal_size(file.as_fd()).expect("hugetlbfs memory files take seals");
+    let e = file.set_len(2 << 20).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+}
+
+#[test]
+fn the_node_lock_file_is_made_for_every_user_and_opened_read_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::path::PathBuf::from(format!(
+        "/dev/shm/numa-gpu-alloc-test-lock-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    // A restrictive umask, for as short a time as possible (it is the process's).
+    // SAFETY: umask only sets the process's file mode mask.
+    let before = unsafe { libc::umask(0o077) };
+    let made = open_lock_at(&path);
+    // SAFETY: as above.
+    unsafe { libc::umask(before) };
+    drop(made.unwrap());
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o666, "{mode:o}");
+    let again = open_lock_at(&path).unwrap();
+    assert!(!sys::read_write(again.as_fd()).unwrap(), "opened read-only");
+    assert!(
+        sys::lock_file(again.as_fd(), true, false).unwrap(),
+        "flock works read-only"
+    );
+    std::fs::remove_file(&path).unwrap();
 }

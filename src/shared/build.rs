@@ -12,9 +12,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use super::{io_error, shown, SharedPool, DEFAULT_CHUNK, HUGE_PAGE};
+use super::{io_error, shown, SharedPool, HUGE_PAGE};
+use crate::config::Config;
+use crate::guard::Inside;
 use crate::pool::carve::MAX_ALIGN;
 use crate::pool::{PoolMap, DATA_START};
+use crate::process::INIT;
 use crate::sys;
 use crate::topology::NumaTopology;
 use crate::Error;
@@ -26,7 +29,8 @@ pub struct SharedPoolBuilder {
     node: Option<usize>,
     huge_pages: bool,
     path: Option<PathBuf>,
-    chunk: usize,
+    /// `None`: the registration bound.
+    chunk: Option<usize>,
     populate_threads: usize,
 }
 
@@ -37,9 +41,10 @@ impl SharedPoolBuilder {
         self
     }
 
-    /// Huge pages (`MFD_HUGETLB`, or a path on a hugetlbfs mount), from the huge pages reserved
-    /// on the node; without, the file is advised for transparent huge pages, which the kernel
-    /// gives shared memory only when `shmem_enabled` allows it.
+    /// 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`, or a path on a hugetlbfs mount of 2 MiB
+    /// pages), from the huge pages reserved on the node; without, the file is advised for
+    /// transparent huge pages, which the kernel gives shared memory only when `shmem_enabled`
+    /// allows it.
     pub fn huge_pages(mut self, on: bool) -> Self {
         self.huge_pages = on;
         self
@@ -52,10 +57,12 @@ impl SharedPoolBuilder {
         self
     }
 
-    /// The chunk size, rounded up to 2 MiB (default 256 MiB, at most the pool's blocks): no
-    /// block crosses a chunk, and each chunk is one registration in a pinned process.
+    /// The chunk size, rounded up to 2 MiB: no block crosses a chunk, and each chunk is one
+    /// registration in a pinned process, so it is at most the allocator's registration bound
+    /// (`register_max=` in `NUMA_GPU_ALLOC`, 256 MiB by default), which is also the default, and
+    /// at most the pool's blocks.
     pub fn chunk(mut self, bytes: usize) -> Self {
-        self.chunk = bytes;
+        self.chunk = Some(bytes);
         self
     }
 
@@ -116,10 +123,19 @@ impl SharedPoolBuilder {
     ) -> Result<(PoolMap, OwnedFd), Error> {
         file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
         let fd = OwnedFd::from(file);
+        if path.is_none() {
+            // A memory file: nobody who holds it may resize it from now on. A file at a path
+            // cannot be sealed (tmpfs and hugetlbfs files are made sealed against sealing):
+            // whoever may write it can still truncate it.
+            sys::seal_size(fd.as_fd())?;
+        }
         let huge = sys::on_hugetlbfs(fd.as_fd())?;
-        let map = PoolMap::map(fd.as_fd(), size)?;
+        let map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
+        let bound = register_max();
         let chunk = self
             .chunk
+            .unwrap_or(bound)
+            .min(bound)
             .next_multiple_of(MAX_ALIGN as usize)
             .min(size - DATA_START) as u64;
         // SAFETY: the file was just made, all zeros, and nobody else has it yet (a path is
@@ -158,21 +174,35 @@ impl SharedPoolBuilder {
 }
 
 impl SharedPool {
-    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, a header of about 130 KiB
-    /// included).
+    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, its first 2 MiB included:
+    /// the header, about 160 KiB, then blocks from 2 MiB on).
     pub fn builder(size: usize) -> SharedPoolBuilder {
         SharedPoolBuilder {
             size,
             node: None,
             huge_pages: false,
             path: None,
-            chunk: DEFAULT_CHUNK,
+            chunk: None,
             populate_threads: 4,
         }
     }
 }
 
-/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise.
+/// The allocator's registration bound in this process, read as every allocator value reads it:
+/// the default (`Config::DEFAULT`) with `NUMA_GPU_ALLOC`'s settings applied (parsed once per
+/// process, under the initialisation lock; a parsed `register_max=` is 2 MiB to 1 GiB, a
+/// multiple of 2 MiB).
+fn register_max() -> usize {
+    // Inside the allocator while the lock is held: parsing allocates, and an allocation that
+    // reached a `NumaGpuAlloc` global allocator's initialisation would wait for this lock.
+    let _inside = Inside::enter();
+    let mut config = Config::DEFAULT;
+    INIT.lock().env().apply_to(&mut config);
+    config.register_max
+}
+
+/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise, and
+/// sealed against resizing once sized (`make`).
 fn memfd(huge: bool) -> Result<File, Error> {
     let name = CString::new("numa-gpu-alloc pool").unwrap_or_default();
     sys::memfd(&name, huge).map(File::from)

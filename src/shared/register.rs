@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{Inner, SharedPool};
 use crate::blocks::reserve::Tally;
 use crate::chunk::PinFlags;
-use crate::cuda::{Device, Gpu, RegisterFlags};
+use crate::cuda::{Device, Gpu, RegisterFlags, FORKED_REASON};
 use crate::pool::pinning::Pinned;
 use crate::pool::DATA_START;
 use crate::{Error, GpuSelector, Reservation};
@@ -23,7 +23,8 @@ impl SharedPool {
     /// pool works unpinned.
     ///
     /// # Errors
-    /// [`Error::CudaUnavailable`] without a usable driver, [`Error::GpuNotFound`]; a failure to
+    /// [`Error::CudaUnavailable`] without a usable driver (or in a forked child, for a pool it
+    /// inherited), [`Error::GpuNotFound`]; a failure to
     /// start the thread. Later errors (a chunk refused, [`Error::PinLimit`]) come from the
     /// handle; the chunks registered before stay so until detach.
     pub fn register_in_background(
@@ -31,6 +32,11 @@ impl SharedPool {
         gpu: GpuSelector,
         pin_limit: usize,
     ) -> Result<Reservation, Error> {
+        if self.inner.inherited() {
+            return Err(Error::CudaUnavailable {
+                reason: FORKED_REASON,
+            });
+        }
         let gpu = Gpu::shared(Device::find(gpu)?)?;
         let flags = PinFlags {
             register: RegisterFlags::default(),

@@ -101,8 +101,8 @@ pub(crate) use process::at_fork;
 pub use resident::{populate, PopulateMethod};
 #[cfg(target_os = "linux")]
 pub use shm::{
-    lock_file, map_in, map_shared, memfd, on_hugetlbfs, process_alive, process_id, recv_fd,
-    send_fd, unlock_file, Locked, RobustMutex,
+    lock_file, map_in, map_shared, memfd, on_hugetlbfs, process_alive, process_id, read_write,
+    recv_fd, seal_size, send_fd, unlock_file, Locked, RobustMutex,
 };
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.

@@ -25,9 +25,13 @@ fn syscall(call: &'static str) -> Error {
 }
 
 /// A new memory file (`memfd_create`, close-on-exec off so that an exec'd child may inherit
-/// it), of huge pages (`MFD_HUGETLB`, the default huge page size) when `huge`.
+/// it), of 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`, whatever the system's default huge
+/// page size) when `huge`; sealing allowed, for [`seal_size`].
 pub fn memfd(name: &CStr, huge: bool) -> Result<OwnedFd> {
-    let flags = if huge { libc::MFD_HUGETLB } else { 0 };
+    let mut flags = libc::MFD_ALLOW_SEALING;
+    if huge {
+        flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
+    }
     // SAFETY: `name` is a valid C string; the call touches no memory of ours besides it.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
@@ -35,6 +39,21 @@ pub fn memfd(name: &CStr, huge: bool) -> Result<OwnedFd> {
     }
     // SAFETY: a descriptor just made, owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Seals the size of a memory file made by [`memfd`] (`F_ADD_SEALS`: `F_SEAL_SHRINK`,
+/// `F_SEAL_GROW`, then `F_SEAL_SEAL` so that nobody lifts them): another process holding the
+/// descriptor can no longer truncate it under every process that maps it (which would end each
+/// in `SIGBUS`), nor grow it. Memory files of huge pages take these seals too (hugetlbfs
+/// supports them since Linux 4.16; on 6.18 the seals are added and a shrink is refused with
+/// `EPERM`, as for other memory files).
+pub fn seal_size(fd: BorrowedFd<'_>) -> Result<()> {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on a descriptor we hold touches no memory.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(syscall("fcntl(F_ADD_SEALS)"));
+    }
+    Ok(())
 }
 
 /// Maps bytes `0..len` of `fd` shared (`MAP_SHARED`, readable and writable) at a multiple of
@@ -114,6 +133,17 @@ pub unsafe fn map_in(ptr: NonNull<u8>, len: usize) -> Result<()> {
         return Err(syscall("madvise(MADV_POPULATE_READ)"));
     }
     Ok(())
+}
+
+/// Whether `fd` was opened for reading and writing (`fcntl(F_GETFL)`), as a writable shared
+/// mapping of it needs.
+pub fn read_write(fd: BorrowedFd<'_>) -> Result<bool> {
+    // SAFETY: F_GETFL on a descriptor we hold touches no memory.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(syscall("fcntl(F_GETFL)"));
+    }
+    Ok(flags & libc::O_ACCMODE == libc::O_RDWR)
 }
 
 /// Whether `fd` lives on a hugetlbfs mount (or is a `MFD_HUGETLB` memory file), by `fstatfs`.
@@ -209,6 +239,10 @@ pub fn send_fd(socket: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<()> {
 }
 
 /// Receives a descriptor [`send_fd`] sent over `socket` (`recvmsg`, close-on-exec).
+///
+/// # Errors
+/// [`Error::FdNotReceived`] when the message carried no descriptor, more than one, or was cut
+/// short (`MSG_CTRUNC`); every descriptor that did arrive is closed.
 pub fn recv_fd(socket: BorrowedFd<'_>) -> Result<OwnedFd> {
     let mut byte = [0u8];
     let mut iov = libc::iovec {
@@ -238,22 +272,44 @@ pub fn recv_fd(socket: BorrowedFd<'_>) -> Result<OwnedFd> {
             return Err(syscall("recvmsg"));
         }
     }
-    // SAFETY: the kernel filled the control buffer `msg` points at; CMSG_FIRSTHDR is null or a
-    // message inside it, whose data holds one descriptor when it is SCM_RIGHTS.
+    // Every descriptor that came, owned (closed on drop) before anything is decided: the
+    // 64-byte buffer holds at most 12.
+    let mut fds: [Option<OwnedFd>; 12] = Default::default();
+    let mut count = 0;
+    // SAFETY: the kernel filled the control buffer `msg` points at; CMSG_FIRSTHDR and
+    // CMSG_NXTHDR walk the messages inside it, each SCM_RIGHTS one holding
+    // `(cmsg_len - CMSG_LEN(0)) / 4` descriptors this process now owns.
     unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        if cmsg.is_null()
-            || (*cmsg).cmsg_level != libc::SOL_SOCKET
-            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
-        {
-            return Err(Error::Syscall {
-                call: "recvmsg",
-                errno: libc::EBADMSG,
-            });
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+                let bytes = ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..bytes / size_of::<libc::c_int>() {
+                    let fd = OwnedFd::from_raw_fd(ptr::read_unaligned(data.add(i)));
+                    if let Some(slot) = fds.get_mut(count) {
+                        *slot = Some(fd);
+                    }
+                    count += 1;
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
-        let fd = ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
-        Ok(OwnedFd::from_raw_fd(fd))
     }
+    let reason = if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        "the control message was cut short (MSG_CTRUNC: this process may be at its open-file \
+         limit, RLIMIT_NOFILE, or more descriptors were sent than fit), and the descriptors \
+         that did arrive were closed; raise the limit, or send one descriptor"
+    } else if count > 1 {
+        "the message carried more than one descriptor (all were closed); send one, as \
+         SharedPool::send does"
+    } else {
+        match fds[0].take() {
+            Some(fd) => return Ok(fd),
+            None => "the message carried no descriptor; send it with SharedPool::send",
+        }
+    };
+    Err(Error::FdNotReceived { reason })
 }
 
 /// Whether process `pid` exists (`kill(pid, 0)`; one of another user's counts as existing).
