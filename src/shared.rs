@@ -341,9 +341,9 @@ impl SharedPool {
 
     /// Frees every live block process `pid` carved, once that process is gone (killed before
     /// it freed them: nothing else ever frees them); how many blocks, and their bytes, went
-    /// back to the pool. Blocks a process carved are recorded with its pid (`0` after a
-    /// rebuild could not tell, and those are never reclaimed); pids are of the pool creator's
-    /// pid namespace only if every attached process shares it.
+    /// back to the pool. Every live block is recorded with the pid of the process that carved
+    /// it; pids are of the pool creator's pid namespace only if every attached process shares
+    /// it.
     ///
     /// # Errors
     /// [`Error::PoolOwnerAlive`] while a process `pid` exists (checked under the pool's lock, so

@@ -31,7 +31,7 @@ pub(crate) struct Extent {
     pub(crate) len: u64,
 }
 
-/// A live block and the process that carved it (0: not known, see [`Carve::rebuild`]).
+/// A live block and the process that carved it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Live {
@@ -193,11 +193,17 @@ impl Carve {
         match (head.len > 0, tail.len > 0) {
             (true, true) => {
                 self.free[index] = head;
-                insert(&mut self.free, &mut self.free_count, index + 1, tail);
+                insert(
+                    &mut self.free,
+                    &mut self.free_count,
+                    index + 1,
+                    tail,
+                    &mut always,
+                );
             }
             (true, false) => self.free[index] = head,
             (false, true) => self.free[index] = tail,
-            (false, false) => remove(&mut self.free, &mut self.free_count, index),
+            (false, false) => remove(&mut self.free, &mut self.free_count, index, &mut always),
         }
         let at = self.live().partition_point(|e| e.block.offset < offset);
         insert(
@@ -205,6 +211,7 @@ impl Carve {
             &mut self.live_count,
             at,
             Live { block, pid },
+            &mut always,
         );
         self.live_bytes += len;
         self.allocations += 1;
@@ -232,14 +239,14 @@ impl Carve {
             .ok_or(NotLive)?
             .block;
         self.intent.begin(FREE, pid, block);
-        remove(&mut self.live, &mut self.live_count, at);
+        remove(&mut self.live, &mut self.live_count, at, &mut always);
         let next = self.free_ranges().partition_point(|e| e.offset < offset);
         let joins_prev = next > 0 && self.free[next - 1].end() == offset;
         let joins_next = next < self.free_count as usize && self.free[next].offset == block.end();
         match (joins_prev, joins_next) {
             (true, true) => {
                 self.free[next - 1].len += block.len + self.free[next].len;
-                remove(&mut self.free, &mut self.free_count, next);
+                remove(&mut self.free, &mut self.free_count, next, &mut always);
             }
             (true, false) => self.free[next - 1].len += block.len,
             (false, true) => {
@@ -248,7 +255,13 @@ impl Carve {
             }
             // Room: free ranges are separated by live blocks, so there are at most one more
             // of them than live blocks, and the free table has that one more slot.
-            (false, false) => insert(&mut self.free, &mut self.free_count, next, block),
+            (false, false) => insert(
+                &mut self.free,
+                &mut self.free_count,
+                next,
+                block,
+                &mut always,
+            ),
         }
         self.live_bytes -= block.len;
         self.frees += 1;
@@ -259,13 +272,7 @@ impl Carve {
     /// Frees every live block process `pid` carved (as `by`); how many, and their bytes.
     pub(crate) fn reclaim(&mut self, pid: u32, by: u32) -> (usize, u64) {
         let (mut blocks, mut bytes) = (0, 0);
-        // Never 0, the owner of blocks a rebuild could not attribute.
-        while let Some(e) = self
-            .live()
-            .iter()
-            .find(|e| pid != 0 && e.pid == pid)
-            .copied()
-        {
+        while let Some(e) = self.live().iter().find(|e| e.pid == pid).copied() {
             // A block just found live frees.
             let Ok(len) = self.free(e.block.offset, by) else {
                 break;
@@ -316,46 +323,46 @@ impl Carve {
     }
 
     /// Makes the state whole again after a holder died mid-change: keeps the live blocks that
-    /// hold together (sorted, inside the pool and one chunk, not overlapping), drops the block
+    /// hold together (in order, inside the pool and one chunk, not overlapping), drops the block
     /// of the change under way, and makes the free ranges again from the gaps. Returns how many
     /// live entries were dropped.
     pub(crate) fn rebuild(&mut self) -> usize {
+        self.rebuild_until(&mut always)
+    }
+
+    /// [`Self::rebuild`], asking `go_on` before each store that matters to a later rebuild:
+    /// `false` stops there, as a kill would (the tests kill it at each in turn).
+    fn rebuild_until(&mut self, go_on: &mut impl FnMut() -> bool) -> usize {
         // One slot past the count too: a holder killed inside an insert may have shifted the
-        // last live block there before counting it (a shift leaves entries in order, at worst
-        // one twice, which the overlap filter below drops; removes clear the slot they vacate).
+        // last live block there before counting it. A shift killed at any store leaves entries
+        // in order, at worst one twice or one torn, each after a whole entry at its offset
+        // (see `insert` and `remove`); removes clear the slot they vacate. A rebuild killed
+        // while it moves the kept entries down leaves, past them, entries it had kept (twice,
+        // now) or dropped. The one pass below drops all of those: each starts before the end
+        // of a block kept before it, or at the intent's block. Nothing is sorted: a kill inside
+        // a swap could lose an entry.
         let count = (self.live_count as usize).min(EXTENTS);
         let scanned = (count + 1).min(EXTENTS);
         if self.chunk == 0 || self.start >= self.end {
             return count;
         }
         let doomed = self.intent.pending();
-        // Insertion sort in place: no allocation inside the allocator, and the table is nearly
-        // sorted (at most one entry moved when the holder died).
-        for i in 1..scanned {
-            let mut j = i;
-            while j > 0 && self.live[j - 1].block.offset > self.live[j].block.offset {
-                self.live.swap(j - 1, j);
-                j -= 1;
-            }
-        }
         let (mut kept, mut end) = (0, self.start);
         let mut live_bytes = 0;
         for i in 0..scanned {
             let entry = self.live[i];
             let e = entry.block;
-            if kept > 0 && self.live[kept - 1].block.offset == e.offset {
-                // The same block twice: the holder died copying entries, and the one kept may
-                // be torn (its owner another entry's): its owner is not known, and
-                // `reclaim` never frees it.
-                self.live[kept - 1].pid = 0;
-            }
             let fits = e.len > 0
                 && e.offset >= end
                 && e.offset >= self.start
                 && e.end() <= self.end
                 && (e.offset - self.start) / self.chunk == (e.end() - 1 - self.start) / self.chunk;
-            if fits && doomed != Some(e) {
-                self.live[kept] = entry;
+            // By its offset: an entry torn while it was written or shifted over starts there.
+            if fits && doomed.is_none_or(|d| d.offset != e.offset) {
+                // Down, offset last, as `remove` shifts, over an entry already kept or dropped.
+                if kept < i && !self.live[kept].store(entry, false, go_on) {
+                    return 0;
+                }
                 kept += 1;
                 end = e.end();
                 live_bytes += e.len;
@@ -363,7 +370,14 @@ impl Carve {
         }
         let dropped = count.saturating_sub(kept);
         // Nothing stale past the kept ones for a later rebuild to take back.
-        self.live[kept..scanned].fill(Live::default());
+        for slot in &mut self.live[kept..scanned] {
+            if !slot.store(Live::default(), false, go_on) {
+                return 0;
+            }
+        }
+        if !go_on() {
+            return 0;
+        }
         self.live_count = kept as u32;
         self.live_bytes = live_bytes;
         let mut free = 0;
@@ -386,159 +400,112 @@ impl Carve {
             }
         }
         self.free_count = free as u32;
+        if !go_on() {
+            return 0;
+        }
         self.intent.end();
         self.rebuilds += 1;
         dropped
     }
 }
 
-fn insert<T: Copy, const N: usize>(table: &mut [T; N], count: &mut u32, at: usize, e: T) {
-    let n = *count as usize;
-    table.copy_within(at..n, at + 1);
-    table[at] = e;
-    *count += 1;
+/// A table entry, stored field by field ([`insert`], [`remove`], [`Carve::rebuild`]).
+trait Entry: Copy + Default {
+    /// Stores `to` in `self` field by field, the offset first or last, asking `go_on` before
+    /// each; returns whether all were stored. Volatile stores: the compiler may neither merge
+    /// them nor move them across the table's other stores, so a holder killed between two
+    /// instructions leaves exactly the stores before that point.
+    fn store(&mut self, to: Self, offset_first: bool, go_on: &mut impl FnMut() -> bool) -> bool;
 }
 
-fn remove<T: Copy + Default, const N: usize>(table: &mut [T; N], count: &mut u32, at: usize) {
+impl Entry for Extent {
+    fn store(&mut self, to: Self, offset_first: bool, go_on: &mut impl FnMut() -> bool) -> bool {
+        (!offset_first || put(&mut self.offset, to.offset, go_on))
+            && put(&mut self.len, to.len, go_on)
+            && (offset_first || put(&mut self.offset, to.offset, go_on))
+    }
+}
+
+impl Entry for Live {
+    fn store(&mut self, to: Self, offset_first: bool, go_on: &mut impl FnMut() -> bool) -> bool {
+        let block = &mut self.block;
+        (!offset_first || put(&mut block.offset, to.block.offset, go_on))
+            && put(&mut block.len, to.block.len, go_on)
+            && put(&mut self.pid, to.pid, go_on)
+            && (offset_first || put(&mut block.offset, to.block.offset, go_on))
+    }
+}
+
+/// One volatile store of an entry's field, if `go_on` says so.
+fn put<T: Copy>(field: &mut T, value: T, go_on: &mut impl FnMut() -> bool) -> bool {
+    if !go_on() {
+        return false;
+    }
+    // SAFETY: `field` is a valid reference, borrowed mutably for this call.
+    unsafe { std::ptr::write_volatile(field, value) };
+    true
+}
+
+/// For [`insert`] and [`remove`] outside the tests: every store goes on.
+fn always() -> bool {
+    true
+}
+
+/// Shifts `table[at..count]` one up and puts `e` at `at`, then counts it.
+///
+/// Entry by entry from the top, each entry's offset stored first ([`Entry::store`]), so that a
+/// holder killed at any store leaves every entry whole, a copy of the one below it, or torn with
+/// the offset of the one below and the rest its own; the one below is whole either way.
+/// [`Carve::rebuild`] drops the copy and the torn entry (each starts where a whole entry before
+/// it does) and `e` (the intent's block). `go_on` is asked before each store: `false` stops
+/// there, as a kill would (the tests' way to kill it at every store).
+fn insert<T: Entry, const N: usize>(
+    table: &mut [T; N],
+    count: &mut u32,
+    at: usize,
+    e: T,
+    go_on: &mut impl FnMut() -> bool,
+) {
     let n = *count as usize;
-    table.copy_within(at + 1..n, at);
+    for i in (at + 1..=n).rev() {
+        let below = table[i - 1];
+        if !table[i].store(below, true, go_on) {
+            return;
+        }
+    }
+    if table[at].store(e, true, go_on) && go_on() {
+        *count += 1;
+    }
+}
+
+/// Shifts `table[at + 1..count]` one down over `table[at]`, uncounts the last and clears it.
+///
+/// Entry by entry from the bottom, each entry's offset stored last, so that a holder killed at
+/// any store leaves every entry whole, a copy of the one above it, or torn with its own offset
+/// and the rest of the one above; its own entry is whole just below it (or, at `at`, was the
+/// block being freed). [`Carve::rebuild`] drops the copy and the torn entry (each starts where a
+/// whole entry before it, or the intent's block, does); a cleared entry is empty. `go_on` as for
+/// [`insert`].
+fn remove<T: Entry, const N: usize>(
+    table: &mut [T; N],
+    count: &mut u32,
+    at: usize,
+    go_on: &mut impl FnMut() -> bool,
+) {
+    let n = *count as usize;
+    for i in at..n - 1 {
+        let above = table[i + 1];
+        if !table[i].store(above, false, go_on) {
+            return;
+        }
+    }
+    if !go_on() {
+        return;
+    }
     *count -= 1;
     // The vacated slot holds no extent a rebuild could take for live.
-    table[n - 1] = T::default();
+    table[n - 1].store(T::default(), false, go_on);
 }
 
 #[cfg(test)]
-mod tests {
-    //! A holder dying at each point of a change: the rebuild makes the tables whole, keeps every
-    //! other live block, and frees the block of the change.
-    use super::*;
-
-    fn carve() -> Box<Carve> {
-        let layout = std::alloc::Layout::new::<Carve>();
-        // SAFETY: integers only, for which zero is a value; the box owns the allocation.
-        let mut carve = unsafe {
-            let ptr = std::alloc::alloc_zeroed(layout).cast::<Carve>();
-            assert!(!ptr.is_null());
-            Box::from_raw(ptr)
-        };
-        carve.init(2 << 20, 10 << 20, 2 << 20);
-        carve
-    }
-
-    fn with_blocks() -> (Box<Carve>, Vec<Extent>) {
-        let mut c = carve();
-        let kept: Vec<Extent> = (0..6).map(|_| c.allocate(4096, 64, 1).unwrap()).collect();
-        c.free(kept[2].offset, 1).unwrap();
-        let kept = [kept[0], kept[1], kept[3], kept[4], kept[5]].to_vec();
-        (c, kept)
-    }
-
-    fn assert_whole(c: &mut Carve, kept: &[Extent], gone: Extent) {
-        assert!(c.rebuild() <= 1);
-        assert!(c.consistent());
-        let live: Vec<Extent> = c.live().iter().map(|e| e.block).collect();
-        assert_eq!(live, kept);
-        assert!(c.find(gone.offset).is_none());
-        assert_eq!(c.live_bytes, kept.iter().map(|e| e.len).sum::<u64>());
-    }
-
-    #[test]
-    fn died_allocating_after_taking_the_free_range_before_recording_the_block() {
-        let (mut c, kept) = with_blocks();
-        let block = Extent {
-            offset: kept[4].end(),
-            len: 8192,
-        };
-        c.intent.begin(ALLOCATE, 2, block);
-        let last = c.free_count as usize - 1;
-        c.free[last].offset += block.len;
-        c.free[last].len -= block.len;
-        assert!(!c.consistent());
-        assert_whole(&mut c, &kept, block);
-    }
-
-    #[test]
-    fn died_allocating_after_recording_the_block() {
-        let (mut c, kept) = with_blocks();
-        let block = c.allocate(8192, 64, 2).unwrap();
-        // As if the holder died before clearing the intent (and before handing the block out).
-        c.intent.begin(ALLOCATE, 2, block);
-        assert_whole(&mut c, &kept, block);
-    }
-
-    #[test]
-    fn died_freeing_after_dropping_the_block_before_merging_it() {
-        let (mut c, mut kept) = with_blocks();
-        let block = kept.remove(1);
-        c.intent.begin(FREE, 2, block);
-        remove(&mut c.live, &mut c.live_count, 1);
-        assert!(!c.consistent());
-        assert_whole(&mut c, &kept, block);
-    }
-
-    #[test]
-    fn died_inside_the_live_insert_after_shifting_before_counting() {
-        let (mut c, kept) = with_blocks();
-        // A block going in at index 2 (the hole a free left between kept[1] and kept[2]).
-        let block = Extent {
-            offset: kept[1].end(),
-            len: 4096,
-        };
-        c.intent.begin(ALLOCATE, 2, block);
-        let n = c.live_count as usize;
-        c.live.copy_within(2..n, 3);
-        c.live[2] = Live { block, pid: 2 };
-        // Killed here: the last live block sits at index `live_count`, uncounted.
-        assert!(!c.consistent());
-        assert_whole(&mut c, &kept, block);
-        // Its range is not handed out again.
-        let again = c.allocate(4096, 64, 3).unwrap();
-        assert!(kept
-            .iter()
-            .all(|k| again.end() <= k.offset || k.end() <= again.offset));
-    }
-
-    #[test]
-    fn died_freeing_before_touching_the_tables() {
-        let (mut c, mut kept) = with_blocks();
-        let block = kept.remove(0);
-        c.intent.begin(FREE, 2, block);
-        assert_whole(&mut c, &kept, block);
-    }
-
-    #[test]
-    fn reclaim_frees_the_blocks_of_one_process_only() {
-        let mut c = carve();
-        let blocks: Vec<Extent> = [1, 2, 1, 3]
-            .iter()
-            .map(|&pid| c.allocate(4096, 64, pid).unwrap())
-            .collect();
-        assert_eq!(c.reclaim(1, 9), (2, 8192));
-        assert!(c.consistent());
-        let owners: Vec<u32> = c.live().iter().map(|e| e.pid).collect();
-        assert_eq!(owners, [2, 3]);
-        assert!(c.find(blocks[0].offset).is_none() && c.find(blocks[1].offset).is_some());
-        assert_eq!(c.reclaim(1, 9), (0, 0));
-        assert_eq!(c.frees, 2);
-    }
-
-    #[test]
-    fn a_block_seen_twice_by_a_rebuild_has_no_owner_to_reclaim() {
-        let (mut c, kept) = with_blocks();
-        // Killed shifting entries up for an insert at 2: entries 2.. copied one up, and the
-        // one left at 2, the same block as at 3, torn (another process's pid over it).
-        let n = c.live_count as usize;
-        c.live.copy_within(2..n, 3);
-        c.live[2].pid = 7;
-        assert_whole(&mut c, &kept, Extent::default());
-        let at = c.live().iter().position(|e| e.block == kept[2]).unwrap();
-        assert_eq!(
-            c.live()[at].pid,
-            0,
-            "the owner of a block seen twice is not known"
-        );
-        assert_eq!(c.reclaim(7, 9), (0, 0));
-        assert_eq!(c.reclaim(0, 9), (0, 0), "owner 0 is never reclaimed");
-        assert_eq!(c.live().len(), kept.len());
-    }
-}
+mod tests;

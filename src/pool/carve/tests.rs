@@ -1,0 +1,196 @@
+//! A holder dying at each point of a change: the rebuild makes the tables whole, keeps every
+//! other live block, and frees the block of the change.
+use super::*;
+
+fn carve() -> Box<Carve> {
+    let layout = std::alloc::Layout::new::<Carve>();
+    // SAFETY: integers only, for which zero is a value; the box owns the allocation.
+    let mut carve = unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<Carve>();
+        assert!(!ptr.is_null());
+        Box::from_raw(ptr)
+    };
+    carve.init(2 << 20, 10 << 20, 2 << 20);
+    carve
+}
+
+fn with_blocks() -> (Box<Carve>, Vec<Extent>) {
+    let mut c = carve();
+    let kept: Vec<Extent> = (0..6).map(|_| c.allocate(4096, 64, 1).unwrap()).collect();
+    c.free(kept[2].offset, 1).unwrap();
+    let kept = [kept[0], kept[1], kept[3], kept[4], kept[5]].to_vec();
+    (c, kept)
+}
+
+fn assert_whole(c: &mut Carve, kept: &[Extent], gone: Extent) {
+    assert!(c.rebuild() <= 1);
+    assert!(c.consistent());
+    let live: Vec<Extent> = c.live().iter().map(|e| e.block).collect();
+    assert_eq!(live, kept);
+    assert!(c.find(gone.offset).is_none());
+    assert_eq!(c.live_bytes, kept.iter().map(|e| e.len).sum::<u64>());
+}
+
+#[test]
+fn died_allocating_after_taking_the_free_range_before_recording_the_block() {
+    let (mut c, kept) = with_blocks();
+    let block = Extent {
+        offset: kept[4].end(),
+        len: 8192,
+    };
+    c.intent.begin(ALLOCATE, 2, block);
+    let last = c.free_count as usize - 1;
+    c.free[last].offset += block.len;
+    c.free[last].len -= block.len;
+    assert!(!c.consistent());
+    assert_whole(&mut c, &kept, block);
+}
+
+#[test]
+fn died_allocating_after_recording_the_block() {
+    let (mut c, kept) = with_blocks();
+    let block = c.allocate(8192, 64, 2).unwrap();
+    // As if the holder died before clearing the intent (and before handing the block out).
+    c.intent.begin(ALLOCATE, 2, block);
+    assert_whole(&mut c, &kept, block);
+}
+
+#[test]
+fn died_freeing_after_dropping_the_block_before_merging_it() {
+    let (mut c, mut kept) = with_blocks();
+    let block = kept.remove(1);
+    c.intent.begin(FREE, 2, block);
+    remove(&mut c.live, &mut c.live_count, 1, &mut always);
+    assert!(!c.consistent());
+    assert_whole(&mut c, &kept, block);
+}
+
+/// Live blocks of different lengths and owners, so that an entry torn between two differs
+/// from both, with a hole at index 2 (where a freed block was).
+fn with_varied_blocks() -> (Box<Carve>, Vec<Extent>) {
+    let mut c = carve();
+    let mut kept: Vec<Extent> = (1..=7)
+        .map(|k| c.allocate(4096 * k, 64, 10 + k as u32).unwrap())
+        .collect();
+    c.free(kept.remove(2).offset, 1).unwrap();
+    (c, kept)
+}
+
+/// A `go_on` for `insert` and `remove` that lets `stores` stores through, then kills.
+fn kill_after(mut stores: usize) -> impl FnMut() -> bool {
+    move || {
+        let go = stores > 0;
+        stores = stores.saturating_sub(1);
+        go
+    }
+}
+
+/// Rebuilds `c` killed mid-change, first killed itself at every store of its own in turn
+/// (then rebuilt again), and checks each outcome: the live blocks of `kept`, with their
+/// owners, and `gone` gone.
+fn rebuilt_whatever_the_kill(c: &Carve, kept: &[Live], gone: Extent) {
+    let blocks: Vec<Extent> = kept.iter().map(|e| e.block).collect();
+    for rebuild_stores in 0.. {
+        let mut again = boxed_copy(c);
+        let mut go_on = kill_after(rebuild_stores);
+        again.rebuild_until(&mut go_on);
+        let finished = go_on();
+        assert_whole(&mut again, &blocks, gone);
+        assert_eq!(
+            again.live(),
+            kept,
+            "rebuild killed after {rebuild_stores} stores"
+        );
+        if finished {
+            break;
+        }
+    }
+}
+
+fn boxed_copy(c: &Carve) -> Box<Carve> {
+    let mut copy = carve();
+    // SAFETY: both are whole `Carve`s of integers; the copy is a distinct allocation.
+    unsafe { std::ptr::copy_nonoverlapping(c, &mut *copy, 1) };
+    copy
+}
+
+#[test]
+fn killed_at_every_store_of_the_live_insert() {
+    let mut stores = 0;
+    loop {
+        let (mut c, kept) = with_varied_blocks();
+        // Into the hole at index 2: the four blocks above it shift.
+        let block = Extent {
+            offset: kept[1].end(),
+            len: 4096,
+        };
+        let owners = c.live().to_vec();
+        c.intent.begin(ALLOCATE, 2, block);
+        let counted = c.live_count + 1;
+        let new = Live { block, pid: 2 };
+        insert(
+            &mut c.live,
+            &mut c.live_count,
+            2,
+            new,
+            &mut kill_after(stores),
+        );
+        let finished = c.live_count == counted;
+        rebuilt_whatever_the_kill(&c, &owners, block);
+        assert_eq!(owners.len(), kept.len());
+        if finished {
+            break;
+        }
+        stores += 1;
+    }
+    // Three stores for each of the four shifted and the new one, then the count.
+    assert_eq!(stores, 16, "killed at every store");
+}
+
+#[test]
+fn killed_at_every_store_of_the_live_remove() {
+    let mut stores = 0;
+    loop {
+        let (mut c, mut kept) = with_varied_blocks();
+        // Index 1: the four blocks above it shift down.
+        let block = kept.remove(1);
+        let mut owners = c.live().to_vec();
+        owners.remove(1);
+        c.intent.begin(FREE, 2, block);
+        let counted = c.live_count - 1;
+        remove(&mut c.live, &mut c.live_count, 1, &mut kill_after(stores));
+        let finished = c.live_count == counted && c.live[counted as usize] == Live::default();
+        rebuilt_whatever_the_kill(&c, &owners, block);
+        assert_eq!(owners.len(), kept.len());
+        if finished {
+            break;
+        }
+        stores += 1;
+    }
+    // Three stores for each of the four shifted, the count, three to clear the last.
+    assert_eq!(stores, 16, "killed at every store");
+}
+
+#[test]
+fn died_freeing_before_touching_the_tables() {
+    let (mut c, mut kept) = with_blocks();
+    let block = kept.remove(0);
+    c.intent.begin(FREE, 2, block);
+    assert_whole(&mut c, &kept, block);
+}
+
+#[test]
+fn reclaim_frees_the_blocks_of_one_process_only() {
+    let mut c = carve();
+    let blocks: Vec<Extent> = [1, 2, 1, 3]
+        .iter()
+        .map(|&pid| c.allocate(4096, 64, pid).unwrap())
+        .collect();
+    assert_eq!(c.reclaim(1, 9), (2, 8192));
+    assert!(c.consistent());
+    let owners: Vec<u32> = c.live().iter().map(|e| e.pid).collect();
+    assert_eq!(owners, [2, 3]);
+    assert!(c.find(blocks[0].offset).is_none() && c.find(blocks[1].offset).is_some());
+    assert_eq!(c.reclaim(1, 9), (0, 0));
+    assert_eq!(c.frees, 2);
+}
