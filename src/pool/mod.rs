@@ -2,7 +2,7 @@
 //! populated once, carved by every process that maps it. This module holds what lives in the
 //! file: the header at its start ([`Header`]: magic, kind, layout version, layout tag, size, node,
 //! chunk size, who made it and whether it is ready, how many processes are attached and how many
-//! registrations they hold), the carving state (`carve.rs`) under the header's robust
+//! registrations they hold), the carving state (`carve/`) under the header's robust
 //! process-shared mutex, and the mapping of the whole file ([`PoolMap`]) with its placement,
 //! populate and page check; and this process's registrations of its chunks (`pinning.rs`). The
 //! front end (`shared.rs`) opens the files and runs the registrations in the background.
@@ -345,7 +345,7 @@ impl PoolMap {
     }
 
     /// Takes the pool's lock; when its holder died, makes the carving state whole first (see
-    /// `carve.rs`).
+    /// `carve/mod.rs`).
     ///
     /// # Errors
     /// [`Error::PoolCorrupt`] when the lock is unrecoverable (`ENOTRECOVERABLE`: a holder died
