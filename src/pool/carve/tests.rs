@@ -67,13 +67,32 @@ fn died_freeing_after_dropping_the_block_before_merging_it() {
 
 /// Live blocks of different lengths and owners, so that an entry torn between two differs
 /// from both, with a hole at index 2 (where a freed block was).
-fn with_varied_blocks() -> (Box<Carve>, Vec<Extent>) {
+fn with_varied_blocks() -> Box<Carve> {
     let mut c = carve();
-    let mut kept: Vec<Extent> = (1..=7)
+    let blocks: Vec<Extent> = (1..=7)
         .map(|k| c.allocate(4096 * k, 64, 10 + k as u32).unwrap())
         .collect();
-    c.free(kept.remove(2).offset, 1).unwrap();
-    (c, kept)
+    c.free(blocks[2].offset, 1).unwrap();
+    c
+}
+
+/// Runs `change` on [`with_varied_blocks`] killed after 0, 1, 2, … stores until it finishes,
+/// checking after each kill that a rebuild keeps the live entries `change` names (with their
+/// owners) and frees its block; returns how many stores the change makes. `change` gets the
+/// state and the number of stores to let through, and returns its block, the entries that must
+/// survive, and whether it finished.
+fn killed_at_every_store(
+    mut change: impl FnMut(&mut Carve, usize) -> (Extent, Vec<Live>, bool),
+) -> usize {
+    for stores in 0.. {
+        let mut c = with_varied_blocks();
+        let (block, kept, finished) = change(&mut c, stores);
+        rebuilt_whatever_the_kill(&c, &kept, block);
+        if finished {
+            return stores;
+        }
+    }
+    unreachable!("a change makes finitely many stores")
 }
 
 /// A `go_on` for `insert` and `remove` that lets `stores` stores through, then kills.
@@ -116,57 +135,36 @@ fn boxed_copy(c: &Carve) -> Box<Carve> {
 
 #[test]
 fn killed_at_every_store_of_the_live_insert() {
-    let mut stores = 0;
-    loop {
-        let (mut c, kept) = with_varied_blocks();
+    let stores = killed_at_every_store(|c, stores| {
+        let kept = c.live().to_vec();
         // Into the hole at index 2: the four blocks above it shift.
         let block = Extent {
-            offset: kept[1].end(),
+            offset: kept[1].block.end(),
             len: 4096,
         };
-        let owners = c.live().to_vec();
         c.intent.begin(ALLOCATE, 2, block);
         let counted = c.live_count + 1;
         let new = Live { block, pid: 2 };
-        insert(
-            &mut c.live,
-            &mut c.live_count,
-            2,
-            new,
-            &mut kill_after(stores),
-        );
-        let finished = c.live_count == counted;
-        rebuilt_whatever_the_kill(&c, &owners, block);
-        assert_eq!(owners.len(), kept.len());
-        if finished {
-            break;
-        }
-        stores += 1;
-    }
+        let mut go_on = kill_after(stores);
+        insert(&mut c.live, &mut c.live_count, 2, new, &mut go_on);
+        (block, kept, c.live_count == counted)
+    });
     // Three stores for each of the four shifted and the new one, then the count.
     assert_eq!(stores, 16, "killed at every store");
 }
 
 #[test]
 fn killed_at_every_store_of_the_live_remove() {
-    let mut stores = 0;
-    loop {
-        let (mut c, mut kept) = with_varied_blocks();
+    let stores = killed_at_every_store(|c, stores| {
+        let mut kept = c.live().to_vec();
         // Index 1: the four blocks above it shift down.
-        let block = kept.remove(1);
-        let mut owners = c.live().to_vec();
-        owners.remove(1);
+        let block = kept.remove(1).block;
         c.intent.begin(FREE, 2, block);
         let counted = c.live_count - 1;
         remove(&mut c.live, &mut c.live_count, 1, &mut kill_after(stores));
-        let finished = c.live_count == counted && c.live[counted as usize] == Live::default();
-        rebuilt_whatever_the_kill(&c, &owners, block);
-        assert_eq!(owners.len(), kept.len());
-        if finished {
-            break;
-        }
-        stores += 1;
-    }
+        let cleared = c.live[counted as usize] == Live::default();
+        (block, kept, c.live_count == counted && cleared)
+    });
     // Three stores for each of the four shifted, the count, three to clear the last.
     assert_eq!(stores, 16, "killed at every store");
 }
