@@ -8,7 +8,7 @@
 //! spread (min-max); they go to `target/criterion/rss_client/rows.json` for
 //! `scripts/bench-table.py`.
 //!
-//! The client, modelled on the program of the issue: two threads, each of which reuses a large
+//! The client, modelled on a data-loading program: two threads, each of which reuses a large
 //! buffer (a 24 MiB batch filled and summed 16 times), grows a `Vec` of 24-byte records by `push`
 //! to 64 MiB, builds a hash map of every 8th record and serialises it to JSON text, and keeps the
 //! results of one phase alive while the next runs, as a program holding its data would.
