@@ -97,7 +97,8 @@ pub struct PoolStats {
     pub frees: u64,
     /// Times the carving state was rebuilt after a process died holding the pool's lock.
     pub rebuilds: u64,
-    /// Chunk registrations held now, all processes together.
+    /// Chunk registrations held, all processes together (as far as the pool knows: those of a
+    /// killed process are still counted).
     pub registrations: u64,
     /// Chunks this process registered, and their bytes (counted in its pinned limit).
     pub registered_chunks: usize,
@@ -190,7 +191,9 @@ impl SharedPool {
     /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
     /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
     /// pages are not on its node; [`Error::PoolReadOnly`] for a file or descriptor this process
-    /// may not map for writing. Nothing in the file is changed by a refused attach.
+    /// may not map for writing. A refused attach changes nothing in the file, but for one
+    /// thing: finding the pool's lock left by a process that died holding it, it repairs the
+    /// carving state (as any locker would) before it checks where the pages are.
     pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
         let path = path.as_ref();
         let file = OpenOptions::new()
@@ -248,7 +251,7 @@ impl SharedPool {
             });
         }
         let fd = OwnedFd::from(file);
-        let map = PoolMap::map(fd.as_fd(), len, shown_path.clone())?;
+        let mut map = PoolMap::map(fd.as_fd(), len, shown_path.clone())?;
         map.check()?;
         let header = map.header();
         let start = Instant::now();
@@ -320,7 +323,8 @@ impl SharedPool {
     /// Frees the live block `handle` names, whichever process carved it: it returns to the pool.
     ///
     /// # Errors
-    /// [`Error::InvalidRange`] when no live block starts there (freed already, or not a
+    /// [`Error::InvalidRange`] when no live block of the handle's length starts at its offset
+    /// (freed already, even if a block of another length was carved there since, or not a
     /// handle of this pool).
     ///
     /// # Safety
@@ -328,14 +332,19 @@ impl SharedPool {
     /// and it is not owned by a value the pool's `Allocator` impl serves (a `Vec` in the pool
     /// frees its block itself): its range may be handed out again at once.
     pub unsafe fn free(&self, handle: PoolHandle) -> Result<(), Error> {
+        self.free_block(handle.offset, Some(handle.len))
+    }
+
+    /// Frees the live block at `offset`, of length `len` when given.
+    fn free_block(&self, offset: u64, len: Option<u64>) -> Result<(), Error> {
         let mut guard = self.inner.map.lock()?;
         guard
             .carve()
-            .free(handle.offset, sys::process_id())
+            .free(offset, len, sys::process_id())
             .map(drop)
             .map_err(|_| Error::InvalidRange {
-                addr: handle.offset as usize,
-                len: handle.len as usize,
+                addr: offset as usize,
+                len: len.unwrap_or(0) as usize,
             })
     }
 
@@ -522,13 +531,9 @@ macro_rules! shared_allocator {
                     return;
                 }
                 let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
-                // SAFETY: the caller of `deallocate` gives the block up; it was carved for it.
-                let _ = unsafe {
-                    self.free(PoolHandle {
-                        offset: offset as u64,
-                        len: 0,
-                    })
-                };
+                // The caller of `deallocate` gives the block up; it was carved for it (by
+                // `allocate`, whose returned length it need not pass back: any length).
+                let _ = self.free_block(offset as u64, None);
             }
         }
     };

@@ -25,9 +25,11 @@ const MIB: usize = 1 << 20;
 const VERSION_AT: u64 = 12;
 /// The layout tag's third entry: the size of the mutex.
 const MUTEX_SIZE_AT: u64 = 24;
-const NODE_AT: u64 = 56;
-const CREATOR_AT: u64 = 72;
-const READY_AT: u64 = 76;
+/// The layout tag's ninth entry: the C library.
+const C_LIBRARY_AT: u64 = 48;
+const NODE_AT: u64 = 64;
+const CREATOR_AT: u64 = 80;
+const READY_AT: u64 = 84;
 
 fn children_of(test: &'static str) -> impl Fn() -> Command {
     move || {
@@ -260,14 +262,17 @@ fn attach_by_path_and_free_from_the_other_process() {
     assert_eq!(b.stats().attached, 2);
     // SAFETY: the block is not used afterwards (the second free finds it freed).
     unsafe { b.free(handle) }.expect("freed by the other attachment");
+    assert_eq!(a.stats().live_blocks, 0);
+    // A smaller block carved where the freed one was is not freed by the stale handle.
+    let kept = a.allocate(Layout::from_size_align(64, 8).unwrap()).unwrap();
+    assert_eq!(kept.offset, handle.offset);
     // SAFETY: as above.
     assert!(matches!(
         unsafe { a.free(handle) },
         Err(Error::InvalidRange { .. })
     ));
-    assert_eq!(a.stats().live_blocks, 0);
+    assert!(a.is_live(kept));
     // Creating again at the path is refused, and the pool is untouched.
-    let kept = a.allocate(Layout::from_size_align(64, 8).unwrap()).unwrap();
     let again = SharedPool::builder(8 * MIB).node(0).path(&path).create();
     assert!(matches!(again, Err(Error::PoolExists { .. })), "{again:?}");
     assert!(b.is_live(kept));
@@ -443,6 +448,16 @@ fn bad_cases_are_refused_with_their_errors() {
     );
     assert!(e.to_string().contains("same layout"), "{e}");
     patch(&path, MUTEX_SIZE_AT, &mutex_size.to_ne_bytes());
+    // Of another C library: glibc's and musl's mutexes have one size but not one layout.
+    let mut c_library = [0; 4];
+    file.read_exact_at(&mut c_library, C_LIBRARY_AT).unwrap();
+    patch(&path, C_LIBRARY_AT, &9u32.to_ne_bytes());
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(
+        matches!(e, Error::PoolLayout { field, found: 9, .. } if field.starts_with("C library")),
+        "{e}"
+    );
+    patch(&path, C_LIBRARY_AT, &c_library);
     let mut magic = [0; 8];
     file.read_exact_at(&mut magic, 0).unwrap();
     magic.reverse();

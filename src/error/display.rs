@@ -167,8 +167,9 @@ impl fmt::Display for Error {
             ),
             Error::PoolStale { path, pid } => write!(
                 f,
-                "shared pool {} was left half made by process {pid}, which is gone; remove \
-                 the file and create the pool again",
+                "shared pool {} was left half made by process {pid}, which is gone (as this \
+                 process's PID namespace sees it: a creator in another container is not seen); \
+                 remove the file and create the pool again",
                 path.display()
             ),
             Error::PoolOwnerAlive { pid } => write!(

@@ -37,9 +37,11 @@ pub(crate) const VERSION: u32 = 3;
 pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
 
 /// What [`Header::layout`] records, in its order: the sizes and alignments the header's layout
-/// follows from. A build where one differs (another libc's `pthread_mutex_t`, a 32-bit process,
-/// another byte order) would misread every field after the tag.
-const LAYOUT_FIELDS: [&str; 8] = [
+/// follows from, and the C library whose `pthread_mutex_t` it holds. A build where one differs
+/// (a 32-bit process, another byte order) would misread every field after the tag; glibc's and
+/// musl's mutexes are both 40 bytes on x86_64 but keep their lock word and kind at different
+/// offsets, so two processes of different C libraries would both hold the lock at once.
+const LAYOUT_FIELDS: [&str; 9] = [
     "header size",
     "header alignment",
     "mutex size",
@@ -48,10 +50,11 @@ const LAYOUT_FIELDS: [&str; 8] = [
     "carving state alignment",
     "pointer width (bits)",
     "byte order mark",
+    "C library (1 glibc, 2 musl, 3 other)",
 ];
 
 /// This build's layout tag (see [`LAYOUT_FIELDS`]).
-const LAYOUT: [u32; 8] = [
+const LAYOUT: [u32; 9] = [
     size_of::<Header>() as u32,
     align_of::<Header>() as u32,
     size_of::<RobustMutex>() as u32,
@@ -60,7 +63,17 @@ const LAYOUT: [u32; 8] = [
     align_of::<Carve>() as u32,
     usize::BITS,
     BYTE_ORDER_MARK,
+    C_LIBRARY,
 ];
+
+/// The C library of this build, as [`LAYOUT_FIELDS`] numbers it.
+const C_LIBRARY: u32 = if cfg!(target_env = "gnu") {
+    1
+} else if cfg!(target_env = "musl") {
+    2
+} else {
+    3
+};
 
 /// Stored in the machine's byte order: another reads it byte-swapped.
 const BYTE_ORDER_MARK: u32 = 0x0102_0304;
@@ -74,7 +87,7 @@ pub(crate) struct Header {
     /// The layout tag of the build that made it ([`LAYOUT_FIELDS`]). It and the fields before
     /// it are at the same offsets in every build (8, 4, 4, then u32s from offset 16), so that
     /// any build reads them before trusting the rest.
-    layout: [u32; 8],
+    layout: [u32; 9],
     /// Bytes of the file, header included.
     pub(crate) size: u64,
     /// The node its pages are on.
@@ -90,7 +103,7 @@ pub(crate) struct Header {
     ready: AtomicU32,
     /// Processes attached now (as far as the pool knows: one killed does not detach).
     pub(crate) attached: AtomicU32,
-    /// Chunk registrations held now, all processes together.
+    /// Chunk registrations held, all processes together (a killed process's stay counted).
     pub(crate) registrations: AtomicU64,
     mutex: RobustMutex,
     carve: UnsafeCell<Carve>,
@@ -126,6 +139,9 @@ pub(crate) struct PoolMap {
     name: PathBuf,
     /// Set when a registration of it could not be released: the range stays mapped.
     keep: AtomicBool,
+    /// The chunk, as [`Self::init`] wrote it or [`Self::check`] found it: this process's copy,
+    /// which another process's stray write to the header cannot change (0 before either).
+    chunk: u64,
 }
 
 // SAFETY: the mapping is this value's alone to unmap; the header it points at is made for use
@@ -157,7 +173,13 @@ impl PoolMap {
             len,
             name,
             keep: AtomicBool::new(false),
+            chunk: 0,
         })
+    }
+
+    /// The chunk no block crosses, each one registration (this process's copy).
+    pub(crate) fn chunk(&self) -> u64 {
+        self.chunk
     }
 
     pub(crate) fn ptr(&self) -> NonNull<u8> {
@@ -186,7 +208,7 @@ impl PoolMap {
     ///
     /// # Safety
     /// The file is new (all zeros) and no other process uses it yet.
-    pub(crate) unsafe fn init(&self, node: usize, huge: bool, chunk: u64) -> Result<(), Error> {
+    pub(crate) unsafe fn init(&mut self, node: usize, huge: bool, chunk: u64) -> Result<(), Error> {
         let header = self.ptr.as_ptr().cast::<Header>();
         // SAFETY: the caller's file, ours alone until the magic is stored; the fields are
         // plain data at their place in the mapping.
@@ -206,12 +228,14 @@ impl PoolMap {
                 chunk,
             );
         }
+        self.chunk = chunk;
         self.header().magic.store(MAGIC, Ordering::Release);
         Ok(())
     }
 
-    /// Checks that the mapping holds a pool of this build whose size is the file's.
-    pub(crate) fn check(&self) -> Result<(), Error> {
+    /// Checks that the mapping holds a pool of this build whose size is the file's, and keeps
+    /// its chunk.
+    pub(crate) fn check(&mut self) -> Result<(), Error> {
         let path = self.name.as_path();
         let header = self.header();
         check_magic(header.magic.load(Ordering::Acquire), path)?;
@@ -258,6 +282,7 @@ impl PoolMap {
                 "its carving state's bounds or chunk differ from its header's",
             ));
         }
+        self.chunk = header.chunk;
         Ok(())
     }
 
@@ -363,7 +388,20 @@ impl PoolMap {
             },
             e => e,
         })?;
-        let guard = PoolGuard { header };
+        let mut guard = PoolGuard { header };
+        // Checked at each lock, not once: every attached process can write the state, and
+        // tables past their arrays or bounds other than the attached ones would carve
+        // overlapping blocks or blocks straddling two registrations (or panic).
+        if !guard
+            .carve()
+            .fits(DATA_START as u64, self.len as u64, self.chunk)
+        {
+            return Err(Error::PoolCorrupt {
+                path: self.name.clone(),
+                reason: "its carving state's bounds, chunk or table sizes changed after it was \
+                         attached (a stray write into the pool's header)",
+            });
+        }
         if locked == Locked::OwnerDied {
             // SAFETY: the lock is held (this guard).
             let carve = unsafe { &mut *header.carve.get() };

@@ -58,7 +58,7 @@ impl Pinned {
 
     /// The chunks of `map` (from its blocks' start), by index: offset and length.
     pub(crate) fn chunk_range(map: &PoolMap, index: usize) -> Option<(usize, usize)> {
-        let chunk = map.header().chunk as usize;
+        let chunk = map.chunk() as usize;
         let start = DATA_START.checked_add(index.checked_mul(chunk)?)?;
         (start < map.len()).then(|| (start, chunk.min(map.len() - start)))
     }
@@ -136,15 +136,33 @@ fn open_lock(node: usize) -> Result<File, Error> {
 /// no write access; a file another user made need not be writable by this one, and opening it
 /// with `O_CREAT` in sticky `/dev/shm` is refused under `fs.protected_regular`), else made here
 /// and given mode 0666 with `fchmod`, since the umask narrows the mode `open` is given.
+///
+/// Not through a symbolic link, and only a regular file: anyone may make the path in
+/// `/dev/shm`, and opening a FIFO there would wait for a writer forever.
 pub(crate) fn open_lock_at(path: &Path) -> Result<File, Error> {
     let io = |e: std::io::Error| Error::Io {
         path: path.into(),
         kind: e.kind(),
         errno: e.raw_os_error(),
     };
-    match File::open(path) {
+    let existing = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path);
+    match existing {
         Err(e) if e.kind() == ErrorKind::NotFound => {}
-        opened => return opened.map_err(io),
+        Err(e) => return Err(io(e)),
+        Ok(file) => {
+            let kind = file.metadata().map_err(io)?.file_type();
+            if !kind.is_file() {
+                return Err(Error::Parse {
+                    path: path.into(),
+                    expected: "a regular file (the node's registration lock)",
+                    found: format!("{kind:?}"),
+                });
+            }
+            return Ok(file);
+        }
     }
     let made = OpenOptions::new()
         .read(true)
@@ -159,7 +177,7 @@ pub(crate) fn open_lock_at(path: &Path) -> Result<File, Error> {
             Ok(file)
         }
         // Made by another process in between.
-        Err(e) if e.kind() == ErrorKind::AlreadyExists => File::open(path).map_err(io),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => open_lock_at(path),
         Err(e) => Err(io(e)),
     }
 }

@@ -8,7 +8,7 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use super::carve::{Carve, Extent, Live, GRANULE};
 use super::pinning::open_lock_at;
-use super::{Locked, PoolMap};
+use super::{Locked, PoolMap, DATA_START};
 use crate::{sys, Error};
 
 fn empty(start: u64, end: u64, chunk: u64) -> Box<Carve> {
@@ -57,9 +57,9 @@ fn random_allocations_and_frees_keep_the_tables_whole() {
         } else {
             let i = (next(&mut seed) as usize) % live.len();
             let block = live.swap_remove(i);
-            assert_eq!(carve.free(block.offset, 1), Ok(block.len));
+            assert_eq!(carve.free(block.offset, Some(block.len), 1), Ok(block.len));
             assert!(
-                carve.free(block.offset, 1).is_err(),
+                carve.free(block.offset, Some(block.len), 1).is_err(),
                 "a second free is refused"
             );
         }
@@ -71,7 +71,7 @@ fn random_allocations_and_frees_keep_the_tables_whole() {
     assert!(carve.consistent());
     assert_eq!(carve.live(), &before[..]);
     for block in live {
-        carve.free(block.offset, 1).unwrap();
+        carve.free(block.offset, Some(block.len), 1).unwrap();
     }
     assert_eq!(carve.free_ranges().len(), 1);
     assert_eq!(carve.live_bytes, 0);
@@ -97,7 +97,7 @@ fn new_pool(len: usize) -> (OwnedFd, PoolMap) {
     let file = File::from(fd);
     file.set_len(len as u64).unwrap();
     let fd = OwnedFd::from(file);
-    let map = PoolMap::map(fd.as_fd(), len, "<test pool>".into()).unwrap();
+    let mut map = PoolMap::map(fd.as_fd(), len, "<test pool>".into()).unwrap();
     // SAFETY: the file was just made (all zeros), and nothing else has it.
     unsafe { map.init(0, false, 2 << 20) }.unwrap();
     (fd, map)
@@ -118,6 +118,22 @@ fn an_unrecoverable_lock_is_a_corrupt_pool() {
     let e = map.lock().err().expect("an unrecoverable lock is refused");
     assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
     assert!(e.to_string().contains("create a new pool"), "{e}");
+}
+
+#[test]
+fn a_carving_state_changed_under_the_pool_is_refused_at_the_next_lock() {
+    let (_fd, map) = new_pool(8 << 20);
+    let (start, end) = (DATA_START as u64, map.len() as u64);
+    assert!(map.lock().is_ok());
+    // Another process's stray write: a chunk other than the one each process registers by.
+    map.lock().unwrap().carve().init(start, end, 4 << 20);
+    let e = map.lock().err().expect("a changed chunk is refused");
+    assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
+    assert!(e.to_string().contains("after it was attached"), "{e}");
+    // The geometry back, the pool is usable again: the check refused, it changed nothing.
+    // SAFETY: nobody else has the test's pool, so taking the state without the lock is ours.
+    unsafe { &mut *map.header().carve.get() }.init(start, end, map.chunk());
+    assert!(map.lock().unwrap().carve().allocate(64, 64, 1).is_some());
 }
 
 /// What `seal_size`'s comment says of this kernel: a memory file of huge pages takes the size
@@ -160,4 +176,32 @@ fn the_node_lock_file_is_made_for_every_user_and_opened_read_only() {
         "flock works read-only"
     );
     std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_lock_file_that_is_a_fifo_or_a_link_is_refused_without_waiting() {
+    let dir = std::env::temp_dir().join(format!("numa-gpu-alloc-lock-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("fifo");
+    let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path the call only reads.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o666) }, 0);
+    let e = open_lock_at(&fifo).unwrap_err();
+    assert!(matches!(e, Error::Parse { .. }), "{e}");
+    let target = dir.join("target");
+    std::fs::write(&target, b"").unwrap();
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let e = open_lock_at(&link).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Io {
+                errno: Some(libc::ELOOP),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

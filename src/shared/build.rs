@@ -57,7 +57,7 @@ impl SharedPoolBuilder {
         self
     }
 
-    /// The chunk size, rounded up to 2 MiB: no block crosses a chunk, and each chunk is one
+    /// The chunk size, rounded up to 2 MiB (0 is 2 MiB): no block crosses a chunk, and each chunk is one
     /// registration in a pinned process, so it is at most the allocator's registration bound
     /// (`register_max=` in `NUMA_GPU_ALLOC`, 256 MiB by default), which is also the default, and
     /// at most the pool's blocks.
@@ -130,12 +130,13 @@ impl SharedPoolBuilder {
             sys::seal_size(fd.as_fd())?;
         }
         let huge = sys::on_hugetlbfs(fd.as_fd())?;
-        let map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
+        let mut map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
         let bound = register_max();
         let chunk = self
             .chunk
             .unwrap_or(bound)
             .min(bound)
+            .max(1)
             .next_multiple_of(MAX_ALIGN as usize)
             .min(size - DATA_START) as u64;
         // SAFETY: the file was just made, all zeros, and nobody else has it yet (a path is

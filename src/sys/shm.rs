@@ -160,7 +160,8 @@ pub fn on_hugetlbfs(fd: BorrowedFd<'_>) -> Result<bool> {
 
 /// Locks the whole of `fd`'s file (`flock`), exclusively or shared, waiting for it unless
 /// `wait` is false; `Ok(false)` when it did not wait and another holds it. The lock goes with
-/// the open file: closing the last descriptor of it releases it, so a killed holder leaves none.
+/// the open file: closing the last descriptor of it releases it, so a killed holder leaves none
+/// unless a child it forked (and that has not exec'd or exited) still holds the descriptor.
 pub fn lock_file(fd: BorrowedFd<'_>, exclusive: bool, wait: bool) -> Result<bool> {
     let mut op = if exclusive {
         libc::LOCK_EX

@@ -155,6 +155,14 @@ impl Carve {
         self.rebuilds = 0;
     }
 
+    /// Whether its bounds and chunk are these and its counts fit its tables: what every
+    /// operation relies on (checked by each locker).
+    pub(crate) fn fits(&self, start: u64, end: u64, chunk: u64) -> bool {
+        (self.start, self.end, self.chunk) == (start, end, chunk)
+            && self.live_count as usize <= EXTENTS
+            && self.free_count as usize <= EXTENTS + 1
+    }
+
     pub(crate) fn live(&self) -> &[Live] {
         &self.live[..self.live_count as usize]
     }
@@ -229,13 +237,14 @@ impl Carve {
     }
 
     /// Frees the live block at `offset` (whoever carved it), merging it with its free
-    /// neighbours; its length.
-    pub(crate) fn free(&mut self, offset: u64, pid: u32) -> Result<u64, NotLive> {
+    /// neighbours; its length. With `len`, only a block of that length: a handle freed twice
+    /// must not free a later block carved at the same offset.
+    pub(crate) fn free(&mut self, offset: u64, len: Option<u64>, pid: u32) -> Result<u64, NotLive> {
         let at = self.live().partition_point(|e| e.block.offset < offset);
         let block = self
             .live()
             .get(at)
-            .filter(|e| e.block.offset == offset)
+            .filter(|e| e.block.offset == offset && len.is_none_or(|len| e.block.len == len))
             .ok_or(NotLive)?
             .block;
         self.intent.begin(FREE, pid, block);
@@ -274,7 +283,7 @@ impl Carve {
         let (mut blocks, mut bytes) = (0, 0);
         while let Some(e) = self.live().iter().find(|e| e.pid == pid).copied() {
             // A block just found live frees.
-            let Ok(len) = self.free(e.block.offset, by) else {
+            let Ok(len) = self.free(e.block.offset, None, by) else {
                 break;
             };
             blocks += 1;

@@ -17,7 +17,7 @@ fn carve() -> Box<Carve> {
 fn with_blocks() -> (Box<Carve>, Vec<Extent>) {
     let mut c = carve();
     let kept: Vec<Extent> = (0..6).map(|_| c.allocate(4096, 64, 1).unwrap()).collect();
-    c.free(kept[2].offset, 1).unwrap();
+    c.free(kept[2].offset, None, 1).unwrap();
     let kept = [kept[0], kept[1], kept[3], kept[4], kept[5]].to_vec();
     (c, kept)
 }
@@ -72,7 +72,7 @@ fn with_varied_blocks() -> Box<Carve> {
     let blocks: Vec<Extent> = (1..=7)
         .map(|k| c.allocate(4096 * k, 64, 10 + k as u32).unwrap())
         .collect();
-    c.free(blocks[2].offset, 1).unwrap();
+    c.free(blocks[2].offset, None, 1).unwrap();
     c
 }
 
