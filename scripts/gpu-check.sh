@@ -230,7 +230,7 @@ run_test() {
     binaries_run=$((binaries_run + 1))
     passed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
     fails=$(sed -n 's/^test result: .* \([0-9][0-9]*\) failed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
-    skipped=$(grep -c 'SKIPPED' "$log")
+    skipped=$(grep -cE 'SKIPPED|ignored at run time' "$log")
     ignored=$(sed -n 's/^test result: .* \([0-9][0-9]*\) ignored.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
     if [ $rc -eq 0 ] && [ "$passed" -eq 0 ]; then
         record FAIL "$name" "$secs" "ran no test (built without the tests it should hold?)" "$log"

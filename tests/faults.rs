@@ -4,7 +4,6 @@
 //!
 //! Run with `cargo test --features fault-injection --test faults`. Injection is process-wide, so
 //! every test holds `SERIAL` and clears the faults before and after.
-#![cfg(feature = "fault-injection")]
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::{Mutex, MutexGuard};

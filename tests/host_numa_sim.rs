@@ -4,12 +4,14 @@
 //! guards drop; a refused node is an error naming the call and code, a libcuda without the
 //! entries one naming the entry; misuse of the address-range calls is refused. Under `NUMA_GPU_ALLOC_REAL_DRIVER=1` the bodies run against the real driver,
 //! without the simulator's bookkeeping checks, and a driver that refuses host-NUMA memory is
-//! reported as SKIPPED.
+//! reported ignored at run time (`tests/common/require.rs`).
 //!
 //! Its own binary: each body runs in a child process that loads the simulator as libcuda.
 
 #[macro_use]
 mod common {
+    #[macro_use]
+    pub mod require;
     #[macro_use]
     pub mod sim;
 }
@@ -39,10 +41,10 @@ fn sim_state() -> Option<(u64, HostNumaStats)> {
 }
 
 /// Against the real driver, whether `e` is the driver declining host-NUMA memory (libcuda
-/// lacks an entry, `CUDA_ERROR_NOT_PERMITTED`, `CUDA_ERROR_NOT_SUPPORTED`): the test is then
-/// skipped, said so.
+/// lacks an entry, `CUDA_ERROR_NOT_PERMITTED`, `CUDA_ERROR_NOT_SUPPORTED`): the test then ends
+/// as [`require!`] says.
 fn declined(e: &Error) -> bool {
-    let yes = sim::real_driver()
+    let declines = sim::real_driver()
         && matches!(
             e,
             Error::CudaUnavailable { .. }
@@ -51,10 +53,10 @@ fn declined(e: &Error) -> bool {
                     ..
                 }
         );
-    if yes {
-        eprintln!("SKIPPED: the driver declines host-NUMA memory: {e}");
-    }
-    yes
+    !common::require::met(
+        !declines,
+        format_args!("the driver declines host-NUMA memory: {e}"),
+    )
 }
 
 /// Writes a pattern, copies it to the device and back over zeros, and checks it came back.
@@ -185,10 +187,7 @@ sim_test!(
     a_refused_node_is_reported,
     env: [("CUDA_SIM_FAIL", "cuMemCreate:800")],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED: the refusal is the simulator's");
-            return;
-        }
+        require!(!sim::real_driver(), "the refusal is the simulator's");
         let driver = Driver::open(0).expect("the device");
         let e = driver.host_numa_memory(host_node(), MIB).expect_err("refused");
         assert_eq!(
@@ -209,10 +208,10 @@ sim_test!(
     a_driver_without_the_entries_reports_them,
     env: [("LD_LIBRARY_PATH", sim::without_host_numa())],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED: needs the simulator built without host-NUMA memory");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "needs the simulator built without host-NUMA memory"
+        );
         let driver = Driver::open(0).expect("the device");
         let e = driver.host_numa_memory(host_node(), MIB).expect_err("no entries");
         assert_eq!(
@@ -253,10 +252,7 @@ sim_test!(
     misuse_is_refused,
     env: [],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED: checks the simulator");
-            return;
-        }
+        require!(!sim::real_driver(), "checks the simulator");
         let _driver = Driver::open(0).expect("the device"); // its context is current
         let sim = Sim::get();
         // SAFETY: each type is the simulator's C prototype of the function.

@@ -7,10 +7,9 @@
 //!
 //! Every check runs in a child process (this binary, re-executed): `mlockall` is process-wide,
 //! and so are the arenas (and the decay thread). A child that cannot lock memory (`RLIMIT_MEMLOCK` without
-//! `CAP_IPC_LOCK`) says so and the test prints that it was skipped.
+//! `CAP_IPC_LOCK`) says so, and the test ends as `tests/common/require.rs` says.
 
 use std::alloc::Layout;
-use std::io::Write;
 use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -18,8 +17,11 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::NumaGpuAlloc;
 
+#[macro_use]
 mod common {
     pub mod child;
+    #[macro_use]
+    pub mod require;
 }
 
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_LOCKED_CHILD";
@@ -168,7 +170,7 @@ fn mlocked_blocks_child() {
     println!("{CHILD_OK}");
 }
 
-/// Runs `test` in a child; prints why when the child skipped its checks.
+/// Runs `test` in a child; a child that could not lock memory ends the test as [`require!`] says.
 fn in_child(test: &str) {
     let (stdout, stderr) = common::child::run(test, CHILD_VAR, "1", &[]);
     // The child's test harness may print its own words first on a line.
@@ -178,11 +180,8 @@ fn in_child(test: &str) {
     for line in measured.chain(stdout.lines().filter_map(after("purges tried"))) {
         println!("{line}");
     }
-    if let Some(line) = stdout.lines().find_map(after(SKIPPED)) {
-        // Straight to stderr, past the test harness's capture: a skip must not pass silently.
-        let _ = writeln!(std::io::stderr(), "{test}: SKIPPED ({line})");
-        return;
-    }
+    let refused = stdout.lines().find_map(after(SKIPPED));
+    require!(refused.is_none(), "{test}: {}", refused.unwrap_or_default());
     assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
 }
 

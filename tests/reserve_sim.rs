@@ -9,6 +9,8 @@
 #[macro_use]
 mod common {
     #[macro_use]
+    pub mod require;
+    #[macro_use]
     pub mod sim;
 }
 
@@ -162,10 +164,10 @@ sim_test!(
     a_chunk_failure_stops_the_reservation_cleanly,
     env: [("CUDA_SIM_FAIL", "cuMemHostRegister_v2:2:2:1")],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED on the real driver: needs the simulator's error injection");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "on the real driver: needs the simulator's error injection"
+        );
         static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
         let err = ALLOC.reserve_bytes(GIB).unwrap_err();
         assert!(matches!(err, Error::Cuda { code: 2, .. }), "{err}");
@@ -210,10 +212,10 @@ sim_test!(
 /// 2 MiB: the reservation and the pool together register at most 16 chunks, none above the
 /// bound, and the pool is carved from the reserved room.
 fn a_pool_after_the_environments_reservation(reserved: usize) {
-    if sim::real_driver() {
-        eprintln!("SKIPPED on the real driver: counts the simulator's registrations");
-        return;
-    }
+    require!(
+        !sim::real_driver(),
+        "on the real driver: counts the simulator's registrations"
+    );
     static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
     let pool: Vec<_> = (0..512).map(|_| allocate(&ALLOC, 2 * MIB)).collect();
     assert!(pool.iter().all(|p| !p.is_null()));

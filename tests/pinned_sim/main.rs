@@ -7,9 +7,13 @@
 
 // The shared test modules live in tests/common/, beside this folder.
 #[macro_use]
+#[path = "../common/require.rs"]
+pub mod require_support;
+#[macro_use]
 #[path = "../common/sim.rs"]
 pub mod sim_support;
 mod common {
+    pub use super::require_support as require;
     pub use super::sim_support as sim;
 }
 
@@ -97,10 +101,10 @@ sim_test!(
     implicit_pinning_breaks_safe_code,
     env: [("CUDA_SIM_DELAY_US", "2000"), ("NUMA_GPU_ALLOC", "pin=on")],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED on the real driver: needs NUMA_GPU_ALLOC=pin=on before start");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "on the real driver: needs NUMA_GPU_ALLOC=pin=on before start"
+        );
         let (_ctx, stream) = stream();
         let wrong = clone_loop(&stream, 8, 4 * MIB);
         let stats = GLOBAL.stats();
@@ -246,11 +250,12 @@ sim_test!(
         for (out, e) in outs.iter().zip(&expected) {
             assert_eq!(wrong_bytes(out, e), 0);
         }
-        let Some((pinned_clock, pageable_clock)) = pinned_clock.zip(sim.as_ref().map(Sim::stats))
-        else {
-            eprintln!("overlap: SKIPPED on the real driver (the simulator's clock measures it)");
-            return;
-        };
+        let measured = pinned_clock.zip(sim.as_ref().map(Sim::stats));
+        require!(
+            measured.is_some(),
+            "overlap, on the real driver: the simulator's clock measures it"
+        );
+        let (pinned_clock, pageable_clock) = measured.unwrap();
         eprintln!(
             "overlap (busy/span): PinnedBuf {:.2} ({} async copies), pageable Vec {:.2} ({} sync)",
             pinned_clock.overlap(),

@@ -10,10 +10,10 @@ sim_test!(
     failed_registration_keeps_buffers_correct,
     env: [("CUDA_SIM_DELAY_US", "2000")],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED on the real driver: the failure is injected by the simulator");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "on the real driver: the failure is injected by the simulator"
+        );
         let (ctx, _) = stream();
         let stream = ctx.new_stream().unwrap();
         Sim::get().fail("cuMemHostRegister_v2", 2, 0, 1);
@@ -89,10 +89,10 @@ sim_test!(
     registration_failure_under_strict_fails_the_request,
     env: [],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED on the real driver: the failure is injected by the simulator");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "on the real driver: the failure is injected by the simulator"
+        );
         let _ctx = context();
         Sim::get().fail("cuMemHostRegister_v2", 800, 0, 1);
         let alloc = NumaGpuAlloc::new().pin(PinMode::Strict);
@@ -159,10 +159,10 @@ sim_test!(
     gpu_current_follows_each_threads_context,
     env: [("CUDA_SIM_DEVICES", "3"), ("CUDA_SIM_HOST_NUMA_ID", "1,2,3")],
     {
-        if sim::real_driver() {
-            eprintln!("skipped against the real driver: needs the simulator's three devices");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "on the real driver: needs the simulator's three devices"
+        );
         let layout = std::alloc::Layout::from_size_align(4 * MIB, 4096).unwrap();
         let on_device = |ordinal: usize| {
             let ctx = CudaContext::new(ordinal).expect("a context");
