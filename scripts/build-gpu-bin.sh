@@ -39,9 +39,9 @@ n=0
 while read -r kind name exe; do
     case $kind in
         lib) dest="$out/tests/unit-$name" ;;
-        # These read fixture files from the source tree, which does not travel; `faults` holds
-        # no test without the fault-injection feature (CI runs it, host-side).
-        test) case $name in sysfs_fixtures | fuzz_corpus | faults) continue ;; esac
+        # The fuzz corpus is read from the source tree, which does not travel (gpu-check.sh
+        # skips the integration binary's sysfs fixture tests for the same reason).
+        test) case $name in fuzz_corpus) continue ;; esac
               dest="$out/tests/test-$name" ;;
         *) continue ;; # examples are built (not as tests) by `cargo test`: not test binaries
     esac

@@ -34,7 +34,7 @@ runs=(
     # mapped and unmapped around it, though they are mapped (its report: "in a rw- anonymous
     # segment"): the doubling test passes under valgrind alone and natively checks every page.
     "unittests src/lib.rs|--skip arena::carve::fuzz --skip alloc::tests::a_doubling_block"
-    "tests/allocator_api.rs|"
+    "tests/integration/main.rs|allocator_api:: placement:: topology::"
     "tests/global_allocator.rs|"
     "tests/env_config.rs|"
     # valgrind's mmap answers EINVAL, not the kernel's ENOMEM, to a half-address-space request.

@@ -23,6 +23,15 @@ use numa_gpu_alloc::ENV_VAR;
 /// How long a child may run: one that hangs (a deadlock at exit, say) fails the test instead.
 const TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The harness's name of the test `name` in the module `module` (its `module_path!()`): the path
+/// below the crate root, which [`run`] selects.
+pub fn test_path(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, below)) => format!("{below}::{name}"),
+        None => name.to_owned(),
+    }
+}
+
 /// The value of `var` when this process is a child started by [`run`], `None` in the parent.
 pub fn mode(var: &str) -> Option<String> {
     std::env::var_os(var).map(|m| m.to_string_lossy().into_owned())

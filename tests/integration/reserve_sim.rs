@@ -6,13 +6,7 @@
 //! Its own binary: each body runs in a child process that loads the simulator as libcuda, with
 //! its own allocators (the arenas are the process's).
 
-#[macro_use]
-mod common {
-    #[macro_use]
-    pub mod require;
-    #[macro_use]
-    pub mod sim;
-}
+use crate::common;
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::time::{Duration, Instant};

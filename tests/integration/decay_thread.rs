@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::NumaGpuAlloc;
 
-mod common {
-    pub mod child;
-}
+use crate::common;
 
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_DECAY_CHILD";
 const CHILD_OK: &str = "decay child: all checks passed";
@@ -76,7 +74,12 @@ fn sysfs_root_child() {
 }
 
 fn in_child(test: &str) {
-    let (stdout, stderr) = common::child::run(test, CHILD_VAR, "1", &[]);
+    let (stdout, stderr) = common::child::run(
+        &common::child::test_path(module_path!(), test),
+        CHILD_VAR,
+        "1",
+        &[],
+    );
     assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
 }
 

@@ -17,12 +17,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::NumaGpuAlloc;
 
-#[macro_use]
-mod common {
-    pub mod child;
-    #[macro_use]
-    pub mod require;
-}
+use crate::common;
 
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_LOCKED_CHILD";
 const CHILD_OK: &str = "locked child: all checks passed";
@@ -172,7 +167,12 @@ fn mlocked_blocks_child() {
 
 /// Runs `test` in a child; a child that could not lock memory ends the test as [`require!`] says.
 fn in_child(test: &str) {
-    let (stdout, stderr) = common::child::run(test, CHILD_VAR, "1", &[]);
+    let (stdout, stderr) = common::child::run(
+        &common::child::test_path(module_path!(), test),
+        CHILD_VAR,
+        "1",
+        &[],
+    );
     // The child's test harness may print its own words first on a line.
     let after = |l: &'static str| move |line: &str| line.find(l).map(|at| line[at..].to_owned());
     // The measurements, for the log.

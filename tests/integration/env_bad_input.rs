@@ -13,9 +13,7 @@ use numa_gpu_alloc::{
     Config, Error, GpuSelector, MemPolicy, NumaGpuAlloc, NumaTopology, PinMode, Target, ENV_VAR,
 };
 
-mod common {
-    pub mod child;
-}
+use crate::common;
 
 const CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_BAD_INPUT_CHILD";
 const MIB: usize = 1 << 20;
@@ -49,7 +47,11 @@ struct Outcome {
 fn run_child(settings: impl Into<OsString>) -> Outcome {
     let settings = settings.into();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["bad_environment_values", "--exact", "--nocapture"])
+        .args([
+            &common::child::test_path(module_path!(), "bad_environment_values"),
+            "--exact",
+            "--nocapture",
+        ])
         .env(CHILD_VAR, "1")
         .env(ENV_VAR, &settings)
         .output()
@@ -360,7 +362,10 @@ fn each_bad_setting_is_printed_once_per_process() {
         return three_values();
     }
     let (stdout, stderr) = common::child::run(
-        "each_bad_setting_is_printed_once_per_process",
+        &common::child::test_path(
+            module_path!(),
+            "each_bad_setting_is_printed_once_per_process",
+        ),
         ONCE_VAR,
         "1",
         &[(ENV_VAR, ONCE_SETTINGS)],

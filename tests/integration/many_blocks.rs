@@ -18,11 +18,11 @@ fn mappings() -> usize {
 }
 
 /// A million populate calls and 8 GiB resident take minutes in a debug build: CI runs it with
-/// `cargo test --release --test many_blocks`.
+/// `cargo test --release --test integration many_blocks`.
 #[test]
 #[cfg_attr(
     debug_assertions,
-    ignore = "run in release: cargo test --release --test many_blocks"
+    ignore = "run in release: cargo test --release --test integration many_blocks"
 )]
 fn a_million_small_aligned_blocks_live_in_a_few_hundred_mappings() {
     let alloc = NumaGpuAlloc::new().threshold(4 << 10);
