@@ -17,8 +17,9 @@ the root and the modules holding the file). A name found nowhere is the script's
 files does not make arrows between them.
 
 What it checks:
-- between the crate's top modules, that each arrow points down the layer map (`LAYERS`, which
-  must be the table in CONTRIBUTING.md, "How it is built: the layers") or stays in its layer; a
+- between the crate's top modules, that each arrow points down the layer map (the table of
+  ARCHITECTURE.md, "The layers", read from there: it is kept in that one place) or stays in its
+  layer; a
   root module that only re-exports lower ones (`FRONT_END_REEXPORTS`: `unstable`) is a front end,
   in the top layer;
 - at every level, that no submodules of one module use each other in a loop: the top modules,
@@ -42,18 +43,6 @@ import subprocess
 import sys
 import tempfile
 
-LAYERS = [
-    ["error", "sys"],
-    ["topology", "config", "setup", "stats", "guard", "fork"],
-    ["cuda"],
-    ["chunk"],
-    ["arena"],
-    ["process"],
-    ["blocks", "pool"],
-    ["runtime"],
-    ["stats_exit"],
-    ["alloc", "api2", "global", "pinned", "reservation", "shared", "unstable"],
-]
 # Root modules that only re-export lower ones (for benchmarks and tools): front ends, top layer.
 FRONT_END_REEXPORTS = ["unstable"]
 
@@ -74,18 +63,19 @@ mod planted_tests {
 use crate::{chunk::Chunk, runtime::{route, Runtime as Planted}};"""
 
 
-def upward(low, high):
-    """The line the check prints for an arrow from `low` up to `high` (numbered from LAYERS)."""
-    number = {m: i + 1 for i, layer in enumerate(LAYERS) for m in layer}
+def upward(low, high, layers):
+    """The line the check prints for an arrow from `low` up to `high` (numbered from `layers`)."""
+    number = {m: i + 1 for i, layer in enumerate(layers) for m in layer}
     return f"upward: {low} (layer {number[low]}) -> {high} (layer {number[high]})"
 
 
+# The line to find: a string, or (low, high) for `upward`'s line in the table's numbering.
 SELF_TEST = [
-    ("arena/mod.rs", 39, "use crate::runtime::Runtime;", 1, upward("arena", "runtime")),
-    ("cuda/event.rs", None, "use crate::NumaGpuAlloc;", 1, upward("cuda", "alloc")),
-    ("chunk/mod.rs", None, "use super::runtime::Resolved;", 1, upward("chunk", "runtime")),
+    ("arena/mod.rs", 39, "use crate::runtime::Runtime;", 1, ("arena", "runtime")),
+    ("cuda/event.rs", None, "use crate::NumaGpuAlloc;", 1, ("cuda", "alloc")),
+    ("chunk/mod.rs", None, "use super::runtime::Resolved;", 1, ("chunk", "runtime")),
     # A test module with brackets in literals and comments, then a nested group.
-    ("arena/mod.rs", 39, LITERALS, 1, upward("arena", "runtime")),
+    ("arena/mod.rs", 39, LITERALS, 1, ("arena", "runtime")),
     # Through the hub's re-export (`sys/mod.rs`: `pub use mem::map_anonymous`); mem.rs uses
     # fault.rs, so this is a loop within sys/.
     ("sys/fault.rs", None, "use super::map_anonymous;", 1, "    sys/fault.rs -> sys/mem.rs"),
@@ -569,14 +559,20 @@ def tarjan(graph):
     return loops
 
 
-def contributing_layers(path):
-    """The modules column of the layer table in CONTRIBUTING.md."""
+def layer_table(path):
+    """The layer map: the modules column of the table in ARCHITECTURE.md's "The layers", lowest
+    layer first; rows must be numbered 1, 2, … in order."""
     text = open(path).read()
-    section = text.split("## How it is built: the layers", 1)
+    section = text.split("## The layers", 1)
     if len(section) < 2:
-        raise ScriptError(f"{path}: no section 'How it is built: the layers'")
+        raise ScriptError(f"{path}: no section 'The layers'")
     rows = re.findall(r"^\| (\d+) \| ([^|]*) \|", section[1].split("\n## ", 1)[0], flags=re.M)
-    return [[name.strip("/") for name in re.findall(r"`([^`]*)`", mods)] for _, mods in rows]
+    if [int(n) for n, _ in rows] != list(range(1, len(rows) + 1)):
+        raise ScriptError(f"{path}: the layer rows are numbered {[n for n, _ in rows]}, not 1, 2, …")
+    layers = [[name.strip("/") for name in re.findall(r"`([^`]*)`", mods)] for _, mods in rows]
+    if not all(layers):
+        raise ScriptError(f"{path}: a layer row names no module: {layers}")
+    return layers
 
 
 def comment_paths(crate):
@@ -619,14 +615,12 @@ def files_outside_the_tree(crate):
     return [f"{file} is in no module tree (no `mod` names it)" for file in sorted(on_disk - seen)]
 
 
-def check(src, contributing, verbose=False):
+def check(src, architecture, verbose=False):
     crate = Crate(src)
     problems = files_outside_the_tree(crate)
-    layer_of = {m: i for i, layer in enumerate(LAYERS) for m in layer}
-    layer_of.update({m: len(LAYERS) - 1 for m in FRONT_END_REEXPORTS})
-    table = contributing_layers(contributing)
-    if table != LAYERS:
-        problems.append(f"the layer table of CONTRIBUTING.md, {table}, is not LAYERS, {LAYERS}")
+    layers = layer_table(architecture)
+    layer_of = {m: i for i, layer in enumerate(layers) for m in layer}
+    layer_of.update({m: len(layers) - 1 for m in FRONT_END_REEXPORTS})
 
     arrows = crate.arrows()
     if crate.unresolved:
@@ -706,17 +700,20 @@ def check(src, contributing, verbose=False):
     return 1 if problems else 0
 
 
-def self_test(src, contributing):
+def self_test(src, architecture):
     failed = 0
+    layers = layer_table(architecture)
     with tempfile.TemporaryDirectory() as tmp:
         clean = os.path.join(tmp, "clean")
         shutil.copytree(src, clean)
-        code, out = run_copy(clean, contributing)
+        code, out = run_copy(clean, architecture)
         print("unplanted copy:", "passes" if code == 0 else f"exit {code}, it must pass")
         if code != 0:
             print(indent(out))
             failed += 1
         for n, (file, after, planted, want_code, want_line) in enumerate(SELF_TEST):
+            if isinstance(want_line, tuple):
+                want_line = upward(*want_line, layers)
             copy = os.path.join(tmp, f"planted{n}")
             shutil.copytree(src, copy)
             path = os.path.join(copy, file)
@@ -727,7 +724,7 @@ def self_test(src, contributing):
             with open(path, "w") as f:
                 f.write("\n".join(lines))
             last = f"{file}:{after + planted.count(chr(10)) + 1}:"
-            code, out = run_copy(copy, contributing)
+            code, out = run_copy(copy, architecture)
             named = named_alone(out, want_line, last)
             label = planted.split("\n")[-1]
             if code == want_code and named:
@@ -762,9 +759,9 @@ def named_alone(out, want_line, place):
     return None
 
 
-def run_copy(copy, contributing):
+def run_copy(copy, architecture):
     p = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--root", copy, "--contributing", contributing],
+        [sys.executable, os.path.abspath(__file__), "--root", copy, "--architecture", architecture],
         capture_output=True, text=True)
     return p.returncode, p.stdout + p.stderr
 
@@ -776,16 +773,16 @@ def indent(text):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=os.path.join(REPO, "src"), help="the src/ to check")
-    parser.add_argument("--contributing", default=os.path.join(REPO, "CONTRIBUTING.md"),
-                        help="where the layer table is")
+    parser.add_argument("--architecture", default=os.path.join(REPO, "ARCHITECTURE.md"),
+                        help="the page whose 'The layers' table is the layer map")
     parser.add_argument("--self-test", action="store_true",
                         help="plant imports in copies of --root that the check must catch")
     parser.add_argument("--verbose", action="store_true", help="print every arrow")
     args = parser.parse_args()
     try:
         if args.self_test:
-            return self_test(args.root, args.contributing)
-        return check(args.root, args.contributing, args.verbose)
+            return self_test(args.root, args.architecture)
+        return check(args.root, args.architecture, args.verbose)
     except ScriptError as e:
         print("layers.py:", e)
         return 2

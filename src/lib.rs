@@ -6,7 +6,7 @@
 #![deny(clippy::missing_safety_doc)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Modules by layer, bottom first: the map of CONTRIBUTING.md ("How it is built: the layers"). A
+// Modules by layer, bottom first: the map of ARCHITECTURE.md ("The layers"). A
 // module imports only from its own layer and those below, never in a loop; `scripts/layers.py`
 // checks it in CI.
 // - layer 1, error and sys: the error type (and the local NUMA distance it cites); the only raw
