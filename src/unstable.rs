@@ -30,13 +30,20 @@ pub fn hold_pool_lock<T>(pool: &crate::SharedPool, f: impl FnOnce() -> T) -> cra
     pool.with_lock_held(f)
 }
 
-/// The only raw system calls of the crate: mappings, placement policy, populate and the page
-/// census. Everything here runs inside a memory allocator: nothing allocates or panics.
+/// The crate's raw placement calls: mappings, placement policy, populate and the page census
+/// (the shared pool's memory files, descriptors and locks stay inside the crate). Everything
+/// here runs inside a memory allocator: nothing allocates or panics.
 ///
 /// The pipeline is [`map_anonymous`](sys::map_anonymous) → [`bind`](sys::bind) →
 /// [`populate`](sys::populate); never map with `MAP_POPULATE` (pages faulted in before `mbind`
 /// stay where the faulting CPU put them). [`census`](sys::census) checks afterwards where the
 /// pages are.
 pub mod sys {
-    pub use crate::sys::*;
+    #[cfg(feature = "fault-injection")]
+    pub use crate::sys::fault;
+    pub use crate::sys::{
+        advise_dontneed, advise_hugepage, advise_nohugepage, allowed_memory_nodes, bind, census,
+        current_node, map_anonymous, move_mapping, page_nodes, page_size, populate, unmap,
+        MbindFlags, MemPolicy, NodeMask, PageCensus, PopulateMethod, MAX_NODES,
+    };
 }

@@ -12,6 +12,8 @@
 //!     // checks of what the child printed
 //! }
 //! ```
+// Each test binary that includes this module uses part of it.
+#![allow(dead_code)]
 
 use std::io::Read;
 use std::process::{Command, Stdio};
