@@ -66,7 +66,10 @@ fn child(fd: &str) {
             .as_ptr()
             .write_bytes(PATTERN, handle.len as usize)
     };
-    println!("handle {} {}", handle.offset, handle.len);
+    println!(
+        "handle {} {} {} {}",
+        handle.offset, handle.len, handle.pool, handle.serial
+    );
 }
 
 #[test]
@@ -88,6 +91,7 @@ fn a_pool_of_huge_pages_is_shared_by_two_processes_and_given_back() {
     let pool = SharedPool::builder(POOL)
         .node(0)
         .huge_pages(true)
+        .inherit(true)
         .create()
         .expect("making a pool of huge pages");
     let stats = pool.stats();
@@ -124,6 +128,8 @@ fn a_pool_of_huge_pages_is_shared_by_two_processes_and_given_back() {
             Some(PoolHandle {
                 offset: words.next()?.parse().ok()?,
                 len: words.next()?.parse().ok()?,
+                pool: words.next()?.parse().ok()?,
+                serial: words.next()?.parse().ok()?,
             })
         })
         .unwrap_or_else(|| panic!("no handle in the child's output: {stdout}"));
