@@ -1,0 +1,355 @@
+//! Shared pools among users who do not trust each other, and errors that send the user the
+//! right way: a pool another user made at the path is refused, not joined, and its lock does
+//! not hold the attacher; an attach while a pool is made finds no file or the whole pool; bytes
+//! past a table in the carving state are repaired, not a panic; a handle of another pool, or
+//! freed twice, frees nothing; a memory file's descriptor does not survive `exec`; and each
+//! misuse (a write-only or `O_PATH` descriptor, permission denied, a 0-byte pool, an odd file
+//! length, a double free, a full tmpfs) gets an error saying what happened and what to do.
+//!
+//! The second user is `nobody`, run through `setpriv` (root only: see `common/nobody.rs`).
+#![cfg(target_os = "linux")]
+
+mod common {
+    pub mod nobody;
+}
+
+use std::alloc::Layout;
+use std::fs::{OpenOptions, Permissions};
+use std::io::{BufRead, BufReader, ErrorKind};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::nobody::{can_switch_users, spawn_as_nobody, NOBODY};
+use numa_gpu_alloc::{Error, SharedPool};
+
+const MIB: usize = 1 << 20;
+/// Set in a child run as nobody: what it does.
+const NOBODY_VAR: &str = "NUMA_GPU_ALLOC_TRUST_CHILD";
+
+fn pool_path(name: &str) -> PathBuf {
+    PathBuf::from(format!(
+        "/dev/shm/numa-gpu-alloc-trust-{name}-{}",
+        std::process::id()
+    ))
+}
+
+fn small_pool_at(path: &Path) -> SharedPool {
+    let _ = std::fs::remove_file(path);
+    SharedPool::builder(8 * MIB)
+        .node(0)
+        .chunk(2 * MIB)
+        .path(path)
+        .create()
+        .expect("making a pool at a path")
+}
+
+fn block(pool: &SharedPool) -> numa_gpu_alloc::PoolHandle {
+    pool.allocate(Layout::from_size_align(4096, 64).unwrap())
+        .expect("a block")
+}
+
+/// The first line of `child`'s stdout that contains `word` (libtest may begin it with its own).
+fn line_with(child: &mut std::process::Child, word: &str) -> String {
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    lines
+        .map_while(Result::ok)
+        .find(|l| l.contains(word))
+        .unwrap_or_else(|| panic!("the child never said {word:?}"))
+}
+
+/// Runs `f` on a thread of its own and waits at most 10 s for it: what waits for ever on a
+/// broken build fails the test instead.
+fn within_10s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (sent, got) = mpsc::channel();
+    std::thread::spawn(move || sent.send(f()));
+    got.recv_timeout(Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("{what} did not return within 10 s"))
+}
+
+#[test]
+fn a_pool_another_user_made_at_the_path_is_refused_not_joined() {
+    if let Some(path) = std::env::var_os(NOBODY_VAR) {
+        // As nobody: a pool at the path a server is about to use, writable by every user, its
+        // lock held.
+        let pool = small_pool_at(Path::new(&path));
+        std::fs::set_permissions(&path, Permissions::from_mode(0o666)).unwrap();
+        numa_gpu_alloc::unstable::hold_pool_lock(&pool, || {
+            println!("squatting");
+            std::thread::sleep(Duration::from_secs(120));
+        })
+        .unwrap();
+        return;
+    }
+    if !can_switch_users("a_pool_another_user_made_at_the_path_is_refused_not_joined") {
+        return;
+    }
+    let path = pool_path("squat");
+    let _ = std::fs::remove_file(&path);
+    let mut squatter = spawn_as_nobody(
+        "a_pool_another_user_made_at_the_path_is_refused_not_joined",
+        NOBODY_VAR,
+        path.to_str().unwrap(),
+    );
+    line_with(&mut squatter, "squatting");
+    let made = SharedPool::builder(8 * MIB).node(0).path(&path).create();
+    let attach_path = path.clone();
+    let attached = within_10s("attaching to the squatter's pool", move || {
+        SharedPool::attach(&attach_path)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    let _ = squatter.kill();
+    let _ = squatter.wait();
+    std::fs::remove_file(&path).unwrap();
+    let e = made.unwrap_err();
+    assert!(matches!(e, Error::PoolExists { .. }), "{e}");
+    let e = attached.expect_err("attached to another user's pool");
+    println!("{e}");
+    for said in ["owned by user 65534", "mode 0o666", "allow_owner(65534)"] {
+        assert!(e.contains(said), "{said:?} in {e}");
+    }
+}
+
+#[test]
+fn an_attach_while_the_pool_is_made_finds_no_file_or_the_whole_pool() {
+    for round in 0..8 {
+        let path = pool_path(&format!("making{round}"));
+        let _ = std::fs::remove_file(&path);
+        let made_at = path.clone();
+        let creator = std::thread::spawn(move || {
+            SharedPool::builder(64 * MIB)
+                .node(0)
+                .populate_threads(1)
+                .path(&made_at)
+                .create()
+                .unwrap()
+        });
+        let mut missing = 0;
+        let attached = loop {
+            match SharedPool::attach(&path) {
+                Ok(pool) => break pool,
+                Err(Error::Io {
+                    kind: ErrorKind::NotFound,
+                    ..
+                }) => missing += 1,
+                Err(e) => {
+                    let _ = creator.join();
+                    let _ = std::fs::remove_file(&path);
+                    panic!("round {round}: an attach while the pool was made was told: {e}");
+                }
+            }
+            std::thread::yield_now();
+        };
+        let made = creator.join().unwrap();
+        assert_eq!(made.stats().attached, 2, "round {round}");
+        drop((made, attached));
+        std::fs::remove_file(&path).unwrap();
+        println!("round {round}: {missing} attaches found no file, then the whole pool");
+    }
+    let prefix = "numa-gpu-alloc-trust-making";
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains(prefix) && n.contains(&std::process::id().to_string()))
+        .collect();
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}
+
+/// Where the carving state starts in a pool's file: at the bounds and chunk it records (the
+/// blocks' start, the pool's size, the chunk), which follow the header's fields.
+fn carve_at(file: &std::fs::File, size: u64, chunk: u64) -> u64 {
+    let mut header = vec![0u8; 4096];
+    file.read_exact_at(&mut header, 0).unwrap();
+    let word = |at: usize| u64::from_ne_bytes(header[at..at + 8].try_into().unwrap());
+    (0..header.len() - 24)
+        .step_by(8)
+        .find(|&at| word(at) == 2 * MIB as u64 && word(at + 8) == size && word(at + 16) == chunk)
+        .expect("the carving state's bounds") as u64
+}
+
+#[test]
+fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
+    let path = pool_path("count");
+    let pool = small_pool_at(&path);
+    let first = block(&pool);
+    let file = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    // The free-range count follows the bounds, chunk (3 × 8 bytes) and intent record (24).
+    let free_count_at = carve_at(&file, 8 * MIB as u64, 2 * MIB as u64) + 48;
+    file.write_all_at(&4097u32.to_ne_bytes(), free_count_at)
+        .unwrap();
+    // A splitting allocate (aligned past the free range's start) inserts into the free table.
+    let split = pool
+        .allocate(Layout::from_size_align(64, 4096).unwrap())
+        .expect("a block after the repair");
+    assert!(split.offset > first.offset);
+    let stats = pool.stats();
+    println!("{stats:?}");
+    assert_eq!(stats.rebuilds, 1);
+    assert!(pool.is_live(first), "the live block kept");
+    let other = SharedPool::attach(&path).expect("new attaches find it whole");
+    let big = other
+        .allocate(Layout::from_size_align(2 * MIB, 64).unwrap())
+        .expect("the free chunks are all there");
+    // SAFETY: the test's blocks, not used afterwards.
+    unsafe {
+        other.free(big).unwrap();
+        pool.free(split).unwrap();
+        pool.free(first).unwrap();
+    }
+    assert_eq!(pool.stats().live_bytes, 0);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_handle_of_another_pool_frees_nothing() {
+    let a = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let b = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let of_a = block(&a);
+    let of_b = block(&b);
+    assert_eq!(of_a.offset, of_b.offset, "both first blocks at the same offset");
+    // SAFETY: a handle of another pool must free nothing here.
+    let e = unsafe { b.free(of_a) }.expect_err("another pool's handle is refused");
+    println!("{e}");
+    assert!(e.to_string().contains("another pool"), "{e}");
+    assert!(b.is_live(of_b), "b's own block is still live");
+    assert!(!b.is_live(of_a));
+}
+
+#[test]
+fn a_double_free_frees_nothing_and_says_so() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let first = block(&pool);
+    // SAFETY: the test's block, not used afterwards.
+    unsafe { pool.free(first) }.unwrap();
+    let again = block(&pool);
+    assert_eq!((again.offset, again.len), (first.offset, first.len));
+    // SAFETY: a handle freed already must free nothing.
+    let e = unsafe { pool.free(first) }.expect_err("a double free is refused");
+    println!("{e}");
+    assert!(e.to_string().contains("freed already"), "{e}");
+    assert!(!e.to_string().contains("page-aligned"), "{e}");
+    assert!(pool.is_live(again), "the block carved since is still live");
+}
+
+#[test]
+fn a_memory_file_pools_descriptor_does_not_survive_exec() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let fd = pool.fd().as_raw_fd();
+    let out = Command::new("/bin/ls")
+        .args(["-l", "/proc/self/fd/"])
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !listing.contains("numa-gpu-alloc pool"),
+        "an exec'd program holds the pool (fd {fd}):\n{listing}"
+    );
+}
+
+#[test]
+fn a_write_only_descriptor_is_not_called_foreign() {
+    let path = pool_path("wronly");
+    let _pool = small_pool_at(&path);
+    let file = OpenOptions::new().write(true).open(&path).unwrap();
+    let e = SharedPool::attach_fd(file.into()).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    println!("{e}");
+    assert!(!e.to_string().contains("not a numa-gpu-alloc"), "{e}");
+    assert!(e.to_string().contains("write-only"), "{e}");
+}
+
+#[test]
+fn an_o_path_descriptor_is_not_called_foreign() {
+    let path = pool_path("opath");
+    let _pool = small_pool_at(&path);
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(&path)
+        .unwrap();
+    let e = SharedPool::attach_fd(file.into()).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    println!("{e}");
+    assert!(!e.to_string().contains("not a numa-gpu-alloc"), "{e}");
+    assert!(e.to_string().contains("O_PATH"), "{e}");
+}
+
+#[test]
+fn permission_denied_is_not_called_read_only() {
+    if let Some(path) = std::env::var_os(NOBODY_VAR) {
+        let e = SharedPool::attach(&path).unwrap_err();
+        println!("nobody was told: {e}");
+        return;
+    }
+    if !can_switch_users("permission_denied_is_not_called_read_only") {
+        return;
+    }
+    let path = pool_path("denied");
+    let _pool = small_pool_at(&path);
+    let mut child = spawn_as_nobody(
+        "permission_denied_is_not_called_read_only",
+        NOBODY_VAR,
+        path.to_str().unwrap(),
+    );
+    let said = line_with(&mut child, "nobody was told:");
+    assert!(child.wait().unwrap().success());
+    std::fs::remove_file(&path).unwrap();
+    println!("{said}");
+    assert!(!said.contains("cannot be mapped for writing"), "{said}");
+    assert!(said.contains("permission denied"), "{said}");
+    assert!(said.contains(&format!("user {NOBODY}")), "{said}");
+}
+
+#[test]
+fn a_zero_byte_pool_is_too_small_not_too_large() {
+    let e = SharedPool::builder(0).node(0).create().unwrap_err();
+    println!("{e}");
+    assert!(!e.to_string().contains("does not fit"), "{e}");
+    assert!(e.to_string().contains("too small"), "{e}");
+}
+
+#[test]
+fn an_odd_file_length_is_called_damaged() {
+    let path = pool_path("odd");
+    let pool = small_pool_at(&path);
+    let file = OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(8 * MIB as u64 + 100).unwrap();
+    let e = SharedPool::attach(&path).unwrap_err();
+    file.set_len(8 * MIB as u64).unwrap();
+    drop(pool);
+    std::fs::remove_file(&path).unwrap();
+    println!("{e}");
+    assert!(!e.to_string().contains("page-aligned"), "{e}");
+    assert!(e.to_string().contains("damaged"), "{e}");
+}
+
+#[test]
+fn a_full_tmpfs_is_called_full() {
+    if !can_switch_users("a_full_tmpfs_is_called_full (mounts a small tmpfs)") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("numa-gpu-alloc-full-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=6m", "tmpfs"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mounting a 6 MiB tmpfs");
+    let made = SharedPool::builder(16 * MIB)
+        .node(0)
+        .path(dir.join("pool"))
+        .create();
+    let left = std::fs::read_dir(&dir).unwrap().count();
+    assert!(Command::new("umount").arg(&dir).status().unwrap().success());
+    std::fs::remove_dir(&dir).unwrap();
+    let e = made.unwrap_err();
+    println!("{e}");
+    assert!(!e.to_string().contains("Bad address"), "{e}");
+    assert!(e.to_string().contains("no room"), "{e}");
+    assert_eq!(left, 0, "nothing left on the full tmpfs");
+}
