@@ -648,6 +648,18 @@ impl SharedPool {
         drop(guard);
         Ok(outcome)
     }
+
+    /// Holds the pool's registration lock for `f` (`unstable::hold_registration_lock`).
+    pub(crate) fn with_registration_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+        let never = std::sync::atomic::AtomicBool::new(false);
+        let guard = self
+            .inner
+            .map
+            .lock_registration(&never, self.inner.lock_wait)?;
+        let outcome = f();
+        drop(guard);
+        Ok(outcome)
+    }
 }
 
 impl Drop for SharedPool {

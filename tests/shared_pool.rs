@@ -206,7 +206,11 @@ fn the_blocks_of_a_process_gone_are_reclaimed() {
         // Ends without freeing them (and, returning, detaches).
         return;
     }
-    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let pool = SharedPool::builder(8 * MIB)
+        .node(0)
+        .inherit(true)
+        .create()
+        .unwrap();
     let mine = pool
         .allocate(Layout::from_size_align(64, 8).unwrap())
         .unwrap();
@@ -269,7 +273,7 @@ fn attach_by_path_and_free_from_the_other_process() {
     // SAFETY: as above.
     assert!(matches!(
         unsafe { a.free(handle) },
-        Err(Error::InvalidRange { .. })
+        Err(Error::PoolHandle { .. })
     ));
     assert!(a.is_live(kept));
     // Creating again at the path is refused, and the pool is untouched.
@@ -432,7 +436,7 @@ fn bad_cases_are_refused_with_their_errors() {
         matches!(e, Error::PoolVersion { found: (1, 99), .. }),
         "{e}"
     );
-    patch(&path, VERSION_AT, &3u32.to_le_bytes());
+    patch(&path, VERSION_AT, &4u32.to_le_bytes());
 
     // Made by a build of another layout: another libc's mutex, another byte order.
     let mut mutex_size = [0; 4];
