@@ -175,19 +175,22 @@ impl PoolAttach {
                 _ => io_error(Some(path), &e),
             })?;
         let (owner, mode, regular) = sys::file_owner(file.as_fd())?;
-        let trusted_owner = owner == uid || owner == 0 || self.owners.contains(&owner);
         if !regular {
             return Err(Error::PoolForeign {
                 path: path.into(),
                 found: 0,
             });
         }
-        if !trusted_owner || mode & !self.mode & 0o7777 != 0 {
+        let foreign_owner = owner != uid && owner != 0 && !self.owners.contains(&owner);
+        let open_mode = mode & !self.mode & 0o7777 != 0;
+        if foreign_owner || open_mode {
             return Err(Error::PoolUntrusted {
                 path: path.into(),
                 owner,
                 mode,
                 uid,
+                foreign_owner,
+                open_mode,
             });
         }
         SharedPool::attach_file(file, Some(path.to_path_buf()), self.lock_wait)

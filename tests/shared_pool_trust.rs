@@ -52,13 +52,18 @@ fn block(pool: &SharedPool) -> numa_gpu_alloc::PoolHandle {
         .expect("a block")
 }
 
-/// The first line of `child`'s stdout that contains `word` (libtest may begin it with its own).
+/// The first line of `child`'s stdout that contains `word` (libtest may begin it with its own);
+/// the rest is read to its end on a thread of its own, so the child never writes to a closed
+/// pipe.
 fn line_with(child: &mut std::process::Child, word: &str) -> String {
-    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    lines
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .by_ref()
         .map_while(Result::ok)
         .find(|l| l.contains(word))
-        .unwrap_or_else(|| panic!("the child never said {word:?}"))
+        .unwrap_or_else(|| panic!("the child never said {word:?}"));
+    std::thread::spawn(move || lines.for_each(drop));
+    line
 }
 
 /// Runs `f` on a thread of its own and waits at most 10 s for it: what waits for ever on a
@@ -109,7 +114,7 @@ fn a_pool_another_user_made_at_the_path_is_refused_not_joined() {
     assert!(matches!(e, Error::PoolExists { .. }), "{e}");
     let e = attached.expect_err("attached to another user's pool");
     println!("{e}");
-    for said in ["owned by user 65534", "mode 0o666", "allow_owner(65534)"] {
+    for said in ["owned by user 65534", "mode 0o666", "allow_owner(65534).allow_mode(0o666)"] {
         assert!(e.contains(said), "{said:?} in {e}");
     }
 }
@@ -352,4 +357,123 @@ fn a_full_tmpfs_is_called_full() {
     assert!(!e.to_string().contains("Bad address"), "{e}");
     assert!(e.to_string().contains("no room"), "{e}");
     assert_eq!(left, 0, "nothing left on the full tmpfs");
+}
+
+#[test]
+fn another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name() {
+    if let Some(path) = std::env::var_os(NOBODY_VAR) {
+        let _ = std::fs::remove_file(&path);
+        let _pool = SharedPool::builder(8 * MIB)
+            .node(0)
+            .mode(0o666)
+            .path(&path)
+            .create()
+            .unwrap();
+        println!("made");
+        std::thread::sleep(Duration::from_secs(120));
+        return;
+    }
+    if !can_switch_users("another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name") {
+        return;
+    }
+    let path = pool_path("allowed");
+    let _ = std::fs::remove_file(&path);
+    let mut maker = spawn_as_nobody(
+        "another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name",
+        NOBODY_VAR,
+        path.to_str().unwrap(),
+    );
+    line_with(&mut maker, "made");
+    let refused = SharedPool::attach(&path).map(drop);
+    let owner_only = SharedPool::attacher()
+        .allow_owner(NOBODY)
+        .attach(&path)
+        .map(drop);
+    let both = SharedPool::attacher()
+        .allow_owner(NOBODY)
+        .allow_mode(0o666)
+        .attach(&path)
+        .map(|pool| pool.stats().attached);
+    let _ = maker.kill();
+    let _ = maker.wait();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        matches!(refused, Err(Error::PoolUntrusted { owner: NOBODY, mode: 0o666, .. })),
+        "{refused:?}"
+    );
+    let e = owner_only.unwrap_err();
+    println!("{e}");
+    assert!(e.to_string().contains("allow_mode(0o666)"), "{e}");
+    assert_eq!(both.unwrap(), 2);
+}
+
+#[test]
+fn a_pool_is_made_with_mode_0600_or_the_mode_asked_for() {
+    let path = pool_path("mode");
+    let pool = small_pool_at(&path);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&path), 0o600);
+    drop(pool);
+    std::fs::remove_file(&path).unwrap();
+    let pool = SharedPool::builder(8 * MIB)
+        .node(0)
+        .mode(0o640)
+        .path(&path)
+        .create()
+        .unwrap();
+    assert_eq!(mode(&path), 0o640);
+    drop(pool);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_pool_made_to_be_inherited_survives_exec() {
+    for path in [None, Some(pool_path("inherit"))] {
+        let mut builder = SharedPool::builder(8 * MIB).node(0).inherit(true);
+        if let Some(path) = &path {
+            builder = builder.path(path);
+        }
+        let pool = builder.create().unwrap();
+        // SAFETY: F_GETFD on the pool's descriptor touches no memory.
+        let flags = unsafe { libc::fcntl(pool.fd().as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, 0, "{path:?}");
+        if let Some(path) = &path {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_attach_waits_for_the_pools_lock_no_longer_than_asked_and_names_the_holder() {
+    let path = pool_path("held");
+    let pool = small_pool_at(&path);
+    let (held, holding) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let pool = &pool;
+        s.spawn(move || {
+            numa_gpu_alloc::unstable::hold_pool_lock(pool, || {
+                held.send(()).unwrap();
+                released.recv().unwrap();
+            })
+            .unwrap();
+        });
+        holding.recv().unwrap();
+        let start = std::time::Instant::now();
+        let e = SharedPool::attacher()
+            .lock_wait(Duration::from_millis(200))
+            .attach(&path)
+            .unwrap_err();
+        let took = start.elapsed();
+        release.send(()).unwrap();
+        println!("{e} ({took:?})");
+        assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(5));
+        assert!(
+            matches!(e, Error::PoolLockHeld { lock: "carving", pid, .. } if pid == std::process::id()),
+            "{e}"
+        );
+    });
+    assert_eq!(pool.stats().attached, 1, "the refused attach was not counted");
+    SharedPool::attach(&path).expect("attaches once the lock is free");
+    std::fs::remove_file(&path).unwrap();
 }

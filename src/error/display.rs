@@ -189,25 +189,29 @@ impl fmt::Display for Error {
                 owner,
                 mode,
                 uid,
+                foreign_owner,
+                open_mode,
             } => {
-                let (who, opt_in) = if *owner != *uid && *owner != 0 {
-                    (
-                        format!("is owned by user {owner}, not by this process's user ({uid}) or root"),
-                        format!("SharedPool::attacher().allow_owner({owner})"),
-                    )
-                } else {
-                    (
-                        format!("may be written by users other than its owner ({owner})"),
-                        format!("SharedPool::attacher().allow_mode({mode:#o})"),
-                    )
-                };
+                let mut why = Vec::new();
+                let mut opt_in = String::from("SharedPool::attacher()");
+                if *foreign_owner {
+                    why.push(format!(
+                        "is owned by user {owner}, not by this process's user ({uid}) or root"
+                    ));
+                    opt_in += &format!(".allow_owner({owner})");
+                }
+                if *open_mode {
+                    why.push(format!("may be written by users other than its owner (mode {mode:#o})"));
+                    opt_in += &format!(".allow_mode({mode:#o})");
+                }
                 write!(
                     f,
-                    "refusing to attach shared pool {}: it {who} (mode {mode:#o}), so another \
-                     user may have made or may change it; if you trust it, attach with \
-                     {opt_in}; else find out who made it (it may squat the name your pool \
+                    "refusing to attach shared pool {}: it {} (owner {owner}, mode {mode:#o}), so \
+                     another user may have made it or may change it; if you trust it, attach \
+                     with {opt_in}; else find out who made it (it may squat the name your pool \
                      should have) and create yours at another path",
-                    path.display()
+                    path.display(),
+                    why.join(", and ")
                 )
             }
             Error::PoolPermission {

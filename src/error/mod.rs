@@ -216,6 +216,10 @@ pub enum Error {
         mode: u32,
         /// This process's effective user id.
         uid: u32,
+        /// Whether the owner is what is not trusted.
+        foreign_owner: bool,
+        /// Whether the mode is what is not trusted (others may write it).
+        open_mode: bool,
     },
     /// A shared pool's file that this process may not open for reading and writing.
     PoolPermission {
