@@ -121,40 +121,44 @@ fn a_pool_another_user_made_at_the_path_is_refused_not_joined() {
 
 #[test]
 fn an_attach_while_the_pool_is_made_finds_no_file_or_the_whole_pool() {
-    for round in 0..8 {
+    let mut told = Vec::new();
+    for round in 0..100 {
         let path = pool_path(&format!("making{round}"));
         let _ = std::fs::remove_file(&path);
         let made_at = path.clone();
         let creator = std::thread::spawn(move || {
-            SharedPool::builder(64 * MIB)
+            SharedPool::builder(8 * MIB)
                 .node(0)
-                .populate_threads(1)
                 .path(&made_at)
                 .create()
                 .unwrap()
         });
         let mut missing = 0;
+        // Until the pool attaches; any other error is what an attacher was told mid-create.
         let attached = loop {
             match SharedPool::attach(&path) {
-                Ok(pool) => break pool,
+                Ok(pool) => break Some(pool),
                 Err(Error::Io {
                     kind: ErrorKind::NotFound,
                     ..
                 }) => missing += 1,
                 Err(e) => {
-                    let _ = creator.join();
-                    let _ = std::fs::remove_file(&path);
-                    panic!("round {round}: an attach while the pool was made was told: {e}");
+                    told.push(format!("round {round}: {e}"));
+                    break None;
                 }
             }
-            std::thread::yield_now();
         };
         let made = creator.join().unwrap();
-        assert_eq!(made.stats().attached, 2, "round {round}");
+        if attached.is_some() {
+            assert_eq!(made.stats().attached, 2, "round {round}");
+        }
         drop((made, attached));
         std::fs::remove_file(&path).unwrap();
-        println!("round {round}: {missing} attaches found no file, then the whole pool");
+        if round == 0 {
+            println!("round 0: {missing} attaches found no file, then the whole pool");
+        }
     }
+    assert!(told.is_empty(), "attaches while the pool was made were told:\n{}", told.join("\n"));
     let prefix = "numa-gpu-alloc-trust-making";
     let left: Vec<_> = std::fs::read_dir("/dev/shm")
         .unwrap()
