@@ -506,7 +506,10 @@ impl SharedPool {
         if handle.pool == self.inner.map.id() {
             Ok(())
         } else {
-            Err(self.bad_handle(handle, "it is a handle of another pool (its pool id differs)"))
+            Err(self.bad_handle(
+                handle,
+                "it is a handle of another pool (its pool id differs)",
+            ))
         }
     }
 
@@ -585,7 +588,13 @@ impl SharedPool {
     /// The handle of the live block starting at `ptr`, a pointer of this process.
     pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
         let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.map.ptr().as_ptr() as usize)?;
-        let live = self.inner.map.lock(None).ok()?.carve().find(offset as u64)?;
+        let live = self
+            .inner
+            .map
+            .lock(None)
+            .ok()?
+            .carve()
+            .find(offset as u64)?;
         Some(self.handle(live.block.offset, live.block.len, live.serial))
     }
 

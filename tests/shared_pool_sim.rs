@@ -281,7 +281,7 @@ sim_test!(
         std::thread::scope(|s| {
             let pool = &pool;
             s.spawn(move || {
-                numa_gpu_alloc::unstable::hold_registration_lock(&pool, || {
+                numa_gpu_alloc::unstable::hold_registration_lock(pool, || {
                     held.send(()).unwrap();
                     released.recv().unwrap();
                 })

@@ -114,7 +114,11 @@ fn a_pool_another_user_made_at_the_path_is_refused_not_joined() {
     assert!(matches!(e, Error::PoolExists { .. }), "{e}");
     let e = attached.expect_err("attached to another user's pool");
     println!("{e}");
-    for said in ["owned by user 65534", "mode 0o666", "allow_owner(65534).allow_mode(0o666)"] {
+    for said in [
+        "owned by user 65534",
+        "mode 0o666",
+        "allow_owner(65534).allow_mode(0o666)",
+    ] {
         assert!(e.contains(said), "{said:?} in {e}");
     }
 }
@@ -158,7 +162,11 @@ fn an_attach_while_the_pool_is_made_finds_no_file_or_the_whole_pool() {
             println!("round 0: {missing} attaches found no file, then the whole pool");
         }
     }
-    assert!(told.is_empty(), "attaches while the pool was made were told:\n{}", told.join("\n"));
+    assert!(
+        told.is_empty(),
+        "attaches while the pool was made were told:\n{}",
+        told.join("\n")
+    );
     let prefix = "numa-gpu-alloc-trust-making";
     let left: Vec<_> = std::fs::read_dir("/dev/shm")
         .unwrap()
@@ -185,7 +193,11 @@ fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
     let path = pool_path("count");
     let pool = small_pool_at(&path);
     let first = block(&pool);
-    let file = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
     // The free-range count follows the bounds, chunk (3 × 8 bytes) and intent record (24).
     let free_count_at = carve_at(&file, 8 * MIB as u64, 2 * MIB as u64) + 48;
     file.write_all_at(&4097u32.to_ne_bytes(), free_count_at)
@@ -219,7 +231,10 @@ fn a_handle_of_another_pool_frees_nothing() {
     let b = SharedPool::builder(8 * MIB).node(0).create().unwrap();
     let of_a = block(&a);
     let of_b = block(&b);
-    assert_eq!(of_a.offset, of_b.offset, "both first blocks at the same offset");
+    assert_eq!(
+        of_a.offset, of_b.offset,
+        "both first blocks at the same offset"
+    );
     // SAFETY: a handle of another pool must free nothing here.
     let e = unsafe { b.free(of_a) }.expect_err("another pool's handle is refused");
     println!("{e}");
@@ -377,7 +392,8 @@ fn another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name() {
         std::thread::sleep(Duration::from_secs(120));
         return;
     }
-    if !can_switch_users("another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name") {
+    if !can_switch_users("another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name")
+    {
         return;
     }
     let path = pool_path("allowed");
@@ -402,7 +418,14 @@ fn another_owners_pool_attaches_once_its_owner_and_mode_are_allowed_by_name() {
     let _ = maker.wait();
     std::fs::remove_file(&path).unwrap();
     assert!(
-        matches!(refused, Err(Error::PoolUntrusted { owner: NOBODY, mode: 0o666, .. })),
+        matches!(
+            refused,
+            Err(Error::PoolUntrusted {
+                owner: NOBODY,
+                mode: 0o666,
+                ..
+            })
+        ),
         "{refused:?}"
     );
     let e = owner_only.unwrap_err();
@@ -477,7 +500,11 @@ fn an_attach_waits_for_the_pools_lock_no_longer_than_asked_and_names_the_holder(
             "{e}"
         );
     });
-    assert_eq!(pool.stats().attached, 1, "the refused attach was not counted");
+    assert_eq!(
+        pool.stats().attached,
+        1,
+        "the refused attach was not counted"
+    );
     SharedPool::attach(&path).expect("attaches once the lock is free");
     std::fs::remove_file(&path).unwrap();
 }

@@ -201,7 +201,9 @@ impl fmt::Display for Error {
                     opt_in += &format!(".allow_owner({owner})");
                 }
                 if *open_mode {
-                    why.push(format!("may be written by users other than its owner (mode {mode:#o})"));
+                    why.push(format!(
+                        "may be written by users other than its owner (mode {mode:#o})"
+                    ));
                     opt_in += &format!(".allow_mode({mode:#o})");
                 }
                 write!(
@@ -221,7 +223,9 @@ impl fmt::Display for Error {
                 uid,
             } => {
                 let found = match (owner, mode) {
-                    (Some(owner), Some(mode)) => format!("owned by user {owner} with mode {mode:#o}"),
+                    (Some(owner), Some(mode)) => {
+                        format!("owned by user {owner} with mode {mode:#o}")
+                    }
                     _ => "not readable and writable by it".to_owned(),
                 };
                 write!(

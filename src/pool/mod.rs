@@ -466,7 +466,9 @@ impl PoolMap {
                         // SAFETY: held after its owner died; it guards no state.
                         unsafe { header.register.mark_consistent() }?;
                     }
-                    header.register_holder.store(sys::process_id(), Ordering::Release);
+                    header
+                        .register_holder
+                        .store(sys::process_id(), Ordering::Release);
                     return Ok(Some(RegistrationGuard { header }));
                 }
                 None if start.elapsed() >= wait => {

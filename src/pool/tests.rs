@@ -122,7 +122,10 @@ fn an_unrecoverable_lock_is_a_corrupt_pool() {
     // Released without repairing the state (`mark_consistent`): unrecoverable from now on.
     // SAFETY: this thread holds the lock.
     unsafe { mutex.unlock() };
-    let e = map.lock(None).err().expect("an unrecoverable lock is refused");
+    let e = map
+        .lock(None)
+        .err()
+        .expect("an unrecoverable lock is refused");
     assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
     assert!(e.to_string().contains("create a new pool"), "{e}");
 }
@@ -131,7 +134,12 @@ fn an_unrecoverable_lock_is_a_corrupt_pool() {
 fn a_carving_state_changed_under_the_pool_is_repaired_at_the_next_lock() {
     let (_fd, map) = new_pool(8 << 20);
     let (start, end) = (DATA_START as u64, map.len() as u64);
-    let kept = map.lock(None).unwrap().carve().allocate(4096, 64, 1).unwrap();
+    let kept = map
+        .lock(None)
+        .unwrap()
+        .carve()
+        .allocate(4096, 64, 1)
+        .unwrap();
     // Another process's stray write: a chunk other than the one each process registers by.
     // SAFETY: nobody else has the test's pool, so taking the state without the lock is ours.
     unsafe { &mut *map.header().carve.get() }.init(start, end, 4 << 20);
@@ -167,20 +175,25 @@ fn random_values_in_every_field_of_the_carving_state_never_panic() {
             4 => next(&mut seed) % 8,
             _ => next(&mut seed) % 64 * GRANULE,
         };
-        if r % 4 == 0 {
-            carve.scribble((next(&mut seed) % 9) as usize, next(&mut seed) as usize, value);
+        if r.is_multiple_of(4) {
+            carve.scribble(
+                (next(&mut seed) % 9) as usize,
+                next(&mut seed) as usize,
+                value,
+            );
         }
-        match carve.admit(start, end, chunk, r % 97 == 0) {
+        match carve.admit(start, end, chunk, r.is_multiple_of(97)) {
             Admit::Whole => {}
             Admit::Repaired => repaired += 1,
             Admit::Broken => panic!("step {step}: a rebuild always makes it whole"),
         }
         assert!(carve.consistent(), "step {step}");
         let len = 1 + next(&mut seed) % (1 << 20);
-        if next(&mut seed) % 2 == 0 {
+        if next(&mut seed).is_multiple_of(2) {
             if let Some(block) = carve.allocate(len, 64, 1) {
                 let overlaps = carve.live().iter().filter(|e| {
-                    e.block.offset < block.offset + block.len && block.offset < e.block.offset + e.block.len
+                    e.block.offset < block.offset + block.len
+                        && block.offset < e.block.offset + e.block.len
                 });
                 assert_eq!(overlaps.count(), 1, "step {step}: only itself");
                 ops += 1;
@@ -211,14 +224,21 @@ fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
     assert!(split.offset > first.offset);
     assert_eq!(guard.carve().rebuilds, 1);
     let free: u64 = guard.carve().free_ranges().iter().map(|e| e.len).sum();
-    assert_eq!(free + guard.carve().live_bytes, (8 << 20) - DATA_START as u64, "no byte lost");
+    assert_eq!(
+        free + guard.carve().live_bytes,
+        (8 << 20) - DATA_START as u64,
+        "no byte lost"
+    );
 }
 
 #[test]
 fn a_registration_waits_for_the_holder_cancellably_and_names_it_after_its_deadline() {
     let (_fd, map) = new_pool(4 << 20);
     let never = AtomicBool::new(false);
-    let held = map.lock_registration(&never, Duration::from_secs(1)).unwrap().unwrap();
+    let held = map
+        .lock_registration(&never, Duration::from_secs(1))
+        .unwrap()
+        .unwrap();
     let cancel = AtomicBool::new(false);
     std::thread::scope(|s| {
         let waited = s.spawn(|| {
@@ -238,7 +258,9 @@ fn a_registration_waits_for_the_holder_cancellably_and_names_it_after_its_deadli
         assert!(e.to_string().contains("held by process"), "{e}");
         let cancelled = s.spawn(|| {
             let start = Instant::now();
-            let got = map.lock_registration(&cancel, Duration::from_secs(60)).unwrap();
+            let got = map
+                .lock_registration(&cancel, Duration::from_secs(60))
+                .unwrap();
             (start.elapsed(), got.is_none())
         });
         std::thread::sleep(Duration::from_millis(100));
@@ -247,7 +269,10 @@ fn a_registration_waits_for_the_holder_cancellably_and_names_it_after_its_deadli
         assert!(none && took < Duration::from_secs(5), "{took:?}");
     });
     drop(held);
-    assert!(map.lock_registration(&never, Duration::ZERO).unwrap().is_some());
+    assert!(map
+        .lock_registration(&never, Duration::ZERO)
+        .unwrap()
+        .is_some());
 }
 
 /// What `seal_size`'s comment says of this kernel: a memory file of huge pages takes the size

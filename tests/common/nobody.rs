@@ -35,12 +35,7 @@ pub fn can_switch_users(what: &str) -> bool {
 /// its stdout piped, its stderr inherited.
 pub fn spawn_as_nobody(test: &str, var: &str, mode: &str) -> Child {
     Command::new("/usr/bin/setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--",
-        ])
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
         .arg(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(var, mode)

@@ -174,7 +174,9 @@ impl Carve {
     /// not or when `holder_died`, puts those back and rebuilds it. Every byte of the state may
     /// be anything here (every attached process can write it): nothing panics.
     pub(crate) fn admit(&mut self, start: u64, end: u64, chunk: u64, holder_died: bool) -> Admit {
-        if !holder_died && (self.start, self.end, self.chunk) == (start, end, chunk) && self.consistent()
+        if !holder_died
+            && (self.start, self.end, self.chunk) == (start, end, chunk)
+            && self.consistent()
         {
             return Admit::Whole;
         }
@@ -485,7 +487,11 @@ impl Carve {
             },
             7 => {
                 let e = &mut self.free[(index / 2) % (EXTENTS + 1)];
-                *(if index % 2 == 0 { &mut e.offset } else { &mut e.len }) = value;
+                *(if index.is_multiple_of(2) {
+                    &mut e.offset
+                } else {
+                    &mut e.len
+                }) = value;
             }
             _ => {
                 let e = &mut self.live[(index / 4) % EXTENTS];
