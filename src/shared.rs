@@ -260,6 +260,14 @@ pub struct PoolStats {
 /// registration under way makes no driver call once the driver's teardown may have begun, and
 /// the pool's `attached` count keeps counting the process.
 ///
+/// Every process maps the pool readable and writable, readers too: each carves it, and a
+/// read-only mapping cannot be registered with CUDA on every GPU.
+///
+/// Every wait for a lock of the pool that another process holds ends after the pool's lock
+/// wait (30 s unless [`SharedPoolBuilder::lock_wait`] or [`PoolAttach::lock_wait`] say
+/// otherwise): [`Error::PoolLockHeld`] names the holder; [`allocate`](Self::allocate) returns
+/// `None`, [`stats`](Self::stats) leaves the carving counts at zero.
+///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
 /// API does not wait for it. Synchronize the stream (or wait on an event recorded after the copy)
@@ -430,7 +438,7 @@ impl SharedPool {
         }
         // Admits the carving state (rebuilt if it does not hold together), or names the
         // process that holds the lock past the wait.
-        drop(map.lock(Some(lock_wait))?);
+        drop(map.lock(lock_wait)?);
         let node = header.node as usize;
         map.map_in_pages();
         if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, false) {
@@ -464,7 +472,7 @@ impl SharedPool {
     /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), for any
     /// attached process to use by its handle; `None` when the pool has no room for it.
     pub fn allocate(&self, layout: Layout) -> Option<PoolHandle> {
-        let mut guard = self.inner.map.lock(None).ok()?;
+        let mut guard = self.inner.map.lock(self.inner.lock_wait).ok()?;
         let carve = guard.carve();
         let block = carve.allocate(
             layout.size() as u64,
@@ -525,7 +533,7 @@ impl SharedPool {
     /// Frees the live block at `offset`, of the length and serial when given; `Err` when there
     /// is none, or the pool's lock failed.
     fn free_block(&self, offset: u64, expect: Option<(u64, u32)>) -> Result<(), ()> {
-        let mut guard = self.inner.map.lock(None).map_err(drop)?;
+        let mut guard = self.inner.map.lock(self.inner.lock_wait).map_err(drop)?;
         guard
             .carve()
             .free(offset, expect, sys::process_id())
@@ -547,7 +555,7 @@ impl SharedPool {
     /// No process uses any of those blocks afterwards: a block `pid` carved and handed to a
     /// process still running (by its handle) is freed too, and may be handed out again at once.
     pub unsafe fn reclaim(&self, pid: u32) -> Result<(usize, u64), Error> {
-        let mut guard = self.inner.map.lock(None)?;
+        let mut guard = self.inner.map.lock(self.inner.lock_wait)?;
         if sys::process_alive(pid) {
             return Err(Error::PoolOwnerAlive { pid });
         }
@@ -557,11 +565,15 @@ impl SharedPool {
     /// Whether `handle` is this pool's, and names a live block (its offset, length and serial).
     pub fn is_live(&self, handle: PoolHandle) -> bool {
         self.mine(handle).is_ok()
-            && self.inner.map.lock(None).is_ok_and(|mut guard| {
-                guard.carve().find(handle.offset).is_some_and(|live| {
-                    (live.block.len, live.serial) == (handle.len, handle.serial)
+            && self
+                .inner
+                .map
+                .lock(self.inner.lock_wait)
+                .is_ok_and(|mut guard| {
+                    guard.carve().find(handle.offset).is_some_and(|live| {
+                        (live.block.len, live.serial) == (handle.len, handle.serial)
+                    })
                 })
-            })
     }
 
     /// This process's pointer to the block `handle` names (`None` when it is another pool's
@@ -591,7 +603,7 @@ impl SharedPool {
         let live = self
             .inner
             .map
-            .lock(None)
+            .lock(self.inner.lock_wait)
             .ok()?
             .carve()
             .find(offset as u64)?;
@@ -641,7 +653,7 @@ impl SharedPool {
             node: header.node as usize,
             huge_pages: header.huge != 0,
         };
-        if let Ok(mut guard) = self.inner.map.lock(None) {
+        if let Ok(mut guard) = self.inner.map.lock(self.inner.lock_wait) {
             let carve = guard.carve();
             stats.live_bytes = carve.live_bytes as usize;
             stats.live_blocks = carve.live().len();
@@ -655,7 +667,7 @@ impl SharedPool {
     /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill
     /// a process holding it).
     pub(crate) fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
-        let guard = self.inner.map.lock(None)?;
+        let guard = self.inner.map.lock(self.inner.lock_wait)?;
         let outcome = f();
         drop(guard);
         Ok(outcome)

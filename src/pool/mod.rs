@@ -404,7 +404,7 @@ impl PoolMap {
         checked.ok().map(|()| (elsewhere, pages, found))
     }
 
-    /// Takes the pool's lock (waiting at most `wait`, or for as long as it takes), then admits
+    /// Takes the pool's lock (waiting at most `wait`), then admits
     /// the carving state ([`Carve::admit`]): whole, or rebuilt when its holder died or it does
     /// not hold together (a stray write), so that no operation reads a count, index or extent
     /// past its table.
@@ -414,12 +414,9 @@ impl PoolMap {
     /// [`Error::PoolCorrupt`] when the lock is unrecoverable (`ENOTRECOVERABLE`: a holder died
     /// and the next one released it without repairing the state), or the state could not be
     /// made whole.
-    pub(crate) fn lock(&self, wait: Option<Duration>) -> Result<PoolGuard<'_>, Error> {
+    pub(crate) fn lock(&self, wait: Duration) -> Result<PoolGuard<'_>, Error> {
         let header = self.header();
-        let locked = match wait {
-            None => header.mutex.lock().map(Some),
-            Some(wait) => header.mutex.lock_for(wait),
-        };
+        let locked = header.mutex.lock_for(wait);
         let locked = self.locked(locked, CARVING, &header.holder, wait)?;
         let mut guard = PoolGuard { header };
         let admitted = guard.carve().admit(
@@ -485,7 +482,7 @@ impl PoolMap {
         locked: Result<Option<Locked>, Error>,
         lock: &'static str,
         holder: &AtomicU32,
-        wait: Option<Duration>,
+        wait: Duration,
     ) -> Result<Locked, Error> {
         let locked = locked.map_err(|e| match e {
             Error::Syscall {
@@ -498,7 +495,7 @@ impl PoolMap {
             },
             e => e,
         })?;
-        let locked = locked.ok_or_else(|| self.held(lock, holder, wait.unwrap_or_default()))?;
+        let locked = locked.ok_or_else(|| self.held(lock, holder, wait))?;
         holder.store(sys::process_id(), Ordering::Release);
         Ok(locked)
     }

@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 use super::carve::{Admit, Carve, Live, EXTENTS, GRANULE};
 use super::{Locked, PoolMap, DATA_START};
+
+/// The tests' lock wait: nothing else holds their pools' locks.
+const WAIT: Duration = Duration::from_secs(5);
 use crate::{sys, Error};
 
 fn empty(start: u64, end: u64, chunk: u64) -> Box<Carve> {
@@ -115,7 +118,7 @@ fn an_unrecoverable_lock_is_a_corrupt_pool() {
     let (_fd, map) = new_pool(4 << 20);
     // A holder whose thread ends holding the lock: the robust mutex's owner died.
     std::thread::scope(|s| {
-        s.spawn(|| std::mem::forget(map.lock(None).unwrap()));
+        s.spawn(|| std::mem::forget(map.lock(WAIT).unwrap()));
     });
     let mutex = &map.header().mutex;
     assert_eq!(mutex.lock().unwrap(), Locked::OwnerDied);
@@ -123,7 +126,7 @@ fn an_unrecoverable_lock_is_a_corrupt_pool() {
     // SAFETY: this thread holds the lock.
     unsafe { mutex.unlock() };
     let e = map
-        .lock(None)
+        .lock(WAIT)
         .err()
         .expect("an unrecoverable lock is refused");
     assert!(matches!(e, Error::PoolCorrupt { .. }), "{e}");
@@ -135,7 +138,7 @@ fn a_carving_state_changed_under_the_pool_is_repaired_at_the_next_lock() {
     let (_fd, map) = new_pool(8 << 20);
     let (start, end) = (DATA_START as u64, map.len() as u64);
     let kept = map
-        .lock(None)
+        .lock(WAIT)
         .unwrap()
         .carve()
         .allocate(4096, 64, 1)
@@ -143,7 +146,7 @@ fn a_carving_state_changed_under_the_pool_is_repaired_at_the_next_lock() {
     // Another process's stray write: a chunk other than the one each process registers by.
     // SAFETY: nobody else has the test's pool, so taking the state without the lock is ours.
     unsafe { &mut *map.header().carve.get() }.init(start, end, 4 << 20);
-    let mut guard = map.lock(None).unwrap();
+    let mut guard = map.lock(WAIT).unwrap();
     let carve = guard.carve();
     assert_eq!(carve.rebuilds, 1, "rebuilt from its live table");
     assert!(carve.consistent());
@@ -215,10 +218,10 @@ fn random_values_in_every_field_of_the_carving_state_never_panic() {
 #[test]
 fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
     let (_fd, map) = new_pool(8 << 20);
-    let first = map.lock(None).unwrap().carve().allocate(64, 64, 1).unwrap();
+    let first = map.lock(WAIT).unwrap().carve().allocate(64, 64, 1).unwrap();
     // SAFETY: nobody else has the test's pool; the writer of this test is the stray one.
     unsafe { &mut *map.header().carve.get() }.scribble(5, 0, EXTENTS as u64 + 1);
-    let mut guard = map.lock(None).unwrap();
+    let mut guard = map.lock(WAIT).unwrap();
     // A splitting allocate (aligned past the free range's start): an insert into the free table.
     let split = guard.carve().allocate(64, 4096, 1).unwrap();
     assert!(split.offset > first.offset);
