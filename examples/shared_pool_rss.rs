@@ -142,6 +142,7 @@ mod run {
         let start = Instant::now();
         let pool = SharedPool::builder(bytes)
             .node(0)
+            .inherit(true)
             .create()
             .expect("the pool");
         let made_ms = start.elapsed().as_secs_f64() * 1e3;

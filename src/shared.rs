@@ -7,9 +7,21 @@
 //! (`move_pages`). Other processes attach by descriptor
 //! (inherited, or passed over a Unix socket: [`SharedPool::send`], [`SharedPool::receive`]) or
 //! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
-//! offset into the pool), which each process turns into its own pointer; the carving state
+//! offset into the pool, the pool's id and the block's serial), which each process turns into
+//! its own pointer; the carving state
 //! lives in the pool, under a robust process-shared mutex, so a block freed by any process
 //! returns to the pool, and a process killed while holding the lock does not wedge the others.
+//!
+//! # Trust
+//! A pool at a path is made under a private name (`O_EXCL`, mode 0600 or the one the creator
+//! names), and linked into place only once it is whole: nobody sees it half made. Attaching by
+//! path refuses a file owned by another user than this process's and root, or that others may
+//! write, unless the caller names that owner or mode ([`PoolAttach`]). Every lock a pool's
+//! processes share lives inside the pool, so only they can hold it; the waits for it end after
+//! a deadline that names the holder, or when cancelled. Descriptors are close-on-exec unless
+//! the creator asks to inherit them. Whatever another attached process writes into the pool's
+//! state, a locker checks it before use and rebuilds it when it does not hold together: no
+//! panic, no block handed out twice from a table read past its end.
 //!
 //! `build.rs` makes a pool (the file, its size against the node, the header, placement,
 //! populate, the page check); `register.rs` registers this process's mapping in the background.
@@ -44,36 +56,153 @@ pub use build::SharedPoolBuilder;
 
 /// The huge page size a pool of huge pages uses.
 const HUGE_PAGE: usize = 2 << 20;
-/// How long attaching waits for a live creator to finish populating.
+/// How long attaching waits for a live creator to finish populating (only a pool of an older
+/// layout, or one whose header was changed, is ever seen unfinished: a pool is linked into its
+/// path once it is ready).
 const READY_WAIT: Duration = Duration::from_secs(60);
+/// How long a process waits for a pool's lock another process holds, by default.
+const LOCK_WAIT: Duration = Duration::from_secs(30);
+/// The permission bits an attached file may have by default: none letting others write it.
+const TRUSTED_MODE: u32 = 0o755;
 
 /// A block of a [`SharedPool`], named so that any process attached to the pool finds it:
 /// [`SharedPool::ptr`] turns it into that process's pointer. Plain data: send it to another
 /// process however you like ([`PoolHandle::to_bytes`]).
+///
+/// It carries its pool's id and the block's serial: a handle of another pool, or of a block
+/// freed already (even if a block of the same length was carved at its offset since), is
+/// refused with [`Error::PoolHandle`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PoolHandle {
     /// Bytes from the start of the pool's file.
     pub offset: u64,
     /// The block's length (rounded up to 64 bytes).
     pub len: u64,
+    /// The id of the pool that carved it (random, chosen when the pool was made).
+    pub pool: u32,
+    /// Which carving at this offset it names.
+    pub serial: u32,
 }
 
 impl PoolHandle {
-    /// The handle as 16 bytes (offset, then length, little-endian).
-    pub fn to_bytes(self) -> [u8; 16] {
-        let mut bytes = [0; 16];
+    /// The handle as 24 bytes (offset, length, pool id, serial; little-endian).
+    pub fn to_bytes(self) -> [u8; 24] {
+        let mut bytes = [0; 24];
         bytes[..8].copy_from_slice(&self.offset.to_le_bytes());
-        bytes[8..].copy_from_slice(&self.len.to_le_bytes());
+        bytes[8..16].copy_from_slice(&self.len.to_le_bytes());
+        bytes[16..20].copy_from_slice(&self.pool.to_le_bytes());
+        bytes[20..].copy_from_slice(&self.serial.to_le_bytes());
         bytes
     }
 
     /// A handle from [`to_bytes`](Self::to_bytes).
-    pub fn from_bytes(bytes: [u8; 16]) -> PoolHandle {
-        let (offset, len) = bytes.split_at(8);
+    pub fn from_bytes(bytes: [u8; 24]) -> PoolHandle {
+        let u64_at = |at: usize| {
+            let mut word = [0; 8];
+            word.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_le_bytes(word)
+        };
+        let u32_at = |at: usize| {
+            let mut word = [0; 4];
+            word.copy_from_slice(&bytes[at..at + 4]);
+            u32::from_le_bytes(word)
+        };
         PoolHandle {
-            offset: u64::from_le_bytes(offset.try_into().unwrap_or_default()),
-            len: u64::from_le_bytes(len.try_into().unwrap_or_default()),
+            offset: u64_at(0),
+            len: u64_at(8),
+            pool: u32_at(16),
+            serial: u32_at(20),
         }
+    }
+}
+
+/// How to attach to a [`SharedPool`] by path or descriptor ([`SharedPool::attacher`]): whom to
+/// trust beyond this process's user and root, and how long to wait for the pool's locks.
+#[derive(Clone, Debug)]
+pub struct PoolAttach {
+    owners: Vec<u32>,
+    mode: u32,
+    lock_wait: Duration,
+}
+
+impl PoolAttach {
+    /// Trusts a pool file owned by user `uid` too (by default only one of this process's
+    /// effective user, or root's).
+    pub fn allow_owner(mut self, uid: u32) -> Self {
+        self.owners.push(uid);
+        self
+    }
+
+    /// Trusts a pool file whose permission bits are within `mode` (by default 0o755: none that
+    /// lets its group or others write it). `allow_mode(0o666)` accepts a pool every user may
+    /// write: any of them may then change it under this process.
+    pub fn allow_mode(mut self, mode: u32) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// How long to wait for a lock of the pool another process holds (default 30 s): at
+    /// attach, and for each chunk's registration, before [`Error::PoolLockHeld`].
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait;
+        self
+    }
+
+    /// Attaches to the pool at `path`, once its file passed the trust check.
+    ///
+    /// # Errors
+    /// As [`SharedPool::attach`].
+    pub fn attach(&self, path: impl AsRef<Path>) -> Result<SharedPool, Error> {
+        let path = path.as_ref();
+        let uid = sys::effective_uid();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EACCES | libc::EPERM) => {
+                    let meta = std::fs::metadata(path).ok();
+                    Error::PoolPermission {
+                        path: path.into(),
+                        owner: meta.as_ref().map(std::os::unix::fs::MetadataExt::uid),
+                        mode: meta
+                            .as_ref()
+                            .map(|m| std::os::unix::fs::MetadataExt::mode(m) & 0o7777),
+                        uid,
+                    }
+                }
+                Some(libc::EROFS) => Error::PoolReadOnly { path: path.into() },
+                _ => io_error(Some(path), &e),
+            })?;
+        let (owner, mode, regular) = sys::file_owner(file.as_fd())?;
+        if !regular {
+            return Err(Error::PoolForeign {
+                path: path.into(),
+                found: 0,
+            });
+        }
+        let foreign_owner = owner != uid && owner != 0 && !self.owners.contains(&owner);
+        let open_mode = mode & !self.mode & 0o7777 != 0;
+        if foreign_owner || open_mode {
+            return Err(Error::PoolUntrusted {
+                path: path.into(),
+                owner,
+                mode,
+                uid,
+                foreign_owner,
+                open_mode,
+            });
+        }
+        SharedPool::attach_file(file, Some(path.to_path_buf()), self.lock_wait)
+    }
+
+    /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]).
+    /// A descriptor is trusted as its sender is: no owner or mode check.
+    ///
+    /// # Errors
+    /// As [`SharedPool::attach_fd`].
+    pub fn attach_fd(&self, fd: OwnedFd) -> Result<SharedPool, Error> {
+        SharedPool::attach_file(File::from(fd), None, self.lock_wait)
     }
 }
 
@@ -102,8 +231,15 @@ pub struct PoolStats {
     pub registrations: u64,
     /// Chunks this process registered, and their bytes (counted in its pinned limit).
     pub registered_chunks: usize,
-    /// See `registered_chunks`.
+    /// See `registered_chunks`. This is what page-locking the pool costs this process: the
+    /// kernel and the driver charge each registering process for its own registration (its
+    /// locked memory; a driver page table of 16 bytes per 4 KiB page), though the pages are
+    /// there once. Every process that registers the pool pays it again.
     pub registered_bytes: usize,
+    /// Bytes registered by every process together (`registrations` chunks, the last chunk
+    /// counted whole): what page-locking the pool costs the machine in charges, as opposed to
+    /// memory.
+    pub registered_bytes_all: u64,
     /// The node the pool's pages are on.
     pub node: usize,
     /// Whether its pages are huge pages (hugetlbfs).
@@ -124,6 +260,14 @@ pub struct PoolStats {
 /// registration under way makes no driver call once the driver's teardown may have begun, and
 /// the pool's `attached` count keeps counting the process.
 ///
+/// Every process maps the pool readable and writable, readers too: each carves it, and a
+/// read-only mapping cannot be registered with CUDA on every GPU.
+///
+/// Every wait for a lock of the pool that another process holds ends after the pool's lock
+/// wait (30 s unless [`SharedPoolBuilder::lock_wait`] or [`PoolAttach::lock_wait`] say
+/// otherwise): [`Error::PoolLockHeld`] names the holder; [`allocate`](Self::allocate) returns
+/// `None`, [`stats`](Self::stats) leaves the carving counts at zero.
+///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
 /// API does not wait for it. Synchronize the stream (or wait on an event recorded after the copy)
@@ -143,6 +287,8 @@ struct Inner {
     path: Option<PathBuf>,
     /// The process that attached (and counted itself in the header), and its fork generation.
     attached_by: (u32, u32),
+    /// How long this process waits for a lock of the pool another holds.
+    lock_wait: Duration,
 }
 
 impl Inner {
@@ -171,7 +317,7 @@ impl Drop for Inner {
 }
 
 impl SharedPool {
-    fn new(map: PoolMap, fd: OwnedFd, path: Option<PathBuf>) -> SharedPool {
+    fn new(map: PoolMap, fd: OwnedFd, path: Option<PathBuf>, lock_wait: Duration) -> SharedPool {
         SharedPool {
             inner: Arc::new(Inner {
                 pinned: Pinned::new(),
@@ -179,42 +325,49 @@ impl SharedPool {
                 fd,
                 path,
                 attached_by: (sys::process_id(), crate::fork::generation()),
+                lock_wait,
             }),
             background: Lock::new(None),
         }
     }
 
-    /// Attaches to the pool at `path`.
+    /// How to attach with other than the defaults: more owners or modes trusted, another lock
+    /// wait.
+    pub fn attacher() -> PoolAttach {
+        PoolAttach {
+            owners: Vec::new(),
+            mode: TRUSTED_MODE,
+            lock_wait: LOCK_WAIT,
+        }
+    }
+
+    /// Attaches to the pool at `path`: a file owned by this process's effective user or root,
+    /// which no other user may write (see [`SharedPool::attacher`] to trust more).
     ///
     /// # Errors
+    /// [`Error::PoolUntrusted`] for a file of another owner, or that others may write;
+    /// [`Error::PoolPermission`] for one this process may not open for reading and writing;
     /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
     /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
     /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
     /// pages are not on its node; [`Error::PoolReadOnly`] for a file or descriptor this process
-    /// may not map for writing. A refused attach changes nothing in the file, but for one
-    /// thing: finding the pool's lock left by a process that died holding it, it repairs the
-    /// carving state (as any locker would) before it checks where the pages are.
+    /// may not map for writing, [`Error::PoolDescriptor`] for a descriptor open write-only or
+    /// as a path only; [`Error::PoolLockHeld`] when another process holds the pool's lock for
+    /// all of the lock wait. A refused attach changes nothing in the file, but for one thing:
+    /// finding the pool's lock left by a process that died holding it, or its carving state
+    /// not holding together, it repairs the carving state (as any locker would) before it
+    /// checks where the pages are.
     pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
-        let path = path.as_ref();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::EACCES | libc::EPERM | libc::EROFS) => {
-                    Error::PoolReadOnly { path: path.into() }
-                }
-                _ => io_error(Some(path), &e),
-            })?;
-        SharedPool::attach_file(file, Some(path.to_path_buf()))
+        SharedPool::attacher().attach(path)
     }
 
-    /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]).
+    /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]):
+    /// trusted as its sender is, with no owner or mode check.
     ///
     /// # Errors
-    /// As [`SharedPool::attach`].
+    /// As [`SharedPool::attach`], but for the trust check.
     pub fn attach_fd(fd: OwnedFd) -> Result<SharedPool, Error> {
-        SharedPool::attach_file(File::from(fd), None)
+        SharedPool::attacher().attach_fd(fd)
     }
 
     /// Sends the pool's file descriptor over `socket` (`SCM_RIGHTS`), for
@@ -231,8 +384,14 @@ impl SharedPool {
         SharedPool::attach_fd(sys::recv_fd(socket.as_fd())?)
     }
 
-    fn attach_file(file: File, path: Option<PathBuf>) -> Result<SharedPool, Error> {
+    fn attach_file(
+        file: File,
+        path: Option<PathBuf>,
+        lock_wait: Duration,
+    ) -> Result<SharedPool, Error> {
         let shown_path = path.clone().unwrap_or_else(|| shown(None, &file.as_fd()));
+        // Before reading it: a descriptor that cannot be read would look like no pool.
+        pool::check_access(file.as_fd(), &shown_path)?;
         let len = file
             .metadata()
             .map_err(|e| io_error(path.as_deref(), &e))?
@@ -248,6 +407,13 @@ impl SharedPool {
             return Err(Error::PoolCorrupt {
                 path: shown_path,
                 reason: "the file is shorter than a pool's header and one block (truncated)",
+            });
+        }
+        if !len.is_multiple_of(MAX_ALIGN as usize) {
+            return Err(Error::PoolCorrupt {
+                path: shown_path,
+                reason: "its file's length is not a multiple of 2 MiB, as every pool's is \
+                         (truncated, or written past its end)",
             });
         }
         let fd = OwnedFd::from(file);
@@ -270,12 +436,9 @@ impl SharedPool {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        if !map.lock()?.carve().consistent() {
-            return Err(Error::PoolCorrupt {
-                path: shown_path,
-                reason: "its carving state does not hold together",
-            });
-        }
+        // Admits the carving state (rebuilt if it does not hold together), or names the
+        // process that holds the lock past the wait.
+        drop(map.lock(lock_wait)?);
         let node = header.node as usize;
         map.map_in_pages();
         if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, false) {
@@ -290,12 +453,13 @@ impl SharedPool {
             }
         }
         header.attached.fetch_add(1, Ordering::AcqRel);
-        Ok(SharedPool::new(map, fd, path))
+        Ok(SharedPool::new(map, fd, path, lock_wait))
     }
 
-    /// The pool's file descriptor: a child inherits it across `fork` and `exec` (a memory file
-    /// is made without close-on-exec; a file opened by path has it until cleared), and attaches
-    /// with [`SharedPool::attach_fd`].
+    /// The pool's file descriptor: a child inherits it across `fork`, and attaches with
+    /// [`SharedPool::attach_fd`]. It is close-on-exec (an exec'd program does not get it)
+    /// unless the pool was made with [`SharedPoolBuilder::inherit`] (or the caller cleared the
+    /// flag).
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.inner.fd.as_fd()
     }
@@ -308,44 +472,73 @@ impl SharedPool {
     /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), for any
     /// attached process to use by its handle; `None` when the pool has no room for it.
     pub fn allocate(&self, layout: Layout) -> Option<PoolHandle> {
-        let mut guard = self.inner.map.lock().ok()?;
-        let block = guard.carve().allocate(
+        let mut guard = self.inner.map.lock(self.inner.lock_wait).ok()?;
+        let carve = guard.carve();
+        let block = carve.allocate(
             layout.size() as u64,
             layout.align() as u64,
             sys::process_id(),
         )?;
-        Some(PoolHandle {
-            offset: block.offset,
-            len: block.len,
-        })
+        let serial = carve.find(block.offset)?.serial;
+        Some(self.handle(block.offset, block.len, serial))
+    }
+
+    fn handle(&self, offset: u64, len: u64, serial: u32) -> PoolHandle {
+        PoolHandle {
+            offset,
+            len,
+            pool: self.inner.map.id(),
+            serial,
+        }
     }
 
     /// Frees the live block `handle` names, whichever process carved it: it returns to the pool.
     ///
     /// # Errors
-    /// [`Error::InvalidRange`] when no live block of the handle's length starts at its offset
-    /// (freed already, even if a block of another length was carved there since, or not a
-    /// handle of this pool).
+    /// [`Error::PoolHandle`] when the handle is another pool's, or no live block of its length
+    /// and serial starts at its offset (freed already, even if another block was carved there
+    /// since).
     ///
     /// # Safety
     /// Nothing in any process uses the block afterwards (a GPU copy still in flight included),
     /// and it is not owned by a value the pool's `Allocator` impl serves (a `Vec` in the pool
     /// frees its block itself): its range may be handed out again at once.
     pub unsafe fn free(&self, handle: PoolHandle) -> Result<(), Error> {
-        self.free_block(handle.offset, Some(handle.len))
+        self.mine(handle)?;
+        self.free_block(handle.offset, Some((handle.len, handle.serial)))
+            .map_err(|()| self.bad_handle(handle, "it was freed already, or never carved"))
     }
 
-    /// Frees the live block at `offset`, of length `len` when given.
-    fn free_block(&self, offset: u64, len: Option<u64>) -> Result<(), Error> {
-        let mut guard = self.inner.map.lock()?;
+    /// Refuses a handle of another pool.
+    fn mine(&self, handle: PoolHandle) -> Result<(), Error> {
+        if handle.pool == self.inner.map.id() {
+            Ok(())
+        } else {
+            Err(self.bad_handle(
+                handle,
+                "it is a handle of another pool (its pool id differs)",
+            ))
+        }
+    }
+
+    fn bad_handle(&self, handle: PoolHandle, reason: &'static str) -> Error {
+        Error::PoolHandle {
+            path: self.inner.map.name().into(),
+            offset: handle.offset,
+            len: handle.len,
+            reason,
+        }
+    }
+
+    /// Frees the live block at `offset`, of the length and serial when given; `Err` when there
+    /// is none, or the pool's lock failed.
+    fn free_block(&self, offset: u64, expect: Option<(u64, u32)>) -> Result<(), ()> {
+        let mut guard = self.inner.map.lock(self.inner.lock_wait).map_err(drop)?;
         guard
             .carve()
-            .free(offset, len, sys::process_id())
+            .free(offset, expect, sys::process_id())
             .map(drop)
-            .map_err(|_| Error::InvalidRange {
-                addr: offset as usize,
-                len: len.unwrap_or(0) as usize,
-            })
+            .map_err(drop)
     }
 
     /// Frees every live block process `pid` carved, once that process is gone (killed before
@@ -362,29 +555,37 @@ impl SharedPool {
     /// No process uses any of those blocks afterwards: a block `pid` carved and handed to a
     /// process still running (by its handle) is freed too, and may be handed out again at once.
     pub unsafe fn reclaim(&self, pid: u32) -> Result<(usize, u64), Error> {
-        let mut guard = self.inner.map.lock()?;
+        let mut guard = self.inner.map.lock(self.inner.lock_wait)?;
         if sys::process_alive(pid) {
             return Err(Error::PoolOwnerAlive { pid });
         }
         Ok(guard.carve().reclaim(pid, sys::process_id()))
     }
 
-    /// Whether a live block starts at `handle`'s offset with its length.
+    /// Whether `handle` is this pool's, and names a live block (its offset, length and serial).
     pub fn is_live(&self, handle: PoolHandle) -> bool {
-        self.inner.map.lock().is_ok_and(|mut guard| {
-            guard
-                .carve()
-                .find(handle.offset)
-                .is_some_and(|block| block.len == handle.len)
-        })
+        self.mine(handle).is_ok()
+            && self
+                .inner
+                .map
+                .lock(self.inner.lock_wait)
+                .is_ok_and(|mut guard| {
+                    guard.carve().find(handle.offset).is_some_and(|live| {
+                        (live.block.len, live.serial) == (handle.len, handle.serial)
+                    })
+                })
     }
 
-    /// This process's pointer to the block `handle` names (`None` when it lies outside the
-    /// pool's blocks). The bytes are shared with every attached process: writing them while
-    /// another process reads or writes them is a data race; use the block as agreed.
+    /// This process's pointer to the block `handle` names (`None` when it is another pool's
+    /// handle, or lies outside the pool's blocks). The bytes are shared with every attached
+    /// process: writing them while another process reads or writes them is a data race; use
+    /// the block as agreed.
     pub fn ptr(&self, handle: PoolHandle) -> Option<NonNull<u8>> {
         let end = handle.offset.checked_add(handle.len)?;
-        if handle.offset < DATA_START as u64 || end > self.inner.map.len() as u64 {
+        if self.mine(handle).is_err()
+            || handle.offset < DATA_START as u64
+            || end > self.inner.map.len() as u64
+        {
             return None;
         }
         NonNull::new(
@@ -399,11 +600,14 @@ impl SharedPool {
     /// The handle of the live block starting at `ptr`, a pointer of this process.
     pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
         let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.map.ptr().as_ptr() as usize)?;
-        let block = self.inner.map.lock().ok()?.carve().find(offset as u64)?;
-        Some(PoolHandle {
-            offset: block.offset,
-            len: block.len,
-        })
+        let live = self
+            .inner
+            .map
+            .lock(self.inner.lock_wait)
+            .ok()?
+            .carve()
+            .find(offset as u64)?;
+        Some(self.handle(live.block.offset, live.block.len, live.serial))
     }
 
     /// Checks where the pool's pages are now (`move_pages`, each page this process maps).
@@ -432,8 +636,10 @@ impl SharedPool {
         } else {
             self.inner.pinned.count()
         };
+        let registrations = header.registrations.load(Ordering::Acquire);
         let mut stats = PoolStats {
-            registrations: header.registrations.load(Ordering::Acquire),
+            registrations,
+            registered_bytes_all: registrations.saturating_mul(self.inner.map.chunk()),
             registered_chunks,
             registered_bytes,
             pool_bytes: self.inner.map.len(),
@@ -447,7 +653,7 @@ impl SharedPool {
             node: header.node as usize,
             huge_pages: header.huge != 0,
         };
-        if let Ok(mut guard) = self.inner.map.lock() {
+        if let Ok(mut guard) = self.inner.map.lock(self.inner.lock_wait) {
             let carve = guard.carve();
             stats.live_bytes = carve.live_bytes as usize;
             stats.live_blocks = carve.live().len();
@@ -461,7 +667,19 @@ impl SharedPool {
     /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill
     /// a process holding it).
     pub(crate) fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
-        let guard = self.inner.map.lock()?;
+        let guard = self.inner.map.lock(self.inner.lock_wait)?;
+        let outcome = f();
+        drop(guard);
+        Ok(outcome)
+    }
+
+    /// Holds the pool's registration lock for `f` (`unstable::hold_registration_lock`).
+    pub(crate) fn with_registration_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+        let never = std::sync::atomic::AtomicBool::new(false);
+        let guard = self
+            .inner
+            .map
+            .lock_registration(&never, self.inner.lock_wait)?;
         let outcome = f();
         drop(guard);
         Ok(outcome)

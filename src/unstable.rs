@@ -10,7 +10,7 @@
 //!   public so that they can be fuzzed;
 //! - [`parse_size`] (the size syntax of the settings) and [`cuda_error_name`];
 //! - [`hold_pool_lock`]: a shared pool's lock held while a closure runs, for the programs that
-//!   kill a process holding it.
+//!   kill a process holding it; [`hold_registration_lock`] its registration lock.
 //!
 //! They live in the crate rather than in a crate of their own because the examples a user runs
 //! (`dma_bench`, `topology`) need them, and a feature would have to be switched on for
@@ -28,6 +28,20 @@ pub use crate::topology::{pci, sysfs};
 #[cfg(target_os = "linux")]
 pub fn hold_pool_lock<T>(pool: &crate::SharedPool, f: impl FnOnce() -> T) -> crate::Result<T> {
     pool.with_lock_held(f)
+}
+
+/// Runs `f` holding `pool`'s registration lock (every other process's chunk registrations of
+/// the pool wait meanwhile), for the programs that check those waits.
+///
+/// # Errors
+/// [`Error::PoolLockHeld`](crate::Error::PoolLockHeld) when another process holds it for all
+/// of the pool's lock wait.
+#[cfg(target_os = "linux")]
+pub fn hold_registration_lock<T>(
+    pool: &crate::SharedPool,
+    f: impl FnOnce() -> T,
+) -> crate::Result<T> {
+    pool.with_registration_lock_held(f)
 }
 
 /// The crate's raw placement calls: mappings, placement policy, populate and the page census

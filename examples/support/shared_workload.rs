@@ -66,6 +66,7 @@ fn run_with(
     let pool = SharedPool::builder(POOL_BYTES)
         .node(0)
         .chunk(CHUNK)
+        .inherit(true)
         .create()
         .expect("making the shared pool");
     // The slots, then the start flag (the children start together, once all are attached).
@@ -79,8 +80,8 @@ fn run_with(
             .env(
                 CHILD_ENV,
                 format!(
-                    "{mode},{index},{processes},{ops},{fd},{},{}",
-                    dir.offset, dir.len
+                    "{mode},{index},{processes},{ops},{fd},{},{},{},{}",
+                    dir.offset, dir.len, dir.pool, dir.serial
                 ),
             )
             .stdout(Stdio::piped())
@@ -169,6 +170,8 @@ pub fn child() -> bool {
     let dir = PoolHandle {
         offset: num(5),
         len: num(6),
+        pool: num(7) as u32,
+        serial: num(8) as u32,
     };
     if f[0] == "hold" {
         numa_gpu_alloc::unstable::hold_pool_lock(&pool, || {
@@ -259,7 +262,12 @@ fn work(
             slots[at + 1].load(Ordering::Acquire),
         );
         if offset != 0 && want != 0 {
-            let handle = PoolHandle { offset, len: 8 };
+            // Only read through: the directory's pool id makes it this pool's.
+            let handle = PoolHandle {
+                offset,
+                len: 8,
+                ..dir
+            };
             let seen = words(pool, handle)[0].load(Ordering::Relaxed);
             let still = slots[at + 1].load(Ordering::Acquire) == want
                 && slots[at].load(Ordering::Acquire) == offset;

@@ -179,8 +179,112 @@ impl fmt::Display for Error {
             ),
             Error::PoolExists { path } => write!(
                 f,
-                "cannot create a shared pool at {}: the file exists; attach to it, or remove \
-                 it first",
+                "cannot create a shared pool at {}: the file exists; attach to it (attach \
+                 checks who owns it), or, if you know no process uses it, remove it and create \
+                 it again",
+                path.display()
+            ),
+            Error::PoolUntrusted {
+                path,
+                owner,
+                mode,
+                uid,
+                foreign_owner,
+                open_mode,
+            } => {
+                let mut why = Vec::new();
+                let mut opt_in = String::from("SharedPool::attacher()");
+                if *foreign_owner {
+                    why.push(format!(
+                        "is owned by user {owner}, not by this process's user ({uid}) or root"
+                    ));
+                    opt_in += &format!(".allow_owner({owner})");
+                }
+                if *open_mode {
+                    why.push(format!(
+                        "may be written by users other than its owner (mode {mode:#o})"
+                    ));
+                    opt_in += &format!(".allow_mode({mode:#o})");
+                }
+                write!(
+                    f,
+                    "refusing to attach shared pool {}: it {} (owner {owner}, mode {mode:#o}), so \
+                     another user may have made it or may change it; if you trust it, attach \
+                     with {opt_in}; else find out who made it (it may squat the name your pool \
+                     should have) and create yours at another path",
+                    path.display(),
+                    why.join(", and ")
+                )
+            }
+            Error::PoolPermission {
+                path,
+                owner,
+                mode,
+                uid,
+            } => {
+                let found = match (owner, mode) {
+                    (Some(owner), Some(mode)) => {
+                        format!("owned by user {owner} with mode {mode:#o}")
+                    }
+                    _ => "not readable and writable by it".to_owned(),
+                };
+                write!(
+                    f,
+                    "permission denied opening shared pool {} for reading and writing: it is \
+                     {found}, and this process runs as user {uid}; run as its owner, or have its \
+                     creator give the users that share it access (SharedPoolBuilder::mode, and \
+                     a group they share)",
+                    path.display()
+                )
+            }
+            Error::PoolDescriptor { path, access } => write!(
+                f,
+                "shared pool descriptor {} is open {access}: attaching maps the pool for \
+                 reading and writing; pass a descriptor opened read-write (O_RDWR), such as \
+                 SharedPool::fd or SharedPool::send gives",
+                path.display()
+            ),
+            Error::PoolTooSmall { bytes, min } => write!(
+                f,
+                "a shared pool of {bytes} bytes is too small: a pool holds its header (its \
+                 first 2 MiB) and at least one 2 MiB block, {min} bytes in all; ask for at \
+                 least that"
+            ),
+            Error::PoolNoSpace { path, needed, free } => {
+                let free = free.map_or_else(
+                    || "ran out while its pages were made".to_owned(),
+                    |free| format!("has {free} bytes free"),
+                );
+                write!(
+                    f,
+                    "no room for shared pool {}: it needs {needed} bytes, and its filesystem \
+                     {free}; free space there (old pools under /dev/shm), make the mount larger \
+                     (mount -o remount,size=...), or ask for a smaller pool",
+                    path.display()
+                )
+            }
+            Error::PoolLockHeld {
+                path,
+                lock,
+                pid,
+                waited_ms,
+            } => write!(
+                f,
+                "shared pool {}: its {lock} lock has been held by process {pid} for at least \
+                 {waited_ms} ms; that process is stopped or stuck (a debugger, SIGSTOP): let it \
+                 go on or end it (a process killed holding the lock leaves it to the next), or \
+                 wait longer (lock_wait)",
+                path.display()
+            ),
+            Error::PoolHandle {
+                path,
+                offset,
+                len,
+                reason,
+            } => write!(
+                f,
+                "handle {offset:#x}+{len:#x} names no live block of shared pool {}: {reason}; \
+                 free each block once, through the pool that carved it",
                 path.display()
             ),
             Error::InvalidRange { addr, len } => write!(

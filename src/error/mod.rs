@@ -203,6 +203,81 @@ pub enum Error {
         /// The path.
         path: PathBuf,
     },
+    /// A shared pool's file that this process does not trust: owned by another user than its own
+    /// and root, or writable by others, and not allowed by name
+    /// ([`PoolAttach::allow_owner`](crate::PoolAttach::allow_owner),
+    /// [`PoolAttach::allow_mode`](crate::PoolAttach::allow_mode)).
+    PoolUntrusted {
+        /// The file.
+        path: PathBuf,
+        /// The file's owner (user id).
+        owner: u32,
+        /// The file's permission bits.
+        mode: u32,
+        /// This process's effective user id.
+        uid: u32,
+        /// Whether the owner is what is not trusted.
+        foreign_owner: bool,
+        /// Whether the mode is what is not trusted (others may write it).
+        open_mode: bool,
+    },
+    /// A shared pool's file that this process may not open for reading and writing.
+    PoolPermission {
+        /// The file.
+        path: PathBuf,
+        /// The file's owner (user id), when it could be read.
+        owner: Option<u32>,
+        /// The file's permission bits, when they could be read.
+        mode: Option<u32>,
+        /// This process's effective user id.
+        uid: u32,
+    },
+    /// A descriptor to attach a shared pool by that is not open for reading and writing.
+    PoolDescriptor {
+        /// `<fd N>`.
+        path: PathBuf,
+        /// How it is open: `"write-only (O_WRONLY)"` or `"as a path only (O_PATH)"`.
+        access: &'static str,
+    },
+    /// A shared pool too small to hold its header and one block.
+    PoolTooSmall {
+        /// The size asked for.
+        bytes: usize,
+        /// The smallest pool.
+        min: usize,
+    },
+    /// A shared pool's filesystem (a tmpfs such as `/dev/shm`, a hugetlbfs mount) has no room
+    /// for its pages.
+    PoolNoSpace {
+        /// The pool's file.
+        path: PathBuf,
+        /// Bytes the pool needs.
+        needed: u64,
+        /// Bytes free there (`None`: unknown, the filesystem ran out while the pages were made).
+        free: Option<u64>,
+    },
+    /// A shared pool's lock held by another process for longer than this process waits.
+    PoolLockHeld {
+        /// The file.
+        path: PathBuf,
+        /// Which lock: `"carving"` (allocate, free, attach) or `"registration"`.
+        lock: &'static str,
+        /// The process that holds it, as the pool records it (0: not recorded).
+        pid: u32,
+        /// Milliseconds waited.
+        waited_ms: u64,
+    },
+    /// A handle that names no live block of this shared pool.
+    PoolHandle {
+        /// The pool's file.
+        path: PathBuf,
+        /// The handle's offset.
+        offset: u64,
+        /// The handle's length.
+        len: u64,
+        /// Why: another pool's, freed already, ...
+        reason: &'static str,
+    },
     /// An address range that is not page-aligned, empty, or overflows the address space.
     InvalidRange {
         /// Start of the range.

@@ -18,6 +18,7 @@ use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 pub(crate) mod carve;
 pub(crate) mod pinning;
@@ -26,13 +27,13 @@ use crate::chunk::Span;
 use crate::process::workers;
 use crate::sys::{self, Locked, MbindFlags, MemPolicy, NodeMask, RobustMutex};
 use crate::Error;
-use carve::{Carve, MAX_ALIGN};
+use carve::{Admit, Carve, MAX_ALIGN};
 
 /// The first eight bytes of a pool's file.
 const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
 /// What the file holds (a pool carved in extents), and the layout of its header.
 pub(crate) const KIND: u32 = 1;
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// Where blocks start: after the header, on a huge page boundary.
 pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
 
@@ -105,9 +106,24 @@ pub(crate) struct Header {
     pub(crate) attached: AtomicU32,
     /// Chunk registrations held, all processes together (a killed process's stay counted).
     pub(crate) registrations: AtomicU64,
+    /// The pool's id, random, set when it is made: a handle carries it ([`PoolMap::id`]).
+    id: u32,
+    /// The process holding `mutex` (0: none; a killed holder's stays until the next locker).
+    holder: AtomicU32,
+    /// The process holding `register` (as for `holder`).
+    register_holder: AtomicU32,
+    /// Serialises the chunk registrations of every process attached, so that two never hold
+    /// the driver's lock for this pool at once; reachable only by the pool's own users (no
+    /// file another user can open and hold).
+    register: RobustMutex,
     mutex: RobustMutex,
     carve: UnsafeCell<Carve>,
 }
+
+/// What a lock of the pool is called in errors, and the slice of a cancellable wait.
+const CARVING: &str = "carving";
+const REGISTRATION: &str = "registration";
+const WAIT_SLICE: Duration = Duration::from_millis(20);
 
 /// Refuses a file whose first eight bytes, read in this machine's byte order, are not the
 /// pool's magic: byte-swapped, it is a pool of another byte order (a layout mismatch, said so);
@@ -142,6 +158,8 @@ pub(crate) struct PoolMap {
     /// The chunk, as [`Self::init`] wrote it or [`Self::check`] found it: this process's copy,
     /// which another process's stray write to the header cannot change (0 before either).
     chunk: u64,
+    /// The pool's id, kept as `chunk` is.
+    id: u32,
 }
 
 // SAFETY: the mapping is this value's alone to unmap; the header it points at is made for use
@@ -154,13 +172,15 @@ impl PoolMap {
     /// Maps bytes `0..len` of `fd` (the whole file, `name` in errors), aligned for the largest
     /// block alignment.
     ///
+    /// Every process maps it writable, readers too: each carves it, and a read-only mapping
+    /// cannot be registered with CUDA on every GPU (B300).
+    ///
     /// # Errors
-    /// [`Error::PoolReadOnly`] when `fd` is not open for reading and writing, or the kernel
-    /// refuses a writable shared mapping of it (`EACCES`, `EPERM`).
+    /// [`Error::PoolReadOnly`] when `fd` is open read-only, or the kernel refuses a writable
+    /// shared mapping of it (`EACCES`, `EPERM`); [`Error::PoolDescriptor`] when it is open
+    /// write-only or as a path only (`O_PATH`).
     pub(crate) fn map(fd: BorrowedFd<'_>, len: usize, name: PathBuf) -> Result<PoolMap, Error> {
-        if !sys::read_write(fd)? {
-            return Err(Error::PoolReadOnly { path: name });
-        }
+        check_access(fd, &name)?;
         let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize).map_err(|e| match e {
             Error::Syscall {
                 errno: libc::EACCES | libc::EPERM,
@@ -174,7 +194,18 @@ impl PoolMap {
             name,
             keep: AtomicBool::new(false),
             chunk: 0,
+            id: 0,
         })
+    }
+
+    /// The pool's id (this process's copy).
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The file's path, or `<fd N>`.
+    pub(crate) fn name(&self) -> &Path {
+        &self.name
     }
 
     /// The chunk no block crosses, each one registration (this process's copy).
@@ -210,6 +241,7 @@ impl PoolMap {
     /// The file is new (all zeros) and no other process uses it yet.
     pub(crate) unsafe fn init(&mut self, node: usize, huge: bool, chunk: u64) -> Result<(), Error> {
         let header = self.ptr.as_ptr().cast::<Header>();
+        let id = sys::random_u32()?;
         // SAFETY: the caller's file, ours alone until the magic is stored; the fields are
         // plain data at their place in the mapping.
         unsafe {
@@ -221,7 +253,9 @@ impl PoolMap {
             (*header).huge = u32::from(huge);
             (*header).chunk = chunk;
             (*header).creator = sys::process_id();
+            (*header).id = id;
             RobustMutex::init(std::ptr::addr_of_mut!((*header).mutex))?;
+            RobustMutex::init(std::ptr::addr_of_mut!((*header).register))?;
             (*UnsafeCell::raw_get(std::ptr::addr_of!((*header).carve))).init(
                 DATA_START as u64,
                 self.len as u64,
@@ -229,6 +263,7 @@ impl PoolMap {
             );
         }
         self.chunk = chunk;
+        self.id = id;
         self.header().magic.store(MAGIC, Ordering::Release);
         Ok(())
     }
@@ -282,7 +317,7 @@ impl PoolMap {
                 "its carving state's bounds or chunk differ from its header's",
             ));
         }
-        self.chunk = header.chunk;
+        (self.chunk, self.id) = (header.chunk, header.id);
         Ok(())
     }
 
@@ -369,15 +404,87 @@ impl PoolMap {
         checked.ok().map(|()| (elsewhere, pages, found))
     }
 
-    /// Takes the pool's lock; when its holder died, makes the carving state whole first (see
-    /// `carve/mod.rs`).
+    /// Takes the pool's lock (waiting at most `wait`), then admits
+    /// the carving state ([`Carve::admit`]): whole, or rebuilt when its holder died or it does
+    /// not hold together (a stray write), so that no operation reads a count, index or extent
+    /// past its table.
     ///
     /// # Errors
+    /// [`Error::PoolLockHeld`] when another process held it all of `wait`, naming it;
     /// [`Error::PoolCorrupt`] when the lock is unrecoverable (`ENOTRECOVERABLE`: a holder died
-    /// and the next one released it without repairing the state).
-    pub(crate) fn lock(&self) -> Result<PoolGuard<'_>, Error> {
+    /// and the next one released it without repairing the state), or the state could not be
+    /// made whole.
+    pub(crate) fn lock(&self, wait: Duration) -> Result<PoolGuard<'_>, Error> {
         let header = self.header();
-        let locked = header.mutex.lock().map_err(|e| match e {
+        let locked = header.mutex.lock_for(wait);
+        let locked = self.locked(locked, CARVING, &header.holder, wait)?;
+        let mut guard = PoolGuard { header };
+        let admitted = guard.carve().admit(
+            DATA_START as u64,
+            self.len as u64,
+            self.chunk,
+            locked == Locked::OwnerDied,
+        );
+        if locked == Locked::OwnerDied && admitted != Admit::Broken {
+            // SAFETY: held after its owner died, and the state is rebuilt. A broken one is
+            // left unmarked: the next locker finds the lock unrecoverable, the pool fenced.
+            unsafe { header.mutex.mark_consistent() }?;
+        }
+        if admitted == Admit::Broken {
+            return Err(Error::PoolCorrupt {
+                path: self.name.clone(),
+                reason: "its carving state does not hold together even after a rebuild",
+            });
+        }
+        Ok(guard)
+    }
+
+    /// Takes the lock every process's chunk registrations of this pool are serialised by,
+    /// waiting in slices so that `cancel` stops the wait, and at most `wait`; `None` when
+    /// cancelled. A holder that died leaves nothing to repair.
+    ///
+    /// # Errors
+    /// [`Error::PoolLockHeld`] when another process held it all of `wait`, naming it.
+    pub(crate) fn lock_registration(
+        &self,
+        cancel: &AtomicBool,
+        wait: Duration,
+    ) -> Result<Option<RegistrationGuard<'_>>, Error> {
+        let header = self.header();
+        let start = Instant::now();
+        loop {
+            if cancel.load(Ordering::Acquire) {
+                return Ok(None);
+            }
+            let slice = WAIT_SLICE.min(wait.saturating_sub(start.elapsed()));
+            match header.register.lock_for(slice)? {
+                Some(locked) => {
+                    if locked == Locked::OwnerDied {
+                        // SAFETY: held after its owner died; it guards no state.
+                        unsafe { header.register.mark_consistent() }?;
+                    }
+                    header
+                        .register_holder
+                        .store(sys::process_id(), Ordering::Release);
+                    return Ok(Some(RegistrationGuard { header }));
+                }
+                None if start.elapsed() >= wait => {
+                    return Err(self.held(REGISTRATION, &header.register_holder, wait));
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Maps a lock's outcome to this pool's errors, recording this process as its holder.
+    fn locked(
+        &self,
+        locked: Result<Option<Locked>, Error>,
+        lock: &'static str,
+        holder: &AtomicU32,
+        wait: Duration,
+    ) -> Result<Locked, Error> {
+        let locked = locked.map_err(|e| match e {
             Error::Syscall {
                 errno: libc::ENOTRECOVERABLE,
                 ..
@@ -388,29 +495,34 @@ impl PoolMap {
             },
             e => e,
         })?;
-        let mut guard = PoolGuard { header };
-        // Checked at each lock, not once: every attached process can write the state, and
-        // tables past their arrays or bounds other than the attached ones would carve
-        // overlapping blocks or blocks straddling two registrations (or panic).
-        if !guard
-            .carve()
-            .fits(DATA_START as u64, self.len as u64, self.chunk)
-        {
-            return Err(Error::PoolCorrupt {
-                path: self.name.clone(),
-                reason: "its carving state's bounds, chunk or table sizes changed after it was \
-                         attached (a stray write into the pool's header)",
-            });
-        }
-        if locked == Locked::OwnerDied {
-            // SAFETY: the lock is held (this guard).
-            let carve = unsafe { &mut *header.carve.get() };
-            carve.rebuild();
-            // SAFETY: held after its owner died, and the state is rebuilt.
-            unsafe { header.mutex.mark_consistent() }?;
-        }
-        Ok(guard)
+        let locked = locked.ok_or_else(|| self.held(lock, holder, wait))?;
+        holder.store(sys::process_id(), Ordering::Release);
+        Ok(locked)
     }
+
+    /// The error for a lock another process held all of `wait`.
+    fn held(&self, lock: &'static str, holder: &AtomicU32, wait: Duration) -> Error {
+        Error::PoolLockHeld {
+            path: self.name.clone(),
+            lock,
+            pid: holder.load(Ordering::Acquire),
+            waited_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// Refuses a descriptor a writable shared mapping cannot be made of.
+pub(crate) fn check_access(fd: BorrowedFd<'_>, name: &Path) -> Result<(), Error> {
+    let access = match sys::access_mode(fd)? {
+        sys::Access::ReadWrite => return Ok(()),
+        sys::Access::ReadOnly => return Err(Error::PoolReadOnly { path: name.into() }),
+        sys::Access::WriteOnly => "write-only (O_WRONLY)",
+        sys::Access::PathOnly => "as a path only (O_PATH)",
+    };
+    Err(Error::PoolDescriptor {
+        path: name.into(),
+        access,
+    })
 }
 
 impl Drop for PoolMap {
@@ -438,8 +550,22 @@ impl PoolGuard<'_> {
 
 impl Drop for PoolGuard<'_> {
     fn drop(&mut self) {
+        self.header.holder.store(0, Ordering::Release);
         // SAFETY: this thread took the lock when it made the guard.
         unsafe { self.header.mutex.unlock() };
+    }
+}
+
+/// The pool's registration lock, held.
+pub(crate) struct RegistrationGuard<'a> {
+    header: &'a Header,
+}
+
+impl Drop for RegistrationGuard<'_> {
+    fn drop(&mut self) {
+        self.header.register_holder.store(0, Ordering::Release);
+        // SAFETY: this thread took the lock when it made the guard.
+        unsafe { self.header.register.unlock() };
     }
 }
 

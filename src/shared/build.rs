@@ -1,18 +1,20 @@
-//! Making a shared pool: the file (a memory file, or a path made exclusively), its size
-//! against the node's memory and free huge pages, the header, placement, populate and the page
-//! check.
+//! Making a shared pool: the file (a memory file, or a private name next to the path, made
+//! exclusively and linked to the path once whole), its size against the node's memory, its
+//! filesystem's room and free huge pages, the header, placement, populate and the page check.
 //!
 //! Unsafe code here relies on a pool's file being new (made here, exclusively) while its header
 //! is written and its pages placed: nobody else has it until it is ready.
 
 use std::ffi::CString;
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, Permissions};
+use std::io::ErrorKind;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-use super::{io_error, shown, SharedPool, HUGE_PAGE};
+use super::{io_error, shown, SharedPool, HUGE_PAGE, LOCK_WAIT};
 use crate::config::Config;
 use crate::guard::Inside;
 use crate::pool::carve::MAX_ALIGN;
@@ -32,6 +34,9 @@ pub struct SharedPoolBuilder {
     /// `None`: the registration bound.
     chunk: Option<usize>,
     populate_threads: usize,
+    mode: u32,
+    inherit: bool,
+    lock_wait: Duration,
 }
 
 impl SharedPoolBuilder {
@@ -72,13 +77,45 @@ impl SharedPoolBuilder {
         self
     }
 
+    /// The permission bits of a pool made at a path (default 0o600: its owner's alone). Other
+    /// users who are to attach need read and write (0o660 and a group they share); those who
+    /// attach refuse a file others may write unless they allow its mode by name
+    /// ([`PoolAttach::allow_mode`](crate::PoolAttach::allow_mode)).
+    pub fn mode(mut self, mode: u32) -> Self {
+        self.mode = mode & 0o7777;
+        self
+    }
+
+    /// Whether the pool's descriptor survives `exec` (default: no, it is close-on-exec, so a
+    /// program this process runs does not get the pool unless asked). A child meant to attach
+    /// by an inherited descriptor needs it.
+    pub fn inherit(mut self, on: bool) -> Self {
+        self.inherit = on;
+        self
+    }
+
+    /// How long this process waits for a lock of the pool another process holds (default
+    /// 30 s) before [`Error::PoolLockHeld`], which names the holder.
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait;
+        self
+    }
+
     /// Makes the pool: the file, its placement on the node, populate, the page check.
     ///
+    /// A pool at a path is made under a private name beside it (`.NAME.making-PID-N`, mode
+    /// 0600), then linked to the path once whole: a process attaching meanwhile finds no file,
+    /// never a half-made one. A creator killed while making it leaves that private file (remove
+    /// it once its pid is gone).
+    ///
     /// # Errors
-    /// [`Error::PoolTooLarge`] when the size does not fit the node; [`Error::PoolHugePages`]
-    /// without enough free huge pages; [`Error::PoolExists`] when the path exists;
-    /// [`Error::PoolWrongNode`] when the pages did not land on the node; a system call's error.
-    /// A pool made at a path is removed again when making it failed.
+    /// [`Error::PoolTooSmall`] below a header and one block; [`Error::PoolTooLarge`] when the
+    /// size does not fit the node; [`Error::PoolHugePages`] without enough free huge pages;
+    /// [`Error::PoolNoSpace`] when the file's filesystem has no room for it;
+    /// [`Error::PoolExists`] when the path exists (before the pool is made, or when it is
+    /// linked); [`Error::PoolWrongNode`] when the pages did not land on the node; a system
+    /// call's error. Nothing is left at the path, nor under the private name, when making it
+    /// failed.
     pub fn create(self) -> Result<SharedPool, Error> {
         let topology = NumaTopology::from_sysfs()?;
         let node = match self.node {
@@ -90,7 +127,14 @@ impl SharedPoolBuilder {
             node_count: topology.node_count(),
         })?;
         let size = self.size.next_multiple_of(MAX_ALIGN as usize);
-        if size > info.memory_bytes as usize || size < DATA_START + MAX_ALIGN as usize {
+        let min = DATA_START + MAX_ALIGN as usize;
+        if size < min {
+            return Err(Error::PoolTooSmall {
+                bytes: self.size,
+                min,
+            });
+        }
+        if size > info.memory_bytes as usize {
             return Err(Error::PoolTooLarge {
                 bytes: self.size,
                 node,
@@ -100,17 +144,33 @@ impl SharedPoolBuilder {
         if self.huge_pages {
             check_huge_pages(node, size, self.path.as_deref())?;
         }
-        let (file, path) = match &self.path {
-            Some(path) => (create_file(path)?, Some(path.clone())),
-            None => (memfd(self.huge_pages)?, None),
+        let Some(path) = self.path.clone() else {
+            let file = memfd(self.huge_pages, self.inherit)?;
+            let (map, fd) = self.make(file, None, node, size, &info.cpus)?;
+            return Ok(SharedPool::new(map, fd, None, self.lock_wait));
         };
-        let made = self.make(file, path.as_deref(), node, size, &info.cpus);
-        if made.is_err() {
-            if let Some(path) = &path {
-                let _ = std::fs::remove_file(path);
-            }
+        if path.symlink_metadata().is_ok() {
+            return Err(Error::PoolExists { path });
         }
-        made.map(|(map, fd)| SharedPool::new(map, fd, path))
+        let (file, private) = create_private(&path)?;
+        let made = self
+            .make(file, Some(&path), node, size, &info.cpus)
+            .and_then(|(map, fd)| {
+                if self.inherit {
+                    sys::set_cloexec(fd.as_fd(), false)?;
+                }
+                File::from(fd.try_clone().map_err(|e| io_error(Some(&path), &e))?)
+                    .set_permissions(Permissions::from_mode(self.mode))
+                    .map_err(|e| io_error(Some(&path), &e))?;
+                std::fs::hard_link(&private, &path).map_err(|e| match e.kind() {
+                    ErrorKind::AlreadyExists => Error::PoolExists { path: path.clone() },
+                    _ => io_error(Some(&path), &e),
+                })?;
+                Ok((map, fd))
+            });
+        // Made or not, the private name goes: the pool lives at the path, or nowhere.
+        let _ = std::fs::remove_file(&private);
+        made.map(|(map, fd)| SharedPool::new(map, fd, Some(path), self.lock_wait))
     }
 
     fn make(
@@ -130,6 +190,18 @@ impl SharedPoolBuilder {
             sys::seal_size(fd.as_fd())?;
         }
         let huge = sys::on_hugetlbfs(fd.as_fd())?;
+        let no_space = |free| Error::PoolNoSpace {
+            path: shown(path, &fd),
+            needed: size as u64,
+            free,
+        };
+        // tmpfs allocates a file's pages as they are first touched: a full one fails the
+        // populate with EFAULT. Said beforehand where the filesystem tells its room.
+        if let Some(free) = sys::free_bytes(fd.as_fd())? {
+            if free < size as u64 {
+                return Err(no_space(Some(free)));
+            }
+        }
         let mut map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
         let bound = register_max();
         let chunk = self
@@ -156,7 +228,14 @@ impl SharedPoolBuilder {
             }
         };
         // SAFETY: new, and no page of it touched yet.
-        unsafe { map.place(node, cpus, self.populate_threads, huge) }?;
+        unsafe { map.place(node, cpus, self.populate_threads, huge) }.map_err(|e| match e {
+            // Filled meanwhile by another process (a tmpfs's room is shared).
+            Error::Syscall {
+                errno: libc::EFAULT | libc::ENOSPC | libc::ENOMEM,
+                ..
+            } if sys::free_bytes(fd.as_fd()).ok().flatten().is_some() => no_space(None),
+            e => e,
+        })?;
         if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, true) {
             if elsewhere > 0 {
                 return Err(Error::PoolWrongNode {
@@ -185,6 +264,9 @@ impl SharedPool {
             path: None,
             chunk: None,
             populate_threads: 4,
+            mode: 0o600,
+            inherit: false,
+            lock_wait: LOCK_WAIT,
         }
     }
 }
@@ -202,25 +284,30 @@ fn register_max() -> usize {
     config.register_max
 }
 
-/// A memory file for a pool, inherited by exec'd children unless the caller says otherwise, and
-/// sealed against resizing once sized (`make`).
-fn memfd(huge: bool) -> Result<File, Error> {
+/// A memory file for a pool, close-on-exec unless `inherit`, and sealed against resizing once
+/// sized (`make`).
+fn memfd(huge: bool, inherit: bool) -> Result<File, Error> {
     let name = CString::new("numa-gpu-alloc pool").unwrap_or_default();
-    sys::memfd(&name, huge).map(File::from)
+    sys::memfd(&name, huge, inherit).map(File::from)
 }
 
-/// Creates `path` exclusively, readable and writable by its owner.
-fn create_file(path: &Path) -> Result<File, Error> {
-    OpenOptions::new()
+/// Creates a file under a private name beside `path` (`.NAME.making-PID-N`), exclusively,
+/// readable and writable by its owner alone; the file and its name.
+fn create_private(path: &Path) -> Result<(File, PathBuf), Error> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let private = path.with_file_name(format!(
+        ".{name}.making-{}-{:08x}",
+        sys::process_id(),
+        sys::random_u32()?
+    ));
+    let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
         .mode(0o600)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => Error::PoolExists { path: path.into() },
-            _ => io_error(Some(path), &e),
-        })
+        .open(&private)
+        .map_err(|e| io_error(Some(&private), &e))?;
+    Ok((file, private))
 }
 
 /// Refuses a pool of huge pages that the node's free huge pages cannot hold.

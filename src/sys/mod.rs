@@ -100,9 +100,10 @@ pub use policy::{
 pub(crate) use process::at_fork;
 pub use resident::{populate, PopulateMethod};
 #[cfg(target_os = "linux")]
-pub use shm::{
-    lock_file, map_in, map_shared, memfd, on_hugetlbfs, process_alive, process_id, read_write,
-    recv_fd, seal_size, send_fd, unlock_file, Locked, RobustMutex,
+pub(crate) use shm::{
+    access_mode, effective_uid, file_owner, free_bytes, map_in, map_shared, memfd, on_hugetlbfs,
+    process_alive, process_id, random_u32, recv_fd, seal_size, send_fd, set_cloexec, Access,
+    Locked, RobustMutex,
 };
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.

@@ -1,8 +1,10 @@
 //! Memory several processes map: memory files ([`memfd`]), shared mappings of a file
-//! ([`map_shared`], [`map_in`]), what a file lives on ([`on_hugetlbfs`]), whole-file locks ([`lock_file`]),
-//! file descriptors passed over a Unix socket ([`send_fd`], [`recv_fd`], `SCM_RIGHTS`), whether a
-//! process still exists ([`process_alive`]), and the robust process-shared mutex a shared pool's
-//! state lives under ([`RobustMutex`]).
+//! ([`map_shared`], [`map_in`]), what a file lives on ([`on_hugetlbfs`]), file
+//! descriptors passed over a Unix socket ([`send_fd`], [`recv_fd`], `SCM_RIGHTS`), whether a
+//! process still exists ([`process_alive`]), who owns a file and who may use it
+//! ([`file_owner`], [`access_mode`], [`effective_uid`]), free space ([`free_bytes`]), close-on-exec
+//! ([`set_cloexec`]), random ids ([`random_u32`]), and the robust process-shared mutex a shared
+//! pool's state lives under ([`RobustMutex`]).
 //!
 //! Unsafe code here relies on the raw calls themselves: each wrapper checks what it is given,
 //! owns the descriptors it makes, and the callers of the `unsafe fn`s own the memory they pass.
@@ -24,11 +26,15 @@ fn syscall(call: &'static str) -> Error {
     }
 }
 
-/// A new memory file (`memfd_create`, close-on-exec off so that an exec'd child may inherit
-/// it), of 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`, whatever the system's default huge
-/// page size) when `huge`; sealing allowed, for [`seal_size`].
-pub fn memfd(name: &CStr, huge: bool) -> Result<OwnedFd> {
+/// A new memory file (`memfd_create`, close-on-exec unless `inherit`: a descriptor without it
+/// survives `exec` into any program), of 2 MiB huge pages (`MFD_HUGETLB | MFD_HUGE_2MB`,
+/// whatever the system's default huge page size) when `huge`; sealing allowed, for
+/// [`seal_size`].
+pub fn memfd(name: &CStr, huge: bool, inherit: bool) -> Result<OwnedFd> {
     let mut flags = libc::MFD_ALLOW_SEALING;
+    if !inherit {
+        flags |= libc::MFD_CLOEXEC;
+    }
     if huge {
         flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
     }
@@ -135,15 +141,93 @@ pub unsafe fn map_in(ptr: NonNull<u8>, len: usize) -> Result<()> {
     Ok(())
 }
 
-/// Whether `fd` was opened for reading and writing (`fcntl(F_GETFL)`), as a writable shared
-/// mapping of it needs.
-pub fn read_write(fd: BorrowedFd<'_>) -> Result<bool> {
+/// How a descriptor was opened (`fcntl(F_GETFL)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// `O_RDWR`: what a writable shared mapping needs.
+    ReadWrite,
+    /// `O_RDONLY`.
+    ReadOnly,
+    /// `O_WRONLY`: not even readable.
+    WriteOnly,
+    /// `O_PATH`: names the file, neither reads nor writes it.
+    PathOnly,
+}
+
+/// How `fd` was opened.
+pub fn access_mode(fd: BorrowedFd<'_>) -> Result<Access> {
     // SAFETY: F_GETFL on a descriptor we hold touches no memory.
     let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
     if flags < 0 {
         return Err(syscall("fcntl(F_GETFL)"));
     }
-    Ok(flags & libc::O_ACCMODE == libc::O_RDWR)
+    Ok(if flags & libc::O_PATH != 0 {
+        Access::PathOnly
+    } else {
+        match flags & libc::O_ACCMODE {
+            libc::O_RDWR => Access::ReadWrite,
+            libc::O_WRONLY => Access::WriteOnly,
+            _ => Access::ReadOnly,
+        }
+    })
+}
+
+/// Who owns `fd`'s file, its permission bits (`st_mode & 0o7777`), and whether it is a regular
+/// file (`fstat`; works on an `O_PATH` descriptor too).
+pub fn file_owner(fd: BorrowedFd<'_>) -> Result<(u32, u32, bool)> {
+    let mut st = MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: `st` is a writable stat the call fills.
+    if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(syscall("fstat"));
+    }
+    // SAFETY: filled by the successful call (and zeroed before).
+    let st = unsafe { st.assume_init() };
+    let regular = st.st_mode & libc::S_IFMT == libc::S_IFREG;
+    Ok((st.st_uid, st.st_mode & 0o7777, regular))
+}
+
+/// This process's effective user id: whose files it trusts.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    unsafe { libc::geteuid() }
+}
+
+/// Bytes free to this process on `fd`'s filesystem (`fstatvfs`: `f_bavail * f_frsize`); `None`
+/// for one without a size (a memory file's internal mount reports no blocks).
+pub fn free_bytes(fd: BorrowedFd<'_>) -> Result<Option<u64>> {
+    let mut st = MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `st` is a writable statvfs the call fills.
+    if unsafe { libc::fstatvfs(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(syscall("fstatvfs"));
+    }
+    // SAFETY: filled by the successful call (and zeroed before).
+    let st = unsafe { st.assume_init() };
+    Ok((st.f_blocks != 0).then(|| st.f_bavail.saturating_mul(st.f_frsize)))
+}
+
+/// Sets or clears `fd`'s close-on-exec flag (`FD_CLOEXEC`).
+pub fn set_cloexec(fd: BorrowedFd<'_>, on: bool) -> Result<()> {
+    let flag = if on { libc::FD_CLOEXEC } else { 0 };
+    // SAFETY: F_SETFD on a descriptor we hold touches no memory.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, flag) } != 0 {
+        return Err(syscall("fcntl(F_SETFD)"));
+    }
+    Ok(())
+}
+
+/// A random number from the kernel (`getrandom`), nonzero.
+pub fn random_u32() -> Result<u32> {
+    let mut bytes = [0u8; 4];
+    loop {
+        // SAFETY: writes at most 4 bytes into `bytes`, which we own.
+        let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+        if got == 4 && bytes != [0; 4] {
+            return Ok(u32::from_ne_bytes(bytes));
+        }
+        if got < 0 && errno() != libc::EINTR {
+            return Err(syscall("getrandom"));
+        }
+    }
 }
 
 /// Whether `fd` lives on a hugetlbfs mount (or is a `MFD_HUGETLB` memory file), by `fstatfs`.
@@ -156,44 +240,6 @@ pub fn on_hugetlbfs(fd: BorrowedFd<'_>) -> Result<bool> {
     // SAFETY: filled by the successful call (and zeroed before).
     let st = unsafe { st.assume_init() };
     Ok(st.f_type == libc::HUGETLBFS_MAGIC)
-}
-
-/// Locks the whole of `fd`'s file (`flock`), exclusively or shared, waiting for it unless
-/// `wait` is false; `Ok(false)` when it did not wait and another holds it. The lock goes with
-/// the open file: closing the last descriptor of it releases it, so a killed holder leaves none
-/// unless a child it forked (and that has not exec'd or exited) still holds the descriptor.
-pub fn lock_file(fd: BorrowedFd<'_>, exclusive: bool, wait: bool) -> Result<bool> {
-    let mut op = if exclusive {
-        libc::LOCK_EX
-    } else {
-        libc::LOCK_SH
-    };
-    if !wait {
-        op |= libc::LOCK_NB;
-    }
-    loop {
-        // SAFETY: flock on a descriptor we hold touches no memory.
-        if unsafe { libc::flock(fd.as_raw_fd(), op) } == 0 {
-            return Ok(true);
-        }
-        match errno() {
-            libc::EINTR => continue,
-            libc::EWOULDBLOCK if !wait => return Ok(false),
-            errno => {
-                return Err(Error::Syscall {
-                    call: "flock",
-                    errno,
-                })
-            }
-        }
-    }
-}
-
-/// Releases a lock [`lock_file`] took.
-pub fn unlock_file(fd: BorrowedFd<'_>) {
-    // SAFETY: flock on a descriptor we hold touches no memory; a failure leaves nothing to do
-    // (the lock goes with the descriptor's close).
-    unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_UN) };
 }
 
 /// Room for one descriptor's control message.
@@ -387,18 +433,33 @@ impl RobustMutex {
         Ok(())
     }
 
-    /// Takes the lock, waiting for it.
+    /// Takes the lock, waiting at most `wait`; `None` when another held it all that time.
     ///
     /// # Errors
     /// `ENOTRECOVERABLE` when a holder died and the next one unlocked without marking it
     /// consistent: the state it guards is lost.
-    pub fn lock(&self) -> Result<Locked> {
+    pub fn lock_for(&self, wait: std::time::Duration) -> Result<Option<Locked>> {
+        let mut now = MaybeUninit::<libc::timespec>::zeroed();
+        // SAFETY: `now` is a writable timespec the call fills; CLOCK_REALTIME is what
+        // pthread_mutex_timedlock measures against.
+        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, now.as_mut_ptr()) };
+        // SAFETY: filled by the call (and zeroed before).
+        let now = unsafe { now.assume_init() };
+        let nanos = now.tv_nsec as u64 + u64::from(wait.subsec_nanos());
+        let secs = (now.tv_sec as u64)
+            .saturating_add(wait.as_secs())
+            .saturating_add(nanos / 1_000_000_000);
+        let until = libc::timespec {
+            tv_sec: libc::time_t::try_from(secs).unwrap_or(libc::time_t::MAX),
+            tv_nsec: (nanos % 1_000_000_000) as _,
+        };
         // SAFETY: an initialised mutex (see `init`), in memory that outlives `self`.
-        match unsafe { libc::pthread_mutex_lock(self.raw.get()) } {
-            0 => Ok(Locked::Clean),
-            libc::EOWNERDEAD => Ok(Locked::OwnerDied),
+        match unsafe { libc::pthread_mutex_timedlock(self.raw.get(), &until) } {
+            0 => Ok(Some(Locked::Clean)),
+            libc::EOWNERDEAD => Ok(Some(Locked::OwnerDied)),
+            libc::ETIMEDOUT => Ok(None),
             errno => Err(Error::Syscall {
-                call: "pthread_mutex_lock",
+                call: "pthread_mutex_timedlock",
                 errno,
             }),
         }

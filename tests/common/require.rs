@@ -39,6 +39,7 @@ pub fn met(met: bool, why: impl std::fmt::Display) -> bool {
 }
 
 /// Returns from the test unless `$met`: see the module's doc.
+#[allow(unused_macros)] // Binaries that only call `met` (through `nobody.rs`).
 macro_rules! require {
     ($met:expr, $($why:tt)+) => {
         if !$crate::common::require::met($met, format_args!($($why)+)) {

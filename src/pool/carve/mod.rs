@@ -31,12 +31,14 @@ pub(crate) struct Extent {
     pub(crate) len: u64,
 }
 
-/// A live block and the process that carved it.
+/// A live block, the process that carved it, and its serial (the pool's allocation count when
+/// it was carved, truncated: a handle freed twice does not match a later block at its offset).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Live {
     pub(crate) block: Extent,
     pub(crate) pid: u32,
+    pub(crate) serial: u32,
 }
 
 impl Extent {
@@ -135,6 +137,17 @@ pub(crate) struct Carve {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct NotLive;
 
+/// What a locker found ([`Carve::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// Whole: every operation may rely on it.
+    Whole,
+    /// Not whole (a holder died mid-change, or a stray write): rebuilt, and now whole.
+    Repaired,
+    /// Not whole even after a rebuild: nothing may carve it.
+    Broken,
+}
+
 impl Carve {
     /// The state of an empty pool whose blocks lie in `start..end`, in chunks of `chunk` bytes
     /// (a multiple of [`MAX_ALIGN`]) from `start`.
@@ -155,20 +168,35 @@ impl Carve {
         self.rebuilds = 0;
     }
 
-    /// Whether its bounds and chunk are these and its counts fit its tables: what every
-    /// operation relies on (checked by each locker).
-    pub(crate) fn fits(&self, start: u64, end: u64, chunk: u64) -> bool {
-        (self.start, self.end, self.chunk) == (start, end, chunk)
-            && self.live_count as usize <= EXTENTS
-            && self.free_count as usize <= EXTENTS + 1
+    /// What each locker runs before it uses the state: checks that it is whole ([`Self::consistent`]:
+    /// every count, index and extent against its table and the pool) with the bounds and chunk
+    /// this process attached with (`start`, `end`, `chunk`, which never change), and, when it is
+    /// not or when `holder_died`, puts those back and rebuilds it. Every byte of the state may
+    /// be anything here (every attached process can write it): nothing panics.
+    pub(crate) fn admit(&mut self, start: u64, end: u64, chunk: u64, holder_died: bool) -> Admit {
+        if !holder_died
+            && (self.start, self.end, self.chunk) == (start, end, chunk)
+            && self.consistent()
+        {
+            return Admit::Whole;
+        }
+        (self.start, self.end, self.chunk) = (start, end, chunk);
+        self.rebuild();
+        if self.consistent() {
+            Admit::Repaired
+        } else {
+            Admit::Broken
+        }
     }
 
+    /// The live entries (empty when the count is past the table: [`Self::admit`] catches it).
     pub(crate) fn live(&self) -> &[Live] {
-        &self.live[..self.live_count as usize]
+        self.live.get(..self.live_count as usize).unwrap_or(&[])
     }
 
+    /// The free ranges (empty when the count is past the table, as for [`Self::live`]).
     pub(crate) fn free_ranges(&self) -> &[Extent] {
-        &self.free[..self.free_count as usize]
+        self.free.get(..self.free_count as usize).unwrap_or(&[])
     }
 
     /// Carves `len` bytes at a multiple of `align` (up to [`MAX_ALIGN`]) inside one chunk, first
@@ -188,6 +216,7 @@ impl Carve {
             (at + len <= e.end()).then_some((i, at))
         })?;
         let block = Extent { offset, len };
+        let serial = self.allocations.wrapping_add(1) as u32;
         self.intent.begin(ALLOCATE, pid, block);
         let range = self.free[index];
         let head = Extent {
@@ -218,40 +247,47 @@ impl Carve {
             &mut self.live,
             &mut self.live_count,
             at,
-            Live { block, pid },
+            Live { block, pid, serial },
             &mut always,
         );
-        self.live_bytes += len;
-        self.allocations += 1;
+        self.live_bytes = self.live_bytes.wrapping_add(len);
+        self.allocations = self.allocations.wrapping_add(1);
         self.intent.end();
         Some(block)
     }
 
     /// The live block at `offset`, if there is one.
-    pub(crate) fn find(&self, offset: u64) -> Option<Extent> {
+    pub(crate) fn find(&self, offset: u64) -> Option<Live> {
         let live = self.live();
         let at = live.partition_point(|e| e.block.offset < offset);
-        live.get(at)
-            .filter(|e| e.block.offset == offset)
-            .map(|e| e.block)
+        live.get(at).filter(|e| e.block.offset == offset).copied()
     }
 
     /// Frees the live block at `offset` (whoever carved it), merging it with its free
-    /// neighbours; its length. With `len`, only a block of that length: a handle freed twice
-    /// must not free a later block carved at the same offset.
-    pub(crate) fn free(&mut self, offset: u64, len: Option<u64>, pid: u32) -> Result<u64, NotLive> {
+    /// neighbours; its length. With `expect` (a length and a serial), only a block of that
+    /// length and serial: a handle freed twice must not free a later block carved at the same
+    /// offset.
+    pub(crate) fn free(
+        &mut self,
+        offset: u64,
+        expect: Option<(u64, u32)>,
+        pid: u32,
+    ) -> Result<u64, NotLive> {
         let at = self.live().partition_point(|e| e.block.offset < offset);
         let block = self
             .live()
             .get(at)
-            .filter(|e| e.block.offset == offset && len.is_none_or(|len| e.block.len == len))
+            .filter(|e| {
+                e.block.offset == offset
+                    && expect.is_none_or(|(len, serial)| (e.block.len, e.serial) == (len, serial))
+            })
             .ok_or(NotLive)?
             .block;
         self.intent.begin(FREE, pid, block);
         remove(&mut self.live, &mut self.live_count, at, &mut always);
         let next = self.free_ranges().partition_point(|e| e.offset < offset);
         let joins_prev = next > 0 && self.free[next - 1].end() == offset;
-        let joins_next = next < self.free_count as usize && self.free[next].offset == block.end();
+        let joins_next = next < self.free_ranges().len() && self.free[next].offset == block.end();
         match (joins_prev, joins_next) {
             (true, true) => {
                 self.free[next - 1].len += block.len + self.free[next].len;
@@ -272,8 +308,8 @@ impl Carve {
                 &mut always,
             ),
         }
-        self.live_bytes -= block.len;
-        self.frees += 1;
+        self.live_bytes = self.live_bytes.wrapping_sub(block.len);
+        self.frees = self.frees.wrapping_add(1);
         self.intent.end();
         Ok(block.len)
     }
@@ -292,8 +328,9 @@ impl Carve {
         (blocks, bytes)
     }
 
-    /// Whether the tables hold together: each sorted, inside the pool, live blocks inside one
-    /// chunk, free ranges merged, and the two together covering the pool exactly once.
+    /// Whether the tables hold together: counts inside their tables, each table sorted, inside
+    /// the pool, live blocks inside one chunk, free ranges merged, the two together covering the
+    /// pool exactly once, the live bytes their sum, no change under way.
     pub(crate) fn consistent(&self) -> bool {
         if self.start >= self.end
             || self.chunk == 0
@@ -328,7 +365,10 @@ impl Carve {
             at = e.end();
             last_free = is_free;
         }
-        at == self.end && self.intent.pending().is_none()
+        // Summed only once they cover the pool exactly once: then the sum cannot overflow.
+        at == self.end
+            && self.intent.pending().is_none()
+            && self.live().iter().map(|e| e.block.len).sum::<u64>() == self.live_bytes
     }
 
     /// Makes the state whole again after a holder died mid-change: keeps the live blocks that
@@ -413,8 +453,56 @@ impl Carve {
             return 0;
         }
         self.intent.end();
-        self.rebuilds += 1;
+        self.rebuilds = self.rebuilds.wrapping_add(1);
         dropped
+    }
+}
+
+#[cfg(test)]
+impl Carve {
+    /// Stores `value` (truncated to the field's width) into one field of the state, as a stray
+    /// writer in another process could: `field` 0 start, 1 end, 2 chunk, 3 the intent's op, pid,
+    /// offset or length (`index % 4`), 4 the live count, 5 the free count, 6 the live bytes,
+    /// allocations, frees or rebuilds (`index % 4`), 7 a free range's offset or length, 8 a
+    /// live entry's offset, length, pid or serial (the entry `index / 4`, the field `index % 4`).
+    pub(crate) fn scribble(&mut self, field: usize, index: usize, value: u64) {
+        let v32 = value as u32;
+        match field {
+            0 => self.start = value,
+            1 => self.end = value,
+            2 => self.chunk = value,
+            3 => match index % 4 {
+                0 => self.intent.op.store(v32, Ordering::Relaxed),
+                1 => self.intent.pid.store(v32, Ordering::Relaxed),
+                2 => self.intent.offset.store(value, Ordering::Relaxed),
+                _ => self.intent.len.store(value, Ordering::Relaxed),
+            },
+            4 => self.live_count = v32,
+            5 => self.free_count = v32,
+            6 => match index % 4 {
+                0 => self.live_bytes = value,
+                1 => self.allocations = value,
+                2 => self.frees = value,
+                _ => self.rebuilds = value,
+            },
+            7 => {
+                let e = &mut self.free[(index / 2) % (EXTENTS + 1)];
+                *(if index.is_multiple_of(2) {
+                    &mut e.offset
+                } else {
+                    &mut e.len
+                }) = value;
+            }
+            _ => {
+                let e = &mut self.live[(index / 4) % EXTENTS];
+                match index % 4 {
+                    0 => e.block.offset = value,
+                    1 => e.block.len = value,
+                    2 => e.pid = v32,
+                    _ => e.serial = v32,
+                }
+            }
+        }
     }
 }
 
@@ -441,6 +529,7 @@ impl Entry for Live {
         (!offset_first || put(&mut block.offset, to.block.offset, go_on))
             && put(&mut block.len, to.block.len, go_on)
             && put(&mut self.pid, to.pid, go_on)
+            && put(&mut self.serial, to.serial, go_on)
             && (offset_first || put(&mut block.offset, to.block.offset, go_on))
     }
 }
@@ -476,6 +565,10 @@ fn insert<T: Entry, const N: usize>(
     go_on: &mut impl FnMut() -> bool,
 ) {
     let n = *count as usize;
+    // Room for one more, at a place inside the table: what `Carve::admit` made sure of.
+    if n >= N || at > n {
+        return;
+    }
     for i in (at + 1..=n).rev() {
         let below = table[i - 1];
         if !table[i].store(below, true, go_on) {
@@ -502,6 +595,9 @@ fn remove<T: Entry, const N: usize>(
     go_on: &mut impl FnMut() -> bool,
 ) {
     let n = *count as usize;
+    if n > N || at >= n {
+        return;
+    }
     for i in at..n - 1 {
         let above = table[i + 1];
         if !table[i].store(above, false, go_on) {
