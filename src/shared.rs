@@ -263,6 +263,15 @@ pub struct PoolStats {
 /// Every process maps the pool readable and writable, readers too: each carves it, and a
 /// read-only mapping cannot be registered with CUDA on every GPU.
 ///
+/// Each attached process registers its own mapping
+/// ([`register_in_background`](Self::register_in_background)), one registration per chunk
+/// (256 MiB unless [`SharedPoolBuilder::chunk`] says otherwise; no block crosses two), one
+/// process at a time per pool. The kernel's locked-memory charge and the driver's page table
+/// (16 B per 4 KiB page) fall on each registering process: N processes pay N times for memory
+/// that is there once. A process without a driver uses the pool unpinned. A process killed
+/// while holding the pool's lock does not wedge the others (the next locker rebuilds the
+/// carving state), and [`reclaim`](Self::reclaim) frees the blocks a process that is gone left.
+///
 /// Every wait for a lock of the pool that another process holds ends after the pool's lock
 /// wait (30 s unless [`SharedPoolBuilder::lock_wait`] or [`PoolAttach::lock_wait`] say
 /// otherwise): [`Error::PoolLockHeld`] names the holder; [`allocate`](Self::allocate) returns
