@@ -32,7 +32,7 @@
 
 use std::alloc::Layout;
 use std::fmt;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
@@ -49,10 +49,16 @@ use crate::pool::{self, PoolMap, DATA_START};
 use crate::sys::{self, lock::Lock};
 use crate::Error;
 
+mod attach;
+mod block;
 mod build;
 mod register;
+mod stats;
 
+pub use attach::PoolAttach;
+pub use block::{PoolHandle, SharedBlock};
 pub use build::SharedPoolBuilder;
+pub use stats::PoolStats;
 
 /// The huge page size a pool of huge pages uses.
 const HUGE_PAGE: usize = 2 << 20;
@@ -64,187 +70,6 @@ const READY_WAIT: Duration = Duration::from_secs(60);
 const LOCK_WAIT: Duration = Duration::from_secs(30);
 /// The permission bits an attached file may have by default: none letting others write it.
 const TRUSTED_MODE: u32 = 0o755;
-
-/// A block of a [`SharedPool`], named so that any process attached to the pool finds it:
-/// [`SharedPool::ptr`] turns it into that process's pointer. Plain data: send it to another
-/// process however you like ([`PoolHandle::to_bytes`]).
-///
-/// It carries its pool's id and the block's serial: a handle of another pool, or of a block
-/// freed already (even if a block of the same length was carved at its offset since), is
-/// refused with [`Error::PoolHandle`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PoolHandle {
-    /// Bytes from the start of the pool's file.
-    pub offset: u64,
-    /// The block's length (rounded up to 64 bytes).
-    pub len: u64,
-    /// The id of the pool that carved it (random, chosen when the pool was made).
-    pub pool: u32,
-    /// Which carving at this offset it names.
-    pub serial: u32,
-}
-
-impl PoolHandle {
-    /// The handle as 24 bytes (offset, length, pool id, serial; little-endian).
-    pub fn to_bytes(self) -> [u8; 24] {
-        let mut bytes = [0; 24];
-        bytes[..8].copy_from_slice(&self.offset.to_le_bytes());
-        bytes[8..16].copy_from_slice(&self.len.to_le_bytes());
-        bytes[16..20].copy_from_slice(&self.pool.to_le_bytes());
-        bytes[20..].copy_from_slice(&self.serial.to_le_bytes());
-        bytes
-    }
-
-    /// A handle from [`to_bytes`](Self::to_bytes).
-    pub fn from_bytes(bytes: [u8; 24]) -> PoolHandle {
-        let u64_at = |at: usize| {
-            let mut word = [0; 8];
-            word.copy_from_slice(&bytes[at..at + 8]);
-            u64::from_le_bytes(word)
-        };
-        let u32_at = |at: usize| {
-            let mut word = [0; 4];
-            word.copy_from_slice(&bytes[at..at + 4]);
-            u32::from_le_bytes(word)
-        };
-        PoolHandle {
-            offset: u64_at(0),
-            len: u64_at(8),
-            pool: u32_at(16),
-            serial: u32_at(20),
-        }
-    }
-}
-
-/// How to attach to a [`SharedPool`] by path or descriptor ([`SharedPool::attacher`]): whom to
-/// trust beyond this process's user and root, and how long to wait for the pool's locks.
-#[derive(Clone, Debug)]
-pub struct PoolAttach {
-    owners: Vec<u32>,
-    mode: u32,
-    lock_wait: Duration,
-}
-
-impl PoolAttach {
-    /// Trusts a pool file owned by user `uid` too (by default only one of this process's
-    /// effective user, or root's).
-    pub fn allow_owner(mut self, uid: u32) -> Self {
-        self.owners.push(uid);
-        self
-    }
-
-    /// Trusts a pool file whose permission bits are within `mode` (by default 0o755: none that
-    /// lets its group or others write it). `allow_mode(0o666)` accepts a pool every user may
-    /// write: any of them may then change it under this process.
-    pub fn allow_mode(mut self, mode: u32) -> Self {
-        self.mode = mode;
-        self
-    }
-
-    /// How long to wait for a lock of the pool another process holds (default 30 s): at
-    /// attach, and for each chunk's registration, before [`Error::PoolLockHeld`].
-    pub fn lock_wait(mut self, wait: Duration) -> Self {
-        self.lock_wait = wait;
-        self
-    }
-
-    /// Attaches to the pool at `path`, once its file passed the trust check.
-    ///
-    /// # Errors
-    /// As [`SharedPool::attach`].
-    pub fn attach(&self, path: impl AsRef<Path>) -> Result<SharedPool, Error> {
-        let path = path.as_ref();
-        let uid = sys::effective_uid();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::EACCES | libc::EPERM) => {
-                    let meta = std::fs::metadata(path).ok();
-                    Error::PoolPermission {
-                        path: path.into(),
-                        owner: meta.as_ref().map(std::os::unix::fs::MetadataExt::uid),
-                        mode: meta
-                            .as_ref()
-                            .map(|m| std::os::unix::fs::MetadataExt::mode(m) & 0o7777),
-                        uid,
-                    }
-                }
-                Some(libc::EROFS) => Error::PoolReadOnly { path: path.into() },
-                _ => io_error(Some(path), &e),
-            })?;
-        let (owner, mode, regular) = sys::file_owner(file.as_fd())?;
-        if !regular {
-            return Err(Error::PoolForeign {
-                path: path.into(),
-                found: 0,
-            });
-        }
-        let foreign_owner = owner != uid && owner != 0 && !self.owners.contains(&owner);
-        let open_mode = mode & !self.mode & 0o7777 != 0;
-        if foreign_owner || open_mode {
-            return Err(Error::PoolUntrusted {
-                path: path.into(),
-                owner,
-                mode,
-                uid,
-                foreign_owner,
-                open_mode,
-            });
-        }
-        SharedPool::attach_file(file, Some(path.to_path_buf()), self.lock_wait)
-    }
-
-    /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]).
-    /// A descriptor is trusted as its sender is: no owner or mode check.
-    ///
-    /// # Errors
-    /// As [`SharedPool::attach_fd`].
-    pub fn attach_fd(&self, fd: OwnedFd) -> Result<SharedPool, Error> {
-        SharedPool::attach_file(File::from(fd), None, self.lock_wait)
-    }
-}
-
-/// What a [`SharedPool`] holds now. Each count is read on its own, at about the same time.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PoolStats {
-    /// Bytes of the pool's file, its header included.
-    pub pool_bytes: usize,
-    /// Bytes blocks may use.
-    pub usable_bytes: usize,
-    /// Bytes of live blocks, all processes together.
-    pub live_bytes: usize,
-    /// Live blocks, all processes together.
-    pub live_blocks: usize,
-    /// Processes attached (as far as the pool knows: one killed is still counted).
-    pub attached: usize,
-    /// Blocks handed out and freed since the pool was made, all processes together.
-    pub allocations: u64,
-    /// See `allocations`.
-    pub frees: u64,
-    /// Times the carving state was rebuilt after a process died holding the pool's lock.
-    pub rebuilds: u64,
-    /// Chunk registrations held, all processes together (as far as the pool knows: those of a
-    /// killed process are still counted).
-    pub registrations: u64,
-    /// Chunks this process registered, and their bytes (counted in its pinned limit).
-    pub registered_chunks: usize,
-    /// See `registered_chunks`. This is what page-locking the pool costs this process: the
-    /// kernel and the driver charge each registering process for its own registration (its
-    /// locked memory; a driver page table of 16 bytes per 4 KiB page), though the pages are
-    /// there once. Every process that registers the pool pays it again.
-    pub registered_bytes: usize,
-    /// Bytes registered by every process together (`registrations` chunks, the last chunk
-    /// counted whole): what page-locking the pool costs the machine in charges, as opposed to
-    /// memory.
-    pub registered_bytes_all: u64,
-    /// The node the pool's pages are on.
-    pub node: usize,
-    /// Whether its pages are huge pages (hugetlbfs).
-    pub huge_pages: bool,
-}
 
 /// A pool of memory on one node that several processes map and allocate from.
 ///
@@ -478,9 +303,36 @@ impl SharedPool {
         self.inner.path.as_deref()
     }
 
-    /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), for any
-    /// attached process to use by its handle; `None` when the pool has no room for it.
-    pub fn allocate(&self, layout: Layout) -> Option<PoolHandle> {
+    /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), freed when
+    /// the returned value drops; `None` when the pool has no room for it.
+    /// [`SharedBlock::into_handle`] hands it to another process, which adopts it with
+    /// [`from_handle`](Self::from_handle).
+    pub fn allocate(&self, layout: Layout) -> Option<SharedBlock<'_>> {
+        let handle = self.allocate_handle(layout)?;
+        Some(SharedBlock::new(self, handle))
+    }
+
+    /// Adopts the live block `handle` names (from [`SharedBlock::into_handle`] in this or
+    /// another process): it is freed when the returned value drops.
+    ///
+    /// # Errors
+    /// [`Error::PoolHandle`] when the handle is another pool's, or names no live block.
+    ///
+    /// # Safety
+    /// From now on the returned value is the block's only owner: no process frees the block by
+    /// another handle or adoption, nor uses it after the value dropped.
+    pub unsafe fn from_handle(&self, handle: PoolHandle) -> Result<SharedBlock<'_>, Error> {
+        self.mine(handle)?;
+        if !self.is_live(handle) {
+            return Err(self.bad_handle(handle, "it was freed already, or never carved"));
+        }
+        Ok(SharedBlock::new(self, handle))
+    }
+
+    /// Carves a block of `layout` as [`allocate`](Self::allocate) does, as a handle only: the
+    /// block stays live until some process [`free`](Self::free)s it or adopts it
+    /// ([`from_handle`](Self::from_handle)).
+    pub fn allocate_handle(&self, layout: Layout) -> Option<PoolHandle> {
         let mut guard = self.inner.map.lock(self.inner.lock_wait).ok()?;
         let carve = guard.carve();
         let block = carve.allocate(
@@ -734,38 +586,3 @@ fn shown(path: Option<&Path>, fd: &impl AsFd) -> PathBuf {
         Path::to_path_buf,
     )
 }
-
-/// allocator-api2's `Allocator` over a pool, for 0.4 and (feature `allocator-api2-02`) 0.2.
-macro_rules! shared_allocator {
-    ($api:ident) => {
-        // SAFETY: a block is live, and lies in the pool's mapping, from `allocate` until
-        // `deallocate`; the pool outlives every borrow `&SharedPool` gives out; blocks never
-        // overlap (the carving state's tables).
-        unsafe impl $api::alloc::Allocator for &SharedPool {
-            fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, $api::alloc::AllocError> {
-                if layout.size() == 0 {
-                    let dangling =
-                        NonNull::new(layout.align() as *mut u8).ok_or($api::alloc::AllocError)?;
-                    return Ok(NonNull::slice_from_raw_parts(dangling, 0));
-                }
-                let handle = SharedPool::allocate(self, layout).ok_or($api::alloc::AllocError)?;
-                let ptr = self.ptr(handle).ok_or($api::alloc::AllocError)?;
-                Ok(NonNull::slice_from_raw_parts(ptr, handle.len as usize))
-            }
-
-            unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-                if layout.size() == 0 {
-                    return;
-                }
-                let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
-                // The caller of `deallocate` gives the block up; it was carved for it (by
-                // `allocate`, whose returned length it need not pass back: any length).
-                let _ = self.free_block(offset as u64, None);
-            }
-        }
-    };
-}
-
-shared_allocator!(allocator_api2);
-#[cfg(feature = "allocator-api2-02")]
-shared_allocator!(allocator_api2_02);

@@ -91,7 +91,7 @@ fn a_process_without_a_driver_uses_the_pool_unpinned() {
         .register_in_background(numa_gpu_alloc::GpuSelector::Auto, usize::MAX)
         .unwrap_err();
     assert!(matches!(e, Error::CudaUnavailable { .. }), "{e}");
-    let handle = pool.allocate(Layout::from_size_align(4096, 4096).unwrap());
+    let handle = pool.allocate_handle(Layout::from_size_align(4096, 4096).unwrap());
     assert!(handle.is_some());
     let stats = pool.stats();
     assert_eq!(
@@ -129,7 +129,7 @@ fn a_memory_file_pool_is_sealed_against_resizing() {
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "set_len({len}): {e}");
     }
     assert_eq!(other.metadata().unwrap().len(), 8 * MIB as u64);
-    let handle = pool.allocate(Layout::from_size_align(4096, 64).unwrap());
+    let handle = pool.allocate_handle(Layout::from_size_align(4096, 64).unwrap());
     assert!(handle.is_some(), "the pool works as before");
 }
 
@@ -143,7 +143,7 @@ fn the_chunk_is_at_most_the_registration_bound() {
         .chunk(1 << 30)
         .create()
         .unwrap();
-    let fits = |len| match pool.allocate(Layout::from_size_align(len, 64).unwrap()) {
+    let fits = |len| match pool.allocate_handle(Layout::from_size_align(len, 64).unwrap()) {
         // SAFETY: a block just carved, used by nothing.
         Some(handle) => unsafe { pool.free(handle) }.is_ok(),
         None => false,
@@ -205,7 +205,7 @@ fn the_blocks_of_a_process_gone_are_reclaimed() {
         let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd.parse().unwrap()) };
         let pool = SharedPool::attach_fd(fd).unwrap();
         for _ in 0..3 {
-            pool.allocate(Layout::from_size_align(4096, 64).unwrap())
+            pool.allocate_handle(Layout::from_size_align(4096, 64).unwrap())
                 .unwrap();
         }
         // Ends without freeing them (and, returning, detaches).
@@ -217,7 +217,7 @@ fn the_blocks_of_a_process_gone_are_reclaimed() {
         .create()
         .unwrap();
     let mine = pool
-        .allocate(Layout::from_size_align(64, 8).unwrap())
+        .allocate_handle(Layout::from_size_align(64, 8).unwrap())
         .unwrap();
     let test = "the_blocks_of_a_process_gone_are_reclaimed";
     let child = children_of(test)()
@@ -261,7 +261,7 @@ fn attach_by_path_and_free_from_the_other_process() {
     let a = small_pool_at(&path);
     let b = SharedPool::attach(&path).expect("attaching by path");
     let handle = a
-        .allocate(Layout::from_size_align(4096, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(4096, 64).unwrap())
         .unwrap();
     // SAFETY: a live block of the pool, used by this test alone.
     unsafe { a.ptr(handle).unwrap().as_ptr().write_bytes(0xa5, 4096) };
@@ -273,7 +273,9 @@ fn attach_by_path_and_free_from_the_other_process() {
     unsafe { b.free(handle) }.expect("freed by the other attachment");
     assert_eq!(a.stats().live_blocks, 0);
     // A smaller block carved where the freed one was is not freed by the stale handle.
-    let kept = a.allocate(Layout::from_size_align(64, 8).unwrap()).unwrap();
+    let kept = a
+        .allocate_handle(Layout::from_size_align(64, 8).unwrap())
+        .unwrap();
     assert_eq!(kept.offset, handle.offset);
     // SAFETY: as above.
     assert!(matches!(
@@ -295,7 +297,7 @@ fn a_pool_at_a_path_outlives_its_creator() {
     let path = pool_path("outlives");
     let creator = small_pool_at(&path);
     let handle = creator
-        .allocate(Layout::from_size_align(4096, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(4096, 64).unwrap())
         .unwrap();
     // SAFETY: a live block of the pool, used by this test alone.
     unsafe {
@@ -432,7 +434,7 @@ fn bad_cases_are_refused_with_their_errors() {
     let path = pool_path("bad");
     let pool = small_pool_at(&path);
     let block = pool
-        .allocate(Layout::from_size_align(64, 8).unwrap())
+        .allocate_handle(Layout::from_size_align(64, 8).unwrap())
         .unwrap();
 
     patch(&path, VERSION_AT, &99u32.to_le_bytes());
@@ -548,4 +550,46 @@ fn bad_cases_are_refused_with_their_errors() {
             .unwrap_err();
         assert!(matches!(e, Error::PoolHugePages { .. }), "{e}");
     }
+}
+
+#[test]
+fn a_block_frees_itself_and_is_handed_over_by_its_handle() {
+    let path = pool_path("owned");
+    let a = small_pool_at(&path);
+    let b = SharedPool::attach(&path).expect("attaching by path");
+    let layout = Layout::from_size_align(4096, 64).unwrap();
+
+    let block = a.allocate(layout).expect("room for a block");
+    assert_eq!(block.len(), 4096);
+    let handle = block.handle();
+    // SAFETY: the block is this test's alone.
+    unsafe { block.as_ptr().as_ptr().write_bytes(0x3c, block.len()) };
+    assert!(b.is_live(handle));
+    drop(block);
+    assert!(!b.is_live(handle), "dropping the block frees it");
+    assert_eq!(a.stats().live_blocks, 0);
+
+    // Handed over: the block outlives its first owner and is adopted through the other mapping.
+    let handle = a.allocate(layout).expect("room").into_handle();
+    assert!(a.is_live(handle), "into_handle does not free");
+    // SAFETY: the adopted value is the block's only owner from here on.
+    let adopted = unsafe { b.from_handle(handle) }.expect("adopting a live block");
+    assert_eq!(adopted.as_ptr(), b.ptr(handle).unwrap());
+    drop(adopted);
+    assert!(!a.is_live(handle), "the adopter's drop frees it");
+
+    // Adopting a freed block, or another pool's, is refused.
+    // SAFETY: refused: nothing is adopted.
+    let again = unsafe { b.from_handle(handle) };
+    assert!(matches!(again, Err(Error::PoolHandle { .. })), "{again:?}");
+    let other = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let theirs = other.allocate(layout).expect("room").into_handle();
+    // SAFETY: as above.
+    let foreign = unsafe { a.from_handle(theirs) };
+    assert!(
+        matches!(foreign, Err(Error::PoolHandle { .. })),
+        "{foreign:?}"
+    );
+    assert!(other.is_live(theirs), "a refused adoption frees nothing");
+    std::fs::remove_file(&path).unwrap();
 }

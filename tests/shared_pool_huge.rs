@@ -52,7 +52,7 @@ fn child(fd: &str) {
         "the attached pool is of huge pages"
     );
     let handle = pool
-        .allocate(Layout::from_size_align(3 * HUGE_PAGE, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(3 * HUGE_PAGE, 64).unwrap())
         .expect("a block of three huge pages");
     // SAFETY: a live block of the pool, this process's alone until the parent frees it.
     unsafe {
@@ -180,7 +180,7 @@ fn a_pool_at_a_path_on_hugetlbfs_is_attached_by_path() {
     assert!(pool.stats().huge_pages);
     let other = SharedPool::attach(&path).expect("attaching by path");
     let handle = pool
-        .allocate(Layout::from_size_align(HUGE_PAGE, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(HUGE_PAGE, 64).unwrap())
         .unwrap();
     // SAFETY: a live block, used by this test alone.
     unsafe {

@@ -73,7 +73,7 @@ fn register_and_detach(pool: SharedPool) -> (u64, LockStats) {
     assert_eq!(sim.registrations - before, CHUNKS as u64);
     // A host-to-device copy of a whole chunk-sized block: inside one registration.
     let block = pool
-        .allocate(Layout::from_size_align(CHUNK, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(CHUNK, 64).unwrap())
         .expect("a chunk-sized block");
     let ptr = pool.ptr(block).unwrap();
     copy_to_device(ptr.as_ptr(), CHUNK);

@@ -49,7 +49,7 @@ fn small_pool_at(path: &Path) -> SharedPool {
 }
 
 fn block(pool: &SharedPool) -> numa_gpu_alloc::PoolHandle {
-    pool.allocate(Layout::from_size_align(4096, 64).unwrap())
+    pool.allocate_handle(Layout::from_size_align(4096, 64).unwrap())
         .expect("a block")
 }
 
@@ -195,7 +195,7 @@ fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
     let pool = small_pool_at(&path);
     // 64 bytes: the free range after it starts off a 4 KiB boundary.
     let first = pool
-        .allocate(Layout::from_size_align(64, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(64, 64).unwrap())
         .unwrap();
     let file = OpenOptions::new()
         .read(true)
@@ -208,7 +208,7 @@ fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
         .unwrap();
     // A splitting allocate (aligned past the free range's start) inserts into the free table.
     let split = pool
-        .allocate(Layout::from_size_align(64, 4096).unwrap())
+        .allocate_handle(Layout::from_size_align(64, 4096).unwrap())
         .expect("a block after the repair");
     assert!(split.offset > first.offset);
     let stats = pool.stats();
@@ -217,7 +217,7 @@ fn a_free_range_count_past_its_table_is_repaired_not_a_panic() {
     assert!(pool.is_live(first), "the live block kept");
     let other = SharedPool::attach(&path).expect("new attaches find it whole");
     let big = other
-        .allocate(Layout::from_size_align(2 * MIB, 64).unwrap())
+        .allocate_handle(Layout::from_size_align(2 * MIB, 64).unwrap())
         .expect("the free chunks are all there");
     // SAFETY: the test's blocks, not used afterwards.
     unsafe {

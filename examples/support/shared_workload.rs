@@ -71,7 +71,9 @@ fn run_with(
         .expect("making the shared pool");
     // The slots, then the start flag (the children start together, once all are attached).
     let dir_layout = Layout::from_size_align(processes * SLOTS * 16 + 8, 64).unwrap();
-    let dir = pool.allocate(dir_layout).expect("the directory block");
+    let dir = pool
+        .allocate_handle(dir_layout)
+        .expect("the directory block");
     // SAFETY: the directory block is ours, just carved; zero means an empty slot.
     unsafe { std::ptr::write_bytes(pool.ptr(dir).unwrap().as_ptr(), 0, dir.len as usize) };
     let fd = pool.fd().as_raw_fd();
@@ -225,7 +227,7 @@ fn work(
                 let len = 8 << (rand() % 12);
                 let align = 8 << (rand() % 10);
                 let layout = Layout::from_size_align(len, align).unwrap();
-                if let Some(handle) = pool.allocate(layout) {
+                if let Some(handle) = pool.allocate_handle(layout) {
                     tag += 1;
                     for w in words(pool, handle) {
                         w.store(tag, Ordering::Relaxed);

@@ -27,8 +27,8 @@ impl SharedPool {
     /// bytes against this process (its locked memory), and the driver keeps a page table for
     /// this process's registration (16 bytes per 4 KiB page, about 0.4 %). Every process that
     /// registers the pool pays that again, though the memory is there once: plan a host's
-    /// headroom for the number of registering processes ([`PoolStats::registered_bytes`] is
-    /// this process's share, [`PoolStats::registrations`] every process's chunks).
+    /// headroom for the number of registering processes ([`PoolStats::registered_bytes`](super::PoolStats::registered_bytes) is
+    /// this process's share, [`PoolStats::registrations`](super::PoolStats::registrations) every process's chunks).
     ///
     /// A wait for the registration lock stops when the registration is cancelled (or the pool
     /// dropped), and fails with [`Error::PoolLockHeld`], naming the holder, after the pool's

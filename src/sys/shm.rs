@@ -385,7 +385,7 @@ pub struct RobustMutex {
 // SAFETY: a process-shared pthread mutex is made to be used from any thread of any process.
 unsafe impl Sync for RobustMutex {}
 
-/// How [`RobustMutex::lock`] got the lock.
+/// How [`RobustMutex::lock_for`] got the lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Locked {
     /// From an unlock.
@@ -484,7 +484,7 @@ impl RobustMutex {
     /// Releases the lock.
     ///
     /// # Safety
-    /// The calling thread holds it (from [`Self::lock`]).
+    /// The calling thread holds it (from [`Self::lock_for`]).
     pub unsafe fn unlock(&self) {
         // SAFETY: the caller's thread holds the lock.
         unsafe { libc::pthread_mutex_unlock(self.raw.get()) };

@@ -33,9 +33,16 @@ const CHILD_VAR: &str = "GUEST_SHARED_CHILD";
 /// The pool's blocks in this process: pointer and length.
 fn blocks(pool: &SharedPool) -> (*mut u8, usize) {
     let len = pool.stats().usable_bytes;
+    // A handle names its pool by id: a block carved for a moment gives it.
+    let Some(probe) = pool.allocate_handle(Layout::from_size_align(64, 64).unwrap()) else {
+        return (std::ptr::null_mut(), len);
+    };
+    // SAFETY: the block just carved, used by nobody.
+    let _ = unsafe { pool.free(probe) };
     let whole = PoolHandle {
         offset: BLOCKS,
         len: len as u64,
+        ..probe
     };
     (
         pool.ptr(whole).map_or(std::ptr::null_mut(), |p| p.as_ptr()),
@@ -72,7 +79,7 @@ fn child(spec: &str) -> ExitCode {
         }
     };
     println!("child census: {}", census(&pool, node));
-    let Some(handle) = pool.allocate(Layout::from_size_align(MIB, 4096).unwrap()) else {
+    let Some(handle) = pool.allocate_handle(Layout::from_size_align(MIB, 4096).unwrap()) else {
         println!("child: no block");
         return ExitCode::FAILURE;
     };
@@ -80,7 +87,8 @@ fn child(spec: &str) -> ExitCode {
         // SAFETY: our block, just carved.
         unsafe { ptr.as_ptr().write_bytes(0x5a, MIB) };
     }
-    println!("child handle: {} {}", handle.offset, handle.len);
+    let bytes: Vec<String> = handle.to_bytes().iter().map(u8::to_string).collect();
+    println!("child handle: {}", bytes.join(" "));
     ExitCode::SUCCESS
 }
 
@@ -134,10 +142,11 @@ fn check_node(report: &mut Report, node: usize) {
         if let Some(c) = line.strip_prefix("child census: ") {
             seen = c.to_owned();
         } else if let Some(h) = line.strip_prefix("child handle: ") {
-            let mut it = h.split_whitespace().filter_map(|v| v.parse::<u64>().ok());
-            if let (Some(offset), Some(len)) = (it.next(), it.next()) {
-                handle = Some(PoolHandle { offset, len });
-            }
+            let bytes: Vec<u8> = h
+                .split_whitespace()
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            handle = bytes.try_into().ok().map(PoolHandle::from_bytes);
         }
     }
     let ok = second.wait().is_ok_and(|s| s.success());
