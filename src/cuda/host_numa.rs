@@ -15,7 +15,7 @@ use std::ptr::NonNull;
 use super::context::Gpu;
 use super::cuda_error;
 use super::driver::{
-    Api, CuDevicePtr, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle, CuMemLocation, CuMemPool,
+    Api, CuDevicePtr, DriverTable, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle, CuMemLocation, CuMemPool,
     CuMemPoolProps, CuResult, CuStream,
 };
 use crate::{Error, Result};
@@ -161,6 +161,8 @@ pub struct HostNumaMemory<'d> {
 /// fails).
 #[derive(Debug)]
 struct Steps {
+    /// Entered for each undoing call.
+    driver: &'static DriverTable,
     calls: VmmCalls,
     handle: Option<CuMemHandle>,
     /// The reserved range's base; 0 until reserved.
@@ -173,6 +175,8 @@ struct Steps {
 impl Drop for Steps {
     fn drop(&mut self) {
         let calls = self.calls;
+        // Once the process is exiting the driver's teardown releases them.
+        let Ok(_live) = self.driver.enter() else { return };
         // SAFETY: each call undoes one step that succeeded (the fields say which), once, in
         // reverse order; no copy uses the range any more (`Copier::time` waits for its
         // copies). Errors cannot be reported from Drop.
@@ -194,8 +198,8 @@ impl<'d> HostNumaMemory<'d> {
     /// [`Driver::host_numa_memory`](super::tools::Driver::host_numa_memory)'s body. Needs `gpu`'s
     /// context current on this thread.
     pub(super) fn map(gpu: &'d Gpu, node: usize, len: usize) -> Result<Self> {
-        let api = gpu.api();
-        let calls = VmmCalls::get(api)?;
+        let api = gpu.enter()?;
+        let calls = VmmCalls::get(&api)?;
         let location = host_numa("cuMemCreate", node)?;
         let prop = CuMemAllocationProp {
             kind: ALLOCATION_PINNED,
@@ -215,6 +219,7 @@ impl<'d> HostNumaMemory<'d> {
             .and_then(|len| len.checked_next_multiple_of(granularity))
             .ok_or_else(|| cuda_error("cuMemCreate (size)", INVALID_VALUE, |_| None))?;
         let mut steps = Steps {
+            driver: gpu.driver(),
             calls,
             handle: None,
             va: 0,
@@ -295,7 +300,7 @@ impl<'d> HostNumaMemory<'d> {
 pub struct HostNumaPool<'d> {
     /// The context of the `Driver` it came from, borrowed while this lives.
     _driver: PhantomData<&'d Gpu>,
-    api: &'static Api,
+    driver: &'static DriverTable,
     calls: PoolCalls,
     pool: CuMemPool,
     stream: CuStream,
@@ -305,8 +310,8 @@ impl<'d> HostNumaPool<'d> {
     /// [`Driver::host_numa_pool`](super::tools::Driver::host_numa_pool)'s body. Needs `gpu`'s
     /// context current on this thread.
     pub(super) fn create(gpu: &'d Gpu, node: usize) -> Result<Self> {
-        let api = gpu.api();
-        let calls = PoolCalls::get(api)?;
+        let api = gpu.enter()?;
+        let calls = PoolCalls::get(&api)?;
         let props = CuMemPoolProps {
             alloc_type: ALLOCATION_PINNED,
             handle_types: 0,
@@ -317,7 +322,7 @@ impl<'d> HostNumaPool<'d> {
         };
         let mut pool = HostNumaPool {
             _driver: PhantomData,
-            api,
+            driver: gpu.driver(),
             calls,
             pool: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
@@ -356,10 +361,11 @@ impl<'d> HostNumaPool<'d> {
     /// the stream has reached the allocation, so that the host may use them at once. Freed
     /// (`cuMemFreeAsync`, back into the pool) when the block drops.
     pub fn alloc(&self, len: usize) -> Result<PoolBlock<'_>> {
+        let api = self.driver.enter()?;
         let mut dptr = 0;
         // SAFETY: the pool and stream are live (Drop destroys them); `dptr` is a valid
         // out-pointer.
-        self.api.check("cuMemAllocFromPoolAsync", unsafe {
+        api.check("cuMemAllocFromPoolAsync", unsafe {
             (self.calls.alloc)(&mut dptr, len, self.pool, self.stream)
         })?;
         let ptr = NonNull::new(dptr as usize as *mut u8).ok_or(Error::CudaUnavailable {
@@ -373,7 +379,7 @@ impl<'d> HostNumaPool<'d> {
             filled: false,
         };
         // SAFETY: the stream is live.
-        self.api.check("cuStreamSynchronize", unsafe {
+        api.check("cuStreamSynchronize", unsafe {
             (self.calls.stream_synchronize)(self.stream)
         })?;
         Ok(block)
@@ -383,6 +389,8 @@ impl<'d> HostNumaPool<'d> {
 impl Drop for HostNumaPool<'_> {
     fn drop(&mut self) {
         let calls = self.calls;
+        // Once the process is exiting the driver's teardown releases them.
+        let Ok(_live) = self.driver.enter() else { return };
         // SAFETY: each handle was created by `create` (null ones were not and are skipped) and
         // is destroyed once; the stream is waited for first, so the blocks' frees (every block
         // borrows the pool, so all were dropped) have reached the pool. Errors cannot be
@@ -438,6 +446,7 @@ impl PoolBlock<'_> {
 impl Drop for PoolBlock<'_> {
     fn drop(&mut self) {
         let pool = self.pool;
+        let Ok(_live) = pool.driver.enter() else { return };
         // SAFETY: the pointer came from cuMemAllocFromPoolAsync on this pool and is freed once,
         // on the pool's stream (live while the pool is borrowed). No copy uses it any more
         // (`Copier::time` waits for its copies).
