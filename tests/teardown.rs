@@ -326,7 +326,9 @@ fn exits_while_the_first_pinned_blocks_are_made_never_register_into_the_teardown
                 // 0–30 ms, spread over the runs in microseconds.
                 let delay_us = (run as u64 * 7919) % 30_001;
                 let end = run_exit_race_child(delay_us);
-                ends.lock().unwrap_or_else(PoisonError::into_inner).push(end);
+                ends.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(end);
             });
         }
     });
@@ -363,6 +365,9 @@ fn exits_while_the_first_pinned_blocks_are_made_never_register_into_the_teardown
         aborted.len(),
         when.join(", "),
         failed.len(),
-        aborted.first().or(failed.first()).map_or("", |t| t.as_str())
+        aborted
+            .first()
+            .or(failed.first())
+            .map_or("", |t| t.as_str())
     );
 }

@@ -21,8 +21,8 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
-use super::teardown::{self, DriverCall};
 use super::cuda_error;
+use super::teardown::{self, DriverCall};
 use crate::sys::once::ForkOnce;
 use crate::{fork, Error, Result};
 

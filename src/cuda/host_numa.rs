@@ -15,8 +15,8 @@ use std::ptr::NonNull;
 use super::context::Gpu;
 use super::cuda_error;
 use super::driver::{
-    Api, CuDevicePtr, DriverTable, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle, CuMemLocation, CuMemPool,
-    CuMemPoolProps, CuResult, CuStream,
+    Api, CuDevicePtr, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle, CuMemLocation, CuMemPool,
+    CuMemPoolProps, CuResult, CuStream, DriverTable,
 };
 use crate::{Error, Result};
 
@@ -176,7 +176,9 @@ impl Drop for Steps {
     fn drop(&mut self) {
         let calls = self.calls;
         // Once the process is exiting the driver's teardown releases them.
-        let Ok(_live) = self.driver.enter() else { return };
+        let Ok(_live) = self.driver.enter() else {
+            return;
+        };
         // SAFETY: each call undoes one step that succeeded (the fields say which), once, in
         // reverse order; no copy uses the range any more (`Copier::time` waits for its
         // copies). Errors cannot be reported from Drop.
@@ -390,7 +392,9 @@ impl Drop for HostNumaPool<'_> {
     fn drop(&mut self) {
         let calls = self.calls;
         // Once the process is exiting the driver's teardown releases them.
-        let Ok(_live) = self.driver.enter() else { return };
+        let Ok(_live) = self.driver.enter() else {
+            return;
+        };
         // SAFETY: each handle was created by `create` (null ones were not and are skipped) and
         // is destroyed once; the stream is waited for first, so the blocks' frees (every block
         // borrows the pool, so all were dropped) have reached the pool. Errors cannot be
@@ -446,7 +450,9 @@ impl PoolBlock<'_> {
 impl Drop for PoolBlock<'_> {
     fn drop(&mut self) {
         let pool = self.pool;
-        let Ok(_live) = pool.driver.enter() else { return };
+        let Ok(_live) = pool.driver.enter() else {
+            return;
+        };
         // SAFETY: the pointer came from cuMemAllocFromPoolAsync on this pool and is freed once,
         // on the pool's stream (live while the pool is borrowed). No copy uses it any more
         // (`Copier::time` waits for its copies).

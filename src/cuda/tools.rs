@@ -35,7 +35,7 @@ use std::ptr::NonNull;
 
 use super::context::Gpu;
 use super::device::Device;
-use super::driver::{exported, CuDevicePtr, Live, CuEvent, CuStream, REGISTER_PORTABLE};
+use super::driver::{exported, CuDevicePtr, CuEvent, CuStream, Live, REGISTER_PORTABLE};
 pub use super::host_numa::{HostNumaMemory, HostNumaPool, PoolBlock};
 use crate::config::GpuSelector;
 use crate::{Error, Result};
