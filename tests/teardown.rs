@@ -1,17 +1,29 @@
 //! Teardown: threads that exit holding live or cached blocks (freed by thread-local destructors,
 //! during thread teardown), allocators dropped with blocks outstanding, and processes that exit
 //! with blocks live, cached, or in the middle of being allocated. Nothing may crash, and with
-//! `stats=exit`/`stats=json` every allocator in a static reports once, without hanging.
+//! `stats=exit`/`stats=json` every allocator in a static reports once, without hanging. And
+//! processes that exit while their first pinned allocations are under way, on the CUDA driver
+//! simulator, many times over: no registration may reach the driver after its teardown began.
+//!
+//! `NUMA_GPU_ALLOC_TEST_EXIT_RUNS` sets how many of those short processes run (default 24; CI
+//! runs 1,000 in release).
 
 use std::alloc::Layout;
 use std::cell::RefCell;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::{NumaGpuAlloc, ENV_VAR};
 
 mod common {
     pub mod child;
+    // Only its builder of the simulator is used here, not its test macro.
+    #[allow(unused_macros)]
+    pub mod sim;
 }
 
 #[global_allocator]
@@ -204,4 +216,158 @@ fn check_exit_reports(stats: &str, stderr: &str) {
         }
     }
     assert!(!stderr.contains("busy at exit"), "node rows read: {stderr}");
+}
+
+const RACE_CHILD_VAR: &str = "NUMA_GPU_ALLOC_TEST_EXIT_RACE_CHILD";
+/// What the simulator prints before it aborts on a registration after its teardown began.
+const TORN_DOWN: &str = "after the driver was torn down at exit";
+
+/// The racing child: four threads allocate and free pinned blocks from the first instant, so
+/// the driver probe, the first context, the populate workers and the decay thread all start
+/// together; one block in four is 64–100 MiB (populated by several threads). The main thread
+/// exits `delay_us` in, while they are still at it.
+fn exit_race_child(delay_us: u64) {
+    eprintln!("exit race child: exiting {delay_us} us in");
+    for t in 0..4usize {
+        std::thread::spawn(move || {
+            for i in 0usize.. {
+                let mib = if i % 4 == 3 {
+                    64 + (i * 11 + t * 5) % 37
+                } else {
+                    1 + (i * 13 + t * 7) % 64
+                };
+                std::hint::black_box(Vec::<u8>::with_capacity(mib * MIB));
+            }
+        });
+    }
+    std::thread::sleep(Duration::from_micros(delay_us));
+    std::process::exit(0);
+}
+
+/// How one racing child ended.
+enum RaceEnd {
+    Clean,
+    /// The simulator aborted: a registration reached it after its teardown began.
+    Aborted(String),
+    /// Anything else that is not a clean exit (a crash, a hang, a body that did not run).
+    Failed(String),
+}
+
+/// Runs the racing child once, exiting `delay_us` in, with the simulator's teardown taking
+/// 300 ms (other threads run meanwhile). A child still running after a minute is killed.
+fn run_exit_race_child(delay_us: u64) -> RaceEnd {
+    let dir = common::sim::library_dir();
+    let mut child = Command::new(std::env::current_exe().expect("the test binary"))
+        .args([
+            &common::child::test_path(
+                module_path!(),
+                "exits_while_the_first_pinned_blocks_are_made_never_register_into_the_teardown",
+            ),
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(RACE_CHILD_VAR, delay_us.to_string())
+        .env("LD_LIBRARY_PATH", dir)
+        .env(ENV_VAR, "pin=on")
+        .env("CUDA_SIM_TEARDOWN_US", "300000")
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("re-executing the test binary");
+    let stderr = child.stderr.take().expect("piped");
+    let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status: Option<ExitStatus> = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the child") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let stderr = reader.join().unwrap_or_default();
+    let text = format!("exit {delay_us} us in: {status:?}\n{stderr}");
+    match status {
+        _ if stderr.contains(TORN_DOWN) => RaceEnd::Aborted(text),
+        Some(s) if s.success() && stderr.contains("exit race child: exiting") => RaceEnd::Clean,
+        Some(s) if s.signal() == Some(libc::SIGABRT) => RaceEnd::Aborted(text),
+        _ => RaceEnd::Failed(text),
+    }
+}
+
+/// Many short processes on the simulator, each exiting 0–30 ms in (spread over the runs) while
+/// four threads make their first pinned blocks: the exit must never let a registration reach
+/// the driver after its teardown began. Runs eight children at a time: each mostly waits for
+/// the simulator's 300 ms teardown.
+#[test]
+fn exits_while_the_first_pinned_blocks_are_made_never_register_into_the_teardown() {
+    if let Some(delay) = common::child::mode(RACE_CHILD_VAR) {
+        return exit_race_child(delay.parse().expect("a delay in microseconds"));
+    }
+    let runs: usize = std::env::var("NUMA_GPU_ALLOC_TEST_EXIT_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    let next = AtomicUsize::new(0);
+    let ends = Mutex::new(Vec::with_capacity(runs));
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| loop {
+                let run = next.fetch_add(1, Ordering::Relaxed);
+                if run >= runs {
+                    break;
+                }
+                // 0–30 ms, spread over the runs in microseconds.
+                let delay_us = (run as u64 * 7919) % 30_001;
+                let end = run_exit_race_child(delay_us);
+                ends.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(end);
+            });
+        }
+    });
+    let ends = ends.into_inner().unwrap_or_else(PoisonError::into_inner);
+    let aborted: Vec<_> = ends
+        .iter()
+        .filter_map(|e| match e {
+            RaceEnd::Aborted(text) => Some(text),
+            _ => None,
+        })
+        .collect();
+    let failed: Vec<_> = ends
+        .iter()
+        .filter_map(|e| match e {
+            RaceEnd::Failed(text) => Some(text),
+            _ => None,
+        })
+        .collect();
+    let clean = ends.iter().filter(|e| matches!(e, RaceEnd::Clean)).count();
+    eprintln!(
+        "exit race: runs {runs}, aborts {}, other failures {}, clean {clean}, in {:.1} s",
+        aborted.len(),
+        failed.len(),
+        start.elapsed().as_secs_f64()
+    );
+    let when: Vec<_> = aborted
+        .iter()
+        .filter_map(|t| t.strip_prefix("exit ")?.split(" us in").next())
+        .collect();
+    assert!(
+        aborted.is_empty() && failed.is_empty(),
+        "{} of {runs} processes aborted at exit (exiting at {} us), {} failed otherwise; the \
+         first:\n{}",
+        aborted.len(),
+        when.join(", "),
+        failed.len(),
+        aborted
+            .first()
+            .or(failed.first())
+            .map_or("", |t| t.as_str())
+    );
 }

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use super::device::Device;
 use super::driver::{
-    exported, Api, CuContext, CuDevice, CuResult, CAPTURE_MODE_RELAXED, HOST_MEMORY_NOT_REGISTERED,
-    REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
+    exported, Api, CuContext, CuDevice, CuResult, DriverTable, Live, CAPTURE_MODE_RELAXED,
+    HOST_MEMORY_NOT_REGISTERED, REGISTER_DEVICEMAP, REGISTER_PORTABLE, REGISTER_READ_ONLY,
 };
-use super::teardown::{close_at_exit, DriverCall};
+use super::teardown::close_at_exit;
 use crate::{fork, Error, Result};
 
 /// Why a forked child does not register memory. Also said by a child whose allocator was first
@@ -83,6 +83,8 @@ impl Drop for CurrentGuard<'_> {
 }
 
 /// Makes `ctx` current on this thread until the guard drops (which restores the previous one).
+/// The guard borrows `api`, the table of a held gate ([`Live`]): the context is popped before
+/// the gate is left.
 ///
 /// # Safety
 /// `ctx` is a live context of the driver whose table `api` is.
@@ -195,14 +197,14 @@ impl Gpu {
 
     /// Retains the device's primary context, for registering memory with it.
     pub(crate) fn open(device: Device) -> Result<Gpu> {
-        let api = device.api;
-        let _call = DriverCall::enter()?;
+        let api = device.driver.enter()?;
         let mut ctx: CuContext = std::ptr::null_mut();
         // SAFETY: `api` is the initialised driver's (a `Device` exists only then), and
         // `device.dev` is a valid handle from cuDeviceGet; `ctx` is a valid out-pointer.
         // Balanced by the release in Drop.
         let res = unsafe { (api.primary_ctx_retain)(&mut ctx, device.dev) };
         api.check("cuDevicePrimaryCtxRetain", res)?;
+        drop(api);
         static AFTER_FIRST_RETAIN: AtomicBool = AtomicBool::new(false);
         if !AFTER_FIRST_RETAIN.swap(true, Ordering::AcqRel) {
             // Probed already: atexit worked once, and a second failure only loses the hardening.
@@ -220,9 +222,14 @@ impl Gpu {
         fork::generation() != self.generation
     }
 
-    /// The driver table it calls through.
-    pub(super) fn api(&self) -> &'static Api {
-        self.device.api
+    /// The driver it calls, to enter later (objects that outlive one call keep it).
+    pub(super) fn driver(&self) -> &'static DriverTable {
+        self.device.driver
+    }
+
+    /// Enters the exit gate: the driver table it calls through, while the result is held.
+    pub(super) fn enter(&self) -> Result<Live<'static>> {
+        self.device.driver.enter()
     }
 
     /// The device's driver handle (`CUdevice`), which access descriptors name.
@@ -238,7 +245,7 @@ impl Gpu {
                 reason: FORKED_REASON,
             });
         }
-        let api = self.device.api;
+        let api = self.enter()?;
         let set = exported(api.ctx_set_current)?;
         // SAFETY: `set` is cuCtxSetCurrent from the initialised driver; `self.ctx` is a retained
         // primary context, valid until Drop.
@@ -246,9 +253,10 @@ impl Gpu {
     }
 
     /// Makes the primary context current on this thread until the guard drops.
-    fn push(&self) -> Result<CurrentGuard<'_>> {
-        // SAFETY: `self.ctx` is a retained primary context, valid until Drop.
-        unsafe { push_current(self.device.api, self.ctx) }
+    fn push<'a>(&self, api: &'a Api) -> Result<CurrentGuard<'a>> {
+        // SAFETY: `self.ctx` is a retained primary context of the driver whose table `api` is,
+        // valid until Drop.
+        unsafe { push_current(api, self.ctx) }
     }
 
     /// Page-locks `ptr..ptr+len` with `cuMemHostRegister_v2` (PORTABLE, plus DEVICEMAP and
@@ -275,12 +283,11 @@ impl Gpu {
             });
         }
         let flags = flags.bits();
-        let api = self.device.api;
         // Dropped in reverse order: the capture mode is restored, the context popped, then the
-        // exit handler may go on.
-        let _call = DriverCall::enter()?;
-        let _current = self.push()?;
-        let _relaxed = relaxed_capture(api)?;
+        // exit handler may go on (both guards borrow `api`).
+        let api = self.enter()?;
+        let _current = self.push(&api)?;
+        let _relaxed = relaxed_capture(&api)?;
         // SAFETY: the caller guarantees the range is a live mapping it owns and that is not
         // registered; `mem_host_register` is cuMemHostRegister_v2 and a context is current
         // (pushed above).
@@ -309,11 +316,10 @@ impl Gpu {
                 reason: FORKED_REASON,
             });
         }
-        let api = self.device.api;
         // Dropped in reverse order, as in `register`.
-        let _call = DriverCall::enter()?;
-        let _current = self.push()?;
-        let _relaxed = relaxed_capture(api)?;
+        let api = self.enter()?;
+        let _current = self.push(&api)?;
+        let _relaxed = relaxed_capture(&api)?;
         // SAFETY: the caller guarantees `ptr` is a registered, still-mapped base pointer;
         // `mem_host_unregister` is cuMemHostUnregister and a context is current.
         let res = unsafe { (api.mem_host_unregister)(ptr.as_ptr().cast::<c_void>()) };
@@ -327,9 +333,11 @@ impl Drop for Gpu {
             // The retain was the parent's; the child must not touch its context.
             return;
         }
+        // Once the process is exiting the context is left to the driver's teardown.
+        let Ok(api) = self.enter() else { return };
         // SAFETY: `self.device.dev` had its primary context retained in `open` by this process;
         // `primary_ctx_release` is cuDevicePrimaryCtxRelease_v2, and this balances the retain.
         // Errors cannot be reported from Drop.
-        let _ = unsafe { (self.device.api.primary_ctx_release)(self.device.dev) };
+        let _ = unsafe { (api.primary_ctx_release)(self.device.dev) };
     }
 }

@@ -4,7 +4,7 @@ use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint};
 
 use super::driver::{
-    require_driver, Api, CuContext, CuDevice, CuUuid, ATTRIBUTE_HOST_NUMA_ID,
+    require_driver, Api, CuContext, CuDevice, CuUuid, DriverTable, ATTRIBUTE_HOST_NUMA_ID,
     ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, SUCCESS,
 };
 use crate::config::GpuSelector;
@@ -62,7 +62,8 @@ pub(crate) fn current_ordinal() -> Option<u32> {
     if crate::fork::generation() > 0 {
         return None;
     }
-    current_ordinal_in(require_driver().ok()?)
+    let live = require_driver().ok()?.enter().ok()?;
+    current_ordinal_in(&live)
 }
 
 /// [`current_ordinal`] through `api`.
@@ -207,7 +208,7 @@ pub(super) mod raw {
 /// A CUDA device, found but not opened: what placement needs (no context is created).
 #[derive(Clone, Debug)]
 pub(crate) struct Device {
-    pub(super) api: &'static Api,
+    pub(super) driver: &'static DriverTable,
     pub(super) ordinal: u32,
     pub(super) dev: CuDevice,
     pub(super) pci: PciAddress,
@@ -229,7 +230,9 @@ impl Device {
     /// Errors: [`Error::CudaUnavailable`] without a usable driver or with no visible device,
     /// [`Error::GpuNotFound`] when no device matches, [`Error::Cuda`] when a driver call fails.
     pub(crate) fn find(selector: GpuSelector) -> Result<Device> {
-        let api = require_driver()?;
+        let driver = require_driver()?;
+        let live = driver.enter()?;
+        let api: &Api = &live;
         let count = raw::device_count(api)?;
         if count == 0 {
             return Err(Error::CudaUnavailable {
@@ -281,7 +284,7 @@ impl Device {
         let read_only_register =
             raw::attribute(api, dev, ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED).map(|v| v != 0);
         Ok(Device {
-            api,
+            driver,
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
             dev,
             pci,

@@ -1,4 +1,13 @@
-//! Loading libcuda and the C-typed entry-point table [`Api`].
+//! Loading libcuda, the C-typed entry-point table [`Api`], and the one way to reach it:
+//! [`DriverTable::enter`], which passes the exit gate (`teardown.rs`) first.
+//!
+//! Every driver call needs a live driver, and libcuda tears itself down at exit while other
+//! threads still run. So the table is never handed out bare: the probe's answer is a
+//! [`DriverTable`], whose only accessor is [`DriverTable::enter`]; it returns a [`Live`] that
+//! holds the gate (the exit handler waits for it) and dereferences to the table for as long as
+//! it is held. Anything that borrows the table (a pushed context, a relaxed capture mode) borrows
+//! the `Live`, so it is undone before the gate is left. A new call site cannot reach the
+//! driver any other way. cudarc's own calls (`event.rs`) are made while a `Live` is held.
 //!
 //! libcuda is opened here with libloading, not through cudarc's loader: `sys::culib` exists only
 //! under cudarc's `dynamic-loading`, and a user's `dynamic-linking` or `static-linking` removes it
@@ -12,7 +21,8 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
-use super::{cuda_error, teardown};
+use super::cuda_error;
+use super::teardown::{self, DriverCall};
 use crate::sys::once::ForkOnce;
 use crate::{fork, Error, Result};
 
@@ -94,7 +104,6 @@ macro_rules! driver_table {
     )*) => {
         /// The driver entry points this crate calls, resolved once by the probe: function
         /// pointers into libcuda, which is never unloaded.
-        #[derive(Clone, Copy)]
         pub(super) struct Api {
             $(
                 $(#[doc = $doc])*
@@ -312,11 +321,50 @@ impl std::fmt::Debug for Api {
     }
 }
 
+/// The driver's entry points, reachable only through the exit gate ([`Self::enter`]).
+#[derive(Debug)]
+pub(super) struct DriverTable(Api);
+
+impl DriverTable {
+    /// The table for the unit tests' fake drivers.
+    #[cfg(test)]
+    pub(super) const fn new(api: Api) -> DriverTable {
+        DriverTable(api)
+    }
+
+    /// Enters the exit gate and gives the table for as long as the result is held: the one way
+    /// to call the driver. Once the process is exiting the answer is [`Error::CudaUnavailable`]
+    /// with [`super::EXITING_REASON`], and the driver is not called.
+    pub(super) fn enter(&self) -> Result<Live<'_>> {
+        Ok(Live {
+            api: &self.0,
+            _call: DriverCall::enter()?,
+            _not_send: std::marker::PhantomData,
+        })
+    }
+}
+
+/// The driver table while the exit gate is held: the exit handler waits for it to drop before
+/// the driver's teardown may begin. Not `Send`: dropped on the thread that entered.
+pub(super) struct Live<'a> {
+    api: &'a Api,
+    _call: DriverCall,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl std::ops::Deref for Live<'_> {
+    type Target = Api;
+
+    fn deref(&self) -> &Api {
+        self.api
+    }
+}
+
 /// What the one-time driver probe found: the entry points when libcuda loaded, exports what this
 /// module needs, and `cuInit(0)` succeeded; else why not.
 /// The error is [`Error::CudaUnavailable`] when libcuda is missing or too old, and
 /// [`Error::Cuda`] with `cuInit`'s code when it failed.
-pub(super) type DriverState = std::result::Result<Api, Error>;
+pub(super) type DriverState = std::result::Result<DriverTable, Error>;
 
 /// Why a child forked while its parent was probing the driver does not use it.
 const FORKED_DURING_PROBE: &str = "the process forked while CUDA was being initialised";
@@ -361,23 +409,35 @@ fn open_libcuda() -> Option<&'static libloading::Library> {
     Some(Box::leak(Box::new(lib)))
 }
 
-/// Loads libcuda, resolves the entry points, calls `cuInit(0)` and registers the exit handler
-/// that keeps later driver calls out of the driver's teardown; never panics.
+/// Registers the exit handler that closes the gate, loads libcuda, resolves the entry points,
+/// calls `cuInit(0)` through the gate and registers the handler again; never panics.
+///
+/// The first registration comes before libcuda is loaded. Loaded, libcuda's teardown is due at
+/// exit (its destructor runs in the loader's exit handler, which the C runtime registered before
+/// `main`); a handler registered only after `cuInit` could come too late: a process that begins
+/// to exit in between — the thread probing preempted, or the first allocations racing an early
+/// `exit` — runs a handler registered during its exit only after the handler already running,
+/// the loader's, which tears the driver down. Registered first, the handler runs before the
+/// loader's and closes the gate, and `cuInit` is refused. The second registration, after
+/// `cuInit`, runs before whatever teardown the driver registered there.
 pub(super) fn probe_driver() -> DriverState {
     const TOO_OLD: Error = Error::CudaUnavailable {
         reason: "libcuda lacks a required driver function (the driver is too old)",
     };
+    teardown::close_at_exit()?;
     let lib = open_libcuda().ok_or(Error::CudaUnavailable {
         reason: "libcuda.so could not be loaded (no NVIDIA driver on this machine)",
     })?;
     // SAFETY: `lib` is libcuda.
-    let api = unsafe { load_api(lib) }.ok_or(TOO_OLD)?;
-    // SAFETY: cuInit is resolved from the loaded libcuda and takes flags 0.
-    let res = unsafe { (api.init)(0) };
-    api.check("cuInit", res)?;
-    // After cuInit, so that it runs before whatever teardown the driver registered there.
+    let table = DriverTable(unsafe { load_api(lib) }.ok_or(TOO_OLD)?);
+    {
+        let api = table.enter()?;
+        // SAFETY: cuInit is resolved from the loaded libcuda and takes flags 0.
+        let res = unsafe { (api.init)(0) };
+        api.check("cuInit", res)?;
+    }
     teardown::close_at_exit()?;
-    Ok(api)
+    Ok(table)
 }
 
 /// Whether libcuda loads, exports what this crate needs, and `cuInit` succeeds. Decided once
@@ -386,8 +446,9 @@ pub(crate) fn driver_present() -> bool {
     driver_state().is_ok()
 }
 
-/// The driver's entry points when it is usable, else the probe's error.
-pub(super) fn require_driver() -> Result<&'static Api> {
+/// The driver's entry points (to [`DriverTable::enter`]) when it is usable, else the probe's
+/// error.
+pub(super) fn require_driver() -> Result<&'static DriverTable> {
     // Cloning the error does not allocate: its variants hold numbers and static strings.
     driver_state().as_ref().map_err(Error::clone)
 }

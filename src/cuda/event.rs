@@ -5,7 +5,10 @@
 //!
 //! Events are cudarc's [`CudaEvent`]s because cudarc's safe copies record them
 //! ([`cudarc::driver::SyncOnDrop::Record`]); queries and waits go through the C-typed table, so
-//! an unknown `CUresult` is a number here, never a misread enum.
+//! an unknown `CUresult` is a number here, never a misread enum. cudarc's own calls here (create,
+//! record, and destroy in its `Drop`) are made with the exit gate held, as the table's are
+//! ([`DriverTable::enter`]); once the process is exiting an event is not destroyed but left to
+//! the process's end.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -13,7 +16,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::context::push_current;
-use super::driver::{require_driver, Api, NOT_READY, SUCCESS};
+use super::driver::{require_driver, Api, DriverTable, Live, NOT_READY, SUCCESS};
 use super::{cuda_error, driver_error};
 use crate::sys::lock::Lock;
 use crate::Result;
@@ -32,6 +35,11 @@ const POOL_CAPACITY: usize = 64;
 /// locked while it is held.
 pub(crate) static POOL: Lock<Vec<CudaEvent>> = Lock::new(Vec::new());
 
+/// The driver's table with the exit gate held (see [`DriverTable::enter`]).
+fn enter() -> Result<Live<'static>> {
+    require_driver().and_then(DriverTable::enter)
+}
+
 /// An idle event of `ctx`: one from the pool, else a new one.
 pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
     {
@@ -40,6 +48,7 @@ pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
             return Ok(pool.swap_remove(i));
         }
     }
+    let _live = enter()?;
     ctx.new_event(None)
         .map_err(|e| driver_error("cuEventCreate", e))
 }
@@ -47,6 +56,7 @@ pub(crate) fn take_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
 /// A pooled event of `stream`'s context, recorded on `stream` after the work queued so far.
 pub(crate) fn record(stream: &CudaStream) -> Result<CudaEvent> {
     let event = take_event(stream.context())?;
+    let _live = enter()?;
     event
         .record(stream)
         .map_err(|e| driver_error("cuEventRecord", e))?;
@@ -69,22 +79,26 @@ pub(crate) fn give_back(event: CudaEvent) {
 /// Destroys `event` without changing the calling thread's current context: cudarc's `Drop`
 /// makes the event's context current first, which a free on an unrelated thread must not do.
 pub(crate) fn destroy(event: CudaEvent) {
-    let guard = require_driver().and_then(|api| {
-        // SAFETY: the event's context is alive (the event holds it).
-        unsafe { push_current(api, event.context().cu_ctx().cast()) }
-    });
+    let Ok(live) = enter() else {
+        // The process is exiting (the driver may be tearing down): no cuEventDestroy.
+        std::mem::forget(event);
+        return;
+    };
+    // SAFETY: the event's context is alive (the event holds it).
+    let current = unsafe { push_current(&live, event.context().cu_ctx().cast()) };
     drop(event);
-    drop(guard);
+    drop(current);
 }
 
 /// Whether the work recorded on `event` has completed. Never blocks.
 pub(crate) fn is_complete(event: &CudaEvent) -> Result<bool> {
-    outcome(require_driver()?, event.cu_event().cast())
+    let live = enter()?;
+    outcome(&live, event.cu_event().cast())
 }
 
 /// Blocks until the work recorded on `event` has completed.
 pub(crate) fn wait(event: &CudaEvent) -> Result<()> {
-    let api = require_driver()?;
+    let api = enter()?;
     // SAFETY: `event_synchronize` is cuEventSynchronize from the loaded driver; the handle is a
     // live event (the `CudaEvent` owns it until dropped).
     let res = unsafe { (api.event_synchronize)(event.cu_event().cast()) };

@@ -16,7 +16,7 @@ use super::context::Gpu;
 use super::cuda_error;
 use super::driver::{
     Api, CuDevicePtr, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle, CuMemLocation, CuMemPool,
-    CuMemPoolProps, CuResult, CuStream,
+    CuMemPoolProps, CuResult, CuStream, DriverTable,
 };
 use crate::{Error, Result};
 
@@ -45,9 +45,11 @@ macro_rules! entry {
 }
 
 /// The entry points [`HostNumaMemory`] calls, all found before anything is created, so that
-/// its Drop has what it needs.
+/// its Drop has what it needs. They borrow the table of a held exit gate, so they are never
+/// kept past it: each use finds them again under a new one.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct VmmCalls {
+pub(super) struct VmmCalls<'a> {
+    _gate: PhantomData<&'a Api>,
     granularity: unsafe extern "C" fn(*mut usize, *const CuMemAllocationProp, c_uint) -> CuResult,
     create:
         unsafe extern "C" fn(*mut CuMemHandle, usize, *const CuMemAllocationProp, u64) -> CuResult,
@@ -59,10 +61,11 @@ pub(super) struct VmmCalls {
     set_access: unsafe extern "C" fn(CuDevicePtr, usize, *const CuMemAccessDesc, usize) -> CuResult,
 }
 
-impl VmmCalls {
+impl<'a> VmmCalls<'a> {
     /// Every entry, or [`Error::CudaUnavailable`] naming the first one libcuda lacks.
-    pub(super) fn get(api: &Api) -> Result<VmmCalls> {
+    pub(super) fn get(api: &'a Api) -> Result<VmmCalls<'a>> {
         Ok(VmmCalls {
+            _gate: PhantomData,
             granularity: entry!(
                 api,
                 mem_get_allocation_granularity,
@@ -79,9 +82,11 @@ impl VmmCalls {
     }
 }
 
-/// The entry points [`HostNumaPool`] and its blocks call.
+/// The entry points [`HostNumaPool`] and its blocks call, borrowing a held gate's table as
+/// [`VmmCalls`] do.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct PoolCalls {
+pub(super) struct PoolCalls<'a> {
+    _gate: PhantomData<&'a Api>,
     create: unsafe extern "C" fn(*mut CuMemPool, *const CuMemPoolProps) -> CuResult,
     destroy: unsafe extern "C" fn(CuMemPool) -> CuResult,
     set_attribute: unsafe extern "C" fn(CuMemPool, c_uint, *mut c_void) -> CuResult,
@@ -93,10 +98,11 @@ pub(super) struct PoolCalls {
     stream_synchronize: unsafe extern "C" fn(CuStream) -> CuResult,
 }
 
-impl PoolCalls {
+impl<'a> PoolCalls<'a> {
     /// Every entry, or [`Error::CudaUnavailable`] naming the first one libcuda lacks.
-    pub(super) fn get(api: &Api) -> Result<PoolCalls> {
+    pub(super) fn get(api: &'a Api) -> Result<PoolCalls<'a>> {
         Ok(PoolCalls {
+            _gate: PhantomData,
             create: entry!(api, mem_pool_create, "cuMemPoolCreate"),
             destroy: entry!(api, mem_pool_destroy, "cuMemPoolDestroy"),
             set_attribute: entry!(api, mem_pool_set_attribute, "cuMemPoolSetAttribute"),
@@ -161,7 +167,8 @@ pub struct HostNumaMemory<'d> {
 /// fails).
 #[derive(Debug)]
 struct Steps {
-    calls: VmmCalls,
+    /// Entered for each undoing call.
+    driver: &'static DriverTable,
     handle: Option<CuMemHandle>,
     /// The reserved range's base; 0 until reserved.
     va: CuDevicePtr,
@@ -172,7 +179,14 @@ struct Steps {
 
 impl Drop for Steps {
     fn drop(&mut self) {
-        let calls = self.calls;
+        // Once the process is exiting the driver's teardown releases them. `map` found every
+        // entry before the first step.
+        let Ok(live) = self.driver.enter() else {
+            return;
+        };
+        let Ok(calls) = VmmCalls::get(&live) else {
+            return;
+        };
         // SAFETY: each call undoes one step that succeeded (the fields say which), once, in
         // reverse order; no copy uses the range any more (`Copier::time` waits for its
         // copies). Errors cannot be reported from Drop.
@@ -194,8 +208,8 @@ impl<'d> HostNumaMemory<'d> {
     /// [`Driver::host_numa_memory`](super::tools::Driver::host_numa_memory)'s body. Needs `gpu`'s
     /// context current on this thread.
     pub(super) fn map(gpu: &'d Gpu, node: usize, len: usize) -> Result<Self> {
-        let api = gpu.api();
-        let calls = VmmCalls::get(api)?;
+        let api = gpu.enter()?;
+        let calls = VmmCalls::get(&api)?;
         let location = host_numa("cuMemCreate", node)?;
         let prop = CuMemAllocationProp {
             kind: ALLOCATION_PINNED,
@@ -215,7 +229,7 @@ impl<'d> HostNumaMemory<'d> {
             .and_then(|len| len.checked_next_multiple_of(granularity))
             .ok_or_else(|| cuda_error("cuMemCreate (size)", INVALID_VALUE, |_| None))?;
         let mut steps = Steps {
-            calls,
+            driver: gpu.driver(),
             handle: None,
             va: 0,
             len,
@@ -295,8 +309,7 @@ impl<'d> HostNumaMemory<'d> {
 pub struct HostNumaPool<'d> {
     /// The context of the `Driver` it came from, borrowed while this lives.
     _driver: PhantomData<&'d Gpu>,
-    api: &'static Api,
-    calls: PoolCalls,
+    driver: &'static DriverTable,
     pool: CuMemPool,
     stream: CuStream,
 }
@@ -305,8 +318,8 @@ impl<'d> HostNumaPool<'d> {
     /// [`Driver::host_numa_pool`](super::tools::Driver::host_numa_pool)'s body. Needs `gpu`'s
     /// context current on this thread.
     pub(super) fn create(gpu: &'d Gpu, node: usize) -> Result<Self> {
-        let api = gpu.api();
-        let calls = PoolCalls::get(api)?;
+        let api = gpu.enter()?;
+        let calls = PoolCalls::get(&api)?;
         let props = CuMemPoolProps {
             alloc_type: ALLOCATION_PINNED,
             handle_types: 0,
@@ -317,8 +330,7 @@ impl<'d> HostNumaPool<'d> {
         };
         let mut pool = HostNumaPool {
             _driver: PhantomData,
-            api,
-            calls,
+            driver: gpu.driver(),
             pool: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
         };
@@ -356,11 +368,13 @@ impl<'d> HostNumaPool<'d> {
     /// the stream has reached the allocation, so that the host may use them at once. Freed
     /// (`cuMemFreeAsync`, back into the pool) when the block drops.
     pub fn alloc(&self, len: usize) -> Result<PoolBlock<'_>> {
+        let api = self.driver.enter()?;
+        let calls = PoolCalls::get(&api)?;
         let mut dptr = 0;
         // SAFETY: the pool and stream are live (Drop destroys them); `dptr` is a valid
         // out-pointer.
-        self.api.check("cuMemAllocFromPoolAsync", unsafe {
-            (self.calls.alloc)(&mut dptr, len, self.pool, self.stream)
+        api.check("cuMemAllocFromPoolAsync", unsafe {
+            (calls.alloc)(&mut dptr, len, self.pool, self.stream)
         })?;
         let ptr = NonNull::new(dptr as usize as *mut u8).ok_or(Error::CudaUnavailable {
             reason: "cuMemAllocFromPoolAsync succeeded with a null pointer",
@@ -373,8 +387,8 @@ impl<'d> HostNumaPool<'d> {
             filled: false,
         };
         // SAFETY: the stream is live.
-        self.api.check("cuStreamSynchronize", unsafe {
-            (self.calls.stream_synchronize)(self.stream)
+        api.check("cuStreamSynchronize", unsafe {
+            (calls.stream_synchronize)(self.stream)
         })?;
         Ok(block)
     }
@@ -382,7 +396,14 @@ impl<'d> HostNumaPool<'d> {
 
 impl Drop for HostNumaPool<'_> {
     fn drop(&mut self) {
-        let calls = self.calls;
+        // Once the process is exiting the driver's teardown releases them. `create` found
+        // every entry before the first step.
+        let Ok(live) = self.driver.enter() else {
+            return;
+        };
+        let Ok(calls) = PoolCalls::get(&live) else {
+            return;
+        };
         // SAFETY: each handle was created by `create` (null ones were not and are skipped) and
         // is destroyed once; the stream is waited for first, so the blocks' frees (every block
         // borrows the pool, so all were dropped) have reached the pool. Errors cannot be
@@ -438,10 +459,15 @@ impl PoolBlock<'_> {
 impl Drop for PoolBlock<'_> {
     fn drop(&mut self) {
         let pool = self.pool;
+        let Ok(live) = pool.driver.enter() else {
+            return;
+        };
+        let Ok(calls) = PoolCalls::get(&live) else {
+            return;
+        };
         // SAFETY: the pointer came from cuMemAllocFromPoolAsync on this pool and is freed once,
         // on the pool's stream (live while the pool is borrowed). No copy uses it any more
         // (`Copier::time` waits for its copies).
-        let _ =
-            unsafe { (pool.calls.free)(self.ptr.as_ptr() as usize as CuDevicePtr, pool.stream) };
+        let _ = unsafe { (calls.free)(self.ptr.as_ptr() as usize as CuDevicePtr, pool.stream) };
     }
 }

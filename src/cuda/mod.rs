@@ -30,13 +30,14 @@
 //! the inner allocator. Registering and unregistering call through the stored pointers and do
 //! not allocate.
 //!
-//! Files: `driver.rs` loads libcuda and holds the entry-point table (one macro list) and the
-//! probe; `teardown.rs` keeps registrations out of the driver's teardown at exit; `device.rs` finds a device; `context.rs` retains its primary context and registers
-//! memory; `event.rs` (feature `pinned-buffer`) pools, records and queries events for the pinned
-//! front end (`pinned/`); `tools.rs` is the public `cuda_driver` module for benchmarks, with CUDA's own host-NUMA
-//! memory in `host_numa.rs`; this
-//! file holds error naming (the `CUresult` names themselves are in [`crate::error`]); `tests/` runs the code against a fake
-//! driver table.
+//! Files: `driver.rs` loads libcuda and holds the entry-point table (one macro list), the probe,
+//! and `DriverTable::enter`, the only way to the table's entries, which passes the exit gate;
+//! `teardown.rs` keeps every driver call out of the driver's teardown at exit; `device.rs` finds
+//! a device; `context.rs` retains its primary context and registers memory; `event.rs` (feature
+//! `pinned-buffer`) pools, records and queries events for the pinned front end (`pinned/`);
+//! `tools.rs` is the public `cuda_driver` module for benchmarks, with CUDA's own host-NUMA memory
+//! in `host_numa.rs`; this file holds error naming (the `CUresult` names themselves are in
+//! [`crate::error`]); `tests/` runs the code against a fake driver table.
 //!
 //! Unsafe code here relies on the driver's function pointers, resolved once with C types, called
 //! with live handles of this module.

@@ -1,13 +1,18 @@
-//! The exit protocol: from the moment the driver's teardown can begin, no thread calls the driver
-//! to register, unregister or retain a context.
+//! The exit protocol: from the moment the driver's teardown can begin, no thread calls the driver.
 //!
 //! libcuda tears its state down at exit (in its own exit handler or its library destructor); a
-//! registration that another thread makes afterwards touches freed driver state. Exit handlers
-//! run in reverse order of registration, and library destructors after all of them, so the
-//! handler here — registered by the driver probe right after `cuInit`, before the probe's answer
-//! lets anyone call the driver, and again after the first primary context is retained, in case
-//! the driver registers its teardown only then — runs before the driver's teardown. It closes
-//! the gate, then waits for the calls already through it to end.
+//! call that another thread makes afterwards touches freed driver state. Exit handlers run in
+//! reverse order of registration; library destructors run in the dynamic loader's handler,
+//! which the C runtime registered before `main`, so after every handler registered later. The
+//! handler here closes the gate, then waits for the calls already through it to end. The driver
+//! probe registers it before it loads libcuda (a handler registered only once the library is
+//! loaded can be registered while the process already exits, and then runs after the loader's
+//! handler: too late), again right after `cuInit` (to run before whatever teardown the driver
+//! registered there), and once more after the first primary context is retained, in case the
+//! driver registers its teardown only then. It runs once, whichever comes first.
+//!
+//! Every driver call passes the gate: [`DriverCall`] is entered only by
+//! `driver::DriverTable::enter`, the one way to the driver's entry points.
 //!
 //! The gate is one word: the closed bit and the count of calls in flight. Entering and closing
 //! are read-modify-writes of that word, so whichever comes first in its modification order wins:
@@ -34,9 +39,10 @@ static GATE: AtomicU32 = AtomicU32::new(0);
 /// took 11.6 s on one driver).
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
-/// Registers the exit handler that closes the gate. Called by the driver probe after `cuInit`
-/// (so that it runs before the driver's teardown) and before any other driver call, and again
-/// once a primary context is first retained (the handler runs once, whichever comes first).
+/// Registers the exit handler that closes the gate. Called by the driver probe before it loads
+/// libcuda and again after `cuInit` (so that it runs before the driver's teardown, whichever
+/// way the driver registers it), and once a primary context is first retained (the handler
+/// runs once, whichever comes first).
 pub(super) fn close_at_exit() -> Result<()> {
     sys::at_exit(close).map_err(|_| Error::CudaUnavailable {
         reason: "the exit handler that keeps driver calls out of the driver's teardown could not \

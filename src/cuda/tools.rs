@@ -35,7 +35,7 @@ use std::ptr::NonNull;
 
 use super::context::Gpu;
 use super::device::Device;
-use super::driver::{exported, Api, CuDevicePtr, CuEvent, CuStream, REGISTER_PORTABLE};
+use super::driver::{exported, CuDevicePtr, CuEvent, CuStream, Live, REGISTER_PORTABLE};
 pub use super::host_numa::{HostNumaMemory, HostNumaPool, PoolBlock};
 use crate::config::GpuSelector;
 use crate::{Error, Result};
@@ -66,14 +66,15 @@ impl Driver {
         self.gpu.set_current()
     }
 
-    fn api(&self) -> &'static Api {
-        self.gpu.api()
+    /// The driver's table, with the exit gate held while the result is.
+    fn enter(&self) -> Result<Live<'static>> {
+        self.gpu.enter()
     }
 
     /// `cuMemHostAlloc(PORTABLE)` of `len` bytes, freed when the result drops. Needs the context
     /// current on this thread.
     pub fn host_alloc(&self, len: usize) -> Result<HostAlloc<'_>> {
-        let api = self.api();
+        let api = self.enter()?;
         let alloc = exported(api.mem_host_alloc)?;
         exported(api.mem_free_host)?;
         let mut p: *mut c_void = std::ptr::null_mut();
@@ -126,7 +127,7 @@ impl Driver {
     /// A device buffer of `len` bytes and a stream with two timing events, for copies. Needs the
     /// context current on this thread.
     pub fn copier(&self, len: usize) -> Result<Copier<'_>> {
-        let api = self.api();
+        let api = self.enter()?;
         // Every entry `Copier` calls, so that its Drop finds them.
         let (mem_alloc, stream_create, event_create) = (
             exported(api.mem_alloc)?,
@@ -190,7 +191,8 @@ impl HostAlloc<'_> {
 
 impl Drop for HostAlloc<'_> {
     fn drop(&mut self) {
-        if let Some(free) = self.driver.api().mem_free_host {
+        let Ok(api) = self.driver.enter() else { return };
+        if let Some(free) = api.mem_free_host {
             // SAFETY: from cuMemHostAlloc, freed once.
             let _ = unsafe { free(self.ptr.as_ptr().cast()) };
         }
@@ -254,7 +256,8 @@ impl Copier<'_> {
 
     /// Waits for the stream (errors cannot be reported from the paths that call it).
     fn synchronize(&self) {
-        if let Some(sync) = self.driver.api().stream_synchronize {
+        let Ok(api) = self.driver.enter() else { return };
+        if let Some(sync) = api.stream_synchronize {
             // SAFETY: the stream is live (Drop destroys it) or null, the legacy default stream.
             let _ = unsafe { sync(self.stream) };
         }
@@ -262,7 +265,7 @@ impl Copier<'_> {
 
     /// [`Self::time`]'s body: queues the copies between the events and waits for the last one.
     fn queue_and_time(&self, host: &mut [u8], direction: Direction, copies: usize) -> Result<f64> {
-        let api = self.driver.api();
+        let api = self.driver.enter()?;
         let record = exported(api.event_record)?;
         let (htod, dtoh) = (
             exported(api.memcpy_htod_async)?,
@@ -304,17 +307,17 @@ impl Copier<'_> {
 
 impl Drop for Copier<'_> {
     fn drop(&mut self) {
-        let api = self.driver.api();
+        // The stream first, so that no copy still uses `dev`.
+        if !self.stream.is_null() {
+            self.synchronize();
+        }
+        let Ok(api) = self.driver.enter() else { return };
         // `Driver::copier` made one only when every entry below is exported.
         let (Some(destroy_event), Some(destroy_stream), Some(free)) =
             (api.event_destroy, api.stream_destroy, api.mem_free)
         else {
             return;
         };
-        // The stream first, so that no copy still uses `dev`.
-        if !self.stream.is_null() {
-            self.synchronize();
-        }
         // SAFETY: each handle was created by `copier` (null/zero ones were not and are skipped)
         // and is destroyed once, after the stream was synchronised.
         unsafe {

@@ -169,14 +169,17 @@ pub(super) fn api(uuid_v2_present: bool, uuid_v1_present: bool) -> &'static Api 
     &APIS[usize::from(uuid_v2_present) * 2 + usize::from(uuid_v1_present)]
 }
 
+/// The fake driver with both UUID entry points, behind the exit gate as libcuda's table is.
+static DRIVER: DriverTable = DriverTable::new(make(true, true));
+
 pub(super) fn gpu() -> Gpu {
-    gpu_on(api(true, true))
+    gpu_on(&DRIVER)
 }
 
-/// The fake device's `Gpu`, calling through `api`.
-pub(super) fn gpu_on(api: &'static Api) -> Gpu {
+/// The fake device's `Gpu`, calling through `driver`.
+pub(super) fn gpu_on(driver: &'static DriverTable) -> Gpu {
     let device = Device {
-        api,
+        driver,
         ordinal: 0,
         dev: 0,
         pci: PciAddress {

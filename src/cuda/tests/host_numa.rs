@@ -193,7 +193,7 @@ extern "C" fn stream_synchronize(s: CuStream) -> u32 {
 }
 
 /// The fake driver with every host-NUMA entry.
-static HOST_NUMA: Api = Api {
+const HOST_NUMA_API: Api = Api {
     mem_get_allocation_granularity: Some(granularity),
     mem_create: Some(create),
     mem_release: Some(release),
@@ -214,12 +214,14 @@ static HOST_NUMA: Api = Api {
     ..fake::make(true, true)
 };
 
+static HOST_NUMA: DriverTable = DriverTable::new(HOST_NUMA_API);
+
 /// The same without `cuMemCreate` and `cuMemPoolCreate`.
-static WITHOUT_CREATE: Api = Api {
+static WITHOUT_CREATE: DriverTable = DriverTable::new(Api {
     mem_create: None,
     mem_pool_create: None,
-    ..HOST_NUMA
-};
+    ..HOST_NUMA_API
+});
 
 #[test]
 fn maps_with_device_and_host_access_and_undoes_in_reverse() {
