@@ -7,9 +7,13 @@
 //! (default 20 each; the long soak runs 300).
 
 #[macro_use]
+#[path = "common/require.rs"]
+pub mod require_support;
+#[macro_use]
 #[path = "common/sim.rs"]
 pub mod sim_support;
 mod common {
+    pub use super::require_support as require;
     pub use super::sim_support as sim;
 }
 
@@ -28,10 +32,10 @@ sim_test!(
     a_child_forked_during_a_slow_driver_probe_allocates,
     env: [("CUDA_SIM_INIT_US", "1000000")],
     {
-        if sim::real_driver() {
-            eprintln!("SKIPPED on the real driver: needs the simulator's slow cuInit");
-            return;
-        }
+        require!(
+            !sim::real_driver(),
+            "on the real driver: needs the simulator's slow cuInit"
+        );
         static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new();
         let prober = std::thread::spawn(numa_gpu_alloc::cuda_driver_present);
         std::thread::sleep(Duration::from_millis(100));
