@@ -8,8 +8,8 @@
 //! process's resident memory (`trim_rss`) or its populate workers (`populate_workers`); a
 //! feature (`faults`); the fuzz corpus, not packaged (`fuzz_corpus`); a real GPU or its
 //! simulator, run by name on GPU machines (`gpu`, `host_numa_sim`, `driver_lifecycle`); shared
-//! pools, whose children attach across processes (`shared_pool`, `shared_pool_huge`,
-//! `shared_pool_sim`).
+//! pools, whose children attach across processes, some as a second user (`shared_pool`,
+//! `shared_pool_huge`, `shared_pool_sim`, `shared_pool_trust`).
 
 // The shared test modules live in tests/common/, beside this folder.
 #[path = "../common/child.rs"]
