@@ -17,7 +17,8 @@ if ! command -v valgrind >/dev/null; then
 fi
 
 # Build once; map each test target to its binary from cargo's "Executable" lines.
-build_log=$(cargo test --no-run --features fault-injection 2>&1) || {
+# The features of CI's fault-injection step, so that its build is reused.
+build_log=$(cargo test --no-run --features fault-injection,serde 2>&1) || {
     echo "$build_log" >&2
     exit 1
 }
