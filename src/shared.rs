@@ -60,8 +60,6 @@ pub use block::{PoolHandle, SharedBlock};
 pub use build::SharedPoolBuilder;
 pub use stats::PoolStats;
 
-/// The huge page size a pool of huge pages uses.
-const HUGE_PAGE: usize = 2 << 20;
 /// How long attaching waits for a live creator to finish populating (only a pool of an older
 /// layout, or one whose header was changed, is ever seen unfinished: a pool is linked into its
 /// path once it is ready).

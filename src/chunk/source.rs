@@ -4,8 +4,7 @@
 //! range; the allocator does the rest on the mapping whatever its source: places it (`mbind`),
 //! populates it with the node's bound workers, checks where its pages are and registers it with
 //! CUDA. [`Anonymous`] (private anonymous `mmap`) is the source of every chunk and dedicated
-//! block today; a source backed by a shared memory file serves a pool that several processes
-//! map.
+//! block; a shared pool maps its memory file itself (`pool/`), outside this seam.
 //!
 //! Unsafe code here relies on the contract of [`ChunkSource`]; [`Anonymous`] meets it with
 //! fresh private mappings of its own.

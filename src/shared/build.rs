@@ -14,13 +14,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::{io_error, shown, SharedPool, HUGE_PAGE, LOCK_WAIT};
+use super::{io_error, shown, SharedPool, LOCK_WAIT};
 use crate::config::Config;
 use crate::guard::Inside;
 use crate::pool::carve::MAX_ALIGN;
 use crate::pool::{PoolMap, DATA_START};
 use crate::process::INIT;
-use crate::sys;
+use crate::sys::{self, HUGE_PAGE};
+use crate::topology::sysfs::free_huge_pages;
 use crate::topology::NumaTopology;
 use crate::Error;
 
@@ -117,7 +118,8 @@ impl SharedPoolBuilder {
     /// call's error. Nothing is left at the path, nor under the private name, when making it
     /// failed.
     pub fn create(self) -> Result<SharedPool, Error> {
-        let topology = NumaTopology::from_sysfs()?;
+        let sysfs_root = Path::new(process_settings().sysfs_root);
+        let topology = NumaTopology::from_sysfs_root(sysfs_root)?;
         let node = match self.node {
             Some(node) => node,
             None => sys::current_node()?,
@@ -142,7 +144,7 @@ impl SharedPoolBuilder {
             });
         }
         if self.huge_pages {
-            check_huge_pages(node, size, self.path.as_deref())?;
+            check_huge_pages(sysfs_root, node, size, self.path.as_deref())?;
         }
         let Some(path) = self.path.clone() else {
             let file = memfd(self.huge_pages, self.inherit)?;
@@ -203,7 +205,7 @@ impl SharedPoolBuilder {
             }
         }
         let mut map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
-        let bound = register_max();
+        let bound = process_settings().register_max;
         let chunk = self
             .chunk
             .unwrap_or(bound)
@@ -271,17 +273,17 @@ impl SharedPool {
     }
 }
 
-/// The allocator's registration bound in this process, read as every allocator value reads it:
-/// the default (`Config::DEFAULT`) with `NUMA_GPU_ALLOC`'s settings applied (parsed once per
-/// process, under the initialisation lock; a parsed `register_max=` is 2 MiB to 1 GiB, a
-/// multiple of 2 MiB).
-fn register_max() -> usize {
+/// The process's settings as every allocator value reads them: the default (`Config::DEFAULT`)
+/// with `NUMA_GPU_ALLOC`'s settings applied (parsed once per process, under the initialisation
+/// lock): the registration bound (`register_max=`, 2 MiB to 1 GiB, a multiple of 2 MiB) and the
+/// sysfs root.
+fn process_settings() -> Config {
     // Inside the allocator while the lock is held: parsing allocates, and an allocation that
     // reached a `NumaGpuAlloc` global allocator's initialisation would wait for this lock.
     let _inside = Inside::enter();
     let mut config = Config::DEFAULT;
     INIT.lock().env().apply_to(&mut config);
-    config.register_max
+    config
 }
 
 /// A memory file for a pool, close-on-exec unless `inherit`, and sealed against resizing once
@@ -311,15 +313,13 @@ fn create_private(path: &Path) -> Result<(File, PathBuf), Error> {
 }
 
 /// Refuses a pool of huge pages that the node's free huge pages cannot hold.
-fn check_huge_pages(node: usize, size: usize, path: Option<&Path>) -> Result<(), Error> {
-    let file = format!(
-        "/sys/devices/system/node/node{node}/hugepages/hugepages-{}kB/free_hugepages",
-        HUGE_PAGE >> 10
-    );
-    let free = std::fs::read_to_string(&file)
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .unwrap_or(0);
+fn check_huge_pages(
+    sysfs_root: &Path,
+    node: usize,
+    size: usize,
+    path: Option<&Path>,
+) -> Result<(), Error> {
+    let free = free_huge_pages(sysfs_root, node, HUGE_PAGE);
     let needed = size / HUGE_PAGE;
     if free < needed {
         return Err(Error::PoolHugePages {

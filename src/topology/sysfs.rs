@@ -116,6 +116,19 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
     }
 }
 
+/// Node `node`'s free huge pages of `page_bytes` (`nodeN/hugepages/hugepages-<kB>kB/
+/// free_hugepages` under `root`); 0 when the file cannot be read (no such pages reserved).
+pub(crate) fn free_huge_pages(root: &Path, node: usize, page_bytes: usize) -> usize {
+    let file = root.join(format!(
+        "devices/system/node/node{node}/hugepages/hugepages-{}kB/free_hugepages",
+        page_bytes >> 10
+    ));
+    read_parsed(&file, |s| {
+        s.trim().parse().map_err(|_| parse_error("a count", s))
+    })
+    .unwrap_or(0)
+}
+
 /// The kernel's count of direct compaction stalls so far (`compact_stall` in `/proc/vmstat`):
 /// allocations that waited for memory to be compacted. `None` when it cannot be read.
 pub(crate) fn compaction_stalls() -> Option<u64> {
