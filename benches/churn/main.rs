@@ -1,5 +1,5 @@
 //! Large-buffer churn in whole programs: five allocators, each the `#[global_allocator]` of its own
-//! child process, on six workloads of buffers at and above the 2 MiB threshold.
+//! child process, on nine workloads of buffers at and above the 2 MiB threshold.
 //!
 //! `cargo bench --bench churn [-- --quick] [-- --runs N] [-- --workload a,c] [-- --json PATH]`
 //!
@@ -170,7 +170,7 @@ fn workload(key: &str) -> Result<&'static Workload, String> {
     WORKLOADS
         .iter()
         .find(|w| w.key == key)
-        .ok_or_else(|| format!("no workload {key:?} (a to f)"))
+        .ok_or_else(|| format!("no workload {key:?} (a to i)"))
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -256,6 +256,9 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
     println!("{}", report::header(runs, args.quick, &date));
     let mut results = Vec::new();
     for workload in &args.workloads {
+        if let Some(prepare) = workload.prepare {
+            prepare(scale).map_err(|e| format!("({}) preparing: {e}", workload.key))?;
+        }
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Peer::ALL.len()];
         for run in 1..=runs {
             eprintln!("churn: ({}) run {run}/{runs}", workload.key);

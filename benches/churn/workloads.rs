@@ -1,9 +1,12 @@
 //! The churn workloads: what a child process runs, at the full or the `--quick` scale.
 //!
-//! Every buffer of (a)–(d) is written, so that its pages are really touched: every byte
-//! (`vec![byte; n]` is a `memset`, `extend_from_slice` a `memcpy`), or in (c) one byte per 4 KiB
-//! page. (e) and (f) are the zeroed, barely touched shapes of public allocator benchmarks:
-//! `vec![0u8; n]` is `alloc_zeroed`, and one byte of each buffer is written.
+//! Every buffer of (a)–(d) and (g)–(i) is written, so that its pages are really touched: every
+//! byte (`vec![byte; n]` is a `memset`, `extend_from_slice` a `memcpy`, `read()` the kernel's
+//! copy), or in (c) one byte per 4 KiB page. (e) and (f) are the zeroed, barely touched shapes of
+//! public allocator benchmarks: `vec![0u8; n]` is `alloc_zeroed`, and one byte of each buffer is
+//! written. (g) asks for zeroed buffers and then writes them whole (a buffer cleared before it is
+//! filled, as `vec![0; n]` followed by a fill or a read): the allocator cannot tell it from (e)
+//! by the request alone.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -30,6 +33,10 @@ pub struct Scale {
     large_zeroed: usize,
     /// (f): zeroed 1 GiB buffers, one live at a time.
     gib_zeroed: usize,
+    /// (h): phases of the mixed program.
+    phases: usize,
+    /// (i): bytes of the file read.
+    read_bytes: usize,
 }
 
 pub const FULL: Scale = Scale {
@@ -39,6 +46,8 @@ pub const FULL: Scale = Scale {
     growths: 6,
     large_zeroed: 2000,
     gib_zeroed: 200,
+    phases: 10,
+    read_bytes: GIB,
 };
 pub const QUICK: Scale = Scale {
     batches: 1,
@@ -47,6 +56,8 @@ pub const QUICK: Scale = Scale {
     growths: 2,
     large_zeroed: 200,
     gib_zeroed: 4,
+    phases: 2,
+    read_bytes: 64 * MIB,
 };
 
 pub struct Workload {
@@ -55,6 +66,8 @@ pub struct Workload {
     pub title: &'static str,
     pub count: fn(&Scale) -> usize,
     pub run: fn(&Scale) -> u64,
+    /// What the driver makes before the workload's children run (the file (i) reads).
+    pub prepare: Option<fn(&Scale) -> std::io::Result<()>>,
     /// Ours/mimalloc wall time over mimalloc's.
     pub wall_target: f64,
     /// Ours/mimalloc peak RSS over mimalloc's.
@@ -65,7 +78,7 @@ pub struct Workload {
     pub glibc_wall_target: Option<f64>,
 }
 
-pub const WORKLOADS: [Workload; 6] = [
+pub const WORKLOADS: [Workload; 9] = [
     Workload {
         key: "a",
         title:
@@ -73,6 +86,7 @@ pub const WORKLOADS: [Workload; 6] = [
                 of 1-48 MiB per producer, filled, dropped by the consumer",
         count: |s| s.batches,
         run: producers_consumer,
+        prepare: None,
         wall_target: 1.0,
         rss_target: Some(1.0),
         jemalloc_wall_target: None,
@@ -84,6 +98,7 @@ pub const WORKLOADS: [Workload; 6] = [
                 allocated and filled",
         count: |s| s.ring_steps,
         run: ring,
+        prepare: None,
         wall_target: 1.0,
         rss_target: Some(1.0),
         jemalloc_wall_target: None,
@@ -95,6 +110,7 @@ pub const WORKLOADS: [Workload; 6] = [
                 allocate one (one byte written per 4 KiB page)",
         count: |s| s.pool_rounds,
         run: pool,
+        prepare: None,
         wall_target: 0.95,
         rss_target: None,
         jemalloc_wall_target: None,
@@ -106,6 +122,7 @@ pub const WORKLOADS: [Workload; 6] = [
                 dropped; {n} times",
         count: |s| s.growths,
         run: growth,
+        prepare: None,
         wall_target: 0.6,
         rss_target: None,
         jemalloc_wall_target: None,
@@ -117,6 +134,7 @@ pub const WORKLOADS: [Workload; 6] = [
                 random slot, dropping the one there; one byte written per buffer",
         count: |s| s.large_zeroed,
         run: large_zeroed,
+        prepare: None,
         wall_target: 1.0,
         rss_target: None,
         jemalloc_wall_target: Some(10.0),
@@ -128,10 +146,48 @@ pub const WORKLOADS: [Workload; 6] = [
                 written per buffer",
         count: |s| s.gib_zeroed,
         run: gib_zeroed,
+        prepare: None,
         wall_target: 1.0,
         rss_target: None,
         jemalloc_wall_target: Some(10.0),
         glibc_wall_target: None,
+    },
+    Workload {
+        key: "g",
+        title:
+            "(g) as (b), but each buffer asked for zeroed (vec![0u8; n]) and then written whole: \
+                {n} allocated, filled",
+        count: |s| s.ring_steps,
+        run: ring_zeroed,
+        prepare: None,
+        wall_target: 1.0,
+        rss_target: Some(1.0),
+        jemalloc_wall_target: None,
+        glibc_wall_target: GLIBC,
+    },
+    Workload {
+        key: "h",
+        title: "(h) a mixed program: {n} phases, each a large buffer of 64-144 MiB held while 16 \
+                or 17 of 2-24 MiB are filled and dropped and small objects are built (178 large \
+                requests at full scale), all written whole",
+        count: |s| s.phases,
+        run: mixed,
+        prepare: None,
+        wall_target: 1.0,
+        rss_target: Some(1.0),
+        jemalloc_wall_target: None,
+        glibc_wall_target: GLIBC,
+    },
+    Workload {
+        key: "i",
+        title: "(i) one read() of a {n} MiB file (in the page cache) into a new Vec<u8>",
+        count: |s| s.read_bytes / MIB,
+        run: read_file,
+        prepare: Some(make_file),
+        wall_target: 1.0,
+        rss_target: Some(1.0),
+        jemalloc_wall_target: None,
+        glibc_wall_target: Some(1.1),
     },
 ];
 
@@ -177,6 +233,83 @@ fn ring(scale: &Scale) -> u64 {
         live.push_back(black_box(vec![(step as u8) | 1; (3 + step % 13) * MIB]));
     }
     sum
+}
+
+/// (g) As [`ring`], each buffer zeroed when asked for and then written whole.
+fn ring_zeroed(scale: &Scale) -> u64 {
+    let mut live: VecDeque<Vec<u8>> = VecDeque::with_capacity(8);
+    let mut sum = 0u64;
+    for step in 0..scale.ring_steps {
+        if live.len() == 8 {
+            sum += live.pop_front().map_or(0, |b| u64::from(b[b.len() / 2]));
+        }
+        let mut buf = black_box(vec![0u8; (3 + step % 13) * MIB]);
+        buf.fill((step as u8) | 1);
+        live.push_back(black_box(buf));
+    }
+    sum
+}
+
+/// The large buffers of (h)'s phases, MiB: sizes a program's stages might hold, no two phases in
+/// a row alike.
+const PHASE_MIB: [usize; 10] = [64, 96, 72, 128, 80, 112, 64, 144, 88, 100];
+
+/// (h) Phases of a program: each holds one large buffer while it fills and drops medium ones and
+/// builds small objects (a map of strings), then drops it.
+fn mixed(scale: &Scale) -> u64 {
+    let mut state = 0x313d;
+    let mut sum = 0u64;
+    for phase in 0..scale.phases {
+        let big = black_box(vec![
+            (phase as u8) | 1;
+            PHASE_MIB[phase % PHASE_MIB.len()] * MIB
+        ]);
+        let mediums = if phase < 8 { 17 } else { 16 };
+        for i in 0..mediums {
+            let len = 2 * MIB + (splitmix64(&mut state) % (22 * MIB as u64 + 1)) as usize;
+            let buf = black_box(vec![(i as u8) | 1; len]);
+            sum += u64::from(buf[len - 1]);
+            let words: std::collections::HashMap<String, u64> = (0..2_000u64)
+                .map(|k| (format!("{phase}-{i}-{k}"), splitmix64(&mut state)))
+                .collect();
+            sum += words.len() as u64;
+        }
+        sum += u64::from(big[big.len() / 2]);
+    }
+    sum
+}
+
+/// The file (i) reads, of `len` bytes.
+fn file_path(len: usize) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("churn-bench-read-{}-mib", len / MIB))
+}
+
+/// Writes (i)'s file unless it is there, and reads it once so that it is in the page cache.
+fn make_file(scale: &Scale) -> std::io::Result<()> {
+    let path = file_path(scale.read_bytes);
+    if std::fs::metadata(&path).map(|m| m.len()).ok() != Some(scale.read_bytes as u64) {
+        let chunk: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8).collect();
+        let mut file = std::fs::File::create(&path)?;
+        for _ in 0..scale.read_bytes / MIB {
+            std::io::Write::write_all(&mut file, &chunk)?;
+        }
+    }
+    std::io::copy(&mut std::fs::File::open(&path)?, &mut std::io::sink()).map(|_| ())
+}
+
+/// (i) Reads the whole file into a new buffer with one `read()` (the kernel's copy faults the
+/// buffer's pages in), as a loader does.
+fn read_file(scale: &Scale) -> u64 {
+    use std::os::fd::AsRawFd;
+    let len = scale.read_bytes;
+    let file = std::fs::File::open(file_path(len)).expect("the driver made the file");
+    let mut buf: Vec<u8> = Vec::with_capacity(len);
+    // SAFETY: `buf` has room for `len` bytes; the file is open.
+    let got = unsafe { libc::read(file.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
+    assert_eq!(got, len as isize, "one read() of the whole file");
+    // SAFETY: `read` wrote `len` bytes.
+    unsafe { buf.set_len(len) };
+    u64::from(black_box(&buf)[len / 2])
 }
 
 /// A block of `len` bytes with one byte written per page.

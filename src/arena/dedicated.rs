@@ -180,13 +180,32 @@ impl Arena {
     /// keeps live, pending and cached bytes within 1/8 above the most that was live and pending
     /// at once. Reuse never needs more (what was in use at once fits).
     pub(super) fn budget(&self, limit: usize) -> usize {
-        let peak = self.peak_in_use;
+        self.budget_with(limit, 0)
+    }
+
+    /// [`Self::budget`] once `more` bytes more are live.
+    fn budget_with(&self, limit: usize, more: usize) -> usize {
+        let live = self.live_bytes().saturating_add(more);
+        let peak = self.peak_in_use.max(live);
         let roof = peak.saturating_add(peak / CLASSES_PER_DOUBLING as usize);
-        limit.min(roof.saturating_sub(self.live_bytes()))
+        limit.min(roof.saturating_sub(live))
+    }
+
+    /// Evicts the oldest cached blocks beyond the budget a new dedicated block of `capacity` will
+    /// leave once live: before that block is mapped and populated, so that the blocks a phase of
+    /// the program stopped using (of sizes the next phase does not ask for) leave before the
+    /// next phase's memory comes in, and the process never holds both. Cached blocks within the
+    /// budget stay for reuse: together with what is live they fit in what was in use at once.
+    pub(crate) fn make_room(&mut self, capacity: usize, limit: usize, out: &mut Released) {
+        self.evict_to(self.budget_with(limit, capacity), out);
     }
 
     pub(super) fn evict_beyond(&mut self, limit: usize, out: &mut Released) {
-        let budget = self.budget(limit);
+        self.evict_to(self.budget(limit), out);
+    }
+
+    /// Evicts the oldest cached blocks while cached and pending bytes pass `budget`.
+    fn evict_to(&mut self, budget: usize, out: &mut Released) {
         while self.cached.bytes() + self.pending.bytes() > budget && !out.blocks.is_full() {
             let Some(old) = self.cached.pop_oldest() else {
                 break;

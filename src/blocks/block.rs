@@ -182,8 +182,9 @@ impl Blocks {
     /// nodes there) and populated, then the block's pages move onto its head (`mremap`). Nothing
     /// is left behind to cache, and only the tail is populated. A lazy block instead moves and
     /// grows in one `mremap` into the new mapping's place (one kernel mapping still, so it can
-    /// grow so again on kernels that move only one at a time). When it cannot grow so, the block
-    /// is given back untouched (the caller then moves it by copying).
+    /// grow so again on kernels that move only one at a time), and then its tail is populated
+    /// too: a growing block is written whole ([`Self::populates_request`]). When it cannot grow
+    /// so, the block is given back untouched (the caller then moves it by copying).
     pub(crate) fn grow_block(
         &self,
         dedicated: Dedicated,
@@ -207,14 +208,23 @@ impl Blocks {
                 return Err(dedicated);
             };
             return match dedicated.memory.grow_into(place) {
-                Ok(memory) => Ok(Dedicated {
-                    block: Block {
-                        addr: memory.base(),
-                        capacity,
-                        ..old
-                    },
-                    memory,
-                }),
+                Ok(mut memory) => {
+                    if let Some(mut tail) = memory.part(old.capacity, tail_len) {
+                        let start = Instant::now();
+                        // A failure leaves the tail to be faulted in where written, as before
+                        // populating it: the block has grown either way.
+                        let _ = self.populate(&mut tail, nodes);
+                        self.counters.populate.record(start.elapsed());
+                    }
+                    Ok(Dedicated {
+                        block: Block {
+                            addr: memory.base(),
+                            capacity,
+                            ..old
+                        },
+                        memory,
+                    })
+                }
                 Err(memory) => Err(Dedicated { block: old, memory }),
             };
         }

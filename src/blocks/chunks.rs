@@ -175,7 +175,7 @@ impl Blocks {
             if len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
                 self.give_back_for(block.node, len, Shortage::Memory);
             }
-            let populate = !block.kind.lazy;
+            let populate = self.populates_request(block.kind, zeroed);
             let mut populated = self.populate_part(&mut unpopulated, &target.nodes, populate);
             if let Err(e) = &populated {
                 // Idle memory of the node may make room (the block itself is live: it stays).
@@ -196,7 +196,7 @@ impl Blocks {
     }
 
     /// `block`, its `dirty` part cleared when `zeroed` (pages given back rather than written
-    /// when its kind is faulted in where touched).
+    /// when its last user barely touched them: [`Blocks::clears_by_dropping`]).
     fn cleared(
         &self,
         block: Block,
@@ -205,13 +205,15 @@ impl Blocks {
         zeroed: bool,
     ) -> Block {
         if let (true, Some(mut dirty)) = (zeroed, dirty.and_then(|span| part.sub(span))) {
-            dirty.clear(block.kind.lazy);
+            let drop = Blocks::clears_by_dropping(block.kind, dirty.ptr(), dirty.len());
+            dirty.clear(drop);
         }
         block
     }
 
     /// Populates what a carved block grown in place from `old` took of granules never
-    /// populated; on failure shrinks it back to `old` and says so.
+    /// populated (a block grown by `realloc` is written whole: see
+    /// [`Blocks::populates_request`]); on failure shrinks it back to `old` and says so.
     pub(crate) fn populate_grown(
         &self,
         node: usize,
@@ -223,7 +225,7 @@ impl Blocks {
         };
         let nodes = self.policy_nodes_of(node);
         if self
-            .populate_part(&mut part, &nodes, !old.kind.lazy)
+            .populate_part(&mut part, &nodes, self.populates_request(old.kind, false))
             .is_ok()
         {
             return true;

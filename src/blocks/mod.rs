@@ -18,6 +18,7 @@ mod tests;
 
 pub(crate) use pinning::Unpinnable;
 
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use crate::arena::{Arena, HeapKey, Kind, Shortage, CHUNK_MAX};
@@ -166,6 +167,31 @@ impl Blocks {
             || !self.numa_placement()
     }
 
+    /// Whether a request's pages never handed out before are populated when it is served: always
+    /// for a kind that populates ([`Self::populates`]); for a lazy kind, when the request is not
+    /// zeroed. A request that does not ask for zeros is written before it is read, so it is
+    /// written whole (a staging buffer, a growing `Vec`, a read target): populating its pages in
+    /// bulk, with the node's workers, costs less than faulting them in one by one where its
+    /// user writes (half as much on a 2-core VM, an eighth without huge pages). A zeroed
+    /// request may be barely touched (`vec![0; n]` of which a few bytes are used): its fresh
+    /// pages are already zero and are faulted in only where touched.
+    pub(crate) fn populates_request(&self, kind: Kind, zeroed: bool) -> bool {
+        !kind.lazy || !zeroed
+    }
+
+    /// Whether the part of a block of `kind` at `ptr..ptr+len` that held data is made zero by
+    /// giving its pages back (they come back zero where touched), rather than by writing zeros:
+    /// for a lazy kind, when its last user left fewer than half of [`CLEAR_SAMPLES`] pages spread
+    /// over it resident. Pages its last user barely touched are then not faulted in by the
+    /// clearing, and a zeroed buffer barely touched again stays cheap; pages it wrote whole are
+    /// written over where they are, without a fault each, for a caller that writes it whole again
+    /// (a buffer cleared before it is filled).
+    pub(crate) fn clears_by_dropping(kind: Kind, ptr: NonNull<u8>, len: usize) -> bool {
+        kind.lazy
+            && crate::sys::resident_sample(ptr, len, CLEAR_SAMPLES)
+                .is_none_or(|(resident, sampled)| resident < sampled)
+    }
+
     /// Whether blocks are still placed with `mbind`.
     pub(crate) fn numa_placement(&self) -> bool {
         self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
@@ -208,6 +234,9 @@ impl Blocks {
 
 /// Blocks of at least this size get 2 MiB alignment and `MADV_HUGEPAGE` (when enabled).
 pub(crate) use crate::sys::HUGE_PAGE;
+/// Pages looked at to tell whether a dirty part was touched whole by its last user
+/// ([`Blocks::clears_by_dropping`]): one `mincore` each, a few microseconds in all.
+const CLEAR_SAMPLES: usize = 8;
 /// `CUresult` of a registration beyond what the driver can page-lock.
 const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
 

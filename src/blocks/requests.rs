@@ -77,7 +77,7 @@ impl Blocks {
         let zero = zeroed.then_some(layout.size());
         // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
         self.take_cached(fit, zero, target)
-            .or_else(|| self.create(capacity, fit.align, target, kind))
+            .or_else(|| self.create(capacity, fit.align, target, kind, zeroed))
     }
 
     /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
@@ -124,8 +124,11 @@ impl Blocks {
         let block = match taken {
             Taken::Recorded(block) => block,
             Taken::ToZero(mut hit, len) => {
-                let lazy = hit.block.kind.lazy;
-                hit.zero(len, lazy);
+                let block = hit.block;
+                let drop = NonNull::new(block.addr as *mut u8).is_some_and(|ptr| {
+                    Self::clears_by_dropping(block.kind, ptr, len.min(block.capacity))
+                });
+                hit.zero(len, drop);
                 self.with_arena(node, |arena, out| record(arena, hit, out))?
             }
         }?;
@@ -133,18 +136,23 @@ impl Blocks {
         Some(block)
     }
 
-    /// A new live dedicated block of `kind` for `target` (a cache miss).
+    /// A new live dedicated block of `kind` for `target` (a cache miss), populated unless a lazy
+    /// kind's `zeroed` request ([`Self::populates_request`]).
     fn create(
         &self,
         capacity: usize,
         align: usize,
         target: &Resolved,
         kind: Kind,
+        zeroed: bool,
     ) -> Option<Block> {
         self.counters.cache_misses.incr();
-        let made = self
-            .create_block(capacity, align, target, !kind.lazy)
-            .ok()?;
+        let limit = self.settings.cache_limit;
+        self.with_arena(target.host_node, |arena, out| {
+            arena.make_room(capacity, limit, out);
+        });
+        let populate = self.populates_request(kind, zeroed);
+        let made = self.create_block(capacity, align, target, populate).ok()?;
         self.record_created(made)
     }
 

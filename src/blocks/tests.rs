@@ -11,6 +11,7 @@ use super::{Blocks, Resolved};
 use crate::alloc::tests::serial;
 use crate::chunk::{ChunkSource, ANONYMOUS};
 use crate::config::{Config, PinMode};
+use crate::sys::resident_sample;
 use crate::sys::NodeMask;
 use crate::{Error, NumaTopology};
 
@@ -155,4 +156,79 @@ fn a_source_that_cannot_map_fails_the_request_and_loses_nothing() {
     assert!(blocks.free(block.as_ptr() as usize, 0));
     blocks.trim();
     assert_eq!(SOURCE.mapped.load(Relaxed), 0, "given back whole");
+}
+
+/// Of 8 pages spread over the `len` bytes at `ptr`, how many are resident.
+fn resident(ptr: NonNull<u8>, len: usize) -> usize {
+    resident_sample(ptr, len, 8).expect("mapped").0
+}
+
+#[test]
+fn a_block_not_asked_zeroed_is_populated_and_a_zeroed_one_is_faulted_where_touched() {
+    static SOURCE: CountingSource = CountingSource::new();
+    let _serial = serial();
+    let (blocks, target) = blocks(&SOURCE);
+    assert!(!blocks.populates(), "the default: lazy blocks");
+    let layout = Layout::from_size_align(8 * MIB, 4096).unwrap();
+    let written = blocks.allocate(layout, false, false, &target).unwrap();
+    assert_eq!(resident(written, layout.size()), 8, "populated in bulk");
+    let zeroed = blocks.allocate(layout, true, false, &target).unwrap();
+    assert_eq!(
+        resident(zeroed, layout.size()),
+        0,
+        "faulted in where touched"
+    );
+    // Past the dedicated size: a mapping of its own, the same rule.
+    let big = Layout::from_size_align(80 * MIB, 4096).unwrap();
+    let written_big = blocks.allocate(big, false, false, &target).unwrap();
+    assert_eq!(resident(written_big, big.size()), 8);
+    let zeroed_big = blocks.allocate(big, true, false, &target).unwrap();
+    assert_eq!(resident(zeroed_big, big.size()), 0);
+    for block in [written, zeroed, written_big, zeroed_big] {
+        assert!(blocks.free(block.as_ptr() as usize, 0));
+    }
+    blocks.trim();
+}
+
+#[test]
+fn a_zeroed_reuse_writes_over_what_its_last_user_wrote_and_drops_what_it_left() {
+    static SOURCE: CountingSource = CountingSource::new();
+    let _serial = serial();
+    let (blocks, target) = blocks(&SOURCE);
+    let layout = Layout::from_size_align(8 * MIB, 4096).unwrap();
+    let len = layout.size();
+    let zeroed_again = |ptr: NonNull<u8>| {
+        assert!(blocks.free(ptr.as_ptr() as usize, 0));
+        let again = blocks.allocate(layout, true, false, &target).unwrap();
+        assert_eq!(again, ptr, "the same range, carved again");
+        again
+    };
+    // Read after residency is looked at: reading maps the zero page, which `mincore` counts.
+    let all_zero = |ptr: NonNull<u8>| {
+        // SAFETY: ours, `len` bytes, asked zeroed.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
+        assert!(bytes.iter().all(|&b| b == 0), "zeroed");
+    };
+    // Written whole, then asked zeroed: the pages stay, written over.
+    let whole = blocks.allocate(layout, false, false, &target).unwrap();
+    // SAFETY: ours, `len` bytes.
+    unsafe { whole.as_ptr().write_bytes(7, len) };
+    let purges = SOURCE.purges.load(Relaxed);
+    let again = zeroed_again(whole);
+    assert_eq!(SOURCE.purges.load(Relaxed), purges, "nothing given back");
+    assert_eq!(resident(again, len), 8);
+    all_zero(again);
+    assert!(blocks.free(again.as_ptr() as usize, 0));
+    blocks.trim();
+    // Zeroed and barely touched, then asked zeroed again: the pages go back.
+    let barely = blocks.allocate(layout, true, false, &target).unwrap();
+    // SAFETY: inside the block.
+    unsafe { barely.as_ptr().add(len / 2).write(7) };
+    let purges = SOURCE.purges.load(Relaxed);
+    let again = zeroed_again(barely);
+    assert_eq!(SOURCE.purges.load(Relaxed), purges + 1, "given back");
+    assert!(resident(again, len) <= 1, "the edges' huge pages at most");
+    all_zero(again);
+    assert!(blocks.free(again.as_ptr() as usize, 0));
+    blocks.trim();
 }

@@ -186,11 +186,14 @@ pub struct Config {
     /// the node's pooled workers); 0: the CPUs this process may use, at most 8 (more rarely
     /// help: the kernel's page clearing saturates a node's memory bandwidth).
     pub populate_threads: usize,
-    /// Populate every large block when it is handed out (`populate=eager`), not only those
-    /// that must be resident then: pinned blocks, and blocks checked page by page (`verify=on`,
-    /// `policy=bind`). Off (`lazy`), the kernel faults the other blocks' pages in where their
-    /// user first touches them, on the node their policy names, and pages never touched take no
-    /// memory.
+    /// Populate every large block when it is handed out (`populate=eager`), zeroed requests too,
+    /// and clear reused memory for a zeroed request by writing zeros. Off (`lazy`, the default),
+    /// each request decides: blocks that must be resident (pinned, checked page by page with
+    /// `verify=on` or `policy=bind`) and requests not asked zeroed (written before they are read:
+    /// written whole) are populated in bulk by the node's workers; a zeroed request's fresh pages
+    /// are faulted in where its user touches them, on the node its policy names (pages never
+    /// touched take no memory), and reused memory is cleared for it by writing zeros where its
+    /// last user left it resident, else by giving its pages back.
     pub populate_eager: bool,
     /// Root of sysfs (`/sys`); tests point it at fixture trees.
     pub sysfs_root: &'static str,

@@ -98,6 +98,7 @@ pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
 pub(crate) use process::at_fork;
+pub(crate) use resident::resident_sample;
 pub use resident::{populate, PopulateMethod};
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{

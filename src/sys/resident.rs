@@ -109,3 +109,40 @@ fn madvise_populate_write(ptr: NonNull<u8>, len: usize) -> std::result::Result<(
     }
     Ok(())
 }
+
+/// How many of `samples` pages spread evenly over `ptr..ptr+len` are resident (`mincore`), and
+/// how many were asked about: what the range's last user touched, seen without touching it.
+/// `None` when the kernel refused (a range not mapped, an empty one). Allocates nothing: one
+/// call per sampled page.
+pub(crate) fn resident_sample(
+    ptr: NonNull<u8>,
+    len: usize,
+    samples: usize,
+) -> Option<(usize, usize)> {
+    let page = page_size();
+    let pages = len / page;
+    let samples = samples.min(pages);
+    if samples == 0 {
+        return None;
+    }
+    let mut resident = 0;
+    for i in 0..samples {
+        // The middle of each of `samples` equal slices.
+        let index = (2 * i + 1) * pages / (2 * samples);
+        let mut vec = 0u8;
+        // SAFETY: the address is page-aligned and inside the caller's range; `vec` holds the
+        // one byte `mincore` writes for one page. It reads page tables only.
+        let rc = unsafe {
+            libc::mincore(
+                ptr.as_ptr().wrapping_add(index * page).cast(),
+                page,
+                &mut vec,
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        resident += usize::from(vec & 1);
+    }
+    Some((resident, samples))
+}

@@ -129,3 +129,25 @@ fn a_freed_dedicated_block_is_released_once() {
         "nothing left to release"
     );
 }
+
+#[test]
+fn a_new_block_first_evicts_what_it_would_leave_beyond_the_live_peak() {
+    // A program's phases: each held one large block of its own size, freed at the phase's end.
+    let mut arena = arena_that_held(200 * MIB);
+    let mut out = Released::default();
+    let mut phases = Vec::new();
+    for (offset, mib) in [(0, 64), (1, 96)] {
+        let d = dedicated(offset << 30, mib * MIB, false);
+        phases.push(d.block);
+        arena.cache(d, usize::MAX, &mut out);
+    }
+    assert!(released_blocks(&mut out).is_empty(), "within the budget");
+    // A small new block leaves room for both.
+    arena.make_room(16 * MIB, usize::MAX, &mut out);
+    assert!(released_blocks(&mut out).is_empty(), "reuse still fits");
+    // The next phase's 144 MiB: with it live, 225 MiB (the peak and an eighth) leave 81 for the
+    // cache, so both old blocks go before it is mapped, oldest first.
+    arena.make_room(144 * MIB, usize::MAX, &mut out);
+    assert_eq!(released_blocks(&mut out), phases);
+    assert_eq!(arena.cached.bytes(), 0);
+}
