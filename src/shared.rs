@@ -400,6 +400,24 @@ impl SharedPool {
             .map_err(drop)
     }
 
+    /// Frees the block at `offset` that a value of this process owned and dropped (a
+    /// [`SharedBlock`], a collection in the pool). In a forked child the value is a copy of the
+    /// parent's, which still owns the block: there only a block the child carved itself is freed.
+    fn free_owned(&self, offset: u64, expect: Option<(u64, u32)>) {
+        if !self.inner.inherited() {
+            let _ = self.free_block(offset, expect);
+            return;
+        }
+        let Ok(mut guard) = self.inner.map.lock(self.inner.lock_wait) else {
+            return;
+        };
+        let carve = guard.carve();
+        let me = sys::process_id();
+        if carve.find(offset).is_some_and(|live| live.pid == me) {
+            let _ = carve.free(offset, expect, me);
+        }
+    }
+
     /// Frees every live block process `pid` carved, once that process is gone (killed before
     /// it freed them: nothing else ever frees them); how many blocks, and their bytes, went
     /// back to the pool. Every live block is recorded with the pid of the process that carved

@@ -593,3 +593,45 @@ fn a_block_frees_itself_and_is_handed_over_by_its_handle() {
     assert!(other.is_live(theirs), "a refused adoption frees nothing");
     std::fs::remove_file(&path).unwrap();
 }
+
+/// A forked child holds copies of its parent's values: dropping an inherited block there frees
+/// nothing (the parent still owns it), while a block the child carved itself frees.
+#[test]
+fn a_forked_childs_copy_of_a_block_frees_nothing() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let layout = Layout::from_size_align(4096, 64).unwrap();
+    let block = pool.allocate(layout).expect("room");
+    let parents = block.handle();
+    // SAFETY: the child only drops values and exits (no lock is held across the fork).
+    match unsafe { libc::fork() } {
+        0 => {
+            drop(block);
+            let own = pool.allocate(layout).map(|b| b.into_handle());
+            let freed = own.is_some_and(|h| {
+                // SAFETY: adopted back at once, the child's own block.
+                drop(unsafe { pool.from_handle(h) });
+                !pool.is_live(h)
+            });
+            // SAFETY: ends the child without running the parent's destructors again.
+            unsafe { libc::_exit(if freed { 0 } else { 3 }) }
+        }
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        child => {
+            let mut status = 0;
+            // SAFETY: waits for the child just forked.
+            assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+            assert_eq!(
+                status, 0,
+                "the child's own block did not free (status {status:#x})"
+            );
+        }
+    }
+    assert!(
+        pool.is_live(parents),
+        "the child's drop freed the parent's block"
+    );
+    let next = pool.allocate(layout).expect("room");
+    assert_ne!(next.handle().offset, parents.offset);
+    drop(block);
+    assert!(!pool.is_live(parents), "the parent's drop frees it");
+}

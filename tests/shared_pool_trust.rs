@@ -512,3 +512,58 @@ fn an_attach_waits_for_the_pools_lock_no_longer_than_asked_and_names_the_holder(
     SharedPool::attach(&path).expect("attaches once the lock is free");
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Another process that writes the carving state while this one holds the pool's lock (here: a
+/// thread writing the chunk size 0 through the file, over and over) makes allocations fail or
+/// succeed, never panic.
+#[test]
+fn a_carving_state_written_during_an_allocation_is_no_panic() {
+    let path = PathBuf::from(format!(
+        "/dev/shm/numa-gpu-alloc-race-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    let pool = SharedPool::builder(8 * MIB)
+        .node(0)
+        .chunk(2 * MIB)
+        .path(&path)
+        .create()
+        .unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    // The carving state's start, end and chunk: 2 MiB, 8 MiB, 2 MiB, in a row.
+    let geometry = [2 * MIB as u64, 8 * MIB as u64, 2 * MIB as u64];
+    let chunk_at = (0..4096u64)
+        .step_by(8)
+        .find(|&at| {
+            let mut words = [0u8; 24];
+            file.read_exact_at(&mut words, at).unwrap();
+            let word = |i: usize| u64::from_ne_bytes(words[i * 8..i * 8 + 8].try_into().unwrap());
+            [word(0), word(1), word(2)] == geometry
+        })
+        .expect("the carving state's geometry in the header")
+        + 16;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                file.write_all_at(&0u64.to_ne_bytes(), chunk_at).unwrap();
+            }
+        })
+    };
+    let layout = Layout::from_size_align(4096, 64).unwrap();
+    let carved = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        (0..20_000)
+            .filter(|_| pool.allocate(layout).is_some())
+            .count()
+    }));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    let _ = std::fs::remove_file(&path);
+    let carved = carved.expect("an allocation panicked on bytes another process wrote");
+    println!("{carved} of 20000 allocations carved while the chunk size was written 0");
+}

@@ -371,3 +371,67 @@ fn exits_while_the_first_pinned_blocks_are_made_never_register_into_the_teardown
             .map_or("", |t| t.as_str())
     );
 }
+
+const PRELOADED_VAR: &str = "NUMA_GPU_ALLOC_TEST_PRELOADED_CHILD";
+
+/// The child: the program loads and initialises libcuda itself (as cudarc does when a program
+/// makes a context first), exits, and a thread makes its first pinned block during the exit,
+/// inside the driver's teardown.
+fn preloaded_child() {
+    // SAFETY: loads the simulator as libcuda and calls its cuInit(0), as a program would.
+    unsafe {
+        let lib = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
+        assert!(!lib.is_null(), "the simulator loads");
+        let entry = libc::dlsym(lib, c"cuInit".as_ptr());
+        assert!(!entry.is_null(), "cuInit");
+        let cu_init: extern "C" fn(u32) -> u32 = std::mem::transmute(entry);
+        assert_eq!(cu_init(0), 0);
+    }
+    let go = Arc::new(Barrier::new(2));
+    let late = Arc::clone(&go);
+    std::thread::spawn(move || {
+        late.wait();
+        // Well inside the simulator's 300 ms teardown, which runs in the loader's exit handler.
+        std::thread::sleep(Duration::from_millis(100));
+        let v = std::hint::black_box(Vec::<u8>::with_capacity(8 << 20));
+        drop(v);
+        std::thread::sleep(Duration::from_secs(5));
+    });
+    go.wait();
+    std::process::exit(0);
+}
+
+/// A program that loaded libcuda before the crate's first probe: the exit gate's handler was
+/// registered at load time, so the first pinned block made during the exit never registers
+/// into the driver's teardown.
+#[test]
+fn a_driver_the_program_loaded_first_is_not_called_in_its_teardown() {
+    if common::child::mode(PRELOADED_VAR).is_some() {
+        return preloaded_child();
+    }
+    let runs = 5;
+    let aborted = (0..runs)
+        .filter(|_| {
+            let out = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "a_driver_the_program_loaded_first_is_not_called_in_its_teardown",
+                    "--exact",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(PRELOADED_VAR, "1")
+                .env("LD_LIBRARY_PATH", common::sim::library_dir())
+                .env(ENV_VAR, "pin=on")
+                .env("CUDA_SIM_TEARDOWN_US", "300000")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .output()
+                .expect("running the child");
+            String::from_utf8_lossy(&out.stderr).contains("torn down")
+        })
+        .count();
+    assert_eq!(
+        aborted, 0,
+        "{aborted} of {runs} registered into the teardown"
+    );
+}

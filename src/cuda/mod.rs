@@ -57,7 +57,7 @@ pub mod tools;
 pub(crate) use context::{Gpu, RegisterFlags, FORKED_REASON};
 pub(crate) use device::{current_ordinal, Device};
 pub(crate) use driver::driver_present;
-pub(crate) use teardown::{exiting, forget_calls_in_child, EXITING_REASON};
+pub(crate) use teardown::{close_at_exit, exiting, forget_calls_in_child, EXITING_REASON};
 
 use crate::error::known_error_name;
 use crate::Error;

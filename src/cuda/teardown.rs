@@ -39,11 +39,13 @@ static GATE: AtomicU32 = AtomicU32::new(0);
 /// took 11.6 s on one driver).
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
-/// Registers the exit handler that closes the gate. Called by the driver probe before it loads
-/// libcuda and again after `cuInit` (so that it runs before the driver's teardown, whichever
-/// way the driver registers it), and once a primary context is first retained (the handler
-/// runs once, whichever comes first).
-pub(super) fn close_at_exit() -> Result<()> {
+/// Registers the exit handler that closes the gate. Called when the program is loaded (the
+/// process's constructor: before any library the program loads later registers its teardown,
+/// and also where the program loaded libcuda before this crate's first probe), by the driver
+/// probe before it loads libcuda and again after `cuInit` (so that it runs before the driver's
+/// teardown, whichever way the driver registers it), and once a primary context is first
+/// retained (the handler runs once, whichever comes first).
+pub(crate) fn close_at_exit() -> Result<()> {
     sys::at_exit(close).map_err(|_| Error::CudaUnavailable {
         reason: "the exit handler that keeps driver calls out of the driver's teardown could not \
                  be registered (atexit failed)",

@@ -44,7 +44,9 @@ pub(crate) static INIT: Lock<Setup> = Lock::new(Setup::NEW);
 /// Registers the fork handlers when the program is loaded, before `main` and before any thread
 /// exists, as jemalloc and mimalloc do from their constructors: registered later (say, by the
 /// first initialisation), a fork could come between another thread taking [`INIT`] and the
-/// registration, and the child would inherit the lock taken.
+/// registration, and the child would inherit the lock taken. The exit gate's handler is
+/// registered here too: a program that loaded libcuda itself before the crate's first probe
+/// would otherwise have the driver's teardown run before it.
 #[used]
 #[link_section = ".init_array"]
 static REGISTER_AT_LOAD: extern "C" fn() = register_fork_handlers;
@@ -53,6 +55,9 @@ extern "C" fn register_fork_handlers() {
     // Only ENOMEM is possible; then a fork during an allocation may deadlock the child, as it
     // would without this module.
     let _ = sys::at_fork(prepare, parent, child);
+    // The exit gate's handler too, before anything loads libcuda (the driver probe registers it
+    // again, and fails the probe if it cannot be).
+    let _ = crate::cuda::close_at_exit();
 }
 
 /// The value in `slot` (an allocator's runtime), built with `make` from the process's [`Setup`]

@@ -111,11 +111,12 @@ impl<'pool> SharedBlock<'pool> {
 
 impl Drop for SharedBlock<'_> {
     fn drop(&mut self) {
-        // SAFETY: this value is the block's only owner (carved for it, or adopted under
-        // `from_handle`'s contract), and it is going away.
         // A free that fails (the pool's lock held past its wait, a damaged pool) leaves the
         // block live in the pool: `reclaim` finds it once this process is gone.
-        let _ = unsafe { self.pool.free(self.handle) };
+        self.pool.free_owned(
+            self.handle.offset,
+            Some((self.handle.len, self.handle.serial)),
+        );
     }
 }
 
@@ -145,7 +146,7 @@ macro_rules! shared_allocator {
                 let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
                 // The caller of `deallocate` gives the block up; it was carved for it (by
                 // `allocate`, whose returned length it need not pass back: any length).
-                let _ = self.free_block(offset as u64, None);
+                self.free_owned(offset as u64, None);
             }
         }
     };

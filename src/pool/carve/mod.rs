@@ -207,13 +207,15 @@ impl Carve {
         if len > self.chunk || align > MAX_ALIGN || self.live_count as usize == EXTENTS {
             return None;
         }
+        // Checked arithmetic throughout: another process may write these words even while this
+        // one holds the lock, and bytes in the file must never make the allocator panic.
         let (index, offset) = self.free_ranges().iter().enumerate().find_map(|(i, &e)| {
-            let mut at = e.offset.next_multiple_of(align);
-            let into_chunk = (at - self.start) % self.chunk;
-            if into_chunk + len > self.chunk {
-                at += self.chunk - into_chunk;
+            let mut at = e.offset.checked_next_multiple_of(align)?;
+            let into_chunk = at.checked_sub(self.start)?.checked_rem(self.chunk)?;
+            if into_chunk.saturating_add(len) > self.chunk {
+                at = at.checked_add(self.chunk.checked_sub(into_chunk)?)?;
             }
-            (at + len <= e.end()).then_some((i, at))
+            (at.checked_add(len)? <= e.end()).then_some((i, at))
         })?;
         let block = Extent { offset, len };
         let serial = self.allocations.wrapping_add(1) as u32;
@@ -221,11 +223,11 @@ impl Carve {
         let range = self.free[index];
         let head = Extent {
             offset: range.offset,
-            len: offset - range.offset,
+            len: offset.saturating_sub(range.offset),
         };
         let tail = Extent {
             offset: block.end(),
-            len: range.end() - block.end(),
+            len: range.end().saturating_sub(block.end()),
         };
         match (head.len > 0, tail.len > 0) {
             (true, true) => {
@@ -340,11 +342,11 @@ impl Carve {
         {
             return false;
         }
-        let chunk_of = |at: u64| at.checked_sub(self.start).map(|at| at / self.chunk);
+        let chunk_of = |at: u64| at.checked_sub(self.start)?.checked_div(self.chunk);
         if self.live().iter().map(|e| e.block).any(|e| {
             e.len == 0
                 || chunk_of(e.offset).is_none()
-                || chunk_of(e.offset) != chunk_of(e.end() - 1)
+                || chunk_of(e.offset) != chunk_of(e.end().saturating_sub(1))
         }) {
             return false;
         }
@@ -405,7 +407,8 @@ impl Carve {
                 && e.offset >= end
                 && e.offset >= self.start
                 && e.end() <= self.end
-                && (e.offset - self.start) / self.chunk == (e.end() - 1 - self.start) / self.chunk;
+                && (e.offset - self.start).checked_div(self.chunk)
+                    == (e.end() - 1 - self.start).checked_div(self.chunk);
             // By its offset: an entry torn while it was written or shifted over starts there.
             if fits && doomed.is_none_or(|d| d.offset != e.offset) {
                 // Down, offset last, as `remove` shifts, over an entry already kept or dropped.
