@@ -311,7 +311,8 @@ impl SharedPool {
     }
 
     /// Adopts the live block `handle` names (from [`SharedBlock::into_handle`] in this or
-    /// another process): it is freed when the returned value drops.
+    /// another process): it is freed when the returned value drops, and is this process's from
+    /// now on ([`reclaim`](Self::reclaim) of the process that carved it leaves it be).
     ///
     /// # Errors
     /// [`Error::PoolHandle`] when the handle is another pool's, or names no live block.
@@ -321,7 +322,11 @@ impl SharedPool {
     /// another handle or adoption, nor uses it after the value dropped.
     pub unsafe fn from_handle(&self, handle: PoolHandle) -> Result<SharedBlock<'_>, Error> {
         self.mine(handle)?;
-        if !self.is_live(handle) {
+        let mut guard = self.inner.map.lock(self.inner.lock_wait)?;
+        if !guard
+            .carve()
+            .adopt(handle.offset, handle.len, handle.serial, sys::process_id())
+        {
             return Err(self.bad_handle(handle, "it was freed already, or never carved"));
         }
         Ok(SharedBlock::new(self, handle))

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use allocator_api2::vec::Vec as ApiVec;
-use numa_gpu_alloc::{Error, SharedPool};
+use numa_gpu_alloc::{Error, PoolHandle, SharedPool};
 
 const MIB: usize = 1 << 20;
 
@@ -634,4 +634,51 @@ fn a_forked_childs_copy_of_a_block_frees_nothing() {
     assert_ne!(next.handle().offset, parents.offset);
     drop(block);
     assert!(!pool.is_live(parents), "the parent's drop frees it");
+}
+
+/// A block handed over is the adopter's: reclaiming the blocks of the process that carved it,
+/// once that process is gone, leaves it be.
+#[test]
+fn an_adopted_block_is_not_reclaimed_with_its_carver() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    let layout = Layout::from_size_align(4096, 64).unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: a pipe for the child's handle.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: the child carves, writes the handle to the pipe and exits at once.
+    let child = match unsafe { libc::fork() } {
+        0 => {
+            let handle = pool.allocate(layout).map(|b| b.into_handle().to_bytes());
+            let bytes = handle.unwrap_or([0; 24]);
+            // SAFETY: writes 24 bytes from a local array to the pipe, then ends the child.
+            unsafe {
+                libc::write(fds[1], bytes.as_ptr().cast(), bytes.len());
+                libc::_exit(0)
+            }
+        }
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        child => child,
+    };
+    let mut bytes = [0u8; 24];
+    // SAFETY: reads at most 24 bytes into a local array; waits for the child.
+    unsafe {
+        assert_eq!(libc::read(fds[0], bytes.as_mut_ptr().cast(), 24), 24);
+        let mut status = 0;
+        assert_eq!(libc::waitpid(child, &mut status, 0), child);
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+    let handle = PoolHandle::from_bytes(bytes);
+    // SAFETY: the carver is gone; this process owns the block from here on.
+    let adopted = unsafe { pool.from_handle(handle) }.expect("adopting the child's block");
+    // SAFETY: the child is gone, and the only block it carved is adopted.
+    let reclaimed = unsafe { pool.reclaim(child as u32) }.unwrap();
+    assert_eq!(
+        reclaimed,
+        (0, 0),
+        "the adopted block was reclaimed with its carver"
+    );
+    assert!(pool.is_live(handle));
+    drop(adopted);
+    assert!(!pool.is_live(handle));
 }

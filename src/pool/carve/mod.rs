@@ -258,6 +258,21 @@ impl Carve {
         Some(block)
     }
 
+    /// Records `pid` as the owner of the live block at `offset` of `len` and `serial` (so that
+    /// `reclaim` of the process that carved it leaves it be); `false` when there is none.
+    pub(crate) fn adopt(&mut self, offset: u64, len: u64, serial: u32, pid: u32) -> bool {
+        let count = self.live().len();
+        let at = self.live().partition_point(|e| e.block.offset < offset);
+        match self.live[..count].get_mut(at) {
+            // One aligned word: a holder killed here leaves either pid, both valid.
+            Some(e) if (e.block.offset, e.block.len, e.serial) == (offset, len, serial) => {
+                e.pid = pid;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The live block at `offset`, if there is one.
     pub(crate) fn find(&self, offset: u64) -> Option<Live> {
         let live = self.live();
