@@ -9,7 +9,7 @@
 //! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
 //! offset into the pool, the pool's id and the block's serial), which each process turns into
 //! its own pointer; the carving state
-//! lives in the pool, under a robust process-shared mutex, so a block freed by any process
+//! lives in the pool, under a lock that a holder's death does not wedge, so a block freed by any process
 //! returns to the pool, and a process killed while holding the lock does not wedge the others.
 //!
 //! # Trust

@@ -567,3 +567,56 @@ fn a_carving_state_written_during_an_allocation_is_no_panic() {
     let carved = carved.expect("an allocation panicked on bytes another process wrote");
     println!("{carved} of 20000 allocations carved while the chunk size was written 0");
 }
+
+static KEPT_A: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x1111);
+static KEPT_B: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x2222);
+
+/// Whatever a process that may write the pool stores into its header, locks included (here:
+/// addresses of this process's statics, in every word, while this process holds the lock),
+/// this process writes nowhere but the pool: the locks keep no pointers in the file.
+#[test]
+fn addresses_written_into_the_pools_locks_are_never_written_through() {
+    let path = PathBuf::from(format!(
+        "/dev/shm/numa-gpu-alloc-words-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    let pool = SharedPool::builder(8 * MIB)
+        .node(0)
+        .chunk(2 * MIB)
+        .path(&path)
+        .create()
+        .unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let (a, b) = (KEPT_A.as_ptr() as u64, KEPT_B.as_ptr() as u64);
+    let flood = |from: u64, to: u64| {
+        for (i, at) in (from..to).step_by(8).enumerate() {
+            let word = if i % 2 == 0 { b } else { a + 8 };
+            file.write_all_at(&word.to_ne_bytes(), at).unwrap();
+        }
+    };
+    // While the lock is held: the two words where a `pthread_mutex_t` keeps its robust-list
+    // links (the pool lock of layout version 4 sat at 160; its unlock wrote through them).
+    numa_gpu_alloc::unstable::hold_pool_lock(&pool, || {
+        file.write_all_at(&b.to_ne_bytes(), 160 + 24).unwrap();
+        file.write_all_at(&(a + 8).to_ne_bytes(), 160 + 32).unwrap();
+    })
+    .unwrap();
+    // Every lock word again, outside the lock, then a lock and unlock of each kind.
+    flood(64, 512);
+    let _ = pool.allocate(Layout::from_size_align(4096, 64).unwrap());
+    let _ = numa_gpu_alloc::unstable::hold_registration_lock(&pool, || ());
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(
+        (
+            KEPT_A.load(std::sync::atomic::Ordering::Relaxed),
+            KEPT_B.load(std::sync::atomic::Ordering::Relaxed)
+        ),
+        (0x1111, 0x2222),
+        "bytes in the pool's file chose a write into this process"
+    );
+}

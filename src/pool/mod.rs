@@ -33,15 +33,15 @@ use carve::{Admit, Carve, MAX_ALIGN};
 const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
 /// What the file holds (a pool carved in extents), and the layout of its header.
 pub(crate) const KIND: u32 = 1;
-pub(crate) const VERSION: u32 = 4;
+pub(crate) const VERSION: u32 = 5;
 /// Where blocks start: after the header, on a huge page boundary.
 pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
 
 /// What [`Header::layout`] records, in its order: the sizes and alignments the header's layout
-/// follows from, and the C library whose `pthread_mutex_t` it holds. A build where one differs
-/// (a 32-bit process, another byte order) would misread every field after the tag; glibc's and
-/// musl's mutexes are both 40 bytes on x86_64 but keep their lock word and kind at different
-/// offsets, so two processes of different C libraries would both hold the lock at once.
+/// follows from, and the C library of the build. A build where one differs (a 32-bit process,
+/// another byte order) would misread every field after the tag. The C library mattered while
+/// the locks were `pthread_mutex_t`s (glibc's and musl's differ in layout at one size); the
+/// pool's own locks no longer depend on it, and the entry stays until the next layout change.
 const LAYOUT_FIELDS: [&str; 9] = [
     "header size",
     "header alignment",

@@ -116,7 +116,7 @@ fn new_pool(len: usize) -> (OwnedFd, PoolMap) {
 #[test]
 fn an_unrecoverable_lock_is_a_corrupt_pool() {
     let (_fd, map) = new_pool(4 << 20);
-    // A holder whose thread ends holding the lock: the robust mutex's owner died.
+    // A holder whose thread ends holding the lock: the lock's owner died.
     std::thread::scope(|s| {
         s.spawn(|| std::mem::forget(map.lock(WAIT).unwrap()));
     });

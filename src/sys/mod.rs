@@ -14,7 +14,7 @@
 //!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
 //! - `shm.rs` (Linux): memory several processes map — memory files (`memfd_create`), shared
 //!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`), and the
-//!   robust process-shared mutex of a shared pool;
+//!   lock of a shared pool that a holder's death does not wedge (plain numbers in the shared memory, no pointers);
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
 //!
 //! Everything here runs inside a memory allocator, so nothing allocates on the heap, nothing

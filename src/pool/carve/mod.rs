@@ -3,7 +3,7 @@
 //! blocks by offset, each with the pid that carved it, for [`Carve::reclaim`]) and an intent
 //! record written before each change.
 //!
-//! Everything here runs under the pool's robust mutex. A holder killed in the middle of a change
+//! Everything here runs under the pool's lock. A holder killed in the middle of a change
 //! leaves the tables half changed; the next holder sees it (the mutex says its owner died) and
 //! [`Carve::rebuild`]s them: the live table is the truth (sorted, checked, the block of the
 //! intent dropped, since its owner died before it could hand the block out or had asked to free
