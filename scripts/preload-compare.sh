@@ -48,15 +48,17 @@ jobs=(
     "python3 $work/buffers.py"
     "$work/lifecycle 2 $((size_mib / 2 + 100)) portable"
 )
+differ=0
 printf '%-34s %-15s %9s %14s  %s\n' program allocator "wall s" "peak RSS MiB" output
 for job in "${jobs[@]}"; do
     name=$(awk '{ for (i = 1; i <= 3 && i <= NF; i++) { n = split($i, p, "/"); printf "%s ", p[n] } }' <<<"$job")
     for a in "${allocators[@]}"; do
         LD_PRELOAD=${preload[$a]} /usr/bin/time -f '%e %M' -o "$work/time" $job > "$work/out.$a"
         read -r wall rss < "$work/time"
-        if cmp -s "$work/out.glibc" "$work/out.$a"; then same="same as glibc"; else same="DIFFERENT"; fi
+        if cmp -s "$work/out.glibc" "$work/out.$a"; then same="same as glibc"; else same="DIFFERENT"; differ=1; fi
         printf '%-34s %-15s %9s %14.1f  %s\n' "$name" "$a" "$wall" "$(echo "$rss / 1024" | bc -l)" "$same"
     done
 done
 echo
 LD_PRELOAD=$ours "$work/foreign_free"
+[ "$differ" = 0 ] || { echo "an output differed from glibc's" >&2; exit 1; }

@@ -85,9 +85,8 @@ unsafe impl GlobalAlloc for Glibc {
         if layout.align() > MALLOC_ALIGN {
             // glibc's realloc keeps only malloc's alignment: allocate, copy and free.
             // SAFETY: `ptr` has `layout`; the new layout is valid by GlobalAlloc's contract.
-            let new = unsafe {
-                self.alloc(Layout::from_size_align_unchecked(new_size, layout.align()))
-            };
+            let new =
+                unsafe { self.alloc(Layout::from_size_align_unchecked(new_size, layout.align())) };
             if !new.is_null() {
                 // SAFETY: both live, distinct, at least this long.
                 unsafe { std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size)) };

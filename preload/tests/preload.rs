@@ -13,7 +13,10 @@ use std::sync::OnceLock;
 /// The library cargo built for these tests, in the target folder above `deps/`.
 fn library() -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
     let lib = dir.join("libnuma_gpu_alloc.so");
     assert!(lib.is_file(), "{} not built", lib.display());
     lib
@@ -106,23 +109,29 @@ fn text(out: &Output) -> String {
 fn shapes(preload: bool, pin: &str) -> Vec<String> {
     let exe = program("pinned_shape", &[]);
     let settings = format!("gpu=0,pin={pin}");
-    ["malloc", "calloc", "posix_memalign", "aligned_alloc", "realloc"]
-        .iter()
-        .map(|api| {
-            let out = run(
-                Command::new(&exe).args([api, "26", "4", "0"]),
-                preload,
-                &[
-                    ("LD_LIBRARY_PATH", simulator().to_str().unwrap()),
-                    ("NUMA_GPU_ALLOC", &settings),
-                ],
-            );
-            let text = text(&out);
-            assert!(out.status.success(), "{api}: {text}");
-            eprint!("{text}");
-            text
-        })
-        .collect()
+    [
+        "malloc",
+        "calloc",
+        "posix_memalign",
+        "aligned_alloc",
+        "realloc",
+    ]
+    .iter()
+    .map(|api| {
+        let out = run(
+            Command::new(&exe).args([api, "26", "4", "0"]),
+            preload,
+            &[
+                ("LD_LIBRARY_PATH", simulator().to_str().unwrap()),
+                ("NUMA_GPU_ALLOC", &settings),
+            ],
+        );
+        let text = text(&out);
+        assert!(out.status.success(), "{api}: {text}");
+        eprint!("{text}");
+        text
+    })
+    .collect()
 }
 
 #[test]
@@ -204,14 +213,20 @@ fn the_library_can_be_dlopened() {
 fn python_buffers_are_placed_page_by_page() {
     let script = manifest_dir().join("tests/python/placed.py");
     let out = run(
-        Command::new(launcher()).args(["run", "--", "python3"]).arg(&script).arg("0"),
+        Command::new(launcher())
+            .args(["run", "--", "python3"])
+            .arg(&script)
+            .arg("0"),
         false,
         &[],
     );
     let text = text(&out);
     eprint!("{text}");
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("bytearray 256 MiB: policy prefer:0"), "{text}");
+    assert!(
+        text.contains("bytearray 256 MiB: policy prefer:0"),
+        "{text}"
+    );
     // Without the library the script itself fails: its check can.
     let plain = run(Command::new("python3").arg(&script).arg("0"), false, &[]);
     assert!(!plain.status.success(), "{}", self::text(&plain));
@@ -232,7 +247,10 @@ fn the_launcher_sets_the_environment() {
     assert!(out.status.success(), "{env}");
     let lib = library();
     assert!(
-        env.contains(&format!("LD_PRELOAD={}:/nonexistent-other.so", lib.display())),
+        env.contains(&format!(
+            "LD_PRELOAD={}:/nonexistent-other.so",
+            lib.display()
+        )),
         "{env}"
     );
     assert!(env.contains("NUMA_GPU_ALLOC=stats=off,gpu=1"), "{env}");
@@ -270,17 +288,16 @@ fn real_programs_give_identical_outputs() {
     ];
     for (program, args) in jobs {
         let go = |preload| {
-            let out = run(
-                Command::new(program).args(args).arg(&input),
-                preload,
-                &[],
-            );
+            let out = run(Command::new(program).args(args).arg(&input), preload, &[]);
             assert!(out.status.success(), "{program}: {}", text(&out));
             out.stdout
         };
         let (with, without) = (go(true), go(false));
         assert!(!with.is_empty());
-        assert!(with == without, "{program}'s output changed under the library");
+        assert!(
+            with == without,
+            "{program}'s output changed under the library"
+        );
         eprintln!("{program}: {} bytes out, identical", with.len());
     }
 }

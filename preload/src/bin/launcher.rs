@@ -58,7 +58,11 @@ fn parse(args: &[OsString]) -> Result<Run, String> {
                 gpu = Some(n);
             }
             Some("-h" | "--help") => return Err(String::new()),
-            _ => return Err(format!("unknown option {arg:?} (the command goes after `--`)")),
+            _ => {
+                return Err(format!(
+                    "unknown option {arg:?} (the command goes after `--`)"
+                ))
+            }
         }
     }
     Err("no `--` before the command".into())
@@ -91,7 +95,11 @@ fn pytorch_conf(existing: Option<&str>) -> String {
     let flag = format!("{PYTORCH_KEY}:True");
     match existing.filter(|s| !s.trim().is_empty()) {
         None => flag,
-        Some(theirs) if theirs.split(',').any(|e| e.split(':').next().map(str::trim) == Some(PYTORCH_KEY)) => {
+        Some(theirs)
+            if theirs
+                .split(',')
+                .any(|e| e.split(':').next().map(str::trim) == Some(PYTORCH_KEY)) =>
+        {
             theirs.to_owned()
         }
         Some(theirs) => format!("{theirs},{flag}"),
@@ -140,7 +148,10 @@ fn main() -> ExitCode {
     };
     let mut command = Command::new(&run.command[0]);
     command.args(&run.command[1..]);
-    command.env("LD_PRELOAD", preload(&library, env_str("LD_PRELOAD").as_deref()));
+    command.env(
+        "LD_PRELOAD",
+        preload(&library, env_str("LD_PRELOAD").as_deref()),
+    );
     if let Some(value) = settings(env_str(numa::ENV_VAR).as_deref(), run.gpu) {
         command.env(numa::ENV_VAR, value);
     }
@@ -180,7 +191,10 @@ mod tests {
             "/opt/libnuma_gpu_alloc.so:/a.so:/b.so"
         );
         assert_eq!(settings(None, None), None);
-        assert_eq!(settings(Some("stats=exit"), None).as_deref(), Some("stats=exit"));
+        assert_eq!(
+            settings(Some("stats=exit"), None).as_deref(),
+            Some("stats=exit")
+        );
         assert_eq!(
             settings(Some("stats=exit,gpu=0"), Some(1)).as_deref(),
             Some("stats=exit,gpu=0,gpu=1")
