@@ -23,6 +23,10 @@
 //! first large request, the record's locks are taken across `fork`, and thread-local state is
 //! the crate's re-entrancy flag only (global-dynamic TLS, so the library can also be `dlopen`ed).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(clippy::missing_safety_doc)]
+
 mod glibc;
 mod owned;
 mod sys;
@@ -104,10 +108,11 @@ fn allocate_large(size: usize, align: usize, zeroed: bool) -> *mut c_void {
         sys::set_errno(libc::ENOMEM);
         return ptr::null_mut();
     };
-    if !STARTED.load(Relaxed) {
-        // Reads `NUMA_GPU_ALLOC` into the crate's settings now, so that its threshold is ours.
+    // Once: reads `NUMA_GPU_ALLOC` into the crate's settings now, so that its threshold is ours.
+    // Set before, so that a large malloc made while it runs (libcuda's, say) goes straight to
+    // the crate, which serves it from glibc: re-entering the initialisation would deadlock.
+    if !STARTED.swap(true, Relaxed) {
         let _ = ALLOC.placement();
-        STARTED.store(true, Relaxed);
     }
     // SAFETY: a non-zero size (at least MIN_LARGE).
     let ptr = unsafe {
@@ -171,8 +176,8 @@ unsafe fn realloc_ours(ptr: *mut c_void, record: Record, size: usize) -> *mut c_
         return ptr::null_mut();
     }
     let moved = if large(size) {
-        // SAFETY: ours with `old`; `size` is non-zero and below isize::MAX (a Layout exists).
         match Layout::from_size_align(size, record.align) {
+            // SAFETY: ours with `old`; `size` is non-zero and a layout with it exists.
             Ok(_) => unsafe { ALLOC.realloc(ptr.cast(), old, size) }.cast::<c_void>(),
             Err(_) => ptr::null_mut(),
         }
@@ -188,20 +193,30 @@ unsafe fn realloc_ours(ptr: *mut c_void, record: Record, size: usize) -> *mut c_
         }
         ptr::null_mut()
     };
-    let (addr, kept) = if moved.is_null() {
-        // The old block is untouched and still the caller's.
-        sys::set_errno(libc::ENOMEM);
-        (ptr, record)
-    } else {
-        (moved, Record { size, ..record })
-    };
-    if !owned::insert(addr as usize, kept) {
-        // The granule map could not grow: the crate's block stays out of the record, so it
-        // leaks rather than being freed by glibc. Happens only when mmap of one page fails.
+    if moved.is_null() {
+        // The old block is untouched and still the caller's. Its granules' leaves exist (they
+        // are never unmapped): recording it again cannot fail.
+        owned::insert(ptr as usize, record);
         sys::set_errno(libc::ENOMEM);
         return ptr::null_mut();
     }
-    moved
+    let new = Record { size, ..record };
+    if owned::insert(moved as usize, new) {
+        return moved;
+    }
+    // The granule map could not grow (mapping one page failed): the data goes to glibc.
+    // SAFETY: a plain C call.
+    let small = unsafe { glibc::__libc_malloc(size) };
+    if small.is_null() {
+        // The old block is gone and the new one cannot be recorded: no answer is safe.
+        sys::out_of_memory();
+    }
+    // SAFETY: both live and distinct, `size` bytes long; `moved` is ours with `new`'s layout.
+    unsafe {
+        ptr::copy_nonoverlapping(moved.cast::<u8>(), small.cast(), size);
+        ALLOC.dealloc(moved.cast(), layout_of(new));
+    }
+    small
 }
 
 /// `realloc` of one of glibc's pointers to a large size: moved into a block of ours. `None`

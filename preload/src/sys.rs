@@ -58,3 +58,12 @@ pub(crate) fn at_fork(prepare: extern "C" fn(), parent: extern "C" fn(), child: 
     // SAFETY: the handlers take and release locks only; they never unwind.
     unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
 }
+
+/// Says that memory ran out where no answer is safe, and aborts (as glibc does on a corrupt heap).
+pub(crate) fn out_of_memory() -> ! {
+    let text = b"numa-gpu-alloc: out of memory while moving a block in realloc (the granule map \
+                 could not grow); aborting\n";
+    // SAFETY: writes a static buffer to stderr; nothing is allocated.
+    unsafe { libc::write(2, text.as_ptr().cast(), text.len()) };
+    std::process::abort()
+}

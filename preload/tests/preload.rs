@@ -10,20 +10,20 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-/// The library cargo built for these tests, in the target folder above `deps/`.
+/// The library cargo built for these tests: in `deps/`, beside this test binary (`cargo test`
+/// builds the library target, an rlib and the cdylib, without copying it up a folder).
 fn library() -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let lib = dir.join("libnuma_gpu_alloc.so");
+    let lib = exe.with_file_name("libnuma_gpu_alloc.so");
     assert!(lib.is_file(), "{} not built", lib.display());
     lib
 }
 
-fn launcher() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_numa-gpu-alloc"))
+/// The launcher, told where this build's library is.
+fn launcher() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_numa-gpu-alloc"));
+    cmd.env("NUMA_GPU_ALLOC_LIBRARY", library());
+    cmd
 }
 
 fn manifest_dir() -> &'static Path {
@@ -213,7 +213,7 @@ fn the_library_can_be_dlopened() {
 fn python_buffers_are_placed_page_by_page() {
     let script = manifest_dir().join("tests/python/placed.py");
     let out = run(
-        Command::new(launcher())
+        launcher()
             .args(["run", "--", "python3"])
             .arg(&script)
             .arg("0"),
@@ -236,7 +236,7 @@ fn python_buffers_are_placed_page_by_page() {
 /// the settings after the caller's, PyTorch's register flag merged into the caller's value.
 #[test]
 fn the_launcher_sets_the_environment() {
-    let out = Command::new(launcher())
+    let out = launcher()
         .args(["run", "--gpu", "1", "--", "env"])
         .env("LD_PRELOAD", "/nonexistent-other.so")
         .env("NUMA_GPU_ALLOC", "stats=off")

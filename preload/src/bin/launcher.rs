@@ -2,7 +2,8 @@
 //! preloaded, so that its large `malloc`s are placed on the node nearest GPU N.
 //!
 //! It sets, keeping what the caller already set:
-//! - `LD_PRELOAD`: the library (found next to this program) first, then the caller's entries;
+//! - `LD_PRELOAD`: the library (next to this program, or `NUMA_GPU_ALLOC_LIBRARY`) first, then
+//!   the caller's entries;
 //! - `NUMA_GPU_ALLOC`: the caller's settings, then `gpu=N` for `--gpu N` (later entries win);
 //! - `PYTORCH_CUDA_ALLOC_CONF`: the caller's value, with `pinned_use_cuda_host_register:True`
 //!   added unless it names that key: PyTorch then takes pinned memory from `malloc` (placed by
@@ -15,12 +16,14 @@ use std::process::{Command, ExitCode};
 
 /// The library's file name, next to this program (in the cargo target folder and in the wheel).
 const LIBRARY: &str = "libnuma_gpu_alloc.so";
+/// Names the library to preload instead of the one next to this program.
+const LIBRARY_VAR: &str = "NUMA_GPU_ALLOC_LIBRARY";
 const PYTORCH_VAR: &str = "PYTORCH_CUDA_ALLOC_CONF";
 const PYTORCH_KEY: &str = "pinned_use_cuda_host_register";
 
 const USAGE: &str = "usage: numa-gpu-alloc run [--gpu N] -- CMD [ARGS...]
 
-Runs CMD with libnuma_gpu_alloc.so preloaded: its malloc/posix_memalign/aligned_alloc requests of
+Runs CMD with libnuma_gpu_alloc.so (next to this program, or NUMA_GPU_ALLOC_LIBRARY) preloaded: its malloc/posix_memalign/aligned_alloc requests of
 at least the threshold (2 MiB) are placed on the NUMA node nearest the GPU. Settings come from
 NUMA_GPU_ALLOC (see the crate's README); --gpu N adds gpu=N. PyTorch is told to register the
 pinned memory it takes from malloc (PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,
@@ -106,16 +109,23 @@ fn pytorch_conf(existing: Option<&str>) -> String {
     }
 }
 
-/// The library next to this program.
+/// The library `NUMA_GPU_ALLOC_LIBRARY` names, or the one next to this program.
 fn library() -> Result<PathBuf, String> {
+    if let Some(named) = std::env::var_os(LIBRARY_VAR) {
+        let lib = PathBuf::from(named);
+        return match lib.is_file() {
+            true => Ok(lib),
+            false => Err(format!("{LIBRARY_VAR}={} is not a file", lib.display())),
+        };
+    }
     let exe = std::env::current_exe().map_err(|e| format!("finding this program's path: {e}"))?;
     let lib = exe.with_file_name(LIBRARY);
     if lib.is_file() {
         Ok(lib)
     } else {
         Err(format!(
-            "{} not found next to {}: build it (`cargo build --release` builds both) or install \
-             the wheel",
+            "{} not found next to {}: build it (`cargo build --release` builds both), install \
+             the wheel, or name it in {LIBRARY_VAR}",
             LIBRARY,
             exe.display()
         ))
