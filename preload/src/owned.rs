@@ -77,15 +77,26 @@ fn leaf(top: usize) -> Option<&'static Leaf> {
 fn count(addr: usize, len: usize, delta: i32) -> bool {
     let first = addr >> GRANULE_SHIFT;
     let last = (addr + len.max(1) - 1) >> GRANULE_SHIFT;
-    for granule in first..=last {
+    match count_granules(first..=last, delta) {
+        Ok(()) => true,
+        Err(failed) => {
+            // Granules first..failed were counted: undo them (their leaves exist, so this cannot
+            // fail).
+            let _ = count_granules(first..failed, -delta);
+            false
+        }
+    }
+}
+
+/// Adds `delta` to the counters of `granules`; `Err(granule)` when that granule's leaf could not
+/// be mapped (the granules before it were counted).
+fn count_granules(granules: impl Iterator<Item = usize>, delta: i32) -> Result<(), usize> {
+    for granule in granules {
         let top = granule >> (LEAF_SHIFT - GRANULE_SHIFT);
         if top >= TOP_LEN {
             break;
         }
-        let Some(leaf) = leaf(top) else {
-            count(addr, (granule - first) << GRANULE_SHIFT, -delta);
-            return false;
-        };
+        let leaf = leaf(top).ok_or(granule)?;
         let counter = &leaf.0[granule & (LEAF_LEN - 1)];
         if delta > 0 {
             counter.fetch_add(1, Ordering::Relaxed);
@@ -93,7 +104,7 @@ fn count(addr: usize, len: usize, delta: i32) -> bool {
             counter.fetch_sub(1, Ordering::Relaxed);
         }
     }
-    true
+    Ok(())
 }
 
 /// What `free` and `realloc` need to know of a block: the layout it was allocated with.
@@ -232,6 +243,24 @@ mod tests {
         assert_eq!(remove(base + 4096), Some(a));
         assert!(!maybe_ours(base));
         assert_eq!(remove(base + 4096), None);
+    }
+
+    #[test]
+    fn a_granule_shared_by_two_blocks_stays_ours_until_both_are_freed() {
+        let base = 0x7f56_7800_0000usize;
+        let small = Record {
+            size: 64 << 10,
+            align: 16,
+        };
+        assert!(insert(base, small));
+        assert!(insert(base + (1 << 20), small));
+        assert_eq!(remove(base), Some(small));
+        assert!(
+            maybe_ours(base),
+            "the other block still lies in the granule"
+        );
+        assert_eq!(remove(base + (1 << 20)), Some(small));
+        assert!(!maybe_ours(base));
     }
 
     #[test]

@@ -169,7 +169,12 @@ fn lifecycle_and_threads_stress_match_glibc() {
     let with = run(Command::new(&exe).args(["4", "150"]), true, &[]);
     let without = run(Command::new(&exe).args(["4", "150"]), false, &[]);
     assert!(with.status.success(), "{}: {}", with.status, text(&with));
-    assert!(without.status.success(), "{}: {}", without.status, text(&without));
+    assert!(
+        without.status.success(),
+        "{}: {}",
+        without.status,
+        text(&without)
+    );
     assert_eq!(text(&with), text(&without));
     eprint!("{}", text(&with));
 }
