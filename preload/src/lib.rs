@@ -1,0 +1,256 @@
+//! `libnuma_gpu_alloc.so`: numa-gpu-alloc for any dynamically linked program, through
+//! `LD_PRELOAD` (or the launcher, `numa-gpu-alloc run -- CMD`).
+//!
+//! It exports `malloc`, `free`, `calloc`, `realloc`, `posix_memalign`, `aligned_alloc`,
+//! `memalign`, `valloc`, `pvalloc` and `malloc_usable_size`. Requests of at least the threshold
+//! (2 MiB unless `NUMA_GPU_ALLOC` says `threshold=`) are the crate's large blocks, placed on the
+//! node nearest the GPU, with every setting of `NUMA_GPU_ALLOC`; smaller ones go to glibc's own
+//! entry points (`__libc_malloc` and the rest), as does every pointer that is not a block of
+//! ours (`owned.rs` tells which, with no lock for glibc's).
+//!
+//! The defaults differ from the crate's in three ways, for programs that did not ask for it:
+//! - no page-locking (`pin=off`, the crate's default too): PyTorch and SGLang register their
+//!   `malloc`ed memory themselves, and a second registration fails (error 712);
+//! - no cache (`cache=0`): a freed block's pages are given back at once (`madvise(MADV_DONTNEED)`
+//!   on the freed range of a chunk, `munmap` of a block with a mapping of its own), so a block is
+//!   never handed out again with pages a third party may still have registered: libraries that
+//!   keep registrations until the memory goes away (UCX's memory hooks watch `munmap` and
+//!   `madvise(MADV_DONTNEED)`) see it go at `free`, as with glibc's `munmap` of a large chunk.
+//!   `cache=4G` turns the cache back on where no such library runs;
+//! - no background thread (`decay_thread=off`): with no cache it would have nothing to do.
+//!
+//! Fork, threads and allocations before `main` work: the large path's state is made at the
+//! first large request, the record's locks are taken across `fork`, and thread-local state is
+//! the crate's re-entrancy flag only (global-dynamic TLS, so the library can also be `dlopen`ed).
+
+// Linux only (glibc's entry points, ELF constructors); elsewhere the library is empty, so that
+// the workspace still checks for other targets.
+#![cfg(target_os = "linux")]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(clippy::missing_safety_doc)]
+
+mod glibc;
+mod owned;
+mod sys;
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::ffi::{c_void, CStr};
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+
+use numa::{Config, NumaGpuAlloc, ENV_VAR};
+
+use glibc::{Glibc, MALLOC_ALIGN};
+use owned::Record;
+
+/// The library's Rust allocations (the crate's tables, the record) are glibc's: through `System`
+/// they would come back to this library's `malloc`.
+#[global_allocator]
+static RUST_HEAP: Glibc = Glibc;
+
+/// The preload's defaults (see the crate docs above); `NUMA_GPU_ALLOC` applies over them.
+const PRELOAD_CONFIG: Config = {
+    let mut config = Config::DEFAULT;
+    config.cache_limit = 0;
+    config.decay_thread = false;
+    config
+};
+
+/// The large path, over glibc.
+static ALLOC: NumaGpuAlloc<Glibc> = NumaGpuAlloc::with_inner_config(Glibc, PRELOAD_CONFIG);
+
+/// The threshold in force; 0 until the first request of at least [`MIN_LARGE`] reads it.
+static THRESHOLD: AtomicUsize = AtomicUsize::new(0);
+/// Whether the large path was initialised (its settings read, its nodes found).
+static STARTED: AtomicBool = AtomicBool::new(false);
+/// No threshold is smaller (the crate's minimum): smaller requests need no load.
+const MIN_LARGE: usize = 4 << 10;
+
+/// Whether a request of `size` bytes is a large block.
+#[inline(always)]
+fn large(size: usize) -> bool {
+    size >= MIN_LARGE && size >= threshold()
+}
+
+#[inline(always)]
+fn threshold() -> usize {
+    match THRESHOLD.load(Relaxed) {
+        0 => read_threshold(),
+        known => known,
+    }
+}
+
+/// The threshold `NUMA_GPU_ALLOC` sets over the preload's defaults, read with `getenv` (no lock,
+/// no allocation but glibc's). Invalid settings are reported when the large path starts.
+#[cold]
+#[inline(never)]
+fn read_threshold() -> usize {
+    let mut config = PRELOAD_CONFIG;
+    let name = c"NUMA_GPU_ALLOC";
+    debug_assert_eq!(name.to_bytes(), ENV_VAR.as_bytes());
+    // SAFETY: a NUL-terminated name; the value is read before anything could change it.
+    let value = unsafe { libc::getenv(name.as_ptr()) };
+    if !value.is_null() {
+        // SAFETY: getenv returns a NUL-terminated string.
+        if let Ok(text) = unsafe { CStr::from_ptr(value) }.to_str() {
+            let _ = config.apply_settings(text);
+        }
+    }
+    let threshold = config.threshold.max(MIN_LARGE);
+    THRESHOLD.store(threshold, Relaxed);
+    threshold
+}
+
+/// Allocates a large block of `size` bytes at `align` (a power of two): the crate's, recorded as
+/// ours. Null with `ENOMEM` on failure.
+#[cold]
+#[inline(never)]
+fn allocate_large(size: usize, align: usize, zeroed: bool) -> *mut c_void {
+    let Ok(layout) = Layout::from_size_align(size, align.max(MALLOC_ALIGN)) else {
+        sys::set_errno(libc::ENOMEM);
+        return ptr::null_mut();
+    };
+    // Once: reads `NUMA_GPU_ALLOC` into the crate's settings now, so that its threshold is ours.
+    // Set before, so that a large malloc made while it runs (libcuda's, say) goes straight to
+    // the crate, which serves it from glibc: re-entering the initialisation would deadlock.
+    if !STARTED.swap(true, Relaxed) {
+        let _ = ALLOC.placement();
+    }
+    // SAFETY: a non-zero size (at least MIN_LARGE).
+    let ptr = unsafe {
+        if zeroed {
+            ALLOC.alloc_zeroed(layout)
+        } else {
+            ALLOC.alloc(layout)
+        }
+    };
+    if ptr.is_null() {
+        sys::set_errno(libc::ENOMEM);
+        return ptr::null_mut();
+    }
+    let record = Record {
+        size,
+        align: layout.align(),
+    };
+    if !owned::insert(ptr as usize, record) {
+        // SAFETY: allocated just above with this layout.
+        unsafe { ALLOC.dealloc(ptr, layout) };
+        sys::set_errno(libc::ENOMEM);
+        return ptr::null_mut();
+    }
+    ptr.cast()
+}
+
+/// The layout a block was allocated with.
+fn layout_of(record: Record) -> Layout {
+    // SAFETY: it was a valid layout when the block was allocated.
+    unsafe { Layout::from_size_align_unchecked(record.size, record.align) }
+}
+
+/// Frees a pointer the granule map says may be ours; `errno` is kept.
+///
+/// # Safety
+/// `ptr` is a live allocation (of ours or glibc's) that is not used afterwards.
+#[cold]
+#[inline(never)]
+unsafe fn free_maybe_ours(ptr: *mut c_void) {
+    let errno = sys::errno();
+    match owned::remove(ptr as usize) {
+        // SAFETY: ours, allocated with this layout; the record is gone, so nobody frees it twice.
+        Some(record) => unsafe { ALLOC.dealloc(ptr.cast(), layout_of(record)) },
+        // SAFETY: not ours, so glibc's.
+        None => unsafe { glibc::__libc_free(ptr) },
+    }
+    sys::set_errno(errno);
+}
+
+/// `realloc` of a block of ours: resized by the crate while it stays large, moved to glibc
+/// below the threshold.
+///
+/// # Safety
+/// `ptr` is the live block `record` describes, taken out of the record by the caller.
+unsafe fn realloc_ours(ptr: *mut c_void, record: Record, size: usize) -> *mut c_void {
+    let old = layout_of(record);
+    if size == 0 {
+        // glibc frees and returns null.
+        // SAFETY: ours with this layout.
+        unsafe { ALLOC.dealloc(ptr.cast(), old) };
+        return ptr::null_mut();
+    }
+    let moved = if large(size) {
+        match Layout::from_size_align(size, record.align) {
+            // SAFETY: ours with `old`; `size` is non-zero and a layout with it exists.
+            Ok(_) => unsafe { ALLOC.realloc(ptr.cast(), old, size) }.cast::<c_void>(),
+            Err(_) => ptr::null_mut(),
+        }
+    } else {
+        // SAFETY: a plain C call.
+        let small = unsafe { glibc::__libc_malloc(size) };
+        if !small.is_null() {
+            // SAFETY: both live and distinct; the new size is the smaller.
+            unsafe { ptr::copy_nonoverlapping(ptr.cast::<u8>(), small.cast(), size) };
+            // SAFETY: ours with this layout, not used again.
+            unsafe { ALLOC.dealloc(ptr.cast(), old) };
+            return small;
+        }
+        ptr::null_mut()
+    };
+    if moved.is_null() {
+        // The old block is untouched and still the caller's. Its granules' leaves exist (they
+        // are never unmapped): recording it again cannot fail.
+        owned::insert(ptr as usize, record);
+        sys::set_errno(libc::ENOMEM);
+        return ptr::null_mut();
+    }
+    let new = Record { size, ..record };
+    if owned::insert(moved as usize, new) {
+        return moved;
+    }
+    // The granule map could not grow (mapping one page failed): the data goes to glibc.
+    // SAFETY: a plain C call.
+    let small = unsafe { glibc::__libc_malloc(size) };
+    if small.is_null() {
+        // The old block is gone and the new one cannot be recorded: no answer is safe.
+        sys::out_of_memory();
+    }
+    // SAFETY: both live and distinct, `size` bytes long; `moved` is ours with `new`'s layout.
+    unsafe {
+        ptr::copy_nonoverlapping(moved.cast::<u8>(), small.cast(), size);
+        ALLOC.dealloc(moved.cast(), layout_of(new));
+    }
+    small
+}
+
+/// `realloc` of one of glibc's pointers to a large size: moved into a block of ours. `None`
+/// when glibc's usable size is not known yet (before the constructor): glibc reallocates.
+///
+/// # Safety
+/// `ptr` is a live allocation of glibc's.
+unsafe fn realloc_into_large(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
+    // SAFETY: forwarded from the caller.
+    let old = unsafe { glibc::usable_size(ptr) }?;
+    let new = allocate_large(size, MALLOC_ALIGN, false);
+    if !new.is_null() {
+        // SAFETY: both live and distinct, each at least this long.
+        unsafe { ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast(), old.min(size)) };
+        // SAFETY: glibc's, not used again.
+        unsafe { glibc::__libc_free(ptr) };
+    }
+    Some(new)
+}
+
+/// Sets up what must not be done inside an allocation: glibc's `malloc_usable_size` looked up
+/// (`dlsym` allocates), the fork handlers registered.
+extern "C" fn construct() {
+    glibc::resolve_usable_size();
+    sys::at_fork(owned::before_fork, owned::after_fork, owned::after_fork);
+}
+
+/// Runs [`construct`] when the library is loaded, preloaded or `dlopen`ed.
+#[used]
+#[link_section = ".init_array"]
+static CONSTRUCT: extern "C" fn() = construct;
+
+/// The exported C entry points (in the unit tests' binary too: its allocations go through them).
+mod exports;
