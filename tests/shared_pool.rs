@@ -9,9 +9,11 @@
 mod shared_workload;
 #[macro_use]
 mod common {
+    pub mod pools;
     #[macro_use]
     pub mod require;
 }
+use common::pools::{pool_path, small_pool_at};
 
 use std::alloc::Layout;
 use std::fs::OpenOptions;
@@ -236,23 +238,6 @@ fn the_blocks_of_a_process_gone_are_reclaimed() {
     let stats = pool.stats();
     assert_eq!((stats.live_blocks, stats.frees), (1, 3), "{stats:?}");
     assert!(pool.is_live(mine));
-}
-
-fn pool_path(name: &str) -> PathBuf {
-    PathBuf::from(format!(
-        "/dev/shm/numa-gpu-alloc-test-{name}-{}",
-        std::process::id()
-    ))
-}
-
-fn small_pool_at(path: &PathBuf) -> SharedPool {
-    let _ = std::fs::remove_file(path);
-    SharedPool::builder(8 * MIB)
-        .node(0)
-        .chunk(2 * MIB)
-        .path(path)
-        .create()
-        .expect("making a pool at a path")
 }
 
 #[test]

@@ -11,6 +11,7 @@
 
 mod common {
     pub mod nobody;
+    pub mod pools;
     pub mod require;
 }
 
@@ -19,34 +20,18 @@ use std::fs::{OpenOptions, Permissions};
 use std::io::{BufRead, BufReader, ErrorKind};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
 use common::nobody::{can_switch_users, spawn_as_nobody, NOBODY};
+use common::pools::{pool_path, small_pool_at};
 use numa_gpu_alloc::{Error, SharedPool};
 
 const MIB: usize = 1 << 20;
 /// Set in a child run as nobody: what it does.
 const NOBODY_VAR: &str = "NUMA_GPU_ALLOC_TRUST_CHILD";
-
-fn pool_path(name: &str) -> PathBuf {
-    PathBuf::from(format!(
-        "/dev/shm/numa-gpu-alloc-trust-{name}-{}",
-        std::process::id()
-    ))
-}
-
-fn small_pool_at(path: &Path) -> SharedPool {
-    let _ = std::fs::remove_file(path);
-    SharedPool::builder(8 * MIB)
-        .node(0)
-        .chunk(2 * MIB)
-        .path(path)
-        .create()
-        .expect("making a pool at a path")
-}
 
 fn block(pool: &SharedPool) -> numa_gpu_alloc::PoolHandle {
     pool.allocate_handle(Layout::from_size_align(4096, 64).unwrap())
@@ -518,17 +503,8 @@ fn an_attach_waits_for_the_pools_lock_no_longer_than_asked_and_names_the_holder(
 /// succeed, never panic.
 #[test]
 fn a_carving_state_written_during_an_allocation_is_no_panic() {
-    let path = PathBuf::from(format!(
-        "/dev/shm/numa-gpu-alloc-race-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_file(&path);
-    let pool = SharedPool::builder(8 * MIB)
-        .node(0)
-        .chunk(2 * MIB)
-        .path(&path)
-        .create()
-        .unwrap();
+    let path = pool_path("race");
+    let pool = small_pool_at(&path);
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -576,22 +552,9 @@ static KEPT_B: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(
 /// this process writes nowhere but the pool: the locks keep no pointers in the file.
 #[test]
 fn addresses_written_into_the_pools_locks_are_never_written_through() {
-    let path = PathBuf::from(format!(
-        "/dev/shm/numa-gpu-alloc-words-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_file(&path);
-    let pool = SharedPool::builder(8 * MIB)
-        .node(0)
-        .chunk(2 * MIB)
-        .path(&path)
-        .create()
-        .unwrap();
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap();
+    let path = pool_path("words");
+    let pool = small_pool_at(&path);
+    let file = OpenOptions::new().write(true).open(&path).unwrap();
     let (a, b) = (KEPT_A.as_ptr() as u64, KEPT_B.as_ptr() as u64);
     let flood = |from: u64, to: u64| {
         for (i, at) in (from..to).step_by(8).enumerate() {
