@@ -136,7 +136,8 @@ pub(crate) fn resident_sample(
             libc::mincore(
                 ptr.as_ptr().wrapping_add(index * page).cast(),
                 page,
-                &mut vec,
+                // `unsigned char *` on Linux, `char *` elsewhere.
+                std::ptr::addr_of_mut!(vec).cast(),
             )
         };
         if rc != 0 {

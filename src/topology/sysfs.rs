@@ -118,6 +118,7 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
 
 /// Node `node`'s free huge pages of `page_bytes` (`nodeN/hugepages/hugepages-<kB>kB/
 /// free_hugepages` under `root`); 0 when the file cannot be read (no such pages reserved).
+#[cfg(target_os = "linux")] // Only shared pools ask.
 pub(crate) fn free_huge_pages(root: &Path, node: usize, page_bytes: usize) -> usize {
     let file = root.join(format!(
         "devices/system/node/node{node}/hugepages/hugepages-{}kB/free_hugepages",
