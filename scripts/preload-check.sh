@@ -7,6 +7,11 @@
 # (scripts/preload-compare.sh on 16 MiB files: outputs must match glibc's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The peers of the side-by-side table: Debian's preload builds of jemalloc and mimalloc.
+libs=$(ldconfig -p)
+if ! grep -q 'libjemalloc.so.2 ' <<<"$libs" || ! grep -q 'libmimalloc.so.2 ' <<<"$libs"; then
+    apt-get update -qq && apt-get install -y -qq libjemalloc2 libmimalloc2.0
+fi
 cargo build --release -p numa-gpu-alloc-preload
 wheel=$(python3 preload/python/build_wheel.py target/release target/wheel)
 venv=$(mktemp -d)

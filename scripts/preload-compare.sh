@@ -17,7 +17,8 @@ trap 'rm -rf "$work"' EXIT
 
 declare -A preload=([glibc]="" [numa-gpu-alloc]="$ours")
 for lib in jemalloc:libjemalloc.so.2 mimalloc:libmimalloc.so.2; do
-    path=$(ldconfig -p | awk -v n="${lib#*:}" '$1 == n { print $NF; exit }')
+    # awk reads all of ldconfig's list: an early exit would end ldconfig by SIGPIPE (pipefail).
+    path=$(ldconfig -p | awk -v n="${lib#*:}" '$1 == n && p == "" { p = $NF } END { print p }')
     if [ -n "$path" ]; then preload[${lib%%:*}]=$path; else echo "note: ${lib#*:} not installed, its rows left out"; fi
 done
 allocators=(glibc numa-gpu-alloc)
