@@ -97,6 +97,8 @@ fn check_node(report: &mut Report, node: usize) {
         .node(node)
         .chunk(2 * MIB)
         .populate_threads(1)
+        // The second process gets the pool's descriptor across exec.
+        .inherit(true)
         .create()
     {
         Ok(pool) => pool,
