@@ -52,12 +52,14 @@ use crate::Error;
 mod attach;
 mod block;
 mod build;
+mod inner;
 mod register;
 mod stats;
 
 pub use attach::PoolAttach;
 pub use block::{PoolHandle, SharedBlock};
 pub use build::SharedPoolBuilder;
+use inner::Inner;
 pub use stats::PoolStats;
 
 /// How long attaching waits for a live creator to finish populating (only a pool of an older
@@ -108,44 +110,6 @@ pub struct SharedPool {
     inner: Arc<Inner>,
     /// The registration under way in the background, cancelled at detach.
     background: Lock<Option<Arc<Tally>>>,
-}
-
-/// What the pool's handle and its background registration share; dropped (detached) when both
-/// are gone: unregistered, then unmapped, then the file closed.
-struct Inner {
-    pinned: Pinned,
-    map: PoolMap,
-    fd: OwnedFd,
-    path: Option<PathBuf>,
-    /// The process that attached (and counted itself in the header), and its fork generation.
-    attached_by: (u32, u32),
-    /// How long this process waits for a lock of the pool another holds.
-    lock_wait: Duration,
-}
-
-impl Inner {
-    /// Whether this is a forked child's copy of another process's attachment: the child was not
-    /// counted in the header, its registrations are the parent's (CUDA is unusable here), and
-    /// their list's locks may have been held by a parent's thread at the fork. The fork
-    /// generation tells a child even where the pid of a gone ancestor was reused; the pid, even
-    /// where the crate's fork handlers were not linked in.
-    fn inherited(&self) -> bool {
-        self.attached_by != (sys::process_id(), crate::fork::generation())
-    }
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        if self.inherited() {
-            // Only the child's own mapping goes; the count and the registrations are the
-            // parent's.
-            return;
-        }
-        if !self.pinned.release(&self.map) {
-            self.map.keep_mapped();
-        }
-        self.map.header().attached.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 impl SharedPool {

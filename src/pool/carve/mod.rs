@@ -476,54 +476,6 @@ impl Carve {
     }
 }
 
-#[cfg(test)]
-impl Carve {
-    /// Stores `value` (truncated to the field's width) into one field of the state, as a stray
-    /// writer in another process could: `field` 0 start, 1 end, 2 chunk, 3 the intent's op, pid,
-    /// offset or length (`index % 4`), 4 the live count, 5 the free count, 6 the live bytes,
-    /// allocations, frees or rebuilds (`index % 4`), 7 a free range's offset or length, 8 a
-    /// live entry's offset, length, pid or serial (the entry `index / 4`, the field `index % 4`).
-    pub(crate) fn scribble(&mut self, field: usize, index: usize, value: u64) {
-        let v32 = value as u32;
-        match field {
-            0 => self.start = value,
-            1 => self.end = value,
-            2 => self.chunk = value,
-            3 => match index % 4 {
-                0 => self.intent.op.store(v32, Ordering::Relaxed),
-                1 => self.intent.pid.store(v32, Ordering::Relaxed),
-                2 => self.intent.offset.store(value, Ordering::Relaxed),
-                _ => self.intent.len.store(value, Ordering::Relaxed),
-            },
-            4 => self.live_count = v32,
-            5 => self.free_count = v32,
-            6 => match index % 4 {
-                0 => self.live_bytes = value,
-                1 => self.allocations = value,
-                2 => self.frees = value,
-                _ => self.rebuilds = value,
-            },
-            7 => {
-                let e = &mut self.free[(index / 2) % (EXTENTS + 1)];
-                *(if index.is_multiple_of(2) {
-                    &mut e.offset
-                } else {
-                    &mut e.len
-                }) = value;
-            }
-            _ => {
-                let e = &mut self.live[(index / 4) % EXTENTS];
-                match index % 4 {
-                    0 => e.block.offset = value,
-                    1 => e.block.len = value,
-                    2 => e.pid = v32,
-                    _ => e.serial = v32,
-                }
-            }
-        }
-    }
-}
-
 /// A table entry, stored field by field ([`insert`], [`remove`], [`Carve::rebuild`]).
 trait Entry: Copy + Default {
     /// Stores `to` in `self` field by field, the offset first or last, asking `go_on` before
