@@ -34,6 +34,11 @@ pub fn test_path(module: &str, name: &str) -> String {
     }
 }
 
+/// [`run`] for the test `name` of the module `module` (its `module_path!()`), with `var=1`.
+pub fn run_test(module: &str, name: &str, var: &str) -> (String, String) {
+    run(&test_path(module, name), var, "1", &[])
+}
+
 /// The value of `var` when this process is a child started by [`run`], `None` in the parent.
 pub fn mode(var: &str) -> Option<String> {
     std::env::var_os(var).map(|m| m.to_string_lossy().into_owned())

@@ -74,12 +74,7 @@ fn sysfs_root_child() {
 }
 
 fn in_child(test: &str) {
-    let (stdout, stderr) = common::child::run(
-        &common::child::test_path(module_path!(), test),
-        CHILD_VAR,
-        "1",
-        &[],
-    );
+    let (stdout, stderr) = common::child::run_test(module_path!(), test, CHILD_VAR);
     assert!(stdout.contains(CHILD_OK), "{stdout}\n{stderr}");
 }
 

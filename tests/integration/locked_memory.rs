@@ -167,12 +167,7 @@ fn mlocked_blocks_child() {
 
 /// Runs `test` in a child; a child that could not lock memory ends the test as [`require!`] says.
 fn in_child(test: &str) {
-    let (stdout, stderr) = common::child::run(
-        &common::child::test_path(module_path!(), test),
-        CHILD_VAR,
-        "1",
-        &[],
-    );
+    let (stdout, stderr) = common::child::run_test(module_path!(), test, CHILD_VAR);
     // The child's test harness may print its own words first on a line.
     let after = |l: &'static str| move |line: &str| line.find(l).map(|at| line[at..].to_owned());
     // The measurements, for the log.
