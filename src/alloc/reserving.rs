@@ -111,7 +111,11 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
                 let finished = FinishOnUnwind(&shared);
                 // Alive while `self` is: `'static`.
                 let rt = self.runtime();
-                shared.finish(rt.blocks.reserve_bytes(bytes, &target, kind, &shared));
+                shared.finish(
+                    rt.blocks
+                        .reserver()
+                        .reserve_bytes(bytes, &target, kind, &shared),
+                );
                 drop(finished);
             })
             .map_err(|e| Error::Syscall {
@@ -139,5 +143,7 @@ impl Drop for FinishOnUnwind<'_> {
 fn reserve_for_caller(rt: &Runtime, bytes: usize, tally: &Tally) -> Result<(), Error> {
     let target = route::target(rt);
     let kind = rt.blocks.kind(&target)?;
-    rt.blocks.reserve_bytes(bytes, &target, kind, tally)
+    rt.blocks
+        .reserver()
+        .reserve_bytes(bytes, &target, kind, tally)
 }

@@ -526,3 +526,29 @@ fn a_default_allocator_counts_no_unpinned_fallback() {
     assert_eq!(stats.fallbacks.unpinned_blocks, 0, "{stats}");
     assert!(stats.to_string().contains(", unpinned 0,"), "{stats}");
 }
+
+/// Process-wide settings are the first initialiser's: a later value with another sysfs root
+/// (a fixture tree) resolves its own target from its own tree, and shares the one large path
+/// (topology for the workers, cpuset, limits, page size, chunk source) made before it.
+#[test]
+fn values_share_the_large_path_of_the_first_initialiser() {
+    let _serial = serial();
+    let first = allocator();
+    let fixture = allocator()
+        .sysfs_root(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/sparse"
+        ))
+        .node(2);
+    let _inside = crate::guard::Inside::enter();
+    let (a, b) = (first.runtime(), fixture.runtime());
+    assert!(
+        std::ptr::eq(a.blocks.process(), b.blocks.process()),
+        "one large path per process"
+    );
+    assert_eq!(
+        b.placement().host_node,
+        2,
+        "the value's own tree decides its target"
+    );
+}

@@ -1,36 +1,49 @@
-//! The large path's one owner: [`Blocks`] allocates, frees, resizes, trims and reserves blocks
-//! for the front ends, which never touch an arena. It alone decides whether a request is carved
-//! from a chunk (`chunks.rs`), served from reserved room (`reserve.rs`) or given a dedicated
-//! mapping (`block.rs`); it settles pending blocks and runs the release protocol (what an arena
-//! operation hands out is released or purged outside its lock, and counted, in
-//! [`Blocks::finish`]); pinning goes through its registration (`pinning.rs`).
+//! One allocator value's large path, split by job, each type in its own file:
 //!
-//! One value per allocator value, made from its settings when the large path initialises; the
-//! arenas it drives are the process's (`process/nodes.rs`), shared by every value.
+//! - [`Blocks`] (`mod.rs`, `requests.rs`): the value's settings, counters and placement state;
+//!   what the front ends ask (allocate, free, resize, grow, trim, attach GPU work) and where a
+//!   request goes; its kind and pin policy; its stats.
+//! - [`Carver`] (`chunks.rs`): blocks carved from chunks, and new chunks.
+//! - [`DedicatedPath`] (`block.rs`): blocks with a mapping of their own, cached or new, grown
+//!   by moving pages.
+//! - [`Pressure`] (`pressure.rs`): idle memory given back when memory, address space or the
+//!   pinned limit runs short.
+//! - [`Reserver`] (`reserve.rs`): memory made ahead of the requests that will want it.
+//! - [`Unpinnable`] (`pinning.rs`): why `pin=strict` refuses a target.
+//!
+//! Memory itself is made by the placer (`chunk/place.rs`: map, place, populate, check,
+//! register; the pin policy decided once). The arenas, the topology, the cpuset, the limits,
+//! the page size and the chunk source are the process's (`process/`), shared by every value;
+//! a value keeps its settings, its targets (in the runtime) and this small policy.
 
 mod block;
 mod chunks;
 mod pinning;
+mod pressure;
 mod requests;
 pub(crate) mod reserve;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use pinning::Unpinnable;
+pub(crate) use reserve::Reserver;
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
-use crate::arena::{Arena, HeapKey, Kind, Shortage, CHUNK_MAX};
-use crate::chunk::{ChunkSource, ANONYMOUS};
+use block::DedicatedPath;
+use chunks::Carver;
+use pressure::Pressure;
+
+use crate::arena::{count_release, Arena, HeapKey, Kind, PurgeFailures, Released, CHUNK_MAX};
+use crate::chunk::{Chunk, Numa, Part, PinFlags, PinPolicy, Place, Placer, Rules, Seams};
 use crate::config::{Config, PinMode};
-use crate::cuda::Gpu;
-use crate::process::NODES;
-use crate::stats::Counters;
+use crate::cuda::{Gpu, RegisterFlags};
+use crate::process::{LargePath, NODES};
+use crate::stats::{Counters, Stats};
 use crate::sys::lock::Guard;
 use crate::sys::{MemPolicy, NodeMask};
 use crate::topology::cgroup::MemoryLimits;
-use crate::{Error, NumaTopology};
+use crate::Error;
 
 /// Where one request's block goes: its node, the policy's nodes, and the context that pins it.
 #[derive(Clone, Copy, Debug)]
@@ -45,6 +58,16 @@ pub(crate) struct Resolved {
     pub(crate) ordinal: Option<u32>,
     /// Why `pin=strict` refuses the target's requests, when it does.
     pub(crate) unpinnable: Option<Unpinnable>,
+}
+
+impl Resolved {
+    /// Where the placer puts the target's memory.
+    pub(crate) fn place(&self) -> Place {
+        Place {
+            nodes: self.nodes,
+            gpu: self.gpu,
+        }
+    }
 }
 
 /// What the large path reads of an allocator value's settings (builder and environment, as
@@ -62,10 +85,6 @@ pub(crate) struct Settings {
     pub(crate) populate_eager: bool,
     pub(crate) pin: PinMode,
     pub(crate) pin_limit: usize,
-    pub(crate) pin_devicemap: bool,
-    pub(crate) pin_read_only: bool,
-    /// The most one registration covers (`register_max=`).
-    pub(crate) register_max: usize,
     pub(crate) cache_limit: usize,
     pub(crate) decay_ms: u64,
     pub(crate) decay_thread: bool,
@@ -83,9 +102,6 @@ impl Settings {
             populate_eager: config.populate_eager,
             pin: config.pin,
             pin_limit: config.pin_limit,
-            pin_devicemap: config.pin_devicemap,
-            pin_read_only: config.pin_read_only,
-            register_max: config.register_max,
             cache_limit: config.cache_limit,
             decay_ms: config.decay_ms,
             decay_thread: config.decay_thread,
@@ -94,61 +110,84 @@ impl Settings {
     }
 }
 
-/// The large path of one allocator value: its settings, what it knows of the machine, and its
-/// counters.
+/// The large path of one allocator value: its settings and placement rules, whether it still
+/// places with `mbind`, its counters, and the process's large path it shares with every value
+/// (topology, cpuset, limits, page size, chunk source; the arenas are the node table's).
+///
+/// A request reads top to bottom: [`Blocks::allocate`] (`requests.rs`) dispatches to the
+/// carving path ([`Carver`], `chunks.rs`), reserved room, or the dedicated path
+/// ([`DedicatedPath`], `block.rs`); memory is made by the placer ([`Placer`],
+/// `chunk/place.rs`); what an arena hands out is finished outside its lock ([`Blocks::finish`]).
+/// Memory pressure is [`Pressure`]'s (`pressure.rs`), reservations [`Reserver`]'s
+/// (`reserve.rs`).
 pub(crate) struct Blocks {
     pub(crate) settings: Settings,
-    pub(crate) page_size: usize,
-    /// For the CPUs that populate a node's memory, and the nodes' sizes.
-    topology: NumaTopology,
-    /// Memory nodes this process's cpuset allows (`None`: all).
-    allowed: Option<NodeMask>,
-    /// Why the topology could not be read (then blocks go unplaced).
-    topology_error: Option<Error>,
-    /// The errno with which the kernel refused `mbind` (0: never); then blocks go unplaced. An
-    /// atomic rather than a `OnceLock`, which a fork during its initialisation would leave
-    /// blocking in the child.
-    mbind_refused: AtomicI32,
-    /// Threads that populate one big block.
-    populate_threads: usize,
-    /// The cgroup memory limits a new block is checked against.
-    memory_limits: MemoryLimits,
+    /// What the placer needs of the settings.
+    rules: Rules,
+    /// Whether blocks are still placed (this value's view: its topology, the kernel's refusals).
+    numa: Numa,
     pub(crate) counters: Counters,
-    /// Where its chunks' memory comes from.
-    source: &'static dyn ChunkSource,
+    /// What the process knows (made by its first initialisation, shared by every value).
+    process: &'static LargePath,
 }
 
 impl Blocks {
-    /// The large path for `config` on `topology` (a stand-in when it could not be read:
-    /// `topology_error`), with the nodes the cpuset allows.
+    /// The large path for `config` over the process's large path `process` (`topology_error`:
+    /// why the value's topology could not be read; then its blocks go unplaced).
     pub(crate) fn new(
         config: Config,
-        topology: NumaTopology,
         topology_error: Option<Error>,
-        allowed: Option<NodeMask>,
+        process: &'static LargePath,
     ) -> Blocks {
         let populate_threads = match config.populate_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             n => n,
         };
         Blocks {
+            rules: Rules {
+                policy: config.policy,
+                verify: config.verify,
+                huge_pages: config.huge_pages,
+                populate_threads,
+                flags: PinFlags {
+                    register: RegisterFlags {
+                        devicemap: config.pin_devicemap,
+                        read_only: config.pin_read_only,
+                    },
+                    limit: config.pin_limit,
+                },
+                register_max: config.register_max,
+            },
             settings: Settings::of(&config),
-            page_size: crate::sys::page_size(),
-            topology,
-            allowed,
-            topology_error,
-            mbind_refused: AtomicI32::new(0),
-            populate_threads,
-            memory_limits: MemoryLimits::of_this_process(),
+            numa: Numa::new(topology_error),
             counters: Counters::default(),
-            source: &ANONYMOUS,
+            process,
         }
     }
 
-    /// The same large path with its chunks' memory from `source`.
-    #[cfg(test)]
-    pub(crate) fn with_source(self, source: &'static dyn ChunkSource) -> Blocks {
-        Blocks { source, ..self }
+    /// The process's large path this value shares.
+    pub(crate) fn process(&self) -> &'static LargePath {
+        self.process
+    }
+
+    /// The reservations this value makes.
+    pub(crate) fn reserver(&self) -> Reserver<'_> {
+        Reserver { blocks: self }
+    }
+
+    /// The page size.
+    pub(crate) fn page_size(&self) -> usize {
+        self.process.page_size()
+    }
+
+    /// The placer of this value's memory.
+    pub(crate) fn placer(&self) -> Placer<'_> {
+        Placer {
+            rules: &self.rules,
+            numa: &self.numa,
+            counters: &self.counters,
+            seams: self,
+        }
     }
 
     /// Whether a block's pages are populated when it is handed out, not where its user first
@@ -161,7 +200,7 @@ impl Blocks {
     pub(crate) fn populates(&self) -> bool {
         let s = &self.settings;
         s.populate_eager
-            || s.pin != PinMode::Off
+            || PinPolicy::decide(s.pin, true).asked()
             || s.verify
             || s.policy == MemPolicy::Bind
             || !self.numa_placement()
@@ -194,30 +233,56 @@ impl Blocks {
 
     /// Whether blocks are still placed with `mbind`.
     pub(crate) fn numa_placement(&self) -> bool {
-        self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
-    }
-
-    /// Records that the kernel refused `mbind` with `errno`: later blocks go unplaced.
-    fn refuse_mbind(&self, errno: i32) {
-        // The first refusal is the one reported; a zero errno would read as "never".
-        let _ = self
-            .mbind_refused
-            .compare_exchange(0, errno.max(1), Relaxed, Relaxed);
+        self.numa.placing()
     }
 
     /// Why NUMA placement is off, if it is.
     pub(crate) fn numa_unavailable(&self) -> Option<Error> {
-        self.topology_error.clone().or_else(|| self.mbind_refusal())
+        self.numa.unavailable()
     }
 
     /// The kernel's refusal of `mbind` after initialisation, if any (no heap data: the exit
     /// report reads it).
     pub(crate) fn mbind_refusal(&self) -> Option<Error> {
-        let errno = self.mbind_refused.load(Relaxed);
-        (errno != 0).then_some(Error::NumaUnavailable {
-            call: "mbind",
-            errno,
-        })
+        self.numa.refusal()
+    }
+
+    /// The longest chunk made of a kind: the registration bound (`register_max=`, taken into
+    /// 2 MiB to 1 GiB) when pinned, so that one registration never covers more; else
+    /// [`CHUNK_MAX`].
+    pub(crate) fn chunk_max(&self, pinned: bool) -> usize {
+        if !pinned {
+            return CHUNK_MAX;
+        }
+        self.rules.registration_bound().min(CHUNK_MAX)
+    }
+
+    /// What the blocks made for `target` are made with (see [`Kind`]); under `pin=strict`, why
+    /// none can be made when they could not be page-locked.
+    pub(crate) fn kind(&self, target: &Resolved) -> Result<Kind, Error> {
+        let usable = target.gpu.is_some_and(Gpu::usable);
+        let pin = PinPolicy::decide(self.settings.pin, usable);
+        if pin.strict() && (!usable || self.settings.pin_limit == 0) {
+            // Resolved with a usable GPU, a target loses it only to a fork.
+            return Err(target.unpinnable.unwrap_or(Unpinnable::Forked).error());
+        }
+        Ok(self.kind_of(pin.registers()))
+    }
+
+    /// What a block made under this value's policy is made with, pinned or not.
+    pub(crate) fn kind_of(&self, pinned: bool) -> Kind {
+        let flags = if pinned {
+            self.rules.flags.register
+        } else {
+            RegisterFlags::default()
+        };
+        Kind {
+            policy: self.settings.policy,
+            pinned,
+            flags,
+            lazy: !pinned && !self.populates(),
+            verified: self.settings.verify,
+        }
     }
 
     /// The arena of `node`, locked; `None` only for a node id no topology holds.
@@ -227,8 +292,115 @@ impl Blocks {
 
     /// The nodes the policy names for blocks of `host_node`'s arena.
     fn policy_nodes_of(&self, host_node: usize) -> NodeMask {
-        let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
-        policy_nodes(self.settings.policy, &self.topology, &allowed, host_node)
+        self.process.policy_nodes(self.settings.policy, host_node)
+    }
+
+    /// Adds a chunk made for `key` to `node`'s arena (releasing it when that fails), and starts
+    /// the process's decay thread when this value asks for it.
+    fn add_chunk(&self, node: usize, key: HeapKey, chunk: Chunk) -> Option<()> {
+        let added = self
+            .arena(node)
+            .map(|mut arena| arena.add_chunk(key, chunk));
+        match added {
+            Some(Ok(())) => {
+                if self.settings.decay_thread {
+                    crate::process::decay::ensure_running(
+                        self.settings.decay_ms,
+                        self.settings.sysfs_root,
+                    );
+                }
+                Some(())
+            }
+            Some(Err(chunk)) => {
+                count_release(&self.counters, chunk.release());
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Does what an arena operation on `node` left to do outside its lock (see
+    /// [`Released::finish`]), counted in this value's counters. Returns the purges that failed.
+    pub(crate) fn finish(&self, node: usize, out: &mut Released) -> PurgeFailures {
+        out.finish(NODES.existing(node), &self.counters)
+    }
+
+    /// Runs `f` on `node`'s arena, then does what it left to do.
+    pub(crate) fn with_arena<T>(
+        &self,
+        node: usize,
+        f: impl FnOnce(&mut Guard<'_, Arena>, &mut Released) -> T,
+    ) -> Option<T> {
+        let mut out = Released::default();
+        let result = {
+            let mut arena = self.arena(node)?;
+            f(&mut arena, &mut out)
+        };
+        self.finish(node, &mut out);
+        Some(result)
+    }
+
+    /// Starts the peaks over: each node's (the arenas are the process's), this value's longest
+    /// times and the decay thread's.
+    pub(crate) fn reset_peaks(&self) {
+        for arena in NODES.arenas() {
+            arena.lock().reset_peak();
+        }
+        self.counters.reset_peaks();
+        // Its longest times are added into every value's, as its releases are.
+        if let Some(decay) = crate::process::decay::counters() {
+            decay.reset_peaks();
+        }
+    }
+
+    /// Fills the node rows of `stats` (and the GPU and heap rows they hold) from the arenas that
+    /// exist, this value's counters, and what the decay thread released.
+    pub(crate) fn fill_stats(&self, stats: &mut Stats) {
+        for row in &mut stats.nodes {
+            // Read only the arenas that exist: creating one here would cost every later fork.
+            if let Some(arena) = NODES.existing(row.node).map(|arena| arena.lock()) {
+                arena.fill(row);
+                stats.gpus.extend_from_slice(arena.gpus());
+                stats.heaps.extend(arena.heap_rows());
+            }
+        }
+        self.fill_counters(stats);
+    }
+
+    /// Copies this value's counters into `stats`, and adds what the decay thread released:
+    /// released memory is counted the same way whoever released it. Allocates nothing (see
+    /// `Counters::fill`).
+    pub(crate) fn fill_counters(&self, stats: &mut Stats) {
+        self.counters.fill(stats);
+        if let Some(decay) = crate::process::decay::counters() {
+            decay.add_releases(stats);
+        }
+    }
+}
+
+/// The placer's way to the process (its workers, limits, page size) and to this value's memory
+/// pressure (idle page-locked memory given back).
+impl Seams for Blocks {
+    fn page_size(&self) -> usize {
+        self.process.page_size()
+    }
+
+    fn memory_limits(&self) -> &MemoryLimits {
+        self.process.memory_limits()
+    }
+
+    fn populate(
+        &self,
+        part: &mut Part<'_>,
+        nodes: &NodeMask,
+        threads: usize,
+        huge: bool,
+    ) -> Result<bool, Error> {
+        self.process.populate(part, nodes, threads, huge)
+    }
+
+    fn make_pinned_room(&self, bytes: usize) {
+        Pressure { blocks: self }.give_back_page_locked(bytes);
     }
 }
 
@@ -237,28 +409,6 @@ pub(crate) use crate::sys::HUGE_PAGE;
 /// Pages looked at to tell whether a dirty part was touched whole by its last user
 /// ([`Blocks::clears_by_dropping`]): one `mincore` each, a few microseconds in all.
 const CLEAR_SAMPLES: usize = 8;
-/// `CUresult` of a registration beyond what the driver can page-lock.
-const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
-
-/// Whether a failure to create a block may go away when memory is given back: mmap, populate or
-/// a full node (ENOMEM), a cgroup limit, or CUDA's page-locking limit.
-pub(crate) fn shortage(error: &Error) -> bool {
-    match error {
-        Error::Syscall { errno, .. } => *errno == libc::ENOMEM,
-        Error::MemoryLimit { .. } => true,
-        Error::Cuda { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
-        _ => false,
-    }
-}
-
-/// What a request short of memory by `error` needs given back.
-pub(crate) fn shortage_kind(error: &Error) -> Shortage {
-    match error {
-        Error::Syscall { call: "mmap", .. } => Shortage::AddressSpace,
-        _ => Shortage::Memory,
-    }
-}
-
 /// Whether a request of `size` bytes at `align` is carved (else it gets a mapping of its own).
 pub(crate) fn carved(size: usize, align: usize) -> bool {
     size < crate::arena::DEDICATED_MIN && size.saturating_add(align) <= CHUNK_MAX
@@ -271,26 +421,4 @@ pub(crate) fn reserved_key(kind: Kind, huge_pages: bool) -> HeapKey {
         huge: huge_pages,
         reserved: true,
     }
-}
-
-/// The nodes `policy` names for blocks of `host_node`: every allowed node with memory for
-/// interleave, else the host node.
-pub(crate) fn policy_nodes(
-    policy: MemPolicy,
-    topology: &NumaTopology,
-    allowed: &dyn Fn(usize) -> bool,
-    host_node: usize,
-) -> NodeMask {
-    let mut mask = NodeMask::empty();
-    if policy == MemPolicy::Interleave {
-        for node in topology.nodes().iter() {
-            if node.has_memory && allowed(node.id) {
-                let _ = mask.insert(node.id);
-            }
-        }
-    }
-    if mask.is_empty() {
-        let _ = mask.insert(host_node);
-    }
-    mask
 }

@@ -6,11 +6,9 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use super::carved;
-use super::{Blocks, Resolved, HUGE_PAGE};
-use crate::arena::{class_size, Arena, Block, Dedicated, Fit, InFlight, Kind, Released};
+use super::{carved, Blocks, Carver, DedicatedPath, Resolved, HUGE_PAGE};
+use crate::arena::{Block, InFlight, Released};
 use crate::process::NODES;
-use crate::stats::Stats;
 use crate::sys;
 
 /// The least size of a growing block given a mapping of its own: below it a copy is cheap, and
@@ -52,108 +50,18 @@ impl Blocks {
             .map_err(|e| self.counters.record_strict_refusal(&e))
             .ok()?;
         self.counters.record_request(layout.size());
-        let size = layout.size().checked_next_multiple_of(self.page_size)?;
-        let align = layout.align().max(self.page_size);
+        let page_size = self.page_size();
+        let size = layout.size().checked_next_multiple_of(page_size)?;
+        let align = layout.align().max(page_size);
         let grows_by_remap = growing && !kind.pinned && size >= GROWS_BY_REMAP_MIN;
+        let carver = Carver { blocks: self };
         if carved(size, align) && !grows_by_remap {
-            self.carve(size, align, zeroed, target, kind)
-        } else if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
+            carver.carve(size, align, zeroed, target, kind)
+        } else if let Some(block) = carver.carve_reserved(size, align, zeroed, target, kind) {
             Some(block)
         } else {
-            self.dedicated(layout, zeroed, target, kind)
+            DedicatedPath { blocks: self }.dedicated(layout, zeroed, target, kind)
         }
-    }
-
-    /// A block of its own for a request too large to carve (or a growing one): a cached one, or
-    /// a new mapping.
-    fn dedicated(
-        &self,
-        layout: Layout,
-        zeroed: bool,
-        target: &Resolved,
-        kind: Kind,
-    ) -> Option<Block> {
-        let (capacity, fit) = self.fit(layout, kind)?;
-        let zero = zeroed.then_some(layout.size());
-        // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
-        self.take_cached(fit, zero, target)
-            .or_else(|| self.create(capacity, fit.align, target, kind, zeroed))
-    }
-
-    /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
-    fn fit(&self, layout: Layout, kind: Kind) -> Option<(usize, Fit)> {
-        let capacity = class_size(layout.size(), self.page_size)?;
-        let align = layout.align().max(self.page_size);
-        Some((capacity, Fit::new(layout.size(), capacity, align, kind)))
-    }
-
-    /// A cached dedicated block for `fit` from the target node's arena, now live (a cache hit)
-    /// for the target's GPU, once pending blocks that are ready joined the cache; its first
-    /// `zero` bytes zeroed when asked: then it is taken out under the lock, zeroed outside it,
-    /// and recorded live under it again (in between it is this call's alone: no `trim` or
-    /// decay can release it).
-    fn take_cached(&self, fit: Fit, zero: Option<usize>, target: &Resolved) -> Option<Block> {
-        /// A cache hit, recorded live (if room could be had) or to zero first.
-        enum Taken {
-            Recorded(Option<Block>),
-            ToZero(Dedicated, usize),
-        }
-        let limit = self.settings.cache_limit;
-        let node = target.host_node;
-        // A block no room could be found to record goes back to the cache (released if that
-        // fails too).
-        let record = |arena: &mut Arena, hit, out: &mut Released| {
-            arena
-                .insert_dedicated(hit)
-                .map_err(|unrecorded| arena.cache(unrecorded, limit, out))
-                .ok()
-        };
-        let taken = self.with_arena(node, |arena, out| {
-            arena.settle_pending(limit, out);
-            let hit = arena.take_cached(fit);
-            if hit.is_none() && arena.pending_fits(fit) {
-                self.counters.reuse_deferred.incr();
-            }
-            let mut hit = hit?;
-            hit.block.routed_for = target.ordinal;
-            Some(match zero {
-                Some(len) => Taken::ToZero(hit, len),
-                None => Taken::Recorded(record(arena, hit, out)),
-            })
-        })??;
-        let block = match taken {
-            Taken::Recorded(block) => block,
-            Taken::ToZero(mut hit, len) => {
-                let block = hit.block;
-                let drop = NonNull::new(block.addr as *mut u8).is_some_and(|ptr| {
-                    Self::clears_by_dropping(block.kind, ptr, len.min(block.capacity))
-                });
-                hit.zero(len, drop);
-                self.with_arena(node, |arena, out| record(arena, hit, out))?
-            }
-        }?;
-        self.counters.cache_hits.incr();
-        Some(block)
-    }
-
-    /// A new live dedicated block of `kind` for `target` (a cache miss), populated unless a lazy
-    /// kind's `zeroed` request ([`Self::populates_request`]).
-    fn create(
-        &self,
-        capacity: usize,
-        align: usize,
-        target: &Resolved,
-        kind: Kind,
-        zeroed: bool,
-    ) -> Option<Block> {
-        self.counters.cache_misses.incr();
-        let limit = self.settings.cache_limit;
-        self.with_arena(target.host_node, |arena, out| {
-            arena.make_room(capacity, limit, out);
-        });
-        let populate = self.populates_request(kind, zeroed);
-        let made = self.create_block(capacity, align, target, populate).ok()?;
-        self.record_created(made)
     }
 
     /// Takes back the live block at `addr`, whichever value or thread allocated it: pending while
@@ -192,7 +100,7 @@ impl Blocks {
         if !addr.is_multiple_of(new.align()) {
             return false;
         }
-        let Some(size) = new.size().checked_next_multiple_of(self.page_size) else {
+        let Some(size) = new.size().checked_next_multiple_of(self.page_size()) else {
             return false;
         };
         let resized = NODES.find_map(near, |arena| {
@@ -208,7 +116,9 @@ impl Blocks {
             Some(Err((b, dedicated))) => {
                 dedicated && new.size() <= b.capacity && new.size() >= b.capacity / 2
             }
-            Some(Ok((node, old, populate))) => self.populate_grown(node, old, populate),
+            Some(Ok((node, old, populate))) => {
+                Carver { blocks: self }.populate_grown(node, old, populate)
+            }
         };
         if fits {
             self.counters.in_place_reallocs.incr();
@@ -218,7 +128,7 @@ impl Blocks {
 
     /// Grows the live block at `addr` to `new` when no cached block fits the new size: its pages
     /// move into a larger mapping whose tail is placed and populated (see
-    /// [`Self::grow_block`]), so a growing `Vec` leaves no smaller blocks behind and is never
+    /// [`DedicatedPath::grow_block`]), so a growing `Vec` leaves no smaller blocks behind and is never
     /// copied. Only for unpinned dedicated blocks without GPU work recorded (a registration is
     /// tied to the address), in `target`'s arena. `None`: move by copying instead (also when a
     /// cached block fits: reuse comes first).
@@ -229,7 +139,8 @@ impl Blocks {
         target: &Resolved,
     ) -> Option<NonNull<u8>> {
         // Refused under `pin=strict`: so is, and counted, the move that follows.
-        let (capacity, fit) = self.fit(new, self.kind(target).ok()?)?;
+        let dedicated_path = DedicatedPath { blocks: self };
+        let (capacity, fit) = dedicated_path.fit(new, self.kind(target).ok()?)?;
         let node = target.host_node;
         let old = {
             let mut arena = NODES.lock(node)?;
@@ -238,7 +149,8 @@ impl Blocks {
             }
             arena.take_growable(addr, fit.kind, capacity)?
         };
-        let (moved, dedicated) = match self.grow_block(old, capacity, fit.align, &target.nodes) {
+        let grown = dedicated_path.grow_block(old, capacity, fit.align, &target.nodes);
+        let (moved, dedicated) = match grown {
             Ok(grown) => (true, grown),
             // Still where it was: a failed grow moves nothing.
             Err(old) => (false, old),
@@ -311,43 +223,6 @@ impl Blocks {
                 self.counters.in_flight_recorded.incr();
                 Ok(())
             }
-        }
-    }
-
-    /// Starts the peaks over: each node's (the arenas are the process's), this value's longest
-    /// times and the decay thread's.
-    pub(crate) fn reset_peaks(&self) {
-        for arena in NODES.arenas() {
-            arena.lock().reset_peak();
-        }
-        self.counters.reset_peaks();
-        // Its longest times are added into every value's, as its releases are.
-        if let Some(decay) = crate::process::decay::counters() {
-            decay.reset_peaks();
-        }
-    }
-
-    /// Fills the node rows of `stats` (and the GPU and heap rows they hold) from the arenas that
-    /// exist, this value's counters, and what the decay thread released.
-    pub(crate) fn fill_stats(&self, stats: &mut Stats) {
-        for row in &mut stats.nodes {
-            // Read only the arenas that exist: creating one here would cost every later fork.
-            if let Some(arena) = NODES.existing(row.node).map(|arena| arena.lock()) {
-                arena.fill(row);
-                stats.gpus.extend_from_slice(arena.gpus());
-                stats.heaps.extend(arena.heap_rows());
-            }
-        }
-        self.fill_counters(stats);
-    }
-
-    /// Copies this value's counters into `stats`, and adds what the decay thread released:
-    /// released memory is counted the same way whoever released it. Allocates nothing (see
-    /// `Counters::fill`).
-    pub(crate) fn fill_counters(&self, stats: &mut Stats) {
-        self.counters.fill(stats);
-        if let Some(decay) = crate::process::decay::counters() {
-            decay.add_releases(stats);
         }
     }
 }

@@ -1,12 +1,12 @@
 //! Reservations: memory made ahead of the requests that will want it (as PyTorch's
 //! `pinned_reserve_segment_size_mb` avoids a first batch's stall).
 //!
-//! - Bytes (`reserve=SIZE`, [`Blocks::reserve_bytes`], in the background or not) are made chunk
+//! - Bytes (`reserve=SIZE`, [`Reserver::reserve_bytes`], in the background or not) are made chunk
 //!   by chunk, each at most [`Blocks::chunk_max`] (the registration bound when pinned): mapped,
 //!   placed, populated by the node's bound workers and (pinned) registered with one driver call,
 //!   then added to the arena, where requests carve from it at once while later chunks are still
 //!   being made. Reserved chunks outlive decay; `trim()` and memory pressure release them.
-//! - Blocks of a size (`reserve=COUNTxSIZE`, [`Blocks::reserve_blocks`]) are the same, in chunks of
+//! - Blocks of a size (`reserve=COUNTxSIZE`, [`Reserver::reserve_blocks`]) are the same, in chunks of
 //!   whole blocks; a block larger than a chunk is a cached dedicated block of its own,
 //!   registered whole.
 //! - Either is bounded by the node's memory and the pinned limit, not by the cache limit.
@@ -14,15 +14,20 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{reserved_key, HUGE_PAGE};
-use super::{Blocks, Resolved};
+use super::block::DedicatedPath;
+use super::{reserved_key, Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
-use crate::chunk::Mapping;
+use crate::chunk::Progress;
 use crate::cuda;
 use crate::sys::lock::Lock;
 use crate::Error;
 
-impl Blocks {
+/// The reservations side of a value's large path.
+pub(crate) struct Reserver<'a> {
+    pub(super) blocks: &'a Blocks,
+}
+
+impl Reserver<'_> {
     /// Room for `blocks` blocks of `block_size` bytes: reserved chunks of whole blocks when a
     /// block fits a chunk (at most the registration bound when pinned), else cached dedicated
     /// blocks, each registered whole. Bounded by the node's memory and the pinned limit, not by
@@ -38,12 +43,12 @@ impl Blocks {
             return Ok(());
         }
         reservations_supported()?;
-        check(self.settings.threshold, blocks, block_size)?;
-        let page = self.page_size;
+        check(self.blocks.settings.threshold, blocks, block_size)?;
+        let page = self.blocks.page_size();
         // `pin=strict` with nothing to page-lock them: none is made.
-        let kind = self.kind(target)?;
+        let kind = self.blocks.kind(target)?;
         // A carved block's room: whole huge pages where it is carved from a huge-page chunk.
-        let unit = if self.settings.huge_pages && block_size >= HUGE_PAGE {
+        let unit = if self.blocks.settings.huge_pages && block_size >= HUGE_PAGE {
             block_size.checked_next_multiple_of(HUGE_PAGE)
         } else {
             block_size.checked_next_multiple_of(page)
@@ -53,7 +58,7 @@ impl Blocks {
         let total = unit
             .checked_mul(blocks)
             .ok_or_else(|| too_large(usize::MAX))?;
-        if unit <= self.chunk_max(kind.pinned) {
+        if unit <= self.blocks.chunk_max(kind.pinned) {
             return self.reserve_room(total, unit, target, kind, tally);
         }
         let capacity = class_size(block_size, page).ok_or_else(|| too_large(usize::MAX))?;
@@ -63,52 +68,46 @@ impl Blocks {
         self.check_room(total, target, kind)?;
         // Its node's arena first (one exists for every node id in the table, and stays): a block
         // made for none would be released by nothing.
-        if self.arena(target.host_node).is_none() {
+        if self.blocks.arena(target.host_node).is_none() {
             return Err(Error::UnknownNode {
                 node: target.host_node,
-                node_count: self.topology.node_count(),
+                node_count: self.blocks.process.node_count(),
             });
         }
         for _ in 0..blocks {
             // Made populated whatever the kind: a reservation is room made now.
-            let made = self.create_block(capacity, page, target, true)?;
+            let dedicated = DedicatedPath {
+                blocks: self.blocks,
+            };
+            let made = dedicated.create_block(capacity, page, target, true)?;
             // Kept whatever the cache limit (checked above against the node and pinned limit);
             // once used and freed again they are cached blocks like any other.
-            self.with_arena(made.block.node, |arena, out| {
+            self.blocks.with_arena(made.block.node, |arena, out| {
                 arena.insert_reserved(made, usize::MAX, out)
             });
             tally.chunk_added(capacity);
-            self.counters.reserved_chunks.incr();
-            self.counters.reserved_bytes.add(capacity as u64);
+            self.blocks.counters.reserved_chunks.incr();
+            self.blocks.counters.reserved_bytes.add(capacity as u64);
         }
         Ok(())
-    }
-
-    /// The node's memory (where sysfs tells it; 0: unknown).
-    fn node_bytes(&self, node: usize) -> usize {
-        self.topology
-            .nodes()
-            .iter()
-            .find(|n| n.id == node)
-            .map_or(0, |n| usize::try_from(n.memory_bytes).unwrap_or(usize::MAX))
     }
 
     fn too_large(&self, bytes: usize, node: usize) -> Error {
         Error::ReserveTooLarge {
             bytes,
             node,
-            node_bytes: self.node_bytes(node),
+            node_bytes: self.blocks.process.node_bytes(node),
         }
     }
 
     /// Refuses a reservation of `bytes` beyond the node's memory (where known), or, pinned,
     /// beyond the pinned limit.
     fn check_room(&self, bytes: usize, target: &Resolved, kind: Kind) -> Result<(), Error> {
-        let node_bytes = self.node_bytes(target.host_node);
+        let node_bytes = self.blocks.process.node_bytes(target.host_node);
         if node_bytes != 0 && bytes > node_bytes {
             return Err(self.too_large(bytes, target.host_node));
         }
-        let limit = self.settings.pin_limit;
+        let limit = self.blocks.settings.pin_limit;
         if kind.pinned && bytes > limit {
             return Err(Error::PinLimit {
                 requested: bytes,
@@ -118,9 +117,7 @@ impl Blocks {
         }
         Ok(())
     }
-}
 
-impl Blocks {
     /// Makes `bytes` (rounded up to whole 2 MiB) of reserved chunks for `target`, of `kind`,
     /// counting each step in `tally` (see [`Self::reserve_room`]).
     pub(crate) fn reserve_bytes(
@@ -149,11 +146,11 @@ impl Blocks {
         tally: &Tally,
     ) -> Result<(), Error> {
         reservations_supported()?;
-        let key = reserved_key(kind, self.settings.huge_pages);
+        let key = reserved_key(kind, self.blocks.settings.huge_pages);
         self.check_room(bytes, target, kind)?;
         // Counted in units, not bytes: each chunk's rounding up to 2 MiB is room no unit uses.
         let mut left = bytes.div_ceil(unit);
-        let max = (self.chunk_max(kind.pinned) / unit).max(1);
+        let max = (self.blocks.chunk_max(kind.pinned) / unit).max(1);
         let mut next = (CHUNK_FIRST / unit).clamp(1, max);
         while left > 0 && !tally.cancel.load(Ordering::Acquire) {
             // A pinned chunk could not be registered any more (`cuda/teardown.rs`).
@@ -166,28 +163,25 @@ impl Blocks {
             left -= units;
             next = (next * 2).min(max);
             let len = (units * unit).next_multiple_of(CHUNK_ALIGN);
-            let mapping = Mapping::new(self.source, len, CHUNK_ALIGN)?;
-            let mut chunk = self.placed_chunk(key, mapping, target)?;
-            tally.placed.fetch_add(len, Ordering::Relaxed);
-            self.populate_chunk(&mut chunk, target)?;
-            tally.populated.fetch_add(len, Ordering::Relaxed);
-            if kind.pinned {
-                let start = Instant::now();
-                let registered = self.register_chunk(&mut chunk, target);
-                tally.driver_call(start.elapsed());
-                registered?;
-                tally.registered.fetch_add(len, Ordering::Relaxed);
-            }
-            chunk.set_reserved();
+            let source = self.blocks.process.source();
+            let chunk = self.blocks.placer().reserved_chunk(
+                source,
+                len,
+                key.huge,
+                &target.place(),
+                kind.pinned,
+                tally,
+            )?;
             BYTES_RESERVED.store(true, Ordering::Release);
-            self.add_chunk(target.host_node, key, chunk)
+            self.blocks
+                .add_chunk(target.host_node, key, chunk)
                 .ok_or(Error::Syscall {
                     call: "arena bookkeeping",
                     errno: libc::ENOMEM,
                 })?;
             tally.chunk_added(len);
-            self.counters.reserved_chunks.incr();
-            self.counters.reserved_bytes.add(len as u64);
+            self.blocks.counters.reserved_chunks.incr();
+            self.blocks.counters.reserved_bytes.add(len as u64);
         }
         Ok(())
     }
@@ -254,11 +248,6 @@ impl Tally {
         }
     }
 
-    fn driver_call(&self, took: Duration) {
-        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
-    }
-
     fn chunk_added(&self, len: usize) {
         self.usable.fetch_add(len, Ordering::Relaxed);
         self.chunks.fetch_add(1, Ordering::Release);
@@ -278,6 +267,26 @@ impl Tally {
         }
         self.finished.store(1, Ordering::Release);
         crate::sys::futex_wake(&self.finished, u32::MAX);
+    }
+}
+
+/// A reservation's chunks report their steps to its tally.
+impl Progress for Tally {
+    fn placed(&self, len: usize) {
+        self.placed.fetch_add(len, Ordering::Relaxed);
+    }
+
+    fn populated(&self, len: usize) {
+        self.populated.fetch_add(len, Ordering::Relaxed);
+    }
+
+    fn driver_call(&self, took: Duration) {
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    fn registered(&self, len: usize) {
+        self.registered.fetch_add(len, Ordering::Relaxed);
     }
 }
 

@@ -1,4 +1,4 @@
-//! The chunk seam with a test double: chunks come from the value's [`ChunkSource`], go back to
+//! The chunk seam with a test double: chunks come from the process's [`ChunkSource`], go back to
 //! it whole, and have their idle ranges purged through it; a source that cannot map fails the
 //! request cleanly, counted, and loses nothing.
 #![allow(unsafe_code)]
@@ -11,6 +11,7 @@ use super::{Blocks, Resolved};
 use crate::alloc::tests::serial;
 use crate::chunk::{ChunkSource, ANONYMOUS};
 use crate::config::{Config, PinMode};
+use crate::process::LargePath;
 use crate::sys::resident_sample;
 use crate::sys::NodeMask;
 use crate::{Error, NumaTopology};
@@ -76,7 +77,12 @@ fn blocks(source: &'static CountingSource) -> (Blocks, Resolved) {
         decay_thread: false,
         ..Config::DEFAULT
     };
-    let blocks = Blocks::new(config, NumaTopology::single_node(), None, None).with_source(source);
+    let process = Box::leak(Box::new(LargePath::new(
+        NumaTopology::single_node(),
+        false,
+        source,
+    )));
+    let blocks = Blocks::new(config, None, process);
     let mut nodes = NodeMask::empty();
     let _ = nodes.insert(0);
     let target = Resolved {

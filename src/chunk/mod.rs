@@ -29,12 +29,14 @@
 use std::ptr::NonNull;
 
 mod memory;
+mod place;
 mod source;
 
 pub(crate) use memory::{page_locked_bytes, ChunkRelease, Mapping, Memory, Part, PinFlags};
 // For the registrations of a shared pool's chunks (Linux only), counted in the same bytes.
 #[cfg(target_os = "linux")]
 pub(crate) use memory::{give_page_locked, take_page_locked};
+pub(crate) use place::{Cause, Numa, PinPolicy, Place, Placer, Progress, Rules, Seams};
 pub(crate) use source::{ChunkSource, ANONYMOUS};
 
 use crate::Error;

@@ -102,3 +102,22 @@ fn run(root: &Path) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{ensure_running, DECAY_MS};
+    use std::sync::atomic::Ordering;
+
+    /// Values that disagree on `decay_ms` share one thread, which uses the shortest decay time
+    /// of the values that made chunks: a later, longer one does not lengthen it. (Times of
+    /// minutes: the thread this starts must not release what other tests cache.)
+    #[test]
+    fn the_decay_thread_uses_the_shortest_decay_time() {
+        let _inside = crate::guard::Inside::enter();
+        let root = crate::config::Config::DEFAULT.sysfs_root;
+        ensure_running(600_000, root);
+        ensure_running(300_000, root);
+        ensure_running(900_000, root);
+        assert!(DECAY_MS.load(Ordering::Relaxed) <= 300_000);
+    }
+}

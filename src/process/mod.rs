@@ -22,9 +22,11 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod decay;
+mod large;
 mod nodes;
 pub(crate) mod workers;
 
+pub(crate) use large::{large_path, policy_nodes, LargePath};
 pub(crate) use nodes::NODES;
 
 use std::sync::atomic::{AtomicPtr, Ordering};

@@ -13,10 +13,11 @@ use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 
 pub(crate) use crate::blocks::Resolved;
-use crate::blocks::{policy_nodes, Blocks, Settings, Unpinnable};
-use crate::config::{config_error, Config, GpuSelector, PinMode, Reserve, Setting, Target};
+use crate::blocks::{Blocks, Settings, Unpinnable};
+use crate::chunk::PinPolicy;
+use crate::config::{config_error, Config, GpuSelector, Reserve, Setting, Target};
 use crate::cuda::{self, Device, Gpu};
-use crate::process;
+use crate::process::{self, policy_nodes, LargePath};
 use crate::setup::{Problems, Setup};
 use crate::stats::{NodeStats, Stats};
 use crate::sys::lock::Lock;
@@ -71,8 +72,6 @@ pub(crate) struct Runtime {
     /// since is looked at when asked: see [`Self::pinning_off`]).
     pinning_off: Option<Error>,
     gpu_pci: Option<PciAddress>,
-    /// Memory nodes this process's cpuset allows (`None`: all).
-    allowed: Option<NodeMask>,
     /// Routes resolved so far, and the problems met resolving them. Taken only under the
     /// initialisation lock (`process::INIT`), which a fork handler holds: never held at a fork.
     routes: Lock<Routes>,
@@ -94,6 +93,9 @@ impl Runtime {
     /// Builds the runtime from the builder's settings and the environment's (`setup`). Never
     /// fails: every problem is recorded and a degraded mode chosen.
     pub(crate) fn new(builder: Config, setup: &mut Setup) -> Runtime {
+        // The process's large path: made by its first initialisation, shared afterwards (the
+        // environment names no sysfs root: the builder's is the value's).
+        let process = process::large_path(setup, builder.sysfs_root);
         let env = setup.env();
         let mut config = builder;
         env.apply_to(&mut config);
@@ -105,12 +107,7 @@ impl Runtime {
             Ok(topology) => (topology, None),
             Err(e) => (NumaTopology::single_node(), Some(e)),
         };
-        // The cpuset describes this kernel's nodes, not a fixture tree's. EPERM under seccomp:
-        // then mbind is refused too, and every node is as good as another.
-        let own_kernel = config.sysfs_root == Config::DEFAULT.sysfs_root;
-        let allowed_mask = own_kernel
-            .then(sys::allowed_memory_nodes)
-            .and_then(Result::ok);
+        let allowed_mask = allowed_for(&config, process);
         let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
         let mut errors = Vec::new();
         let (host_node, mut target) = resolve_target(&config, &topology, &allowed, &mut errors);
@@ -161,7 +158,7 @@ impl Runtime {
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Runtime {
             id: IDS.fetch_add(1, Relaxed),
-            blocks: Blocks::new(config, topology.clone(), topology_error, allowed_mask),
+            blocks: Blocks::new(config, topology_error, process),
             default: Resolved {
                 host_node,
                 nodes,
@@ -173,7 +170,6 @@ impl Runtime {
             device: target.device,
             pinning_off,
             gpu_pci,
-            allowed: allowed_mask,
             routes: Lock::new(Routes::default()),
             topology,
             setup_errors,
@@ -256,7 +252,8 @@ impl Runtime {
         if let Some((_, resolved)) = routes.resolved.iter().find(|(r, _)| *r == route) {
             return *resolved;
         }
-        let allowed = |node: usize| self.allowed.is_none_or(|mask| mask.contains(node));
+        let allowed_mask = allowed_for(&self.config, self.blocks.process());
+        let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
         let mut errors = Vec::new();
         let (host_node, gpu, ordinal) = match route {
             Route::Node(node) => (
@@ -266,7 +263,7 @@ impl Runtime {
             ),
             Route::LocalNode => (calling_thread_node(&self.topology, &allowed), None, None),
             Route::Gpu(selector) => {
-                let pinning = self.config.pin != PinMode::Off;
+                let pinning = PinPolicy::decide(self.config.pin, true).asked();
                 let target = find_gpu(&self.config, selector, pinning, &mut errors);
                 let host = target
                     .home_node
@@ -295,6 +292,14 @@ impl Runtime {
     }
 }
 
+/// The memory nodes the process's cpuset allows, as they apply to targets read from `config`'s
+/// sysfs tree: the cpuset describes this kernel's nodes, not a fixture tree's (`None`: all).
+fn allowed_for(config: &Config, process: &LargePath) -> Option<NodeMask> {
+    (config.sysfs_root == Config::DEFAULT.sysfs_root)
+        .then(|| process.allowed())
+        .flatten()
+}
+
 /// What the GPU selector led to.
 #[derive(Default)]
 struct GpuTarget {
@@ -314,7 +319,7 @@ fn resolve_target(
     allowed: &dyn Fn(usize) -> bool,
     errors: &mut Vec<Error>,
 ) -> (usize, GpuTarget) {
-    let pinning = config.pin != PinMode::Off;
+    let pinning = PinPolicy::decide(config.pin, true).asked();
     let selector = match config.target {
         Target::Node(_) | Target::LocalNode => None,
         // The driver (cuInit, no context unless pinning) tells which GPU and so which node; so

@@ -1,6 +1,6 @@
 //! The reservations an allocator value makes for its target: `reserve=` at initialisation (now
 //! or on a thread of its own), and [`Runtime::reserve`] for the calling thread's route. The
-//! chunks and blocks themselves are made by [`Blocks`](crate::blocks::Blocks) (`blocks/reserve.rs`).
+//! chunks and blocks themselves are made by [`Reserver`](crate::blocks::Reserver) (`blocks/reserve.rs`).
 
 use std::io::Write as _;
 use std::sync::atomic::Ordering;
@@ -86,20 +86,23 @@ impl Runtime {
         if reserve.bytes > 0 {
             let kind = self.blocks.kind(target)?;
             self.blocks
+                .reserver()
                 .reserve_bytes(reserve.bytes, target, kind, tally)
         } else {
             self.blocks
+                .reserver()
                 .reserve_blocks(reserve.blocks, reserve.block_size, target, tally)
         }
     }
 
     /// Makes room for `blocks` blocks of `block_size` bytes (placed, populated, pinned as
     /// configured) for the node where the calling thread's blocks go (see
-    /// [`Blocks::reserve_blocks`](crate::blocks::Blocks::reserve_blocks)).
+    /// [`Reserver::reserve_blocks`](crate::blocks::Reserver::reserve_blocks)).
     pub(crate) fn reserve(&self, blocks: usize, block_size: usize) -> Result<(), Error> {
         let tally = Tally::new(blocks.saturating_mul(block_size));
         // On the node where the calling thread's blocks go (its route, or the value's target).
         self.blocks
+            .reserver()
             .reserve_blocks(blocks, block_size, &route::target(self), &tally)
     }
 }
