@@ -20,11 +20,11 @@ use crate::topology::sysfs;
 use crate::Error;
 
 /// The carving side of a value's large path.
-pub(crate) struct Carver<'a> {
+pub(crate) struct CarvedPath<'a> {
     pub(super) blocks: &'a Blocks,
 }
 
-impl Carver<'_> {
+impl CarvedPath<'_> {
     /// A block of `size` bytes (a multiple of the page size) at a multiple of `align`, carved for
     /// `target` from chunks of `kind`; zeroed when asked. `None` when it cannot be had.
     pub(crate) fn carve(

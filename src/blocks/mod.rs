@@ -3,7 +3,7 @@
 //! - [`Blocks`] (`mod.rs`, `requests.rs`): the value's settings, counters and placement state;
 //!   what the front ends ask (allocate, free, resize, grow, trim, attach GPU work) and where a
 //!   request goes; its kind and pin policy; its stats.
-//! - [`Carver`] (`chunks.rs`): blocks carved from chunks, and new chunks.
+//! - [`CarvedPath`] (`chunks.rs`): blocks carved from chunks, and new chunks.
 //! - [`DedicatedPath`] (`block.rs`): blocks with a mapping of their own, cached or new, grown
 //!   by moving pages.
 //! - [`Pressure`] (`pressure.rs`): idle memory given back when memory, address space or the
@@ -31,7 +31,7 @@ pub(crate) use reserve::Reserver;
 use std::ptr::NonNull;
 
 use block::DedicatedPath;
-use chunks::Carver;
+use chunks::CarvedPath;
 use pressure::Pressure;
 
 use crate::arena::{count_release, Arena, HeapKey, Kind, PurgeFailures, Released, CHUNK_MAX};
@@ -115,7 +115,7 @@ impl Settings {
 /// (topology, cpuset, limits, page size, chunk source; the arenas are the node table's).
 ///
 /// A request reads top to bottom: [`Blocks::allocate`] (`requests.rs`) dispatches to the
-/// carving path ([`Carver`], `chunks.rs`), reserved room, or the dedicated path
+/// carving path ([`CarvedPath`], `chunks.rs`), reserved room, or the dedicated path
 /// ([`DedicatedPath`], `block.rs`); memory is made by the placer ([`Placer`],
 /// `chunk/place.rs`); what an arena hands out is finished outside its lock ([`Blocks::finish`]).
 /// Memory pressure is [`Pressure`]'s (`pressure.rs`), reservations [`Reserver`]'s

@@ -6,7 +6,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use super::{carved, Blocks, Carver, DedicatedPath, Resolved, HUGE_PAGE};
+use super::{carved, Blocks, CarvedPath, DedicatedPath, Resolved, HUGE_PAGE};
 use crate::arena::{Block, InFlight, Released};
 use crate::process::NODES;
 use crate::sys;
@@ -54,7 +54,7 @@ impl Blocks {
         let size = layout.size().checked_next_multiple_of(page_size)?;
         let align = layout.align().max(page_size);
         let grows_by_remap = growing && !kind.pinned && size >= GROWS_BY_REMAP_MIN;
-        let carver = Carver { blocks: self };
+        let carver = CarvedPath { blocks: self };
         if carved(size, align) && !grows_by_remap {
             carver.carve(size, align, zeroed, target, kind)
         } else if let Some(block) = carver.carve_reserved(size, align, zeroed, target, kind) {
@@ -117,7 +117,7 @@ impl Blocks {
                 dedicated && new.size() <= b.capacity && new.size() >= b.capacity / 2
             }
             Some(Ok((node, old, populate))) => {
-                Carver { blocks: self }.populate_grown(node, old, populate)
+                CarvedPath { blocks: self }.populate_grown(node, old, populate)
             }
         };
         if fits {

@@ -18,8 +18,12 @@
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 use std::time::Instant;
 
+mod pin;
+
+pub(crate) use pin::PinPolicy;
+
 use super::{page_locked_bytes, Chunk, ChunkSource, Mapping, Memory, Part, PinFlags, ANONYMOUS};
-use crate::config::{PinMode, MAX_REGISTER_MAX, MIN_REGISTER_MAX};
+use crate::config::{MAX_REGISTER_MAX, MIN_REGISTER_MAX};
 use crate::cuda::Gpu;
 use crate::stats::Counters;
 use crate::sys::{MbindFlags, MemPolicy, NodeMask, HUGE_PAGE};
@@ -28,75 +32,6 @@ use crate::Error;
 
 /// Blocks smaller than this are populated by one thread: thread start-up would cost more.
 const PARALLEL_POPULATE_MIN: usize = 64 << 20;
-
-/// What to do about page-locking memory just placed: decided once per piece of memory, from the
-/// value's `pin=` mode and whether a registration can be tried now, and applied by
-/// [`PinPolicy::settle`], the one place where "strict fails, on falls back" is written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum PinPolicy {
-    /// `pin=off`: nothing is registered, and nothing fell back.
-    Off,
-    /// `pin=on`: registered; a failure serves the memory unpinned, counted.
-    On,
-    /// `pin=strict`: registered, or the memory fails.
-    Strict,
-    /// `pin=on` with nothing to register with now (no usable GPU for the target, or a
-    /// registration failed lately): unpinned without trying, counted as a fallback.
-    Backoff,
-}
-
-impl PinPolicy {
-    /// The policy of `mode` when a registration can be tried (`can_register`); `pin=on`
-    /// backs off when it cannot, `pin=strict` tries anyway (and fails).
-    pub(crate) fn decide(mode: PinMode, can_register: bool) -> PinPolicy {
-        match mode {
-            PinMode::Off => PinPolicy::Off,
-            PinMode::Strict => PinPolicy::Strict,
-            PinMode::On if can_register => PinPolicy::On,
-            PinMode::On => PinPolicy::Backoff,
-        }
-    }
-
-    /// Whether pinning was asked for at all (`pin=on` or `pin=strict`).
-    pub(crate) fn asked(self) -> bool {
-        self != PinPolicy::Off
-    }
-
-    /// Whether a request must be page-locked or fail (`pin=strict`).
-    pub(crate) fn strict(self) -> bool {
-        self == PinPolicy::Strict
-    }
-
-    /// Whether a registration is tried.
-    pub(crate) fn registers(self) -> bool {
-        matches!(self, PinPolicy::On | PinPolicy::Strict)
-    }
-
-    /// Whether the memory ends up pinned, given the outcome of `register` (called only when
-    /// [`Self::registers`]): under `Strict` a failure is the memory's; otherwise the memory is
-    /// served unpinned, counted in `unpinned_blocks` unless nobody asked for pinning.
-    pub(crate) fn settle(
-        self,
-        counters: &Counters,
-        register: impl FnOnce() -> Result<(), Error>,
-    ) -> Result<bool, Error> {
-        let registered = if self.registers() {
-            register()
-        } else {
-            Err(Error::PinningOff)
-        };
-        match registered {
-            Ok(()) => Ok(true),
-            Err(e) if self.strict() => Err(e),
-            Err(_) => {
-                if self.asked() {
-                    counters.unpinned_blocks.incr();
-                }
-                Ok(false)
-            }
-        }
-    }
-}
 
 /// What the placer needs from the layers above it.
 pub(crate) trait Seams {
@@ -606,48 +541,5 @@ impl Placer<'_> {
             }
         }
         registered
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::PinPolicy;
-    use crate::config::PinMode;
-    use crate::stats::Counters;
-    use crate::Error;
-
-    fn failed() -> Result<(), Error> {
-        Err(Error::PinningOff)
-    }
-
-    #[test]
-    fn strict_fails_on_falls_back_off_never_asks() {
-        let counters = Counters::default();
-        let strict = PinPolicy::decide(PinMode::Strict, true);
-        assert_eq!(strict.settle(&counters, failed), Err(Error::PinningOff));
-        assert_eq!(PinPolicy::decide(PinMode::Strict, false), PinPolicy::Strict);
-        let on = PinPolicy::decide(PinMode::On, true);
-        assert_eq!(on.settle(&counters, failed), Ok(false));
-        assert_eq!(on.settle(&counters, || Ok(())), Ok(true));
-        assert_eq!(counters.unpinned_blocks.get(), 1, "on fell back once");
-        let backoff = PinPolicy::decide(PinMode::On, false);
-        assert_eq!(backoff, PinPolicy::Backoff);
-        let mut tried = false;
-        assert_eq!(
-            backoff.settle(&counters, || {
-                tried = true;
-                Ok(())
-            }),
-            Ok(false)
-        );
-        assert!(!tried, "backing off tries no registration");
-        assert_eq!(counters.unpinned_blocks.get(), 2, "a backoff is a fallback");
-        let off = PinPolicy::decide(PinMode::Off, true);
-        assert_eq!(off.settle(&counters, || Ok(())), Ok(false));
-        assert_eq!(
-            counters.unpinned_blocks.get(),
-            2,
-            "off falls back from nothing"
-        );
     }
 }

@@ -192,6 +192,21 @@ impl Runtime {
         }
     }
 
+    /// Whether the default target's blocks are page-locked (not in a child forked since).
+    pub(crate) fn pinning(&self) -> bool {
+        self.default.gpu.is_some_and(Gpu::usable)
+    }
+
+    /// Why the default target's blocks are not page-locked; `None` when they are.
+    pub(crate) fn pinning_off(&self) -> Option<Error> {
+        match self.default.gpu {
+            Some(gpu) if !gpu.usable() => Some(Error::CudaUnavailable {
+                reason: cuda::FORKED_REASON,
+            }),
+            _ => self.pinning_off.clone(),
+        }
+    }
+
     pub(crate) fn placement(&self) -> Placement {
         Placement {
             host_node: self.default.host_node,

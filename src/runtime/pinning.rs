@@ -1,9 +1,10 @@
 //! Why an allocator value's blocks are not page-locked, found when its target is resolved (where
 //! CUDA may be called): one reason per cause, for its placement, its stats and `PinnedBuf`.
 
-use super::{GpuTarget, Runtime};
-use crate::config::{Config, PinMode};
-use crate::cuda::{self, Gpu};
+use super::GpuTarget;
+use crate::chunk::PinPolicy;
+use crate::config::Config;
+use crate::cuda;
 use crate::process;
 use crate::Error;
 
@@ -24,7 +25,7 @@ pub(super) fn pinning_off(
     names_gpu: bool,
     target: &mut GpuTarget,
 ) -> Option<Error> {
-    if config.pin == PinMode::Off {
+    if !PinPolicy::decide(config.pin, true).asked() {
         return Some(Error::PinningOff);
     }
     if target.gpu.is_some() {
@@ -49,21 +50,4 @@ pub(super) fn pinning_off(
             reason: "no CUDA device was found for the allocator's target",
         }
     })
-}
-
-impl Runtime {
-    /// Whether the default target's blocks are page-locked (not in a child forked since).
-    pub(crate) fn pinning(&self) -> bool {
-        self.default.gpu.is_some_and(Gpu::usable)
-    }
-
-    /// Why the default target's blocks are not page-locked; `None` when they are.
-    pub(crate) fn pinning_off(&self) -> Option<Error> {
-        match self.default.gpu {
-            Some(gpu) if !gpu.usable() => Some(Error::CudaUnavailable {
-                reason: cuda::FORKED_REASON,
-            }),
-            _ => self.pinning_off.clone(),
-        }
-    }
 }
