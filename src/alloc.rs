@@ -37,6 +37,27 @@ use crate::stats::Stats;
 /// [`trim`](Self::trim)). Per-thread routing ([`bind_thread`](crate::bind_thread)) sends a
 /// thread's blocks to its GPU's or its node's arena.
 ///
+/// ## Settings per process and per value
+///
+/// What the large path knows of the machine is made once, by the process's first
+/// initialisation, and shared by every value: the topology that binds the populate workers and
+/// bounds reservations (read under the first value's [`sysfs_root`](Self::sysfs_root)), the
+/// cpuset's memory nodes, the cgroup memory limits, the page size, where chunk memory comes
+/// from, the arenas and the decay thread. Where values disagree on what the process has one of:
+///
+/// - the decay thread wakes for the shortest [`decay_ms`](Self::decay_ms) of the values that
+///   made chunks, and reads the sysfs root of the value that started it (the first);
+/// - the topology behind the populate workers and reservation bounds is the first value's.
+///
+/// Everything else is the value's own, applied by its own requests to the shared arenas: the
+/// threshold, the target and routes (resolved from its own sysfs tree), policy, `verify`,
+/// huge pages, `populate`, pinning (`pin`, flags, `pin_limit` against the process's page-locked
+/// bytes, `register_max`), `cache_limit` and `decay_ms` on its own frees, `populate_threads`,
+/// reservations, and its counters (stats; the decay thread's releases are added to every
+/// value's). Whether blocks are still placed with `mbind` is each value's too: a value whose
+/// tree could not be read, or that met a refusal of `mbind`, places no more blocks, and says
+/// so in its own [`placement`](Self::placement) and stats.
+///
 /// ## Fork
 ///
 /// `fork()` is safe from any thread: fork handlers hold every node's arena lock across the fork

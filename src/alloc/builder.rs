@@ -48,7 +48,8 @@ impl<A> NumaGpuAlloc<A> {
 
     /// Idle memory given back to the kernel after this many milliseconds (default 1000;
     /// `u64::MAX`: never): free space of chunks is purged, wholly free chunks unmapped (pinned
-    /// ones after ten times as long).
+    /// ones after ten times as long). Per value, on its own requests; the process's one decay
+    /// thread uses the shortest of the values that made chunks.
     pub const fn decay_ms(mut self, ms: u64) -> Self {
         self.config.decay_ms = ms;
         self
@@ -70,7 +71,8 @@ impl<A> NumaGpuAlloc<A> {
     }
 
     /// Idle bytes (free space of chunks that may be resident, cached dedicated blocks) a node's
-    /// arena keeps before the oldest are given back at once (default 4 GiB).
+    /// arena keeps before the oldest are given back at once (default 4 GiB). Per value: the
+    /// arenas are the process's, and each value's requests hold them to its own limit.
     pub const fn cache_limit(mut self, bytes: usize) -> Self {
         self.config.cache_limit = bytes;
         self
@@ -157,6 +159,9 @@ impl<A> NumaGpuAlloc<A> {
 
     /// Root of sysfs (default `/sys`), for tests against fixture trees. Another root describes
     /// another machine, so this process's cpuset (allowed memory nodes) is then not applied.
+    /// The value's target is resolved from its own root; the large path the process shares
+    /// (the topology behind the populate workers, the decay thread's node files) reads the root
+    /// of the process's first initialisation.
     pub const fn sysfs_root(mut self, root: &'static str) -> Self {
         self.config.sysfs_root = root;
         self

@@ -135,7 +135,7 @@ impl Reserver<'_> {
     /// `tally`; stops at the first
     /// failure (what was made stays, usable) or when the tally is cancelled. Chunk lengths
     /// double from the first chunk's, so that the first is usable soon, up to
-    /// [`Self::chunk_max`] (the registration bound when pinned). Refused beyond the node's
+    /// [`Blocks::chunk_max`] (the registration bound when pinned). Refused beyond the node's
     /// memory or the pinned limit.
     fn reserve_room(
         &self,

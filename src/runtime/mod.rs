@@ -1,6 +1,7 @@
 //! One allocator value's state, built once on the first large request: its settings (builder +
 //! environment), the topology, the target GPU and its host node, and the targets of threads'
-//! routes. Its large path — blocks, their arenas and its counters — is [`Blocks`]'s.
+//! routes. Its large path is [`Blocks`]'s (its placement rules, pin policy and counters), over
+//! what the process's first initialisation made for every value (`process/large.rs`).
 
 mod pinning;
 mod reserve;
