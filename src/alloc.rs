@@ -196,7 +196,7 @@ impl<A> NumaGpuAlloc<A> {
     pub fn reset_peaks(&self) {
         let _inside = Inside::enter();
         if let Some(rt) = self.initialised() {
-            rt.blocks.reset_peaks();
+            rt.blocks.stats().reset_peaks();
         }
     }
 

@@ -145,7 +145,7 @@ fn write_report(
     stats: &mut Stats,
     out: &mut dyn Write,
 ) -> fmt::Result {
-    rt.blocks.fill_counters(stats);
+    rt.blocks.stats().fill_counters(stats);
     stats.page_locked_bytes = crate::chunk::page_locked_bytes();
     if stats.numa_unavailable.is_none() {
         // Set after initialisation only by a refused `mbind`: `NumaUnavailable`, no heap data.

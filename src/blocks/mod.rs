@@ -2,7 +2,7 @@
 //!
 //! - [`Blocks`] (`mod.rs`, `requests.rs`): the value's settings, counters and placement state;
 //!   what the front ends ask (allocate, free, resize, grow, trim, attach GPU work) and where a
-//!   request goes; its kind and pin policy; its stats.
+//!   request goes; its kind and pin policy.
 //! - [`CarvedPath`] (`chunks.rs`): blocks carved from chunks, and new chunks.
 //! - [`DedicatedPath`] (`block.rs`): blocks with a mapping of their own, cached or new, grown
 //!   by moving pages.
@@ -10,6 +10,7 @@
 //!   pinned limit runs short.
 //! - [`Reserver`] (`reserve.rs`): memory made ahead of the requests that will want it.
 //! - [`Unpinnable`] (`pinning.rs`): why `pin=strict` refuses a target.
+//! - [`ValueStats`] (`stats.rs`): the value's counters and the process's arenas in its stats.
 //!
 //! Memory itself is made by the placer (`chunk/place.rs`: map, place, populate, check,
 //! register; the pin policy decided once). The arenas, the topology, the cpuset, the limits,
@@ -22,11 +23,13 @@ mod pinning;
 mod pressure;
 mod requests;
 pub(crate) mod reserve;
+mod stats;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use pinning::Unpinnable;
 pub(crate) use reserve::Reserver;
+pub(crate) use stats::ValueStats;
 
 use std::ptr::NonNull;
 
@@ -39,7 +42,7 @@ use crate::chunk::{Chunk, Numa, Part, PinFlags, PinPolicy, Place, Placer, Rules,
 use crate::config::{Config, PinMode};
 use crate::cuda::{Gpu, RegisterFlags};
 use crate::process::{LargePath, NODES};
-use crate::stats::{Counters, Stats};
+use crate::stats::Counters;
 use crate::sys::lock::Guard;
 use crate::sys::{MemPolicy, NodeMask};
 use crate::topology::cgroup::MemoryLimits;
@@ -170,6 +173,13 @@ impl Blocks {
         self.process
     }
 
+    /// This value's share of the stats.
+    pub(crate) fn stats(&self) -> ValueStats<'_> {
+        ValueStats {
+            counters: &self.counters,
+        }
+    }
+
     /// The reservations this value makes.
     pub(crate) fn reserver(&self) -> Reserver<'_> {
         Reserver { blocks: self }
@@ -200,7 +210,7 @@ impl Blocks {
     pub(crate) fn populates(&self) -> bool {
         let s = &self.settings;
         s.populate_eager
-            || PinPolicy::decide(s.pin, true).asked()
+            || PinPolicy::of(s.pin).asked()
             || s.verify
             || s.policy == MemPolicy::Bind
             || !self.numa_placement()
@@ -338,43 +348,6 @@ impl Blocks {
         };
         self.finish(node, &mut out);
         Some(result)
-    }
-
-    /// Starts the peaks over: each node's (the arenas are the process's), this value's longest
-    /// times and the decay thread's.
-    pub(crate) fn reset_peaks(&self) {
-        for arena in NODES.arenas() {
-            arena.lock().reset_peak();
-        }
-        self.counters.reset_peaks();
-        // Its longest times are added into every value's, as its releases are.
-        if let Some(decay) = crate::process::decay::counters() {
-            decay.reset_peaks();
-        }
-    }
-
-    /// Fills the node rows of `stats` (and the GPU and heap rows they hold) from the arenas that
-    /// exist, this value's counters, and what the decay thread released.
-    pub(crate) fn fill_stats(&self, stats: &mut Stats) {
-        for row in &mut stats.nodes {
-            // Read only the arenas that exist: creating one here would cost every later fork.
-            if let Some(arena) = NODES.existing(row.node).map(|arena| arena.lock()) {
-                arena.fill(row);
-                stats.gpus.extend_from_slice(arena.gpus());
-                stats.heaps.extend(arena.heap_rows());
-            }
-        }
-        self.fill_counters(stats);
-    }
-
-    /// Copies this value's counters into `stats`, and adds what the decay thread released:
-    /// released memory is counted the same way whoever released it. Allocates nothing (see
-    /// `Counters::fill`).
-    pub(crate) fn fill_counters(&self, stats: &mut Stats) {
-        self.counters.fill(stats);
-        if let Some(decay) = crate::process::decay::counters() {
-            decay.add_releases(stats);
-        }
     }
 }
 

@@ -40,7 +40,7 @@ impl Unpinnable {
         gpu: Option<&Gpu>,
         ordinal: Option<u32>,
     ) -> Option<Unpinnable> {
-        if !PinPolicy::decide(settings.pin, true).strict() {
+        if !PinPolicy::of(settings.pin).strict() {
             return None;
         }
         if settings.pin_limit == 0 {

@@ -254,7 +254,7 @@ impl Runtime {
             let routes = self.routes.lock();
             stats.config_errors.extend(routes.errors.iter().cloned());
         }
-        self.blocks.fill_stats(&mut stats);
+        self.blocks.stats().fill(&mut stats);
         stats
     }
 
@@ -279,7 +279,7 @@ impl Runtime {
             ),
             Route::LocalNode => (calling_thread_node(&self.topology, &allowed), None, None),
             Route::Gpu(selector) => {
-                let pinning = PinPolicy::decide(self.config.pin, true).asked();
+                let pinning = PinPolicy::of(self.config.pin).asked();
                 let target = find_gpu(&self.config, selector, pinning, &mut errors);
                 let host = target
                     .home_node
@@ -335,7 +335,7 @@ fn resolve_target(
     allowed: &dyn Fn(usize) -> bool,
     errors: &mut Vec<Error>,
 ) -> (usize, GpuTarget) {
-    let pinning = PinPolicy::decide(config.pin, true).asked();
+    let pinning = PinPolicy::of(config.pin).asked();
     let selector = match config.target {
         Target::Node(_) | Target::LocalNode => None,
         // The driver (cuInit, no context unless pinning) tells which GPU and so which node; so

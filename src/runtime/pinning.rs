@@ -25,7 +25,7 @@ pub(super) fn pinning_off(
     names_gpu: bool,
     target: &mut GpuTarget,
 ) -> Option<Error> {
-    if !PinPolicy::decide(config.pin, true).asked() {
+    if !PinPolicy::of(config.pin).asked() {
         return Some(Error::PinningOff);
     }
     if target.gpu.is_some() {

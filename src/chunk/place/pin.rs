@@ -34,6 +34,11 @@ impl PinPolicy {
         }
     }
 
+    /// The policy of `mode` when a registration can be tried: what the value asked for.
+    pub(crate) fn of(mode: PinMode) -> PinPolicy {
+        PinPolicy::decide(mode, true)
+    }
+
     /// Whether pinning was asked for at all (`pin=on` or `pin=strict`).
     pub(crate) fn asked(self) -> bool {
         self != PinPolicy::Off
@@ -89,10 +94,10 @@ mod tests {
     #[test]
     fn strict_fails_on_falls_back_off_never_asks() {
         let counters = Counters::default();
-        let strict = PinPolicy::decide(PinMode::Strict, true);
+        let strict = PinPolicy::of(PinMode::Strict);
         assert_eq!(strict.settle(&counters, failed), Err(Error::PinningOff));
         assert_eq!(PinPolicy::decide(PinMode::Strict, false), PinPolicy::Strict);
-        let on = PinPolicy::decide(PinMode::On, true);
+        let on = PinPolicy::of(PinMode::On);
         assert_eq!(on.settle(&counters, failed), Ok(false));
         assert_eq!(on.settle(&counters, || Ok(())), Ok(true));
         assert_eq!(counters.unpinned_blocks.get(), 1, "on fell back once");
@@ -108,7 +113,7 @@ mod tests {
         );
         assert!(!tried, "backing off tries no registration");
         assert_eq!(counters.unpinned_blocks.get(), 2, "a backoff is a fallback");
-        let off = PinPolicy::decide(PinMode::Off, true);
+        let off = PinPolicy::of(PinMode::Off);
         assert_eq!(off.settle(&counters, || Ok(())), Ok(false));
         assert_eq!(
             counters.unpinned_blocks.get(),
