@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use super::block::DedicatedPath;
 use super::{reserved_key, Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
-use crate::chunk::Progress;
+use crate::chunk::{PinPolicy, Progress};
 use crate::cuda;
 use crate::sys::lock::Lock;
 use crate::Error;
@@ -169,7 +169,7 @@ impl Reserver<'_> {
                 len,
                 key.huge,
                 &target.place(),
-                kind.pinned,
+                PinPolicy::reserving(kind.pinned),
                 tally,
             )?;
             BYTES_RESERVED.store(true, Ordering::Release);

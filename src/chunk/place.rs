@@ -264,16 +264,16 @@ impl Placer<'_> {
         made
     }
 
-    /// A reserved chunk of `len` bytes: mapped, placed, populated whole, registered when
-    /// `pinned` (a failure fails it: a reservation is what it promises), each step reported to
-    /// `progress`.
+    /// A reserved chunk of `len` bytes: mapped, placed, populated whole, registered as `pin`
+    /// decides ([`PinPolicy::reserving`]: a reservation is what it promises), each step
+    /// reported to `progress`.
     pub(crate) fn reserved_chunk(
         &self,
         source: &'static dyn ChunkSource,
         len: usize,
         huge: bool,
         place: &Place,
-        pinned: bool,
+        pin: PinPolicy,
         progress: &dyn Progress,
     ) -> Result<Chunk, Error> {
         let mapping = Mapping::new(source, len, HUGE_PAGE)?;
@@ -281,11 +281,13 @@ impl Placer<'_> {
         progress.placed(len);
         self.populate_chunk(&mut chunk, &place.nodes)?;
         progress.populated(len);
-        if pinned {
+        let pinned = pin.settle(self.counters, || {
             let start = Instant::now();
             let registered = chunk.register(|memory| self.register(place.gpu, memory));
             progress.driver_call(start.elapsed());
-            registered?;
+            registered
+        })?;
+        if pinned {
             progress.registered(len);
         }
         chunk.set_reserved();

@@ -39,6 +39,17 @@ impl PinPolicy {
         PinPolicy::decide(mode, true)
     }
 
+    /// The policy of a reservation of a kind that is `pinned` or not: what it makes is what it
+    /// promises, so a pinned kind's chunks register or fail (as `Strict`), and an unpinned
+    /// kind's never ask (as `Off`: nothing fell back).
+    pub(crate) fn reserving(pinned: bool) -> PinPolicy {
+        if pinned {
+            PinPolicy::Strict
+        } else {
+            PinPolicy::Off
+        }
+    }
+
     /// Whether pinning was asked for at all (`pin=on` or `pin=strict`).
     pub(crate) fn asked(self) -> bool {
         self != PinPolicy::Off
