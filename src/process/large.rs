@@ -11,6 +11,7 @@
 //! Unsafe code here relies on the large path being leaked once and never freed.
 #![allow(unsafe_code)]
 
+use std::borrow::Cow;
 use std::path::Path;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
@@ -20,7 +21,7 @@ use crate::config::Config;
 use crate::setup::Setup;
 use crate::sys::{self, MemPolicy, NodeMask};
 use crate::topology::cgroup::MemoryLimits;
-use crate::NumaTopology;
+use crate::{Error, NumaTopology};
 
 /// The process's large path, once made.
 static LARGE: AtomicPtr<LargePath> = AtomicPtr::new(std::ptr::null_mut());
@@ -41,6 +42,9 @@ pub(crate) fn large_path(_setup: &mut Setup, sysfs_root: &'static str) -> &'stat
 #[derive(Debug)]
 pub(crate) struct LargePath {
     topology: NumaTopology,
+    /// The sysfs root the topology was read from, and why it could not be (then it is one node).
+    sysfs_root: &'static str,
+    topology_error: Option<Error>,
     /// Whether the topology is this kernel's (else a fixture tree's, which the cpuset does not
     /// describe).
     own_kernel: bool,
@@ -62,6 +66,8 @@ impl LargePath {
     ) -> LargePath {
         LargePath {
             topology,
+            sysfs_root: Config::DEFAULT.sysfs_root,
+            topology_error: None,
             own_kernel,
             // EPERM under seccomp: then mbind is refused too, and every node is as good as
             // another.
@@ -74,10 +80,26 @@ impl LargePath {
 
     /// Read from `sysfs_root` (a single node when it cannot be read).
     fn of_this_process(sysfs_root: &'static str) -> LargePath {
-        let topology = NumaTopology::from_sysfs_root(Path::new(sysfs_root))
-            .unwrap_or_else(|_| NumaTopology::single_node());
+        let (topology, topology_error) = read_topology(sysfs_root);
         let own_kernel = sysfs_root == Config::DEFAULT.sysfs_root;
-        LargePath::new(topology, own_kernel, &ANONYMOUS)
+        LargePath {
+            sysfs_root,
+            topology_error,
+            ..LargePath::new(topology, own_kernel, &ANONYMOUS)
+        }
+    }
+
+    /// The topology under `sysfs_root` and why it could not be read (then one node): the
+    /// process's own when it was read from there, else read now (a value's fixture tree).
+    pub(crate) fn topology_at(
+        &'static self,
+        sysfs_root: &'static str,
+    ) -> (Cow<'static, NumaTopology>, Option<Error>) {
+        if sysfs_root == self.sysfs_root {
+            return (Cow::Borrowed(&self.topology), self.topology_error.clone());
+        }
+        let (topology, error) = read_topology(sysfs_root);
+        (Cow::Owned(topology), error)
     }
 
     /// The memory nodes the cpuset allows (`None`: all).
@@ -211,6 +233,14 @@ fn within_affinity(cgroup: Option<Vec<usize>>, affinity: Option<Vec<usize>>) -> 
             }
         }
         (cgroup, affinity) => cgroup.or(affinity).unwrap_or_default(),
+    }
+}
+
+/// The topology under `sysfs_root`, or one node and why.
+fn read_topology(sysfs_root: &str) -> (NumaTopology, Option<Error>) {
+    match NumaTopology::from_sysfs_root(Path::new(sysfs_root)) {
+        Ok(topology) => (topology, None),
+        Err(e) => (NumaTopology::single_node(), Some(e)),
     }
 }
 

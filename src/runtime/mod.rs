@@ -9,6 +9,7 @@ pub(crate) mod route;
 
 pub use route::{bind_thread, thread_route, with_route, Route, RouteGuard};
 
+use std::borrow::Cow;
 use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
@@ -62,7 +63,8 @@ pub(crate) struct Runtime {
     /// Tells runtimes apart in threads' caches of resolved routes (an address may be reused).
     pub(crate) id: u64,
     pub(crate) config: Config,
-    pub(crate) topology: NumaTopology,
+    /// The process's topology, or the value's own where it names another sysfs root.
+    pub(crate) topology: Cow<'static, NumaTopology>,
     /// Where blocks go for threads without a route (and for every thread when the allocator
     /// names its own target).
     pub(crate) default: Resolved,
@@ -103,11 +105,7 @@ impl Runtime {
         // A problem is the environment's when it comes from a setting the environment gave.
         let mut problems = Problems::default();
         problems.add(env.errors.iter().cloned(), true);
-        let root = Path::new(config.sysfs_root);
-        let (topology, topology_error) = match NumaTopology::from_sysfs_root(root) {
-            Ok(topology) => (topology, None),
-            Err(e) => (NumaTopology::single_node(), Some(e)),
-        };
+        let (topology, topology_error) = process.topology_at(config.sysfs_root);
         let allowed_mask = allowed_for(&config, process);
         let allowed = |node: usize| allowed_mask.is_none_or(|mask| mask.contains(node));
         let mut errors = Vec::new();
