@@ -14,7 +14,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::ranges::{PinFlags, Registrations, Unregistered};
+use super::ranges::{PinFlags, Registrations};
 use super::source::ChunkSource;
 use super::Span;
 use crate::cuda::Gpu;
@@ -480,15 +480,6 @@ impl Memory {
         unsafe { self.registrations.register(base.ptr(), index, gpu, flags) }
     }
 
-    /// Unregisters every registered range now, keeping the mapping; `None` when none was
-    /// registered. A range the driver refused keeps the mapping in place for good (see
-    /// [`Self::release`]).
-    pub(crate) fn unregister(&mut self) -> Option<Unregistered> {
-        let base = self.mapping.as_ref()?.ptr();
-        // SAFETY: the ranges divide this mapping, still mapped (it goes only after this).
-        unsafe { self.registrations.unregister(base) }
-    }
-
     /// Forgets the registrations without a driver call: they are another process's (a forked
     /// child's copy of memory its parent registered; CUDA is unusable in the child). Dropped
     /// afterwards, the memory is unmapped in this process alone.
@@ -542,8 +533,10 @@ impl Memory {
     }
 
     fn release_now(&mut self) -> ChunkRelease {
-        let unregistered = self
-            .unregister()
+        let base = self.mapping.as_ref().map(Mapping::ptr);
+        // SAFETY: the ranges divide this mapping, still mapped: it goes only after this.
+        let unregistered = base
+            .and_then(|base| unsafe { self.registrations.unregister(base) })
             .map(|u| (u.took, u.error.map_or(Ok(()), Err)));
         let mut outcome = ChunkRelease {
             unregistered,

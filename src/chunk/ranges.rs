@@ -92,13 +92,11 @@ pub(super) struct Grid {
 
 /// What unregistering every range did.
 #[derive(Debug)]
-pub(crate) struct Unregistered {
-    /// Ranges unregistered.
-    pub(crate) ranges: usize,
+pub(super) struct Unregistered {
     /// The driver calls' time, all together.
-    pub(crate) took: Duration,
+    pub(super) took: Duration,
     /// The first failure: that range (and any other that failed) may still be the driver's.
-    pub(crate) error: Option<Error>,
+    pub(super) error: Option<Error>,
 }
 
 impl Registrations {
@@ -265,7 +263,6 @@ impl Registrations {
                 continue;
             };
             let outcome = done.get_or_insert(Unregistered {
-                ranges: 0,
                 took: Duration::ZERO,
                 error: None,
             });
@@ -278,7 +275,6 @@ impl Registrations {
                 Ok(()) => {
                     give_page_locked(len);
                     slot.store(ptr::null_mut(), Ordering::Release);
-                    outcome.ranges += 1;
                 }
                 Err(e) => {
                     slot.store(failed(), Ordering::Release);

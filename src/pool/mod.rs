@@ -330,7 +330,7 @@ impl Pool {
         &self.memory
     }
 
-    /// The pool's memory, to unregister or disown before it goes.
+    /// The pool's memory, to disown its registrations in a forked child.
     pub(crate) fn memory_mut(&mut self) -> &mut Memory {
         &mut self.memory
     }

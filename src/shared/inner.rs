@@ -8,8 +8,8 @@ use crate::pool::Pool;
 use crate::sys;
 
 /// What the pool's handle and its background registration share; dropped (detached) when both
-/// are gone: this process's registrations of the pool's chunks are released, then the mapping
-/// (both by the pool's memory, in that order), and the file is closed with the last mapping.
+/// are gone: the pool's memory unregisters this process's registrations of its chunks, then
+/// unmaps it, and the file is closed with its last mapping.
 pub(super) struct Inner {
     pub(super) pool: Pool,
     pub(super) path: Option<PathBuf>,
@@ -37,14 +37,13 @@ impl Drop for Inner {
             self.pool.memory_mut().disown();
             return;
         }
-        // Unregistered now, while the header is mapped to count them; a range the driver
-        // refused keeps the whole mapping in place when the memory drops.
-        if let Some(released) = self.pool.memory_mut().unregister() {
-            let header = self.pool.header();
-            header
-                .registrations
-                .fetch_sub(released.ranges as u64, Ordering::AcqRel);
-        }
+        // Counted off while the header is mapped; the pool's memory then unregisters each of
+        // them, then unmaps, as it drops (a range the driver refuses keeps it mapped).
+        let (held, _) = self.pool.memory().registered();
+        let header = self.pool.header();
+        header
+            .registrations
+            .fetch_sub(held as u64, Ordering::AcqRel);
         self.pool.header().attached.fetch_sub(1, Ordering::AcqRel);
     }
 }
