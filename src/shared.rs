@@ -23,8 +23,9 @@
 //! state, a locker checks it before use and rebuilds it when it does not hold together: no
 //! panic, no block handed out twice from a table read past its end.
 //!
-//! `build.rs` makes a pool (the file, its size against the node, the header, placement,
-//! populate, the page check); `register.rs` registers this process's mapping in the background.
+//! `build.rs` makes a pool (the file, its size against the node, the header, then each chunk
+//! placed, populated and checked by `pool/chunks.rs`); `register.rs` registers this process's
+//! mapping in the background, chunk by chunk, through the same step function.
 //!
 //! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
 //! a block is live in the pool until freed, and lies inside the mapping the pool owns.

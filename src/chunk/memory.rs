@@ -191,7 +191,8 @@ impl Mapping {
     }
 
     /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
-    /// unregistration), or its range moved elsewhere.
+    /// unregistration), or its range moved elsewhere. A held source (a pool's file) then stays
+    /// open with it.
     fn forget(self) {
         std::mem::forget(self);
     }

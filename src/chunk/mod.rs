@@ -1,6 +1,9 @@
 //! Chunks: the mappings the arenas carve blocks from, and the guards that own every resource
-//! below a block (`memory.rs`): a chunk or a dedicated block holds a [`Memory`] (its mapping and
-//! its registration), released once, unregistered before it is unmapped.
+//! below a block (`memory.rs`): a chunk, a dedicated block or a shared pool holds a [`Memory`]
+//! (its mapping and its registrations, `ranges.rs`: the whole mapping, or one per chunk of a
+//! pool), released once, every range unregistered before the mapping is unmapped. Where the
+//! memory comes from is a [`ChunkSource`] (`source.rs`): anonymous memory for chunks and
+//! dedicated blocks, a shared memory file ([`SharedFile`]) for a pool.
 //!
 //! A chunk is one mapping of one kind (node, policy, pinning flags), made in four steps:
 //!
