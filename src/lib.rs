@@ -71,7 +71,10 @@ pub use alloc::NumaGpuAlloc;
 #[cfg(target_os = "linux")]
 mod shared;
 #[cfg(target_os = "linux")]
-pub use shared::{PoolAttach, PoolHandle, PoolStats, SharedBlock, SharedPool, SharedPoolBuilder};
+pub use shared::{
+    PoolAttach, PoolHandle, PoolRegistration, PoolStats, RegisterProgress, SharedBlock, SharedPool,
+    SharedPoolBuilder,
+};
 mod pinned;
 pub use pinned::{cuda_driver_present, cuda_unavailable_reason};
 #[cfg(feature = "pinned-buffer")]

@@ -8,7 +8,7 @@
 //! (inherited, or passed over a Unix socket: [`SharedPool::send`], [`SharedPool::receive`]) or
 //! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
 //! offset into the pool, the pool's id and the block's serial), which each process turns into
-//! its own pointer; the carving state
+//! its own pointer; the extent table
 //! lives in the pool, under a lock that a holder's death does not wedge, so a block freed by any process
 //! returns to the pool, and a process killed while holding the lock does not wedge the others.
 //!
@@ -23,8 +23,9 @@
 //! state, a locker checks it before use and rebuilds it when it does not hold together: no
 //! panic, no block handed out twice from a table read past its end.
 //!
-//! `build.rs` makes a pool (the file, its size against the node, the header, placement,
-//! populate, the page check); `register.rs` registers this process's mapping in the background.
+//! `build.rs` makes a pool (the file, its size against the node, the header, then each chunk
+//! placed, populated and checked by `pool/chunks.rs`); `register.rs` registers this process's
+//! mapping in the background, chunk by chunk, through the same step function.
 //!
 //! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
 //! a block is live in the pool until freed, and lies inside the mapping the pool owns.
@@ -42,10 +43,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::blocks::reserve::Tally;
-use crate::pool::carve::MAX_ALIGN;
-use crate::pool::pinning::Pinned;
-use crate::pool::{self, PoolMap, DATA_START};
+use crate::pool::chunks::Progress;
+use crate::pool::extents::MAX_ALIGN;
+use crate::pool::{self, Pool, DATA_START};
 use crate::sys::{self, lock::Lock};
 use crate::Error;
 
@@ -60,6 +60,7 @@ pub use attach::PoolAttach;
 pub use block::{PoolHandle, SharedBlock};
 pub use build::SharedPoolBuilder;
 use inner::Inner;
+pub use register::{PoolRegistration, RegisterProgress};
 pub use stats::PoolStats;
 
 /// How long attaching waits for a live creator to finish populating (only a pool of an older
@@ -95,7 +96,7 @@ const TRUSTED_MODE: u32 = 0o755;
 /// (16 B per 4 KiB page) fall on each registering process: N processes pay N times for memory
 /// that is there once. A process without a driver uses the pool unpinned. A process killed
 /// while holding the pool's lock does not wedge the others (the next locker rebuilds the
-/// carving state), and [`reclaim`](Self::reclaim) frees the blocks a process that is gone left.
+/// extent table), and [`reclaim`](Self::reclaim) frees the blocks a process that is gone left.
 ///
 /// Every wait for a lock of the pool that another process holds ends after the pool's lock
 /// wait (30 s unless [`SharedPoolBuilder::lock_wait`] or [`PoolAttach::lock_wait`] say
@@ -109,16 +110,14 @@ const TRUSTED_MODE: u32 = 0o755;
 pub struct SharedPool {
     inner: Arc<Inner>,
     /// The registration under way in the background, cancelled at detach.
-    background: Lock<Option<Arc<Tally>>>,
+    background: Lock<Option<Arc<Progress>>>,
 }
 
 impl SharedPool {
-    fn new(map: PoolMap, fd: OwnedFd, path: Option<PathBuf>, lock_wait: Duration) -> SharedPool {
+    fn new(pool: Pool, path: Option<PathBuf>, lock_wait: Duration) -> SharedPool {
         SharedPool {
             inner: Arc::new(Inner {
-                pinned: Pinned::new(),
-                map,
-                fd,
+                pool,
                 path,
                 attached_by: (sys::process_id(), crate::fork::generation()),
                 lock_wait,
@@ -150,8 +149,8 @@ impl SharedPool {
     /// may not map for writing, [`Error::PoolDescriptor`] for a descriptor open write-only or
     /// as a path only; [`Error::PoolLockHeld`] when another process holds the pool's lock for
     /// all of the lock wait. A refused attach changes nothing in the file, but for one thing:
-    /// finding the pool's lock left by a process that died holding it, or its carving state
-    /// not holding together, it repairs the carving state (as any locker would) before it
+    /// finding the pool's lock left by a process that died holding it, or its extent table
+    /// not holding together, it repairs the extent table (as any locker would) before it
     /// checks where the pages are.
     pub fn attach(path: impl AsRef<Path>) -> Result<SharedPool, Error> {
         SharedPool::attacher().attach(path)
@@ -169,7 +168,7 @@ impl SharedPool {
     /// Sends the pool's file descriptor over `socket` (`SCM_RIGHTS`), for
     /// [`SharedPool::receive`] in the process at the other end.
     pub fn send(&self, socket: &UnixStream) -> Result<(), Error> {
-        sys::send_fd(socket.as_fd(), self.inner.fd.as_fd())
+        sys::send_fd(socket.as_fd(), self.inner.pool.fd())
     }
 
     /// Receives a pool's descriptor [`SharedPool::send`] sent over `socket`, and attaches.
@@ -213,11 +212,11 @@ impl SharedPool {
             });
         }
         let fd = OwnedFd::from(file);
-        let mut map = PoolMap::map(fd.as_fd(), len, shown_path.clone())?;
-        map.check()?;
-        let header = map.header();
+        let (mapping, file) = pool::map(fd, len, &shown_path)?;
+        let pool = Pool::check(mapping, file, shown_path.clone())?;
+        let header = pool.header();
         let start = Instant::now();
-        while !map.ready() {
+        while !pool.ready() {
             if !sys::process_alive(header.creator) {
                 return Err(Error::PoolStale {
                     path: shown_path,
@@ -232,24 +231,13 @@ impl SharedPool {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        // Admits the carving state (rebuilt if it does not hold together), or names the
+        // Admits the extent table (rebuilt if it does not hold together), or names the
         // process that holds the lock past the wait.
-        drop(map.lock(lock_wait)?);
-        let node = header.node as usize;
-        map.map_in_pages();
-        if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, false) {
-            if elsewhere > 0 {
-                return Err(Error::PoolWrongNode {
-                    path: shown_path,
-                    node,
-                    elsewhere,
-                    pages,
-                    found,
-                });
-            }
-        }
+        drop(pool.lock(lock_wait)?);
+        pool.map_in_pages();
+        pool.check_node(DATA_START, len - DATA_START, header.node as usize, false)?;
         header.attached.fetch_add(1, Ordering::AcqRel);
-        Ok(SharedPool::new(map, fd, path, lock_wait))
+        Ok(SharedPool::new(pool, path, lock_wait))
     }
 
     /// The pool's file descriptor: a child inherits it across `fork`, and attaches with
@@ -257,7 +245,7 @@ impl SharedPool {
     /// unless the pool was made with [`SharedPoolBuilder::inherit`] (or the caller cleared the
     /// flag).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.inner.fd.as_fd()
+        self.inner.pool.fd()
     }
 
     /// The pool's path, when it has one.
@@ -286,9 +274,9 @@ impl SharedPool {
     /// another handle or adoption, nor uses it after the value dropped.
     pub unsafe fn from_handle(&self, handle: PoolHandle) -> Result<SharedBlock<'_>, Error> {
         self.mine(handle)?;
-        let mut guard = self.inner.map.lock(self.inner.lock_wait)?;
+        let mut guard = self.inner.pool.lock(self.inner.lock_wait)?;
         if !guard
-            .carve()
+            .extents()
             .adopt(handle.offset, handle.len, handle.serial, sys::process_id())
         {
             return Err(self.bad_handle(handle, "it was freed already, or never carved"));
@@ -300,14 +288,14 @@ impl SharedPool {
     /// block stays live until some process [`free`](Self::free)s it or adopts it
     /// ([`from_handle`](Self::from_handle)).
     pub fn allocate_handle(&self, layout: Layout) -> Option<PoolHandle> {
-        let mut guard = self.inner.map.lock(self.inner.lock_wait).ok()?;
-        let carve = guard.carve();
-        let block = carve.allocate(
+        let mut guard = self.inner.pool.lock(self.inner.lock_wait).ok()?;
+        let table = guard.extents();
+        let block = table.allocate(
             layout.size() as u64,
             layout.align() as u64,
             sys::process_id(),
         )?;
-        let serial = carve.find(block.offset)?.serial;
+        let serial = table.find(block.offset)?.serial;
         Some(self.handle(block.offset, block.len, serial))
     }
 
@@ -315,7 +303,7 @@ impl SharedPool {
         PoolHandle {
             offset,
             len,
-            pool: self.inner.map.id(),
+            pool: self.inner.pool.id(),
             serial,
         }
     }
@@ -339,7 +327,7 @@ impl SharedPool {
 
     /// Refuses a handle of another pool.
     fn mine(&self, handle: PoolHandle) -> Result<(), Error> {
-        if handle.pool == self.inner.map.id() {
+        if handle.pool == self.inner.pool.id() {
             Ok(())
         } else {
             Err(self.bad_handle(
@@ -351,7 +339,7 @@ impl SharedPool {
 
     fn bad_handle(&self, handle: PoolHandle, reason: &'static str) -> Error {
         Error::PoolHandle {
-            path: self.inner.map.name().into(),
+            path: self.inner.pool.name().into(),
             offset: handle.offset,
             len: handle.len,
             reason,
@@ -361,9 +349,9 @@ impl SharedPool {
     /// Frees the live block at `offset`, of the length and serial when given; `Err` when there
     /// is none, or the pool's lock failed.
     fn free_block(&self, offset: u64, expect: Option<(u64, u32)>) -> Result<(), ()> {
-        let mut guard = self.inner.map.lock(self.inner.lock_wait).map_err(drop)?;
+        let mut guard = self.inner.pool.lock(self.inner.lock_wait).map_err(drop)?;
         guard
-            .carve()
+            .extents()
             .free(offset, expect, sys::process_id())
             .map(drop)
             .map_err(drop)
@@ -377,13 +365,13 @@ impl SharedPool {
             let _ = self.free_block(offset, expect);
             return;
         }
-        let Ok(mut guard) = self.inner.map.lock(self.inner.lock_wait) else {
+        let Ok(mut guard) = self.inner.pool.lock(self.inner.lock_wait) else {
             return;
         };
-        let carve = guard.carve();
+        let table = guard.extents();
         let me = sys::process_id();
-        if carve.find(offset).is_some_and(|live| live.pid == me) {
-            let _ = carve.free(offset, expect, me);
+        if table.find(offset).is_some_and(|live| live.pid == me) {
+            let _ = table.free(offset, expect, me);
         }
     }
 
@@ -401,11 +389,11 @@ impl SharedPool {
     /// No process uses any of those blocks afterwards: a block `pid` carved and handed to a
     /// process still running (by its handle) is freed too, and may be handed out again at once.
     pub unsafe fn reclaim(&self, pid: u32) -> Result<(usize, u64), Error> {
-        let mut guard = self.inner.map.lock(self.inner.lock_wait)?;
+        let mut guard = self.inner.pool.lock(self.inner.lock_wait)?;
         if sys::process_alive(pid) {
             return Err(Error::PoolOwnerAlive { pid });
         }
-        Ok(guard.carve().reclaim(pid, sys::process_id()))
+        Ok(guard.extents().reclaim(pid, sys::process_id()))
     }
 
     /// Whether `handle` is this pool's, and names a live block (its offset, length and serial).
@@ -413,10 +401,10 @@ impl SharedPool {
         self.mine(handle).is_ok()
             && self
                 .inner
-                .map
+                .pool
                 .lock(self.inner.lock_wait)
                 .is_ok_and(|mut guard| {
-                    guard.carve().find(handle.offset).is_some_and(|live| {
+                    guard.extents().find(handle.offset).is_some_and(|live| {
                         (live.block.len, live.serial) == (handle.len, handle.serial)
                     })
                 })
@@ -430,28 +418,22 @@ impl SharedPool {
         let end = handle.offset.checked_add(handle.len)?;
         if self.mine(handle).is_err()
             || handle.offset < DATA_START as u64
-            || end > self.inner.map.len() as u64
+            || end > self.inner.pool.len() as u64
         {
             return None;
         }
-        NonNull::new(
-            self.inner
-                .map
-                .ptr()
-                .as_ptr()
-                .wrapping_add(handle.offset as usize),
-        )
+        NonNull::new(self.inner.pool.base().wrapping_add(handle.offset as usize) as *mut u8)
     }
 
     /// The handle of the live block starting at `ptr`, a pointer of this process.
     pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
-        let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.map.ptr().as_ptr() as usize)?;
+        let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.pool.base())?;
         let live = self
             .inner
-            .map
+            .pool
             .lock(self.inner.lock_wait)
             .ok()?
-            .carve()
+            .extents()
             .find(offset as u64)?;
         Some(self.handle(live.block.offset, live.block.len, live.serial))
     }
@@ -461,35 +443,27 @@ impl SharedPool {
     /// # Errors
     /// [`Error::PoolWrongNode`] when some are elsewhere.
     pub fn check_placement(&self) -> Result<(), Error> {
-        let node = self.inner.map.header().node as usize;
-        match self.inner.map.count_elsewhere(node, false) {
-            Some((elsewhere, pages, found)) if elsewhere > 0 => Err(Error::PoolWrongNode {
-                path: shown(self.inner.path.as_deref(), &self.inner.fd),
-                node,
-                elsewhere,
-                pages,
-                found,
-            }),
-            _ => Ok(()),
-        }
+        let pool = &self.inner.pool;
+        let node = pool.header().node as usize;
+        pool.check_node(DATA_START, pool.len() - DATA_START, node, false)
     }
 
     /// What the pool holds now.
     pub fn stats(&self) -> PoolStats {
-        let header = self.inner.map.header();
+        let header = self.inner.pool.header();
         let (registered_chunks, registered_bytes) = if self.inner.inherited() {
             (0, 0)
         } else {
-            self.inner.pinned.count()
+            self.inner.pool.memory().registered()
         };
         let registrations = header.registrations.load(Ordering::Acquire);
         let mut stats = PoolStats {
             registrations,
-            registered_bytes_all: registrations.saturating_mul(self.inner.map.chunk()),
+            registered_bytes_all: registrations.saturating_mul(self.inner.pool.chunk()),
             registered_chunks,
             registered_bytes,
-            pool_bytes: self.inner.map.len(),
-            usable_bytes: self.inner.map.len() - DATA_START,
+            pool_bytes: self.inner.pool.len(),
+            usable_bytes: self.inner.pool.len() - DATA_START,
             live_bytes: 0,
             live_blocks: 0,
             attached: header.attached.load(Ordering::Acquire) as usize,
@@ -499,13 +473,13 @@ impl SharedPool {
             node: header.node as usize,
             huge_pages: header.huge != 0,
         };
-        if let Ok(mut guard) = self.inner.map.lock(self.inner.lock_wait) {
-            let carve = guard.carve();
-            stats.live_bytes = carve.live_bytes as usize;
-            stats.live_blocks = carve.live().len();
-            stats.allocations = carve.allocations;
-            stats.frees = carve.frees;
-            stats.rebuilds = carve.rebuilds;
+        if let Ok(mut guard) = self.inner.pool.lock(self.inner.lock_wait) {
+            let table = guard.extents();
+            stats.live_bytes = table.live_bytes as usize;
+            stats.live_blocks = table.live().len();
+            stats.allocations = table.allocations;
+            stats.frees = table.frees;
+            stats.rebuilds = table.rebuilds;
         }
         stats
     }
@@ -513,7 +487,7 @@ impl SharedPool {
     /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill
     /// a process holding it).
     pub(crate) fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
-        let guard = self.inner.map.lock(self.inner.lock_wait)?;
+        let guard = self.inner.pool.lock(self.inner.lock_wait)?;
         let outcome = f();
         drop(guard);
         Ok(outcome)
@@ -524,7 +498,7 @@ impl SharedPool {
         let never = std::sync::atomic::AtomicBool::new(false);
         let guard = self
             .inner
-            .map
+            .pool
             .lock_registration(&never, self.inner.lock_wait)?;
         let outcome = f();
         drop(guard);
@@ -540,8 +514,8 @@ impl Drop for SharedPool {
         if self.inner.inherited() {
             return;
         }
-        if let Some(tally) = self.background.lock().take() {
-            tally.cancel.store(true, Ordering::Release);
+        if let Some(progress) = self.background.lock().take() {
+            progress.cancel.store(true, Ordering::Release);
         }
     }
 }

@@ -1,7 +1,8 @@
-//! The resources a chunk or a dedicated block owns, each held by a value that releases it:
-//! a [`Mapping`] (given back to its source on drop), a [`Registration`] (unregistered on drop),
-//! and [`Memory`], the two together, released in order (unregistered, then unmapped) once, by
-//! [`Memory::release`] or on drop. A [`Part`] is the right to touch some bytes alone for a
+//! The resources a chunk, a dedicated block or a shared pool owns, each held by a value that
+//! releases it: a [`Mapping`] (given back to its source on drop), its registrations
+//! (`ranges.rs`: one range, or one per chunk of a pool), and [`Memory`], the two together,
+//! released in order (every range unregistered, then unmapped) once, by [`Memory::release`] or
+//! on drop. A [`Part`] is the right to touch some bytes alone for a
 //! while: borrowed from a mapping held mutably, or claimed from a span the carver handed out.
 //!
 //! Unsafe code here relies on these guards owning their mapping and registration alone, and on
@@ -10,21 +11,41 @@
 
 use std::marker::PhantomData;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::source::{ChunkSource, ANONYMOUS};
+use super::ranges::{PinFlags, Registrations};
+use super::source::ChunkSource;
 use super::Span;
-use crate::cuda::{Gpu, RegisterFlags};
+use crate::cuda::Gpu;
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask, HUGE_PAGE};
 use crate::Error;
+
+/// Who made a mapping and takes it back.
+#[derive(Debug)]
+enum Owner {
+    /// A source for the whole process (anonymous memory; a test double).
+    Process(&'static dyn ChunkSource),
+    /// A source the mapping holds a share of (a shared pool's file): it lives until its last
+    /// mapping is given back.
+    Held(Arc<dyn ChunkSource + Send>),
+}
+
+impl Owner {
+    fn get(&self) -> &dyn ChunkSource {
+        match self {
+            Owner::Process(source) => *source,
+            Owner::Held(source) => &**source,
+        }
+    }
+}
 
 /// A mapping from a [`ChunkSource`]; given back to it on drop.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
-    source: &'static dyn ChunkSource,
+    source: Owner,
     /// Kernel mappings (VMAs) the range spans: one, until pages moved onto part of it
     /// ([`Self::move_onto`]) made the moved head one and the rest another.
     pieces: u32,
@@ -33,6 +54,9 @@ pub(crate) struct Mapping {
 // SAFETY: the mapping is this guard's alone; moving the guard between threads moves the right to
 // unmap it, which any thread may exercise.
 unsafe impl Send for Mapping {}
+// SAFETY: shared, the guard gives out only its address, length and source (itself `Sync`), never
+// the bytes: those are reached through `&mut` (a part) or by its owner's own contract.
+unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps `len` fresh bytes from `source` at a multiple of `align` (see [`ChunkSource::map`]).
@@ -41,7 +65,21 @@ impl Mapping {
         len: usize,
         align: usize,
     ) -> Result<Mapping, Error> {
-        let ptr = source.map(len, align)?;
+        Mapping::map_from(Owner::Process(source), len, align)
+    }
+
+    /// Maps `len` fresh bytes from `source`, which the mapping holds a share of until it is
+    /// given back (a shared pool's file: see [`SharedFile`](super::SharedFile)).
+    pub(crate) fn held(
+        source: Arc<dyn ChunkSource + Send>,
+        len: usize,
+        align: usize,
+    ) -> Result<Mapping, Error> {
+        Mapping::map_from(Owner::Held(source), len, align)
+    }
+
+    fn map_from(source: Owner, len: usize, align: usize) -> Result<Mapping, Error> {
+        let ptr = source.get().map(len, align)?;
         Ok(Mapping {
             ptr,
             len,
@@ -50,9 +88,12 @@ impl Mapping {
         })
     }
 
-    /// Where the mapping came from.
-    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
-        self.source
+    /// Where the mapping came from, when that is a source for the whole process.
+    pub(crate) fn process_source(&self) -> Option<&'static dyn ChunkSource> {
+        match self.source {
+            Owner::Process(source) => Some(source),
+            Owner::Held(_) => None,
+        }
     }
 
     pub(crate) fn ptr(&self) -> NonNull<u8> {
@@ -78,7 +119,7 @@ impl Mapping {
         Ok(Part {
             ptr,
             len,
-            source: Some(self.source),
+            source: Some(self.source.get()),
             _owner: PhantomData,
         })
     }
@@ -88,7 +129,7 @@ impl Mapping {
         Part {
             ptr: self.ptr,
             len: self.len,
-            source: Some(self.source),
+            source: Some(self.source.get()),
             _owner: PhantomData,
         }
     }
@@ -96,7 +137,7 @@ impl Mapping {
     /// Whether [`Self::move_onto`] may move it: memory whose pages `mremap` moves, in one kernel
     /// mapping (or the kernel moves several at once).
     pub(crate) fn movable(&self) -> bool {
-        self.source.moves_by_remap() && (self.pieces == 1 || sys::moves_several_mappings())
+        self.source.get().moves_by_remap() && (self.pieces == 1 || sys::moves_several_mappings())
     }
 
     /// Moves this mapping's pages onto the head of `dest` (`mremap`: nothing is copied); `dest`
@@ -104,7 +145,7 @@ impl Mapping {
     /// at least as long. On failure this mapping is as it was; `dest`'s head may be unmapped
     /// (see [`sys::move_mapping`]), which dropping `dest` covers.
     pub(crate) fn move_onto(self, dest: &mut Mapping) -> Result<(), (Mapping, Error)> {
-        if !(self.movable() && dest.source.moves_by_remap()) || dest.len < self.len {
+        if !(self.movable() && dest.source.get().moves_by_remap()) || dest.len < self.len {
             let e = Error::InvalidRange {
                 addr: dest.ptr.as_ptr() as usize,
                 len: self.len,
@@ -131,7 +172,7 @@ impl Mapping {
     /// and may grow again on any kernel. Both must be [movable](Self::movable), `dest` at least
     /// as long. On failure this mapping is as it was, and `dest` is given back (dropped).
     pub(crate) fn grow_into(self, dest: Mapping) -> Result<Mapping, Mapping> {
-        if !(self.movable() && dest.source.moves_by_remap()) || dest.len < self.len {
+        if !(self.movable() && dest.source.get().moves_by_remap()) || dest.len < self.len {
             return Err(self);
         }
         // SAFETY: both are mappings of ours whose pages mremap moves, that nobody else uses
@@ -140,12 +181,9 @@ impl Mapping {
         // range and removed this one.
         match unsafe { sys::move_and_grow(self.ptr, self.len, dest.ptr, dest.len) } {
             Ok(()) => {
-                let grown = Mapping {
-                    pieces: self.pieces,
-                    ..dest
-                };
+                let mut grown = dest;
+                grown.pieces = self.pieces;
                 self.forget();
-                dest.forget();
                 Ok(grown)
             }
             Err(_) => Err(self),
@@ -153,7 +191,8 @@ impl Mapping {
     }
 
     /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
-    /// unregistration), or its range moved elsewhere.
+    /// unregistration), or its range moved elsewhere. A held source (a pool's file) then stays
+    /// open with it.
     fn forget(self) {
         std::mem::forget(self);
     }
@@ -164,7 +203,7 @@ impl Drop for Mapping {
         // SAFETY: the guard's source made this mapping, whole, and the guard owns it alone;
         // nothing uses it any more (its owner is dropped only once no block of it is live or
         // pending), and a registration is released before its mapping (`Memory`).
-        let _ = unsafe { self.source.unmap(self.ptr, self.len) };
+        let _ = unsafe { self.source.get().unmap(self.ptr, self.len) };
     }
 }
 
@@ -175,7 +214,7 @@ pub(crate) struct Part<'a> {
     ptr: NonNull<u8>,
     len: usize,
     /// The source of the range while it is unregistered: [`Self::clear`] may give its pages back.
-    source: Option<&'static dyn ChunkSource>,
+    source: Option<&'a dyn ChunkSource>,
     _owner: PhantomData<&'a mut [u8]>,
 }
 
@@ -295,70 +334,6 @@ impl Part<'_> {
     }
 }
 
-/// Bytes the process holds page-locked through the allocator: registered chunks and dedicated
-/// blocks, counted from before each registration (so that two threads cannot both pass the
-/// limit) until it is released.
-static PAGE_LOCKED: AtomicUsize = AtomicUsize::new(0);
-
-/// Bytes page-locked through the allocator now, in the whole process.
-pub(crate) fn page_locked_bytes() -> usize {
-    PAGE_LOCKED.load(Ordering::Relaxed)
-}
-
-/// Counts `len` more bytes as page-locked, unless that would pass `limit`.
-pub(crate) fn take_page_locked(len: usize, limit: usize) -> Result<(), Error> {
-    PAGE_LOCKED
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |pinned| {
-            pinned.checked_add(len).filter(|&total| total <= limit)
-        })
-        .map(drop)
-        .map_err(|pinned| Error::PinLimit {
-            requested: len,
-            pinned,
-            limit,
-        })
-}
-
-/// Counts `len` page-locked bytes as released (an unregistration, or a registration that
-/// failed after [`take_page_locked`]).
-pub(crate) fn give_page_locked(len: usize) {
-    PAGE_LOCKED.fetch_sub(len, Ordering::AcqRel);
-}
-
-/// A `cuMemHostRegister` of a whole mapping, counted in the page-locked bytes while it lasts.
-/// Only a [`Memory`] holds one, and releases it ([`Memory::release`], or on drop) before the
-/// mapping.
-#[derive(Debug)]
-struct Registration {
-    gpu: &'static Gpu,
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a registration may be released from any thread (the context is pushed for the call).
-unsafe impl Send for Registration {}
-
-impl Registration {
-    /// Unregisters; an error means the range may still be the driver's and must stay mapped
-    /// (and counted page-locked).
-    fn release(self) -> Result<(), Error> {
-        // SAFETY: `ptr` is the base of a successful registration, still mapped (its memory
-        // releases the mapping after this), released once (this consumes it).
-        unsafe { self.gpu.unregister(self.ptr) }?;
-        give_page_locked(self.len);
-        Ok(())
-    }
-}
-
-/// How a range is registered: the driver's flags, and the pinned limit it must stay within.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct PinFlags {
-    /// The driver's flags.
-    pub(crate) register: RegisterFlags,
-    /// The most bytes the process may hold page-locked through the allocator.
-    pub(crate) limit: usize,
-}
-
 /// What releasing a chunk or a dedicated block did, for the counters.
 #[derive(Debug, Default)]
 pub(crate) struct ChunkRelease {
@@ -368,21 +343,38 @@ pub(crate) struct ChunkRelease {
     pub(crate) unmapped: bool,
 }
 
-/// A mapping and, once registered, its registration: released in that order, once.
+/// A mapping and its registrations: every registered range is unregistered before the mapping
+/// goes, once, by [`Memory::release`] or on drop. A chunk or a dedicated block registers its
+/// whole mapping at once ([`Memory::new`], [`Memory::register`]); a shared pool registers its
+/// chunks one by one, from a thread of its own while the pool is in use ([`Memory::ranged`],
+/// [`Memory::register_range`]).
 #[derive(Debug)]
 pub(crate) struct Memory {
-    /// `None` only once released.
+    /// `None` only once released, or kept mapped for the driver (an unregistration failed).
     mapping: Option<Mapping>,
-    registration: Option<Registration>,
+    registrations: Registrations,
 }
 
 impl Memory {
-    /// Unregistered memory of `mapping`.
+    /// Unregistered memory of `mapping`, registered whole if at all.
     pub(crate) fn new(mapping: Mapping) -> Memory {
         Memory {
+            registrations: Registrations::whole(mapping.len()),
             mapping: Some(mapping),
-            registration: None,
         }
+    }
+
+    /// Unregistered memory of `mapping`, registered in ranges: `first + i * step` for `step`
+    /// bytes each (the last to the mapping's end).
+    ///
+    /// # Errors
+    /// [`Error::InvalidRange`] for a `step` of 0 or a `first` past the mapping; the failure to
+    /// allocate a slot per range.
+    pub(crate) fn ranged(mapping: Mapping, first: usize, step: usize) -> Result<Memory, Error> {
+        Ok(Memory {
+            registrations: Registrations::grid(mapping.len(), first, step)?,
+            mapping: Some(mapping),
+        })
     }
 
     /// The mapping (until released).
@@ -393,7 +385,7 @@ impl Memory {
     /// `offset..offset+len` of the mapping, to use alone while the borrow lasts (`None` once
     /// released or outside it); registered, its pages stay (see [`Part::clear`]).
     pub(crate) fn part(&mut self, offset: usize, len: usize) -> Option<Part<'_>> {
-        let registered = self.registration.is_some();
+        let registered = self.registrations.any();
         let mut part = self.mapping.as_mut()?.part(offset, len).ok()?;
         if registered {
             part.source = None;
@@ -410,41 +402,90 @@ impl Memory {
         self.mapping().map_or(0, Mapping::len)
     }
 
-    /// Where the memory came from.
-    pub(crate) fn source(&self) -> &'static dyn ChunkSource {
-        self.mapping().map_or(&ANONYMOUS, Mapping::source)
+    /// Where the memory came from, when that is a process-wide source (`None` for a source the
+    /// mapping holds a share of, or once released).
+    pub(crate) fn source(&self) -> Option<&'static dyn ChunkSource> {
+        self.mapping().and_then(Mapping::process_source)
     }
 
+    /// Whether any range is (or may be) registered.
     pub(crate) fn pinned(&self) -> bool {
-        self.registration.is_some()
+        self.registrations.any()
     }
 
     /// Whether [`Self::move_onto`] may move it: unregistered, and its mapping
     /// [movable](Mapping::movable).
     pub(crate) fn movable(&self) -> bool {
-        self.registration.is_none() && self.mapping().is_some_and(Mapping::movable)
+        !self.registrations.any() && self.mapping().is_some_and(Mapping::movable)
     }
 
-    /// Registers the whole mapping through `gpu` (PORTABLE, plus DEVICEMAP and READ_ONLY as
-    /// asked), unless it is registered already, or that would page-lock more than `flags.limit`
-    /// bytes in the process.
+    /// How many registration ranges it has (1 unless [`Self::ranged`]).
+    pub(crate) fn ranges(&self) -> usize {
+        self.registrations.count()
+    }
+
+    /// Range `index`: its offset in the mapping and its length.
+    pub(crate) fn range(&self, index: usize) -> Option<(usize, usize)> {
+        self.registrations.range(index)
+    }
+
+    /// Whether range `index` is registered now.
+    pub(crate) fn range_registered(&self, index: usize) -> bool {
+        self.registrations.is_registered(index)
+    }
+
+    /// Ranges registered now, and their bytes.
+    pub(crate) fn registered(&self) -> (usize, usize) {
+        self.registrations.registered()
+    }
+
+    /// Registers the whole mapping (each of its ranges) through `gpu` (PORTABLE, plus
+    /// DEVICEMAP and READ_ONLY as asked), unless a range is registered already, or that would
+    /// page-lock more than `flags.limit` bytes in the process. A range registered before a
+    /// failure stays so, and is released with the memory.
     pub(crate) fn register(&mut self, gpu: &'static Gpu, flags: PinFlags) -> Result<(), Error> {
-        let (Some(mapping), None) = (&self.mapping, &self.registration) else {
-            return Err(Error::InvalidRange {
-                addr: self.base(),
-                len: self.len(),
-            });
+        let invalid = Error::InvalidRange {
+            addr: self.base(),
+            len: self.len(),
         };
-        let (ptr, len) = (mapping.ptr(), mapping.len());
-        take_page_locked(len, flags.limit)?;
-        // SAFETY: a live mapping of this crate, not registered yet, that stays mapped until the
-        // registration is released: this value releases it first.
-        if let Err(e) = unsafe { gpu.register(ptr, len, flags.register) } {
-            give_page_locked(len);
-            return Err(e);
+        if self.registrations.any() {
+            return Err(invalid);
         }
-        self.registration = Some(Registration { gpu, ptr, len });
+        for index in 0..self.ranges() {
+            self.register_range(index, gpu, flags)?
+                .ok_or_else(|| invalid.clone())?;
+        }
         Ok(())
+    }
+
+    /// Registers range `index` through `gpu` within `flags.limit` page-locked bytes; the
+    /// driver call's time, or `None` when it is registered already (or another thread is
+    /// registering it now). Any thread may register ranges while others read the counts; the
+    /// ranges are unregistered before the mapping goes, as the whole one is.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRange`] for an index past the ranges, or memory released;
+    /// [`Error::PinLimit`]; the driver's error.
+    pub(crate) fn register_range(
+        &self,
+        index: usize,
+        gpu: &'static Gpu,
+        flags: PinFlags,
+    ) -> Result<Option<Duration>, Error> {
+        let base = self.mapping().ok_or(Error::InvalidRange {
+            addr: 0,
+            len: index,
+        })?;
+        // SAFETY: the ranges divide this live mapping, which this value unmaps only after every
+        // range is unregistered (`release_now`), and which stays while `self` is borrowed.
+        unsafe { self.registrations.register(base.ptr(), index, gpu, flags) }
+    }
+
+    /// Forgets the registrations without a driver call: they are another process's (a forked
+    /// child's copy of memory its parent registered; CUDA is unusable in the child). Dropped
+    /// afterwards, the memory is unmapped in this process alone.
+    pub(crate) fn disown(&mut self) {
+        self.registrations.disown();
     }
 
     /// Moves this memory's pages onto the head of `dest`'s (see [`Mapping::move_onto`]); both
@@ -452,8 +493,11 @@ impl Memory {
     /// were.
     pub(crate) fn move_onto(mut self, dest: &mut Memory) -> Result<(), Memory> {
         // A registration is tied to its address: registered pages do not move.
-        let (Some(to), None, true) = (dest.mapping.as_mut(), &dest.registration, self.movable())
-        else {
+        let (Some(to), false, true) = (
+            dest.mapping.as_mut(),
+            dest.registrations.any(),
+            self.movable(),
+        ) else {
             return Err(self);
         };
         let Some(from) = self.mapping.take() else {
@@ -481,27 +525,29 @@ impl Memory {
         }
     }
 
-    /// Unregisters (when registered), then unmaps. A failed unregistration, or one refused in a
-    /// forked child (the range is the parent's registration, and the driver may have kept it out
-    /// of the child), leaves the mapping in place: unmapping a range the driver still holds
-    /// would make a later mapping at this address fail to register (712).
+    /// Unregisters every registered range, then unmaps. A failed unregistration, or one
+    /// refused in a forked child (the range is the parent's registration, and the driver may
+    /// have kept it out of the child), leaves the mapping in place: unmapping a range the
+    /// driver still holds would make a later mapping at this address fail to register (712).
     pub(crate) fn release(mut self) -> ChunkRelease {
         self.release_now()
     }
 
     fn release_now(&mut self) -> ChunkRelease {
-        let mut outcome = ChunkRelease::default();
-        if let Some(registration) = self.registration.take() {
-            let start = Instant::now();
-            let result = registration.release();
-            let failed = result.is_err();
-            outcome.unregistered = Some((start.elapsed(), result));
-            if failed {
-                if let Some(mapping) = self.mapping.take() {
-                    mapping.forget();
-                }
-                return outcome;
+        let base = self.mapping.as_ref().map(Mapping::ptr);
+        // SAFETY: the ranges divide this mapping, still mapped: it goes only after this.
+        let unregistered = base
+            .and_then(|base| unsafe { self.registrations.unregister(base) })
+            .map(|u| (u.took, u.error.map_or(Ok(()), Err)));
+        let mut outcome = ChunkRelease {
+            unregistered,
+            unmapped: false,
+        };
+        if self.registrations.any_failed() {
+            if let Some(mapping) = self.mapping.take() {
+                mapping.forget();
             }
+            return outcome;
         }
         outcome.unmapped = self.mapping.take().is_some();
         outcome

@@ -1,6 +1,9 @@
 //! Chunks: the mappings the arenas carve blocks from, and the guards that own every resource
-//! below a block (`memory.rs`): a chunk or a dedicated block holds a [`Memory`] (its mapping and
-//! its registration), released once, unregistered before it is unmapped.
+//! below a block (`memory.rs`): a chunk, a dedicated block or a shared pool holds a [`Memory`]
+//! (its mapping and its registrations, `ranges.rs`: the whole mapping, or one per chunk of a
+//! pool), released once, every range unregistered before the mapping is unmapped. Where the
+//! memory comes from is a [`ChunkSource`] (`source.rs`): anonymous memory for chunks and
+//! dedicated blocks, a shared memory file ([`SharedFile`]) for a pool.
 //!
 //! A chunk is one mapping of one kind (node, policy, pinning flags), made in four steps:
 //!
@@ -30,13 +33,14 @@ use std::ptr::NonNull;
 
 mod memory;
 mod place;
+mod ranges;
 mod source;
 
-pub(crate) use memory::{page_locked_bytes, ChunkRelease, Mapping, Memory, Part, PinFlags};
-// For the registrations of a shared pool's chunks (Linux only), counted in the same bytes.
-#[cfg(target_os = "linux")]
-pub(crate) use memory::{give_page_locked, take_page_locked};
+pub(crate) use memory::{ChunkRelease, Mapping, Memory, Part};
 pub(crate) use place::{Cause, Numa, PinPolicy, Place, Placer, Progress, Rules, Seams};
+pub(crate) use ranges::{page_locked_bytes, PinFlags};
+#[cfg(target_os = "linux")]
+pub(crate) use source::SharedFile;
 pub(crate) use source::{ChunkSource, ANONYMOUS};
 
 use crate::Error;
@@ -109,10 +113,17 @@ pub(crate) struct Chunk {
 }
 
 impl Chunk {
-    /// An unregistered chunk of `mapping` (a multiple of `granule` long), with nothing resident,
-    /// tracked in granules of `granule` bytes (a power of two).
+    /// An unregistered chunk of `mapping` (a multiple of `granule` long, from a source for the
+    /// whole process: the arena purges through it), with nothing resident, tracked in granules
+    /// of `granule` bytes (a power of two).
     pub(crate) fn new(mapping: Mapping, granule: usize) -> Result<Chunk, Error> {
         let granules = mapping.len().div_ceil(granule);
+        if mapping.process_source().is_none() {
+            return Err(Error::InvalidRange {
+                addr: mapping.ptr().as_ptr() as usize,
+                len: mapping.len(),
+            });
+        }
         Ok(Chunk {
             populated: Bits::new(granules, false)?,
             dirty: Bits::new(granules, false)?,
@@ -151,7 +162,8 @@ impl Chunk {
 
     /// Where the chunk's memory came from.
     pub(crate) fn source(&self) -> &'static dyn ChunkSource {
-        self.memory.source()
+        // A chunk's source is one for the whole process (`Chunk::new`); anonymous once released.
+        self.memory.source().unwrap_or(&ANONYMOUS)
     }
 
     pub(crate) fn base(&self) -> usize {

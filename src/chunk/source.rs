@@ -4,14 +4,19 @@
 //! range; the allocator does the rest on the mapping whatever its source: places it (`mbind`),
 //! populates it with the node's bound workers, checks where its pages are and registers it with
 //! CUDA. [`Anonymous`] (private anonymous `mmap`) is the source of every chunk and dedicated
-//! block; a shared pool maps its memory file itself (`pool/`), outside this seam.
+//! block; [`SharedFile`] (a `MAP_SHARED` mapping of a memory file) the source of a shared pool,
+//! which each of its processes maps through it.
 //!
 //! Unsafe code here relies on the contract of [`ChunkSource`]; [`Anonymous`] meets it with
-//! fresh private mappings of its own.
+//! fresh private mappings of its own, [`SharedFile`] with one mapping of its file at a time.
 #![allow(unsafe_code)]
 
 use std::fmt;
+#[cfg(target_os = "linux")]
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+#[cfg(target_os = "linux")]
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::sys;
 use crate::Error;
@@ -22,10 +27,13 @@ use crate::Error;
 ///
 /// For every range `map(len, align)` returns, an implementation promises that:
 /// - `ptr..ptr+len` is mapped readable and writable, starts at a multiple of `align`, and is used
-///   by nobody but the caller until the caller passes that same whole range to
-///   [`unmap`](Self::unmap), once;
+///   in this process by nobody but the caller until the caller passes that same whole range to
+///   [`unmap`](Self::unmap), once (a shared file's pages are also those of the other processes
+///   that map the file: what they share is theirs to agree on);
 /// - its pages read as zero until written, and again after [`purge`](Self::purge) of them (the
-///   arena zeroes only what may hold old data);
+///   arena zeroes only what may hold old data); a shared file's read as the file holds them
+///   (zero in a new file), which is why arenas take chunks only from sources for the whole
+///   process, never from a file;
 /// - the kernel's placement and populate calls work on it as on anonymous memory: `mbind` before
 ///   any page is touched decides where its pages go, `MADV_POPULATE_WRITE` faults them in, and
 ///   `cuMemHostRegister` may page-lock it;
@@ -84,5 +92,65 @@ unsafe impl ChunkSource for Anonymous {
 
     fn moves_by_remap(&self) -> bool {
         true
+    }
+}
+
+/// A memory file several processes map (a shared pool's `memfd`, or its file under `/dev/shm`
+/// or a hugetlbfs mount): [`map`](ChunkSource::map) maps bytes `0..len` of it shared
+/// (`MAP_SHARED`, readable and writable), one mapping at a time; `munmap` gives it back, and
+/// `MADV_REMOVE` drops a range's pages from the file (they read as zero again, in every process
+/// that maps it). Placement works on it as on anonymous memory, but sets the file's policy:
+/// pages go where it says when first faulted, whichever process faults them. It owns the
+/// file's descriptor; a mapping holds a share of it ([`Mapping::held`](super::Mapping::held)).
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub(crate) struct SharedFile {
+    fd: OwnedFd,
+    /// Whether a mapping of it is live: a second one would alias the first's pages.
+    mapped: AtomicBool,
+}
+
+#[cfg(target_os = "linux")]
+impl SharedFile {
+    /// The source of the file `fd` is.
+    pub(crate) fn new(fd: OwnedFd) -> SharedFile {
+        SharedFile {
+            fd,
+            mapped: AtomicBool::new(false),
+        }
+    }
+
+    /// The file's descriptor.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+// SAFETY: `map_shared` maps the file fresh at an address of the kernel's choosing, and only one
+// mapping is live at a time, so no other range of this process aliases it; a file's pages read
+// as the file holds them, as the contract allows a file, and as zero after MADV_REMOVE; mbind,
+// populate and registration work on shared file mappings; none of the calls allocates.
+#[cfg(target_os = "linux")]
+unsafe impl ChunkSource for SharedFile {
+    fn map(&self, len: usize, align: usize) -> Result<NonNull<u8>, Error> {
+        if self.mapped.swap(true, Ordering::AcqRel) {
+            // One mapping of the file at a time: the pool maps it whole, once.
+            return Err(Error::InvalidRange { addr: 0, len });
+        }
+        sys::map_shared(self.fd.as_fd(), len, align).inspect_err(|_| {
+            self.mapped.store(false, Ordering::Release);
+        })
+    }
+
+    unsafe fn unmap(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+        // SAFETY: forwarded from the caller: the whole mapping of the file, no longer used.
+        unsafe { sys::unmap(ptr, len) }?;
+        self.mapped.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    unsafe fn purge(&self, ptr: NonNull<u8>, len: usize) -> Result<(), Error> {
+        // SAFETY: forwarded from the caller: inside the mapping, unused, unregistered.
+        unsafe { sys::remove_pages(ptr, len) }
     }
 }

@@ -2,32 +2,34 @@
 //! populated once, carved by every process that maps it. This module holds what lives in the
 //! file: the header at its start ([`Header`]: magic, kind, layout version, layout tag, size, node,
 //! chunk size, who made it and whether it is ready, how many processes are attached and how many
-//! registrations they hold), the carving state (`carve/`) under the header's robust
-//! process-shared mutex, and the mapping of the whole file ([`PoolMap`]) with its placement,
-//! populate and page check; and this process's registrations of its chunks (`pinning.rs`). The
-//! front end (`shared.rs`) opens the files and runs the registrations in the background.
+//! registrations they hold) and the extent table (`extents/`) under the header's robust
+//! process-shared mutex; this process's view of the file ([`Pool`]: its [`Memory`], mapped
+//! through the file's [`SharedFile`] source, which also holds this process's registrations of
+//! its chunks); and the steps that make each chunk ready (`chunks.rs`: place, populate, check,
+//! register). The front end (`shared.rs`) opens the files and runs the registrations in the
+//! background.
 //!
-//! Unsafe code here relies on the header being at the start of a mapping of the pool's file,
-//! which the [`PoolMap`] owns: its fields are written once, by the creator, before the magic
-//! says the header is there, and afterwards change only as atomics or under the mutex.
+//! Unsafe code here relies on the header being at the start of the mapping of the pool's file
+//! that the [`Pool`]'s memory owns: its fields are written once, by the creator, before the
+//! magic says the header is there, and afterwards change only as atomics or under the mutex.
 #![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
 use std::mem::{align_of, size_of};
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub(crate) mod carve;
-pub(crate) mod pinning;
+pub(crate) mod chunks;
+pub(crate) mod extents;
 
-use crate::chunk::Span;
-use crate::process::workers;
-use crate::sys::{self, Locked, MbindFlags, MemPolicy, NodeMask, RobustMutex};
+use crate::chunk::{Mapping, Memory, SharedFile};
+use crate::sys::{self, Locked, RobustMutex};
 use crate::Error;
-use carve::{Admit, Carve, MAX_ALIGN};
+use extents::{Admit, ExtentTable, MAX_ALIGN};
 
 /// The first eight bytes of a pool's file.
 const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
@@ -47,8 +49,8 @@ const LAYOUT_FIELDS: [&str; 9] = [
     "header alignment",
     "mutex size",
     "mutex alignment",
-    "carving state size",
-    "carving state alignment",
+    "extent table size",
+    "extent table alignment",
     "pointer width (bits)",
     "byte order mark",
     "C library (1 glibc, 2 musl, 3 other)",
@@ -60,8 +62,8 @@ const LAYOUT: [u32; 9] = [
     align_of::<Header>() as u32,
     size_of::<RobustMutex>() as u32,
     align_of::<RobustMutex>() as u32,
-    size_of::<Carve>() as u32,
-    align_of::<Carve>() as u32,
+    size_of::<ExtentTable>() as u32,
+    align_of::<ExtentTable>() as u32,
     usize::BITS,
     BYTE_ORDER_MARK,
     C_LIBRARY,
@@ -106,7 +108,7 @@ pub(crate) struct Header {
     pub(crate) attached: AtomicU32,
     /// Chunk registrations held, all processes together (a killed process's stay counted).
     pub(crate) registrations: AtomicU64,
-    /// The pool's id, random, set when it is made: a handle carries it ([`PoolMap::id`]).
+    /// The pool's id, random, set when it is made: a handle carries it ([`Pool::id`]).
     id: u32,
     /// The process holding `mutex` (0: none; a killed holder's stays until the next locker).
     holder: AtomicU32,
@@ -117,7 +119,7 @@ pub(crate) struct Header {
     /// file another user can open and hold).
     register: RobustMutex,
     mutex: RobustMutex,
-    carve: UnsafeCell<Carve>,
+    extents: UnsafeCell<ExtentTable>,
 }
 
 /// What a lock of the pool is called in errors, and the slice of a cancellable wait.
@@ -146,109 +148,69 @@ pub(crate) fn check_magic(found: u64, path: &Path) -> Result<(), Error> {
     }
 }
 
-/// A mapping of a whole pool file (shared, readable, writable), unmapped on drop.
+/// A pool's file as this process maps it: its [`Memory`] (the whole file mapped through its
+/// [`SharedFile`] source, and this process's registrations of its chunks, one range each,
+/// unregistered before the mapping goes), and this process's copy of the header's chunk and
+/// id, which another process's stray write to the header cannot change.
 #[derive(Debug)]
-pub(crate) struct PoolMap {
-    ptr: NonNull<u8>,
-    len: usize,
+pub(crate) struct Pool {
+    memory: Memory,
+    file: Arc<SharedFile>,
     /// The file's path, or `<fd N>`: what its errors name.
     name: PathBuf,
-    /// Set when a registration of it could not be released: the range stays mapped.
-    keep: AtomicBool,
-    /// The chunk, as [`Self::init`] wrote it or [`Self::check`] found it: this process's copy,
-    /// which another process's stray write to the header cannot change (0 before either).
     chunk: u64,
-    /// The pool's id, kept as `chunk` is.
     id: u32,
 }
 
-// SAFETY: the mapping is this value's alone to unmap; the header it points at is made for use
-// from any thread of any process (atomics and the mutex).
-unsafe impl Send for PoolMap {}
-// SAFETY: as above.
-unsafe impl Sync for PoolMap {}
+/// Maps bytes `0..len` of `fd` (the whole file, `name` in errors) through its source, aligned
+/// for the largest block alignment.
+///
+/// Every process maps it writable, readers too: each carves it, and a read-only mapping
+/// cannot be registered with CUDA on every GPU (B300).
+///
+/// # Errors
+/// [`Error::PoolReadOnly`] when `fd` is open read-only, or the kernel refuses a writable
+/// shared mapping of it (`EACCES`, `EPERM`); [`Error::PoolDescriptor`] when it is open
+/// write-only or as a path only (`O_PATH`).
+pub(crate) fn map(
+    fd: OwnedFd,
+    len: usize,
+    name: &Path,
+) -> Result<(Mapping, Arc<SharedFile>), Error> {
+    check_access(fd.as_fd(), name)?;
+    let file = Arc::new(SharedFile::new(fd));
+    let mapping = Mapping::held(file.clone(), len, MAX_ALIGN as usize).map_err(|e| match e {
+        Error::Syscall {
+            errno: libc::EACCES | libc::EPERM,
+            ..
+        } => Error::PoolReadOnly { path: name.into() },
+        e => e,
+    })?;
+    Ok((mapping, file))
+}
 
-impl PoolMap {
-    /// Maps bytes `0..len` of `fd` (the whole file, `name` in errors), aligned for the largest
-    /// block alignment.
-    ///
-    /// Every process maps it writable, readers too: each carves it, and a read-only mapping
-    /// cannot be registered with CUDA on every GPU (B300).
-    ///
-    /// # Errors
-    /// [`Error::PoolReadOnly`] when `fd` is open read-only, or the kernel refuses a writable
-    /// shared mapping of it (`EACCES`, `EPERM`); [`Error::PoolDescriptor`] when it is open
-    /// write-only or as a path only (`O_PATH`).
-    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize, name: PathBuf) -> Result<PoolMap, Error> {
-        check_access(fd, &name)?;
-        let ptr = sys::map_shared(fd, len, MAX_ALIGN as usize).map_err(|e| match e {
-            Error::Syscall {
-                errno: libc::EACCES | libc::EPERM,
-                ..
-            } => Error::PoolReadOnly { path: name.clone() },
-            e => e,
-        })?;
-        Ok(PoolMap {
-            ptr,
-            len,
-            name,
-            keep: AtomicBool::new(false),
-            chunk: 0,
-            id: 0,
-        })
-    }
-
-    /// The pool's id (this process's copy).
-    pub(crate) fn id(&self) -> u32 {
-        self.id
-    }
-
-    /// The file's path, or `<fd N>`.
-    pub(crate) fn name(&self) -> &Path {
-        &self.name
-    }
-
-    /// The chunk no block crosses, each one registration (this process's copy).
-    pub(crate) fn chunk(&self) -> u64 {
-        self.chunk
-    }
-
-    pub(crate) fn ptr(&self) -> NonNull<u8> {
-        self.ptr
-    }
-
-    /// Leaves the range mapped when this is dropped: the driver may still hold part of it (an
-    /// unregistration refused), and unmapping it would let a later mapping there fail to
-    /// register.
-    pub(crate) fn keep_mapped(&self) {
-        self.keep.store(true, Ordering::Release);
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// The header (meaningful once [`Self::check`] passed, or [`Self::init`] ran).
-    pub(crate) fn header(&self) -> &Header {
-        // SAFETY: the file is at least DATA_START bytes (checked before mapping), mapped while
-        // `self` lives, and page aligned, which is enough for the header.
-        unsafe { &*self.ptr.as_ptr().cast::<Header>() }
-    }
-
-    /// Writes the header of a new pool and publishes it (the magic last).
+impl Pool {
+    /// Writes the header of a new pool into `mapping` (of `file`) and publishes it (the magic
+    /// last); its chunks are `chunk` bytes from [`DATA_START`].
     ///
     /// # Safety
     /// The file is new (all zeros) and no other process uses it yet.
-    pub(crate) unsafe fn init(&mut self, node: usize, huge: bool, chunk: u64) -> Result<(), Error> {
-        let header = self.ptr.as_ptr().cast::<Header>();
+    pub(crate) unsafe fn init(
+        mapping: Mapping,
+        file: Arc<SharedFile>,
+        name: PathBuf,
+        (node, huge, chunk): (usize, bool, u64),
+    ) -> Result<Pool, Error> {
+        let len = mapping.len();
+        let header = mapping.ptr().as_ptr().cast::<Header>();
         let id = sys::random_u32()?;
         // SAFETY: the caller's file, ours alone until the magic is stored; the fields are
-        // plain data at their place in the mapping.
+        // plain data at their place in the mapping, which is at least DATA_START long.
         unsafe {
             (*header).kind = KIND;
             (*header).version = VERSION;
             (*header).layout = LAYOUT;
-            (*header).size = self.len as u64;
+            (*header).size = len as u64;
             (*header).node = node as u32;
             (*header).huge = u32::from(huge);
             (*header).chunk = chunk;
@@ -256,23 +218,34 @@ impl PoolMap {
             (*header).id = id;
             RobustMutex::init(std::ptr::addr_of_mut!((*header).mutex))?;
             RobustMutex::init(std::ptr::addr_of_mut!((*header).register))?;
-            (*UnsafeCell::raw_get(std::ptr::addr_of!((*header).carve))).init(
+            (*UnsafeCell::raw_get(std::ptr::addr_of!((*header).extents))).init(
                 DATA_START as u64,
-                self.len as u64,
+                len as u64,
                 chunk,
             );
         }
-        self.chunk = chunk;
-        self.id = id;
-        self.header().magic.store(MAGIC, Ordering::Release);
-        Ok(())
+        let pool = Pool {
+            memory: Memory::ranged(mapping, DATA_START, chunk as usize)?,
+            file,
+            name,
+            chunk,
+            id,
+        };
+        pool.header().magic.store(MAGIC, Ordering::Release);
+        Ok(pool)
     }
 
-    /// Checks that the mapping holds a pool of this build whose size is the file's, and keeps
-    /// its chunk.
-    pub(crate) fn check(&mut self) -> Result<(), Error> {
-        let path = self.name.as_path();
-        let header = self.header();
+    /// Checks that `mapping` (of `file`) holds a pool of this build whose size is the file's,
+    /// and keeps its chunk and id.
+    pub(crate) fn check(
+        mapping: Mapping,
+        file: Arc<SharedFile>,
+        name: PathBuf,
+    ) -> Result<Pool, Error> {
+        let path = name.as_path();
+        // SAFETY: the file is at least DATA_START bytes (checked before mapping), mapped while
+        // `mapping` lives, and page aligned, which is enough for the header.
+        let header = unsafe { &*mapping.ptr().as_ptr().cast::<Header>() };
         check_magic(header.magic.load(Ordering::Acquire), path)?;
         if (header.kind, header.version) != (KIND, VERSION) {
             return Err(Error::PoolVersion {
@@ -295,12 +268,13 @@ impl PoolMap {
             path: path.into(),
             reason,
         };
-        if header.size > self.len as u64 {
+        let len = mapping.len() as u64;
+        if header.size > len {
             return Err(corrupt(
                 "the file is shorter than the pool's size in its header (truncated)",
             ));
         }
-        if header.size != self.len as u64 {
+        if header.size != len {
             return Err(corrupt(
                 "the file is longer than the pool's size in its header",
             ));
@@ -308,17 +282,70 @@ impl PoolMap {
         if header.chunk == 0 || !header.chunk.is_multiple_of(MAX_ALIGN) {
             return Err(corrupt("its chunk size is not a multiple of 2 MiB"));
         }
-        // SAFETY: the header's carving state, in this mapping; its geometry is set once, when
+        // SAFETY: the header's extent table, in this mapping; its geometry is set once, when
         // the pool is made.
-        let geometry = unsafe { carve::geometry(header.carve.get()) };
+        let geometry = unsafe { extents::geometry(header.extents.get()) };
         if geometry != (DATA_START as u64, header.size, header.chunk) {
             // Blocks could straddle two registrations, or lie over the header.
             return Err(corrupt(
-                "its carving state's bounds or chunk differ from its header's",
+                "its extent table's bounds or chunk differ from its header's",
             ));
         }
-        (self.chunk, self.id) = (header.chunk, header.id);
-        Ok(())
+        let (chunk, id) = (header.chunk, header.id);
+        Ok(Pool {
+            memory: Memory::ranged(mapping, DATA_START, chunk as usize)?,
+            file,
+            name,
+            chunk,
+            id,
+        })
+    }
+
+    /// The pool's id (this process's copy).
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The file's path, or `<fd N>`.
+    pub(crate) fn name(&self) -> &Path {
+        &self.name
+    }
+
+    /// The chunk no block crosses, each one registration (this process's copy).
+    pub(crate) fn chunk(&self) -> u64 {
+        self.chunk
+    }
+
+    /// The mapping's start (this process's address of the pool's offset 0).
+    pub(crate) fn base(&self) -> usize {
+        self.memory.base()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.memory.len()
+    }
+
+    /// The pool's memory: its mapping and this process's registrations of its chunks.
+    pub(crate) fn memory(&self) -> &Memory {
+        &self.memory
+    }
+
+    /// The pool's memory, to disown its registrations in a forked child.
+    pub(crate) fn memory_mut(&mut self) -> &mut Memory {
+        &mut self.memory
+    }
+
+    /// The file's descriptor.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.file.fd()
+    }
+
+    /// The header (as [`Self::init`] wrote it or [`Self::check`] found it).
+    pub(crate) fn header(&self) -> &Header {
+        // SAFETY: the mapping is the whole file, at least DATA_START bytes (checked before
+        // mapping), mapped while `self.memory` lives (a pool's memory is released only when
+        // dropped), and page aligned, which is enough for the header.
+        unsafe { &*(self.memory.base() as *const Header) }
     }
 
     /// Whether the creator finished placing and populating it.
@@ -331,81 +358,61 @@ impl PoolMap {
         self.header().ready.store(1, Ordering::Release);
     }
 
-    /// Places the blocks' pages on `node` (`mbind`, before any is touched), populates them with
-    /// the node's bound workers (`cpus`, up to `threads`), and checks where they are
-    /// ([`Self::count_elsewhere`]).
-    ///
-    /// # Safety
-    /// The pool is new: no page of its blocks was touched, and no other process uses them yet.
-    pub(crate) unsafe fn place(
-        &self,
-        node: usize,
-        cpus: impl FnOnce() -> Vec<usize>,
-        threads: usize,
-        huge: bool,
-    ) -> Result<(), Error> {
-        let span = Span {
-            addr: self.ptr.as_ptr() as usize + DATA_START,
-            len: self.len - DATA_START,
-        };
-        // SAFETY: the blocks' part of our mapping, which the caller says nobody else uses yet;
-        // the part is dropped before this returns.
-        let Some(mut part) = (unsafe { span.claim(None) }) else {
-            return Err(Error::InvalidRange {
-                addr: span.addr,
-                len: span.len,
-            });
-        };
-        let flags = MbindFlags {
-            strict: true,
-            move_existing: false,
-        };
-        match part.bind(MemPolicy::Bind, &NodeMask::single(node)?, flags) {
-            // No NUMA here (seccomp, a kernel without it): the pages go where the kernel puts
-            // them, as for the allocator's own blocks; the page check says where.
-            Ok(()) | Err(Error::NumaUnavailable { .. }) => {}
-            Err(e) => return Err(e),
-        }
-        if !huge {
-            part.advise_huge(true);
-        }
-        workers::populate(Some(node), cpus, &mut part, threads, !huge)?;
-        Ok(())
-    }
-
     /// Maps the pool's pages, populated by its creator, into this process's page tables
     /// (`MADV_POPULATE_READ`: nothing is allocated nor written), so that the page check sees
     /// them and first touches do not fault.
     pub(crate) fn map_in_pages(&self) {
-        // SAFETY: our mapping, whole, mapped while `self` lives.
-        let _ = unsafe { sys::map_in(self.ptr, self.len) };
+        if let Some(ptr) = NonNull::new(self.memory.base() as *mut u8) {
+            // SAFETY: our mapping, whole, mapped while `self` lives.
+            let _ = unsafe { sys::map_in(ptr, self.memory.len()) };
+        }
     }
 
-    /// How many of the blocks' pages are not on `node` (`move_pages`; pages not resident count
-    /// when `absent_counts`), of how many, and a node one of them is on; `None` when the kernel
-    /// does not say (`move_pages` refused).
-    pub(crate) fn count_elsewhere(
+    /// Checks where the pages of `offset..offset+len` of the pool are (`move_pages`, counted
+    /// by [`sys::census`]); `Ok` too when the kernel does not say (`move_pages` refused).
+    ///
+    /// # Errors
+    /// [`Error::PoolWrongNode`] when some are on another node than `node`, or, when
+    /// `absent_counts`, not resident.
+    pub(crate) fn check_node(
         &self,
+        offset: usize,
+        len: usize,
         node: usize,
         absent_counts: bool,
-    ) -> Option<(usize, usize, i32)> {
-        let ptr = NonNull::new(self.ptr.as_ptr().wrapping_add(DATA_START))?;
-        let (mut elsewhere, mut pages, mut found) = (0, 0, node as i32);
-        // SAFETY: the blocks' part of our mapping, mapped while `self` lives.
-        let checked = unsafe {
-            sys::page_nodes(ptr, self.len - DATA_START, |_, n| {
-                pages += 1;
-                if n != node as i32 && (n >= 0 || absent_counts) {
-                    elsewhere += 1;
+    ) -> Result<(), Error> {
+        let Some(ptr) = NonNull::new(self.base().wrapping_add(offset) as *mut u8) else {
+            return Ok(());
+        };
+        // SAFETY: a range of our mapping (the caller's offsets), mapped while `self` lives.
+        let Ok(census) = (unsafe { sys::census(ptr, len, node) }) else {
+            return Ok(());
+        };
+        let elsewhere = census.elsewhere + if absent_counts { census.absent } else { 0 };
+        if elsewhere == 0 {
+            return Ok(());
+        }
+        // A page off the node, for the error: where it is, or its status.
+        let mut found = node as i32;
+        // SAFETY: as above.
+        let _ = unsafe {
+            sys::page_nodes(ptr, len, |_, n| {
+                if n != node as i32 && (n >= 0 || absent_counts) && found == node as i32 {
                     found = n;
                 }
             })
         };
-        checked.ok().map(|()| (elsewhere, pages, found))
+        Err(Error::PoolWrongNode {
+            path: self.name.clone(),
+            node,
+            elsewhere,
+            pages: census.pages,
+            found,
+        })
     }
 
     /// Takes the pool's lock (waiting at most `wait`), then admits
-    /// the carving state ([`Carve::admit`]): whole, or rebuilt when its holder died or it does
+    /// the extent table ([`ExtentTable::admit`]): whole, or rebuilt when its holder died or it does
     /// not hold together (a stray write), so that no operation reads a count, index or extent
     /// past its table.
     ///
@@ -419,9 +426,9 @@ impl PoolMap {
         let locked = header.mutex.lock_for(wait);
         let locked = self.locked(locked, CARVING, &header.holder, wait)?;
         let mut guard = PoolGuard { header };
-        let admitted = guard.carve().admit(
+        let admitted = guard.extents().admit(
             DATA_START as u64,
-            self.len as u64,
+            self.len() as u64,
             self.chunk,
             locked == Locked::OwnerDied,
         );
@@ -433,7 +440,7 @@ impl PoolMap {
         if admitted == Admit::Broken {
             return Err(Error::PoolCorrupt {
                 path: self.name.clone(),
-                reason: "its carving state does not hold together even after a rebuild",
+                reason: "its extent table does not hold together even after a rebuild",
             });
         }
         Ok(guard)
@@ -525,26 +532,15 @@ pub(crate) fn check_access(fd: BorrowedFd<'_>, name: &Path) -> Result<(), Error>
     })
 }
 
-impl Drop for PoolMap {
-    fn drop(&mut self) {
-        if self.keep.load(Ordering::Acquire) {
-            return;
-        }
-        // SAFETY: our mapping, whole; its owner unregistered every chunk before dropping it,
-        // and nothing points into it afterwards (blocks are used through the pool's borrow).
-        let _ = unsafe { sys::unmap(self.ptr, self.len) };
-    }
-}
-
-/// The pool's lock, held: the carving state is the holder's.
+/// The pool's lock, held: the extent table is the holder's.
 pub(crate) struct PoolGuard<'a> {
     header: &'a Header,
 }
 
 impl PoolGuard<'_> {
-    pub(crate) fn carve(&mut self) -> &mut Carve {
+    pub(crate) fn extents(&mut self) -> &mut ExtentTable {
         // SAFETY: the mutex is held while the guard lives, and the guard is borrowed mutably.
-        unsafe { &mut *self.header.carve.get() }
+        unsafe { &mut *self.header.extents.get() }
     }
 }
 

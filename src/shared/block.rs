@@ -84,9 +84,10 @@ impl<'pool> SharedBlock<'pool> {
 
     /// This process's pointer to the block's first byte.
     pub fn as_ptr(&self) -> NonNull<u8> {
+        let addr = self.pool.inner.pool.base() + self.handle.offset as usize;
         // SAFETY: a block carved from the pool (or adopted after `is_live` said so) lies inside
-        // this process's mapping of the pool, which outlives the borrow `'pool`.
-        unsafe { self.pool.inner.map.ptr().add(self.handle.offset as usize) }
+        // this process's mapping of the pool (never at 0), which outlives the borrow `'pool`.
+        unsafe { NonNull::new_unchecked(addr as *mut u8) }
     }
 
     /// The block's length in bytes (its request, rounded up to 64).
@@ -125,7 +126,7 @@ macro_rules! shared_allocator {
     ($api:ident) => {
         // SAFETY: a block is live, and lies in the pool's mapping, from `allocate` until
         // `deallocate`; the pool outlives every borrow `&SharedPool` gives out; blocks never
-        // overlap (the carving state's tables).
+        // overlap (the extent table's tables).
         unsafe impl $api::alloc::Allocator for &SharedPool {
             fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, $api::alloc::AllocError> {
                 if layout.size() == 0 {
@@ -143,7 +144,7 @@ macro_rules! shared_allocator {
                 if layout.size() == 0 {
                     return;
                 }
-                let offset = ptr.as_ptr() as usize - self.inner.map.ptr().as_ptr() as usize;
+                let offset = ptr.as_ptr() as usize - self.inner.pool.base();
                 // The caller of `deallocate` gives the block up; it was carved for it (by
                 // `allocate`, whose returned length it need not pass back: any length).
                 self.free_owned(offset as u64, None);

@@ -8,7 +8,7 @@
 use std::ffi::CString;
 use std::fs::{File, OpenOptions, Permissions};
 use std::io::ErrorKind;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -17,8 +17,9 @@ use std::time::Duration;
 use super::{io_error, shown, SharedPool, LOCK_WAIT};
 use crate::config::Config;
 use crate::guard::Inside;
-use crate::pool::carve::MAX_ALIGN;
-use crate::pool::{PoolMap, DATA_START};
+use crate::pool::chunks::{self, Placement, Steps};
+use crate::pool::extents::MAX_ALIGN;
+use crate::pool::{self, Pool, DATA_START};
 use crate::process::INIT;
 use crate::sys::{self, HUGE_PAGE};
 use crate::topology::sysfs::free_huge_pages;
@@ -148,8 +149,8 @@ impl SharedPoolBuilder {
         }
         let Some(path) = self.path.clone() else {
             let file = memfd(self.huge_pages, self.inherit)?;
-            let (map, fd) = self.make(file, None, node, size, &info.cpus)?;
-            return Ok(SharedPool::new(map, fd, None, self.lock_wait));
+            let pool = self.make(file, None, node, size, &info.cpus)?;
+            return Ok(SharedPool::new(pool, None, self.lock_wait));
         };
         if path.symlink_metadata().is_ok() {
             return Err(Error::PoolExists { path });
@@ -157,22 +158,23 @@ impl SharedPoolBuilder {
         let (file, private) = create_private(&path)?;
         let made = self
             .make(file, Some(&path), node, size, &info.cpus)
-            .and_then(|(map, fd)| {
+            .and_then(|pool| {
                 if self.inherit {
-                    sys::set_cloexec(fd.as_fd(), false)?;
+                    sys::set_cloexec(pool.fd(), false)?;
                 }
-                File::from(fd.try_clone().map_err(|e| io_error(Some(&path), &e))?)
+                let fd = pool.fd().try_clone_to_owned();
+                File::from(fd.map_err(|e| io_error(Some(&path), &e))?)
                     .set_permissions(Permissions::from_mode(self.mode))
                     .map_err(|e| io_error(Some(&path), &e))?;
                 std::fs::hard_link(&private, &path).map_err(|e| match e.kind() {
                     ErrorKind::AlreadyExists => Error::PoolExists { path: path.clone() },
                     _ => io_error(Some(&path), &e),
                 })?;
-                Ok((map, fd))
+                Ok(pool)
             });
         // Made or not, the private name goes: the pool lives at the path, or nowhere.
         let _ = std::fs::remove_file(&private);
-        made.map(|(map, fd)| SharedPool::new(map, fd, Some(path), self.lock_wait))
+        made.map(|pool| SharedPool::new(pool, Some(path), self.lock_wait))
     }
 
     fn make(
@@ -182,7 +184,7 @@ impl SharedPoolBuilder {
         node: usize,
         size: usize,
         cpus: &[usize],
-    ) -> Result<(PoolMap, OwnedFd), Error> {
+    ) -> Result<Pool, Error> {
         file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
         let fd = OwnedFd::from(file);
         if path.is_none() {
@@ -192,8 +194,9 @@ impl SharedPoolBuilder {
             sys::seal_size(fd.as_fd())?;
         }
         let huge = sys::on_hugetlbfs(fd.as_fd())?;
+        let name = shown(path, &fd);
         let no_space = |free| Error::PoolNoSpace {
-            path: shown(path, &fd),
+            path: name.clone(),
             needed: size as u64,
             free,
         };
@@ -204,7 +207,15 @@ impl SharedPoolBuilder {
                 return Err(no_space(Some(free)));
             }
         }
-        let mut map = PoolMap::map(fd.as_fd(), size, shown(path, &fd))?;
+        let filled = |e: Error, fd: BorrowedFd<'_>| match e {
+            // Filled meanwhile by another process (a tmpfs's room is shared).
+            Error::Syscall {
+                errno: libc::EFAULT | libc::ENOSPC | libc::ENOMEM,
+                ..
+            } if sys::free_bytes(fd).ok().flatten().is_some() => no_space(None),
+            e => e,
+        };
+        let (mapping, file) = pool::map(fd, size, &name)?;
         let bound = process_settings().register_max;
         let chunk = self
             .chunk
@@ -215,43 +226,31 @@ impl SharedPoolBuilder {
             .min(size - DATA_START) as u64;
         // SAFETY: the file was just made, all zeros, and nobody else has it yet (a path is
         // created exclusively, and attachers wait for it to be ready).
-        unsafe { map.init(node, huge, chunk) }?;
+        let pool = unsafe { Pool::init(mapping, file, name.clone(), (node, huge, chunk)) }?;
         let allowed = sys::process_cpus().unwrap_or_default();
-        let cpus = || {
-            let mine: Vec<usize> = cpus
-                .iter()
-                .copied()
-                .filter(|c| allowed.contains(c))
-                .collect();
-            if mine.is_empty() {
-                allowed.clone()
-            } else {
-                mine
-            }
-        };
-        // SAFETY: new, and no page of it touched yet.
-        unsafe { map.place(node, cpus, self.populate_threads, huge) }.map_err(|e| match e {
-            // Filled meanwhile by another process (a tmpfs's room is shared).
-            Error::Syscall {
-                errno: libc::EFAULT | libc::ENOSPC | libc::ENOMEM,
-                ..
-            } if sys::free_bytes(fd.as_fd()).ok().flatten().is_some() => no_space(None),
-            e => e,
-        })?;
-        if let Some((elsewhere, pages, found)) = map.count_elsewhere(node, true) {
-            if elsewhere > 0 {
-                return Err(Error::PoolWrongNode {
-                    path: shown(path, &fd),
+        let mine: Vec<usize> = cpus
+            .iter()
+            .copied()
+            .filter(|c| allowed.contains(c))
+            .collect();
+        let steps = Steps {
+            // SAFETY: new, no page of it touched yet, and nobody else has it.
+            place: Some(unsafe {
+                Placement::new(
                     node,
-                    elsewhere,
-                    pages,
-                    found,
-                });
-            }
+                    if mine.is_empty() { allowed } else { mine },
+                    self.populate_threads,
+                    huge,
+                )
+            }),
+            register: None,
+        };
+        for index in 0..pool.memory().ranges() {
+            chunks::prepare(&pool, index, &steps).map_err(|e| filled(e, pool.fd()))?;
         }
-        map.header().attached.fetch_add(1, Ordering::AcqRel);
-        map.set_ready();
-        Ok((map, fd))
+        pool.header().attached.fetch_add(1, Ordering::AcqRel);
+        pool.set_ready();
+        Ok(pool)
     }
 }
 

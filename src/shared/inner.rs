@@ -1,20 +1,17 @@
 //! What a pool's handle and its background registration share, and the detach when both are gone.
 
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::pool::pinning::Pinned;
-use crate::pool::PoolMap;
+use crate::pool::Pool;
 use crate::sys;
 
 /// What the pool's handle and its background registration share; dropped (detached) when both
-/// are gone: unregistered, then unmapped, then the file closed.
+/// are gone: the pool's memory unregisters this process's registrations of its chunks, then
+/// unmaps it, and the file is closed with its last mapping.
 pub(super) struct Inner {
-    pub(super) pinned: Pinned,
-    pub(super) map: PoolMap,
-    pub(super) fd: OwnedFd,
+    pub(super) pool: Pool,
     pub(super) path: Option<PathBuf>,
     /// The process that attached (and counted itself in the header), and its fork generation.
     pub(super) attached_by: (u32, u32),
@@ -24,10 +21,9 @@ pub(super) struct Inner {
 
 impl Inner {
     /// Whether this is a forked child's copy of another process's attachment: the child was not
-    /// counted in the header, its registrations are the parent's (CUDA is unusable here), and
-    /// their list's locks may have been held by a parent's thread at the fork. The fork
-    /// generation tells a child even where the pid of a gone ancestor was reused; the pid, even
-    /// where the crate's fork handlers were not linked in.
+    /// counted in the header, and its registrations are the parent's (CUDA is unusable here).
+    /// The fork generation tells a child even where the pid of a gone ancestor was reused; the
+    /// pid, even where the crate's fork handlers were not linked in.
     pub(super) fn inherited(&self) -> bool {
         self.attached_by != (sys::process_id(), crate::fork::generation())
     }
@@ -38,11 +34,16 @@ impl Drop for Inner {
         if self.inherited() {
             // Only the child's own mapping goes; the count and the registrations are the
             // parent's.
+            self.pool.memory_mut().disown();
             return;
         }
-        if !self.pinned.release(&self.map) {
-            self.map.keep_mapped();
-        }
-        self.map.header().attached.fetch_sub(1, Ordering::AcqRel);
+        // Counted off while the header is mapped; the pool's memory then unregisters each of
+        // them, then unmaps, as it drops (a range the driver refuses keeps it mapped).
+        let (held, _) = self.pool.memory().registered();
+        let header = self.pool.header();
+        header
+            .registrations
+            .fetch_sub(held as u64, Ordering::AcqRel);
+        self.pool.header().attached.fetch_sub(1, Ordering::AcqRel);
     }
 }

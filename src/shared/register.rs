@@ -1,16 +1,18 @@
-//! Registering this process's mapping of a shared pool in the background, chunk by chunk, with
-//! the reservations' handle (`Reservation`: progress, wait, cancel).
+//! Registering this process's mapping of a shared pool in the background, chunk by chunk
+//! (`pool/chunks.rs` registers each), with a handle of its own ([`PoolRegistration`]:
+//! progress, wait, cancel).
 
+use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::{Inner, SharedPool};
-use crate::blocks::reserve::Tally;
+use super::SharedPool;
 use crate::chunk::PinFlags;
 use crate::cuda::{Device, Gpu, RegisterFlags, FORKED_REASON};
-use crate::pool::pinning::{Pinned, Registration};
+use crate::pool::chunks::{self, Progress};
 use crate::pool::DATA_START;
-use crate::{Error, GpuSelector, Reservation};
+use crate::{Error, GpuSelector};
 
 impl SharedPool {
     /// Registers this process's mapping of the pool with `gpu`'s CUDA context on a thread of
@@ -18,7 +20,7 @@ impl SharedPool {
     /// registration lock, which lives in the pool, so that two of its processes do not register
     /// at the same moment), within `pin_limit` bytes page-locked by this process through the
     /// crate. Blocks are usable meanwhile (unpinned until their chunk is registered); the
-    /// handle reports progress, waits, cancels. Chunks registered already are skipped. A
+    /// returned [`PoolRegistration`] reports progress, waits, cancels. Chunks registered already are skipped. A
     /// process without a driver, or that does not pin, just does not call this: the pool works
     /// unpinned.
     ///
@@ -44,7 +46,7 @@ impl SharedPool {
         &self,
         gpu: GpuSelector,
         pin_limit: usize,
-    ) -> Result<Reservation, Error> {
+    ) -> Result<PoolRegistration, Error> {
         if self.inner.inherited() {
             return Err(Error::CudaUnavailable {
                 reason: FORKED_REASON,
@@ -55,69 +57,31 @@ impl SharedPool {
             register: RegisterFlags::default(),
             limit: pin_limit,
         };
-        let tally = Arc::new(Tally::new(self.inner.map.len() - DATA_START));
-        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&tally));
+        let progress = Arc::new(Progress::new(self.inner.pool.len() - DATA_START));
+        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&progress));
         let thread = std::thread::Builder::new()
             .name("numa-pool-pin".into())
             .spawn(move || {
                 let ended = EndOnUnwind(&shared);
-                shared.finish(register_chunks(&inner, gpu, flags, &shared));
+                let wait = inner.lock_wait;
+                shared.finish(chunks::register_all(&inner.pool, gpu, flags, wait, &shared));
                 drop(ended);
             })
             .map_err(|e| Error::Syscall {
                 call: "registration thread",
                 errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
             })?;
-        *self.background.lock() = Some(Arc::clone(&tally));
-        Ok(Reservation::new(tally, thread))
+        *self.background.lock() = Some(Arc::clone(&progress));
+        Ok(PoolRegistration {
+            progress,
+            thread: Some(thread),
+            generation: crate::fork::generation(),
+        })
     }
-}
-
-/// Registers the pool's chunks one by one until all are, or cancelled, or one fails.
-fn register_chunks(
-    inner: &Inner,
-    gpu: &'static Gpu,
-    flags: PinFlags,
-    tally: &Tally,
-) -> Result<(), Error> {
-    for index in 0.. {
-        let Some((_, len)) = Pinned::chunk_range(&inner.map, index) else {
-            break;
-        };
-        if tally.cancel.load(Ordering::Acquire) {
-            break;
-        }
-        let wait = (&tally.cancel, inner.lock_wait);
-        match inner.pinned.register(&inner.map, index, gpu, flags, wait)? {
-            Registration::Made(took) => {
-                let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-                tally.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
-            }
-            Registration::Already => {}
-            Registration::Cancelled => break,
-        }
-        for bytes in [
-            &tally.placed,
-            &tally.populated,
-            &tally.registered,
-            &tally.usable,
-        ] {
-            bytes.fetch_add(len, Ordering::Relaxed);
-        }
-        tally.chunks.fetch_add(1, Ordering::Release);
-        let ns = u64::try_from(tally.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let _ = tally.first_chunk_ns.compare_exchange(
-            0,
-            ns.max(1),
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-    }
-    Ok(())
 }
 
 /// Ends a registration whose thread unwinds, so that its handle does not wait for ever.
-struct EndOnUnwind<'a>(&'a Tally);
+struct EndOnUnwind<'a>(&'a Progress);
 
 impl Drop for EndOnUnwind<'_> {
     fn drop(&mut self) {
@@ -125,6 +89,138 @@ impl Drop for EndOnUnwind<'_> {
             self.0.finish(Err(Error::ReservationLost {
                 reason: "its thread panicked",
             }));
+        }
+    }
+}
+
+/// A registration of a [`SharedPool`]'s chunks under way in the background
+/// ([`SharedPool::register_in_background`]).
+///
+/// Dropping the handle lets the registration go on to its end (or until the pool is dropped);
+/// [`cancel`](Self::cancel) stops it after the chunk in progress, or its wait for the pool's
+/// registration lock.
+pub struct PoolRegistration {
+    progress: Arc<Progress>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The fork generation it was made in: its thread runs only there.
+    generation: u32,
+}
+
+/// Why [`PoolRegistration::wait`] in a child forked since it was made cannot wait.
+const FORKED: &str = "this is a child forked since it was made (its thread runs in the parent)";
+
+impl PoolRegistration {
+    /// What it has done so far.
+    pub fn progress(&self) -> RegisterProgress {
+        let p = &self.progress;
+        let first = p.first_chunk_ns.load(Ordering::Relaxed);
+        RegisterProgress {
+            requested: p.requested,
+            registered: p.registered.load(Ordering::Relaxed),
+            chunks: p.chunks.load(Ordering::Acquire),
+            longest_driver_call: Duration::from_nanos(p.longest_call_ns.load(Ordering::Relaxed)),
+            first_chunk: (first != 0).then(|| Duration::from_nanos(first)),
+            elapsed: p.start.elapsed(),
+            finished: p.finished.load(Ordering::Acquire),
+            error: p.error.lock().clone(),
+        }
+    }
+
+    /// Whether it ended (all registered, failed or cancelled), or can go on no more (in a child
+    /// forked since it was made: the progress is what it was at the fork).
+    pub fn is_finished(&self) -> bool {
+        self.progress.finished.load(Ordering::Acquire) || self.forked()
+    }
+
+    fn forked(&self) -> bool {
+        crate::fork::generation() != self.generation
+    }
+
+    /// Stops it after the chunk in progress (or its wait for the pool's registration lock);
+    /// the chunks registered stay so until the pool is dropped.
+    pub fn cancel(&self) {
+        self.progress.cancel.store(true, Ordering::Release);
+    }
+
+    /// Waits for its end; what it did.
+    ///
+    /// # Errors
+    /// Why it stopped early: the error of the chunk that failed (a CUDA error names its code;
+    /// [`Error::PinLimit`] at the pinned limit; [`Error::PoolLockHeld`] after the lock wait).
+    /// The chunks registered before it stay so. [`Error::ReservationLost`] when its thread
+    /// panicked, or at once in a child forked since it was made.
+    pub fn wait(mut self) -> Result<RegisterProgress, Error> {
+        if self.forked() {
+            return Err(Error::ReservationLost { reason: FORKED });
+        }
+        if let Some(thread) = self.thread.take() {
+            // A panic is recorded by the thread's guard (`EndOnUnwind`).
+            let _ = thread.join();
+        }
+        let done = self.progress();
+        match &done.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(done),
+        }
+    }
+}
+
+impl fmt::Debug for PoolRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PoolRegistration")
+            .field(&self.progress())
+            .finish()
+    }
+}
+
+/// A snapshot of a pool's registration in this process. Each count is read on its own, at
+/// about the same time.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct RegisterProgress {
+    /// Bytes of the pool's blocks (its chunks, all together).
+    pub requested: usize,
+    /// Bytes of the chunks registered, by this run or before it.
+    pub registered: usize,
+    /// Chunks registered, by this run or before it.
+    pub chunks: usize,
+    /// The longest single registration (`cuMemHostRegister`) of this run so far.
+    pub longest_driver_call: Duration,
+    /// From the start to the first chunk registered, once there is one.
+    pub first_chunk: Option<Duration>,
+    /// Since the start.
+    pub elapsed: Duration,
+    /// Whether it ended.
+    pub finished: bool,
+    /// Why it stopped early, if it did.
+    pub error: Option<Error>,
+}
+
+impl fmt::Display for RegisterProgress {
+    /// One line: `pool registration 1.0/4.0 GiB in 4 chunks, first in 20 ms, longest driver
+    /// call 21 ms, 0.10 s; done`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const GIB: f64 = (1u64 << 30) as f64;
+        write!(
+            f,
+            "pool registration {:.1}/{:.1} GiB in {} chunks",
+            self.registered as f64 / GIB,
+            self.requested as f64 / GIB,
+            self.chunks
+        )?;
+        if let Some(first) = self.first_chunk {
+            write!(f, ", first in {} ms", first.as_millis())?;
+        }
+        write!(
+            f,
+            ", longest driver call {} ms, {:.2} s",
+            self.longest_driver_call.as_millis(),
+            self.elapsed.as_secs_f64()
+        )?;
+        match (&self.error, self.finished) {
+            (Some(e), _) => write!(f, "; stopped: {e}"),
+            (None, true) => write!(f, "; done"),
+            (None, false) => Ok(()),
         }
     }
 }

@@ -18,7 +18,7 @@ pub struct PoolStats {
     pub allocations: u64,
     /// See `allocations`.
     pub frees: u64,
-    /// Times the carving state was rebuilt after a process died holding the pool's lock.
+    /// Times the extent table was rebuilt after a process died holding the pool's lock.
     pub rebuilds: u64,
     /// Chunk registrations held, all processes together (as far as the pool knows: those of a
     /// killed process are still counted).

@@ -103,8 +103,8 @@ pub use resident::{populate, PopulateMethod};
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
     access_mode, effective_uid, file_owner, free_bytes, map_in, map_shared, memfd, on_hugetlbfs,
-    process_alive, process_id, random_u32, recv_fd, seal_size, send_fd, set_cloexec, Access,
-    Locked, RobustMutex,
+    process_alive, process_id, random_u32, recv_fd, remove_pages, seal_size, send_fd, set_cloexec,
+    Access, Locked, RobustMutex,
 };
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.

@@ -1,5 +1,5 @@
 //! Memory several processes map: memory files ([`memfd`]), shared mappings of a file
-//! ([`map_shared`], [`map_in`]), what a file lives on ([`on_hugetlbfs`]), file
+//! ([`map_shared`], [`map_in`], [`remove_pages`]), what a file lives on ([`on_hugetlbfs`]), file
 //! descriptors passed over a Unix socket ([`send_fd`], [`recv_fd`], `SCM_RIGHTS`), whether a
 //! process still exists ([`process_alive`]), who owns a file and who may use it
 //! ([`file_owner`], [`access_mode`], [`effective_uid`]), free space ([`free_bytes`]), close-on-exec
@@ -137,6 +137,27 @@ pub unsafe fn map_in(ptr: NonNull<u8>, len: usize) -> Result<()> {
     // SAFETY: the caller's mapping; reading faults in existing pages and changes no content.
     if unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_READ) } != 0 {
         return Err(syscall("madvise(MADV_POPULATE_READ)"));
+    }
+    Ok(())
+}
+
+/// Drops the pages of `ptr..ptr+len` from a shared mapping's file (`madvise(MADV_REMOVE)`:
+/// tmpfs, memory files and hugetlbfs free them): they read as zero afterwards, in every process
+/// that maps the file.
+///
+/// # Safety
+/// `ptr..ptr+len` is a shared file mapping of the caller's (whole pages), whose content nobody in
+/// any process needs any more, and that is not registered with CUDA.
+pub unsafe fn remove_pages(ptr: NonNull<u8>, len: usize) -> Result<()> {
+    if len == 0 || !len.is_multiple_of(page_size()) {
+        return Err(Error::InvalidRange {
+            addr: ptr.as_ptr() as usize,
+            len,
+        });
+    }
+    // SAFETY: the caller's mapping, whose content nobody needs (forwarded).
+    if unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_REMOVE) } != 0 {
+        return Err(syscall("madvise(MADV_REMOVE)"));
     }
     Ok(())
 }

@@ -1,11 +1,11 @@
-//! The carving state of a shared pool, kept inside the pool's own memory so that every process
+//! The extent table of a shared pool, kept inside the pool's own memory so that every process
 //! that maps the pool carves from it: two tables of extents (free ranges by offset, merged; live
-//! blocks by offset, each with the pid that carved it, for [`Carve::reclaim`]) and an intent
+//! blocks by offset, each with the pid that carved it, for [`ExtentTable::reclaim`]) and an intent
 //! record written before each change.
 //!
 //! Everything here runs under the pool's lock. A holder killed in the middle of a change
 //! leaves the tables half changed; the next holder sees it (the mutex says its owner died) and
-//! [`Carve::rebuild`]s them: the live table is the truth (sorted, checked, the block of the
+//! [`ExtentTable::rebuild`]s them: the live table is the truth (sorted, checked, the block of the
 //! intent dropped, since its owner died before it could hand the block out or had asked to free
 //! it), and the free table is made again from the gaps between live blocks. A block is never in
 //! both tables afterwards, whatever instant the holder died at.
@@ -15,13 +15,15 @@
 
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
+use crate::sys::HUGE_PAGE;
+
 /// Offsets and lengths are multiples of this (a cache line: no two blocks share one).
 pub(crate) const GRANULE: u64 = 64;
 /// The most live blocks a pool holds at once; the free table holds one more (each free range
 /// but the last is followed by a live block).
 pub(crate) const EXTENTS: usize = 4096;
-/// The largest alignment a block may ask for (the mapping is aligned to it).
-pub(crate) const MAX_ALIGN: u64 = 2 << 20;
+/// The largest alignment a block may ask for: a huge page (the mapping is aligned to it).
+pub(crate) const MAX_ALIGN: u64 = HUGE_PAGE as u64;
 
 /// `offset..offset+len` of the pool.
 #[repr(C)]
@@ -48,19 +50,19 @@ impl Extent {
     }
 }
 
-/// The pool's geometry as the carving state records it: where blocks start and end, and the
+/// The pool's geometry as the extent table records it: where blocks start and end, and the
 /// chunk no block crosses (set once when the pool is made).
 ///
 /// # Safety
-/// `carve` points to the carving state of a mapped pool; only these fields, which nothing
+/// `table` points to the extent table of a mapped pool; only these fields, which nothing
 /// changes after the pool is made, are read (its tables may be changing under another process).
-pub(crate) unsafe fn geometry(carve: *const Carve) -> (u64, u64, u64) {
+pub(crate) unsafe fn geometry(table: *const ExtentTable) -> (u64, u64, u64) {
     // SAFETY: forwarded: mapped, and these fields are written only before the pool is shared.
     unsafe {
         (
-            std::ptr::addr_of!((*carve).start).read_volatile(),
-            std::ptr::addr_of!((*carve).end).read_volatile(),
-            std::ptr::addr_of!((*carve).chunk).read_volatile(),
+            std::ptr::addr_of!((*table).start).read_volatile(),
+            std::ptr::addr_of!((*table).end).read_volatile(),
+            std::ptr::addr_of!((*table).chunk).read_volatile(),
         )
     }
 }
@@ -113,9 +115,9 @@ impl Intent {
 const ALLOCATE: u32 = 1;
 const FREE: u32 = 2;
 
-/// The carving state (all zeros until [`Carve::init`]).
+/// The extent table (all zeros until [`ExtentTable::init`]).
 #[repr(C)]
-pub(crate) struct Carve {
+pub(crate) struct ExtentTable {
     start: u64,
     end: u64,
     chunk: u64,
@@ -137,18 +139,18 @@ pub(crate) struct Carve {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct NotLive;
 
-/// What a locker found ([`Carve::admit`]).
+/// What a locker found ([`ExtentTable::admit`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Admit {
     /// Whole: every operation may rely on it.
     Whole,
     /// Not whole (a holder died mid-change, or a stray write): rebuilt, and now whole.
     Repaired,
-    /// Not whole even after a rebuild: nothing may carve it.
+    /// Not whole even after a rebuild: nothing may table it.
     Broken,
 }
 
-impl Carve {
+impl ExtentTable {
     /// The state of an empty pool whose blocks lie in `start..end`, in chunks of `chunk` bytes
     /// (a multiple of [`MAX_ALIGN`]) from `start`.
     pub(crate) fn init(&mut self, start: u64, end: u64, chunk: u64) {
@@ -476,7 +478,7 @@ impl Carve {
     }
 }
 
-/// A table entry, stored field by field ([`insert`], [`remove`], [`Carve::rebuild`]).
+/// A table entry, stored field by field ([`insert`], [`remove`], [`ExtentTable::rebuild`]).
 trait Entry: Copy + Default {
     /// Stores `to` in `self` field by field, the offset first or last, asking `go_on` before
     /// each; returns whether all were stored. Volatile stores: the compiler may neither merge
@@ -524,7 +526,7 @@ fn always() -> bool {
 /// Entry by entry from the top, each entry's offset stored first ([`Entry::store`]), so that a
 /// holder killed at any store leaves every entry whole, a copy of the one below it, or torn with
 /// the offset of the one below and the rest its own; the one below is whole either way.
-/// [`Carve::rebuild`] drops the copy and the torn entry (each starts where a whole entry before
+/// [`ExtentTable::rebuild`] drops the copy and the torn entry (each starts where a whole entry before
 /// it does) and `e` (the intent's block). `go_on` is asked before each store: `false` stops
 /// there, as a kill would (the tests' way to kill it at every store).
 fn insert<T: Entry, const N: usize>(
@@ -535,7 +537,7 @@ fn insert<T: Entry, const N: usize>(
     go_on: &mut impl FnMut() -> bool,
 ) {
     let n = *count as usize;
-    // Room for one more, at a place inside the table: what `Carve::admit` made sure of.
+    // Room for one more, at a place inside the table: what `ExtentTable::admit` made sure of.
     if n >= N || at > n {
         return;
     }
@@ -555,7 +557,7 @@ fn insert<T: Entry, const N: usize>(
 /// Entry by entry from the bottom, each entry's offset stored last, so that a holder killed at
 /// any store leaves every entry whole, a copy of the one above it, or torn with its own offset
 /// and the rest of the one above; its own entry is whole just below it (or, at `at`, was the
-/// block being freed). [`Carve::rebuild`] drops the copy and the torn entry (each starts where a
+/// block being freed). [`ExtentTable::rebuild`] drops the copy and the torn entry (each starts where a
 /// whole entry before it, or the intent's block, does); a cleared entry is empty. `go_on` as for
 /// [`insert`].
 fn remove<T: Entry, const N: usize>(

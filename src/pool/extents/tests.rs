@@ -2,27 +2,27 @@
 //! other live block, and frees the block of the change.
 use super::*;
 
-fn carve() -> Box<Carve> {
-    let layout = std::alloc::Layout::new::<Carve>();
+fn table() -> Box<ExtentTable> {
+    let layout = std::alloc::Layout::new::<ExtentTable>();
     // SAFETY: integers only, for which zero is a value; the box owns the allocation.
-    let mut carve = unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout).cast::<Carve>();
+    let mut table = unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<ExtentTable>();
         assert!(!ptr.is_null());
         Box::from_raw(ptr)
     };
-    carve.init(2 << 20, 10 << 20, 2 << 20);
-    carve
+    table.init(2 << 20, 10 << 20, 2 << 20);
+    table
 }
 
-fn with_blocks() -> (Box<Carve>, Vec<Extent>) {
-    let mut c = carve();
+fn with_blocks() -> (Box<ExtentTable>, Vec<Extent>) {
+    let mut c = table();
     let kept: Vec<Extent> = (0..6).map(|_| c.allocate(4096, 64, 1).unwrap()).collect();
     c.free(kept[2].offset, None, 1).unwrap();
     let kept = [kept[0], kept[1], kept[3], kept[4], kept[5]].to_vec();
     (c, kept)
 }
 
-fn assert_whole(c: &mut Carve, kept: &[Extent], gone: Extent) {
+fn assert_whole(c: &mut ExtentTable, kept: &[Extent], gone: Extent) {
     assert!(c.rebuild() <= 1);
     assert!(c.consistent());
     let live: Vec<Extent> = c.live().iter().map(|e| e.block).collect();
@@ -67,8 +67,8 @@ fn died_freeing_after_dropping_the_block_before_merging_it() {
 
 /// Live blocks of different lengths and owners, so that an entry torn between two differs
 /// from both, with a hole at index 2 (where a freed block was).
-fn with_varied_blocks() -> Box<Carve> {
-    let mut c = carve();
+fn with_varied_blocks() -> Box<ExtentTable> {
+    let mut c = table();
     let blocks: Vec<Extent> = (1..=7)
         .map(|k| c.allocate(4096 * k, 64, 10 + k as u32).unwrap())
         .collect();
@@ -82,7 +82,7 @@ fn with_varied_blocks() -> Box<Carve> {
 /// state and the number of stores to let through, and returns its block, the entries that must
 /// survive, and whether it finished.
 fn killed_at_every_store(
-    mut change: impl FnMut(&mut Carve, usize) -> (Extent, Vec<Live>, bool),
+    mut change: impl FnMut(&mut ExtentTable, usize) -> (Extent, Vec<Live>, bool),
 ) -> usize {
     for stores in 0.. {
         let mut c = with_varied_blocks();
@@ -107,7 +107,7 @@ fn kill_after(mut stores: usize) -> impl FnMut() -> bool {
 /// Rebuilds `c` killed mid-change, first killed itself at every store of its own in turn
 /// (then rebuilt again), and checks each outcome: the live blocks of `kept`, with their
 /// owners, and `gone` gone.
-fn rebuilt_whatever_the_kill(c: &Carve, kept: &[Live], gone: Extent) {
+fn rebuilt_whatever_the_kill(c: &ExtentTable, kept: &[Live], gone: Extent) {
     let blocks: Vec<Extent> = kept.iter().map(|e| e.block).collect();
     for rebuild_stores in 0.. {
         let mut again = boxed_copy(c);
@@ -126,9 +126,9 @@ fn rebuilt_whatever_the_kill(c: &Carve, kept: &[Live], gone: Extent) {
     }
 }
 
-fn boxed_copy(c: &Carve) -> Box<Carve> {
-    let mut copy = carve();
-    // SAFETY: both are whole `Carve`s of integers; the copy is a distinct allocation.
+fn boxed_copy(c: &ExtentTable) -> Box<ExtentTable> {
+    let mut copy = table();
+    // SAFETY: both are whole `ExtentTable`s of integers; the copy is a distinct allocation.
     unsafe { std::ptr::copy_nonoverlapping(c, &mut *copy, 1) };
     copy
 }
@@ -183,7 +183,7 @@ fn died_freeing_before_touching_the_tables() {
 
 #[test]
 fn reclaim_frees_the_blocks_of_one_process_only() {
-    let mut c = carve();
+    let mut c = table();
     let blocks: Vec<Extent> = [1, 2, 1, 3]
         .iter()
         .map(|&pid| c.allocate(4096, 64, pid).unwrap())
@@ -197,7 +197,7 @@ fn reclaim_frees_the_blocks_of_one_process_only() {
     assert_eq!(c.frees, 2);
 }
 
-impl Carve {
+impl ExtentTable {
     /// Stores `value` (truncated to the field's width) into one field of the state, as a stray
     /// writer in another process could: `field` 0 start, 1 end, 2 chunk, 3 the intent's op, pid,
     /// offset or length (`index % 4`), 4 the live count, 5 the free count, 6 the live bytes,
