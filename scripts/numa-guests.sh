@@ -6,7 +6,9 @@
 # topology sets ROUTES), guest/src/bin/guest_mixed.rs (a client's allocations with glibc and with ours,
 # each inside a cgroup whose cpuset confines it to one node, where the topology sets CPUSET_NODE)
 # guest/src/bin/guest_shared.rs (a shared pool on each node the topology's SHARED_NODES lists,
-# attached by a second process) and guest/src/bin/guest_check.rs inside each guest.
+# attached by a second process), preload/tests/python/placed.py (Python's bytearrays and numpy
+# arrays of PYTHON_MIB sizes, with and without the preload library, where the topology sets
+# PYTHON_MIB) and guest/src/bin/guest_check.rs inside each guest.
 #
 # Usage: scripts/numa-guests.sh [--no-install] [--bless] [TOPOLOGY...]
 #   TOPOLOGY      names or prefixes of guest/topologies/*.topo (default: all), e.g. "a" or "c-"
@@ -20,7 +22,9 @@
 #   NUMA_GUESTS_ACCEL     QEMU accelerator (default tcg)
 #
 # What it needs (installed with apt-get when missing, Debian 12 or later): qemu-system-x86,
-# busybox-static, cpio, numactl, and the vmlinuz of linux-image-cloud-amd64, which is fetched
+# busybox-static, cpio, numactl, python3-numpy (with Debian's /usr/bin/python3, of which the
+# Python guests get the interpreter, the modules placed.py loads and their libraries, in a second
+# initramfs archive), and the vmlinuz of linux-image-cloud-amd64, which is fetched
 # with `apt-get download` and unpacked into the cache instead of being installed, so the host's
 # /boot and initramfs-tools are left alone. Where bookworm's QEMU 7.2 would have apt remove
 # something (a qemu-utils from bookworm-backports is installed), bookworm-backports is added to
@@ -105,7 +109,7 @@ EOF
 
 ensure_packages() {
     local missing=() pkg
-    for pkg in qemu-system-x86 busybox-static cpio numactl; do
+    for pkg in qemu-system-x86 busybox-static cpio numactl python3-numpy; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
@@ -186,6 +190,10 @@ VMLINUZ=$(ensure_kernel)
 BUSYBOX=/bin/busybox # from busybox-static; a dynamic busybox works too (its libraries are copied)
 [ -x "$BUSYBOX" ] || BUSYBOX=$(command -v busybox) || die "busybox not found (package busybox-static)"
 NUMACTL=$(command -v numactl) || die "numactl not found"
+# Debian's interpreter, whose numpy is python3-numpy's (another python3 on PATH may lack it).
+PYTHON=/usr/bin/python3
+PYTHON_PATH=/usr/lib/python3/dist-packages
+[ -x "$PYTHON" ] || die "$PYTHON not found (package python3)"
 
 # --- 2. Guest program and initramfs --------------------------------------------------------
 
@@ -204,7 +212,13 @@ GUEST_ALLOC="$TARGET_DIR/release/guest_alloc"
 GUEST_ROUTES="$TARGET_DIR/release/guest_routes"
 GUEST_MIXED="$TARGET_DIR/release/guest_mixed"
 GUEST_SHARED="$TARGET_DIR/release/guest_shared"
-for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED" "$GUEST_SHARED"; do
+log "building the preload library (release)"
+(cd "$ROOT" && cargo build --release --quiet -p numa-gpu-alloc-preload --target-dir "$TARGET_DIR") || {
+    log "error: cargo build --release -p numa-gpu-alloc-preload failed"
+    exit 2
+}
+PRELOAD_LIB="$TARGET_DIR/release/libnuma_gpu_alloc_preload.so"
+for bin in "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED" "$GUEST_SHARED" "$PRELOAD_LIB"; do
     [ -x "$bin" ] || die "built binary not found at $bin"
 done
 
@@ -219,20 +233,58 @@ install -m 0755 "$GUEST_ALLOC" "$RD/guest_alloc"
 install -m 0755 "$GUEST_ROUTES" "$RD/guest_routes"
 install -m 0755 "$GUEST_MIXED" "$RD/guest_mixed"
 install -m 0755 "$GUEST_SHARED" "$RD/guest_shared"
-# Shared libraries, at the paths the host's loader found them (the guest's /lib is a real
-# directory, so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
-for bin in "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED" "$GUEST_SHARED"; do
-    { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
-done | sort -u | while read -r lib; do
-    mkdir -p "$RD$(dirname "$lib")"
-    cp -L "$lib" "$RD$lib"
-done
+# Copies the shared libraries of the given programs into the root folder $1 unless the folder
+# $2 has them, at the paths the host's loader found them (the guest's /lib is a real directory,
+# so /lib/x86_64-linux-gnu/libc.so.6 and /usr/lib/... both work).
+copy_libraries() { # copy_libraries ROOT HAVE PROGRAM...
+    local root=$1 have=$2 lib
+    shift 2
+    for bin in "$@"; do
+        { ldd "$bin" 2>/dev/null || true; } | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^\//) print $i }'
+    done | sort -u | while read -r lib; do
+        [ -e "$have$lib" ] && continue
+        mkdir -p "$root$(dirname "$lib")"
+        cp -L "$lib" "$root$lib"
+    done
+}
+copy_libraries "$RD" "$RD" "$BUSYBOX" "$NUMACTL" "$GUEST_CHECK" "$GUEST_ALLOC" "$GUEST_ROUTES" "$GUEST_MIXED" "$GUEST_SHARED"
 # The kernel opens /dev/console for init before /init can mount devtmpfs.
 if [ "$(id -u)" = 0 ]; then mknod -m 600 "$RD/dev/console" c 5 1; fi
+# Writes the gzipped newc archive of folder $1 to $2.
+archive() {
+    (cd "$1" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet -R 0:0) |
+        gzip -1 >"$2"
+}
 INITRD="$BUILD/initramfs.img"
-(cd "$RD" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet -R 0:0) |
-    gzip -1 >"$INITRD"
+archive "$RD" "$INITRD"
 log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel $VMLINUZ"
+
+# The Python guests' initramfs: the one above with a second archive appended (the kernel unpacks
+# both), so the other guests boot no bigger. It holds Debian's interpreter, the files placed.py
+# loads (listed by guest/python-files.py, which runs it here with the guest's flags), their
+# libraries, placed.py and the preload library under its shipped name. Made at the first
+# topology that sets PYTHON_MIB.
+INITRD_PYTHON=""
+python_initrd() {
+    [ -z "$INITRD_PYTHON" ] || return 0
+    local t0 prd files
+    t0=$(now)
+    prd="$BUILD/python-rootfs"
+    rm -rf "$prd"
+    mkdir -p "$prd/usr/bin"
+    files=$(cd "$BUILD" && PYTHONPATH=$PYTHON_PATH "$PYTHON" -S -B "$GUEST/python-files.py" \
+        "$ROOT/preload/tests/python/placed.py" 0 1) || die "listing the files placed.py needs failed"
+    # Modification times kept: the cached bytecode is valid only for its source's.
+    while read -r f; do mkdir -p "$prd$(dirname "$f")" && cp -p "$f" "$prd$f"; done <<<"$files"
+    ln -s "$(basename "$(readlink -f "$PYTHON")")" "$prd/usr/bin/python3"
+    install -m 0644 "$ROOT/preload/tests/python/placed.py" "$prd/placed.py"
+    install -m 0755 "$PRELOAD_LIB" "$prd/libnuma_gpu_alloc.so"
+    copy_libraries "$prd" "$RD" $(grep -E '\.so$|/bin/' <<<"$files") "$PRELOAD_LIB"
+    archive "$prd" "$BUILD/python.img"
+    INITRD_PYTHON="$BUILD/initramfs-python.img"
+    cat "$INITRD" "$BUILD/python.img" >"$INITRD_PYTHON"
+    log "Python archive $(du -h "$BUILD/python.img" | cut -f1) ($(wc -l <<<"$files") files) ready in $(elapsed "$t0") s"
+}
 
 # --- 3. Boot each topology ------------------------------------------------------------------
 
@@ -240,7 +292,7 @@ log "initramfs $(du -h "$INITRD" | cut -f1) ready in $(elapsed "$T0") s; kernel 
 load_topology() {
     local file=$1 name=$2 spec id cpus mem c pair nodes=()
     DESCRIPTION="" SMP="" NODES="" DIST="" DEVICE_NODE="" EXPECT_HOME="" EXPECT_HOST="" MEMORY_MAX=""
-    ROUTES="" CPUSET_NODE="" SHARED_NODES=""
+    ROUTES="" CPUSET_NODE="" SHARED_NODES="" PYTHON_MIB=""
     # shellcheck source=/dev/null
     . "$file"
     if [ -z "$SMP" ] || [ -z "$NODES" ] || [ -z "$DEVICE_NODE" ]; then
@@ -289,6 +341,7 @@ load_topology() {
     if [ -n "$ROUTES" ]; then APPEND+=" GUEST_ROUTES=${ROUTES// /,}"; fi
     if [ -n "$CPUSET_NODE" ]; then APPEND+=" GUEST_CPUSET_NODE=$CPUSET_NODE"; fi
     if [ -n "$SHARED_NODES" ]; then APPEND+=" GUEST_SHARED_NODES=${SHARED_NODES// /,}"; fi
+    if [ -n "$PYTHON_MIB" ]; then APPEND+=" GUEST_PYTHON_MIB=${PYTHON_MIB// /,}"; fi
 }
 
 # Turns a serial log into the lines compared with guest/expected/<name>.txt: the topology as
@@ -336,6 +389,11 @@ for f in "${TOPOS[@]}"; do
     logf="$BUILD/$name.log"
     actual="$BUILD/$name.actual"
     expected="$GUEST/expected/$name.txt"
+    initrd=$INITRD
+    if [ -n "$PYTHON_MIB" ]; then
+        python_initrd
+        initrd=$INITRD_PYTHON
+    fi
     log "booting $name: $DESCRIPTION (${SMP} vCPUs, ${MEM_TOTAL_M} MiB)"
     t0=$(now)
     retried=""
@@ -344,7 +402,7 @@ for f in "${TOPOS[@]}"; do
         timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 \
             -accel "$ACCEL" -machine q35 -cpu max -m "${MEM_TOTAL_M}M" -smp "$SMP" \
             -nographic -no-reboot -nic none -vga none \
-            -kernel "$VMLINUZ" -initrd "$INITRD" -append "$APPEND" \
+            -kernel "$VMLINUZ" -initrd "$initrd" -append "$APPEND" \
             "${QEMU_ARGS[@]}" </dev/null >"$logf" 2>&1 || rc=$?
         # An emulator that aborts (SIGABRT: a failed assertion in QEMU itself, seen in TCG's
         # iotlb_to_section while SeaBIOS boots) says nothing about the guest: nothing a guest

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
 cargo build --release -q -p numa-gpu-alloc-preload
-ours=$PWD/target/release/libnuma_gpu_alloc.so
+ours=$PWD/target/release/libnuma_gpu_alloc_preload.so
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

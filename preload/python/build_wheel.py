@@ -1,6 +1,7 @@
 """Builds the numa_gpu_alloc wheel from a cargo build, with the standard library only (no
-network, no build backend): the package's Python files, the preload library and the launcher,
-tagged for this machine's Linux architecture.
+network, no build backend): the package's Python files, the preload library (cargo's
+``libnuma_gpu_alloc_preload.so``, shipped as ``libnuma_gpu_alloc.so``) and the launcher, tagged
+for this machine's Linux architecture.
 
 usage: python3 build_wheel.py TARGET_DIR OUT_DIR   (TARGET_DIR: e.g. target/release)
 Prints the wheel's path.
@@ -39,8 +40,13 @@ def main():
     for name in ("__init__.py", "__main__.py"):
         with open(os.path.join(HERE, NAME, name), "rb") as f:
             files.append((f"{NAME}/{name}", f.read(), False))
-    for name, exe in (("libnuma_gpu_alloc.so", False), ("numa-gpu-alloc", True)):
-        path = os.path.join(target, name)
+    # (as cargo builds it, as the wheel ships it, executable): the package's library is
+    # `numa_gpu_alloc_preload` for cargo (`numa_gpu_alloc` is the crate's), `LIBRARY` here.
+    for built, name, exe in (
+        ("libnuma_gpu_alloc_preload.so", "libnuma_gpu_alloc.so", False),
+        ("numa-gpu-alloc", "numa-gpu-alloc", True),
+    ):
+        path = os.path.join(target, built)
         if not os.path.isfile(path):
             sys.exit(f"{path} not found: run `cargo build --release -p numa-gpu-alloc-preload` first")
         with open(path, "rb") as f:

@@ -1,5 +1,7 @@
 //! `libnuma_gpu_alloc.so`: numa-gpu-alloc for any dynamically linked program, through
-//! `LD_PRELOAD` (or the launcher, `numa-gpu-alloc run -- CMD`).
+//! `LD_PRELOAD` (or the launcher, `numa-gpu-alloc run -- CMD`). Cargo builds it as
+//! `libnuma_gpu_alloc_preload.so` (`numa_gpu_alloc` is the crate's library name); the wheel
+//! ships it as `libnuma_gpu_alloc.so`.
 //!
 //! It exports `malloc`, `free`, `calloc`, `realloc`, `posix_memalign`, `aligned_alloc`,
 //! `memalign`, `valloc`, `pvalloc` and `malloc_usable_size`. Requests of at least the threshold

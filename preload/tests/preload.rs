@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 /// builds the library target, an rlib and the cdylib, without copying it up a folder).
 fn library() -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let lib = exe.with_file_name("libnuma_gpu_alloc.so");
+    let lib = exe.with_file_name("libnuma_gpu_alloc_preload.so");
     assert!(lib.is_file(), "{} not built", lib.display());
     lib
 }

@@ -15,12 +15,14 @@ pub(crate) trait InFlight: Send {
     /// Whether every recorded use has completed. Never blocks (`cuEventQuery`-style).
     fn is_complete(&mut self) -> bool;
     /// Blocks until every use completed (only where blocking is acceptable: a buffer that could
-    /// not hand its work to an arena waits in its `Drop`).
+    /// not hand its work to an arena waits in its `Drop`); false when that cannot be known (the
+    /// wait failed: the process is exiting, or the context broke), so the memory may still be in
+    /// use.
     #[cfg_attr(
         not(feature = "pinned-buffer"),
         allow(dead_code, reason = "only the pinned front end waits")
     )]
-    fn wait(&mut self);
+    fn wait(&mut self) -> bool;
 }
 
 /// Work recorded against one block.
@@ -124,8 +126,9 @@ pub(crate) mod double {
         fn is_complete(&mut self) -> bool {
             self.0.load(Ordering::Acquire)
         }
-        fn wait(&mut self) {
+        fn wait(&mut self) -> bool {
             self.0.store(true, Ordering::Release);
+            true
         }
     }
 }

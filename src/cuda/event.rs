@@ -1,7 +1,8 @@
 //! CUDA events for stream-ordered reuse: a process-wide pool of cudarc events, recording one on
 //! a stream, and the non-blocking query and host wait through the crate's own `cuEventQuery` and
 //! `cuEventSynchronize` pointers. What a freed block's event means to the arena is the front
-//! end's business (`pinned/`).
+//! end's business (`pinned/`), as is ordering a stream after an event (cudarc's
+//! `CudaStream::wait`, here with the gate held).
 //!
 //! Events are cudarc's [`CudaEvent`]s because cudarc's safe copies record them
 //! ([`cudarc::driver::SyncOnDrop::Record`]); queries and waits go through the C-typed table, so
@@ -13,7 +14,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 
 use super::context::push_current;
 use super::driver::{require_driver, Api, DriverTable, Live, NOT_READY, SUCCESS};
@@ -61,6 +62,17 @@ pub(crate) fn record(stream: &CudaStream) -> Result<CudaEvent> {
         .record(stream)
         .map_err(|e| driver_error("cuEventRecord", e))?;
     Ok(event)
+}
+
+/// Makes `stream` wait for the work recorded on `event` (cudarc's `CudaStream::wait`, with the
+/// exit gate held): the outer error is the gate's (the process is exiting, or no driver), the
+/// inner one the driver's answer.
+pub(crate) fn stream_wait(
+    stream: &CudaStream,
+    event: &CudaEvent,
+) -> Result<std::result::Result<(), DriverError>> {
+    let _live = enter()?;
+    Ok(stream.wait(event))
 }
 
 /// Returns an event whose recorded work has completed to the pool (destroys it when full).

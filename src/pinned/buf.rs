@@ -229,15 +229,31 @@ impl<'a, T, A: GlobalAlloc> PinnedBuf<'a, T, A> {
         }
         if self.event.get().is_none() {
             if let Ok(event) = event::take_event(ctx) {
-                let _ = self.event.set(event);
+                // Not `Sync`, so nothing else sets it; were it lost, the pool takes the event
+                // back (cudarc's `Drop` would call the driver outside the exit gate).
+                if let Err(lost) = self.event.set(event) {
+                    event::give_back(lost);
+                }
             }
         }
         match self.event.get() {
             Some(event) if Arc::ptr_eq(event.context(), ctx) => {
-                // Errors are kept by cudarc in the context and returned by its next call.
-                ctx.record_err(stream.wait(event));
-                self.in_flight.store(true, Ordering::Release);
-                SyncOnDrop::Record(Some((event, stream)))
+                match event::stream_wait(stream, event) {
+                    Ok(waited) => {
+                        // Errors are kept by cudarc in the context and returned by its next call.
+                        ctx.record_err(waited);
+                        self.in_flight.store(true, Ordering::Release);
+                        SyncOnDrop::Record(Some((event, stream)))
+                    }
+                    // The process is exiting (the driver may be tearing down): no call of ours
+                    // after the copy either (the copy itself is cudarc's call). Marked in flight,
+                    // so the host's next wait for the buffer fails (the gate refuses it) and a
+                    // freed block stays pending, never reused.
+                    Err(_) => {
+                        self.in_flight.store(true, Ordering::Release);
+                        SyncOnDrop::Sync(None)
+                    }
+                }
             }
             // No event, or one of another context: wait here, synchronise after the copy.
             _ => {
@@ -357,9 +373,13 @@ impl<T, A: GlobalAlloc> Drop for PinnedBuf<'_, T, A> {
             if *self.in_flight.get_mut() {
                 let work = Box::new(RecordedEvent::new(event));
                 // Not a block of the allocator's large path (cannot happen: sized at the
-                // threshold): wait here rather than free memory a copy may still use.
+                // threshold): wait here rather than free memory a copy may still use, and when
+                // the wait fails (the process is exiting, the context broke), leave the block
+                // allocated: a copy may still read or write it.
                 if let Err(mut work) = self.alloc.record_in_flight(self.ptr.as_ptr().cast(), work) {
-                    work.wait();
+                    if !work.wait() {
+                        return;
+                    }
                 }
             } else {
                 event::give_back(event);

@@ -54,12 +54,11 @@ impl InFlight for RecordedEvent {
         }
     }
 
-    fn wait(&mut self) {
-        if self.forked() {
-            return;
-        }
-        if let Some(recorded) = &self.event {
-            let _ = event::wait(recorded);
+    fn wait(&mut self) -> bool {
+        // In a forked child the GPU works on the parent's pages, never on the child's copy.
+        match &self.event {
+            Some(recorded) if !self.forked() => event::wait(recorded).is_ok(),
+            _ => true,
         }
     }
 }

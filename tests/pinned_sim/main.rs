@@ -38,6 +38,7 @@ const IGNORE_IN_FLIGHT_VAR: &str = "NUMA_GPU_ALLOC_TEST_IGNORE_IN_FLIGHT";
 
 const MIB: usize = 1 << 20;
 
+mod exit;
 mod registrations;
 
 fn context() -> Arc<CudaContext> {

@@ -28,8 +28,9 @@
  *   - Registration takes time under the driver's global lock, as the real one's does (its page-table
  *     work): CUDA_SIM_REGISTER_US_PER_GIB microseconds per GiB, spent
  *     holding the lock every other call takes, so copies and queries stall behind a long one.
- *     cuSimStats reports the longest single registration call. A registration after the
- *     library's teardown at exit aborts, as it would touch the real driver's freed state.
+ *     cuSimStats reports the longest single registration call. A registration or a stream's
+ *     wait for an event (cuStreamWaitEvent) after the library's teardown at exit aborts, as
+ *     either would touch the real driver's freed state.
  *   - Error injection: cuSimFail("cuMemHostRegister_v2", code, skip, count), or the environment
  *     CUDA_SIM_FAIL=name:code[:skip[:count]] (cuInit included).
  *   - Host-NUMA memory (CUDA 12.2+): cuMemCreate with a HOST_NUMA location makes a memory file
@@ -103,6 +104,10 @@ enum {
 /* ---------------------------------------------------------------- global state */
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+/* Set when the library is unloaded at exit, as the driver tears down its state then: a
+ * registration or a stream's wait for an event after it would touch freed driver state, so the
+ * simulator aborts. */
+static int torn_down;
 static pthread_cond_t changed = PTHREAD_COND_INITIALIZER;
 static int initialised;
 static int device_count = 1;
@@ -777,6 +782,10 @@ CUresult cuStreamWaitEvent(CUstream h, CUevent e, unsigned flags) {
     struct op *op = calloc(1, sizeof *op);
     if (!op) return OUT_OF_MEMORY;
     pthread_mutex_lock(&lock);
+    if (torn_down) {
+        fprintf(stderr, "cuda_sim: cuStreamWaitEvent after the driver was torn down at exit\n");
+        abort();
+    }
     struct sim_stream *s = stream_of(h);
     op->kind = OP_WAIT;
     op->event = e;
@@ -920,9 +929,6 @@ static unsigned long long now_us(void) {
     return (unsigned long long)t.tv_sec * 1000000ull + (unsigned long long)t.tv_nsec / 1000;
 }
 
-/* Set when the library is unloaded at exit, as the driver tears down its state then: a
- * registration after it would touch freed driver state, so the simulator aborts. */
-static int torn_down;
 
 __attribute__((destructor)) static void tear_down(void) {
     pthread_mutex_lock(&lock);

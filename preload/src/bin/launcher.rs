@@ -14,8 +14,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-/// The library's file name, next to this program (in the cargo target folder and in the wheel).
-const LIBRARY: &str = "libnuma_gpu_alloc.so";
+/// The library's file names next to this program, in the order looked for: as cargo builds it
+/// (the package's library is `numa_gpu_alloc_preload`, since `numa_gpu_alloc` is the crate's),
+/// then as shipped in the wheel. Cargo's first: a target folder may still hold a
+/// `libnuma_gpu_alloc.so` of an older build, which cargo no longer updates.
+const LIBRARY: [&str; 2] = ["libnuma_gpu_alloc_preload.so", "libnuma_gpu_alloc.so"];
 /// Names the library to preload instead of the one next to this program.
 const LIBRARY_VAR: &str = "NUMA_GPU_ALLOC_LIBRARY";
 const PYTORCH_VAR: &str = "PYTORCH_CUDA_ALLOC_CONF";
@@ -119,17 +122,19 @@ fn library() -> Result<PathBuf, String> {
         };
     }
     let exe = std::env::current_exe().map_err(|e| format!("finding this program's path: {e}"))?;
-    let lib = exe.with_file_name(LIBRARY);
-    if lib.is_file() {
-        Ok(lib)
-    } else {
-        Err(format!(
-            "{} not found next to {}: build it (`cargo build --release` builds both), install \
-             the wheel, or name it in {LIBRARY_VAR}",
-            LIBRARY,
-            exe.display()
-        ))
-    }
+    LIBRARY
+        .iter()
+        .map(|name| exe.with_file_name(name))
+        .find(|lib| lib.is_file())
+        .ok_or_else(|| {
+            format!(
+                "neither {} nor {} found next to {}: build it (`cargo build --release` builds \
+                 both), install the wheel, or name it in {LIBRARY_VAR}",
+                LIBRARY[0],
+                LIBRARY[1],
+                exe.display()
+            )
+        })
 }
 
 fn env_str(name: &str) -> Option<String> {

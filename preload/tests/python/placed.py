@@ -1,13 +1,18 @@
 """Python buffers of 64 MiB and more, checked page by page on the asked node.
 
-Run under the preload library (``numa-gpu-alloc run -- python3 placed.py NODE``): bytearrays
-(``PyByteArray`` takes ``malloc``/``realloc``), bytes, and numpy arrays when numpy is installed
-(``np.empty``/``np.zeros`` take ``malloc``/``calloc``, aligned by numpy itself). Every page is
-touched, then asked for its node with ``move_pages``; the mapping's policy comes from
-``/proc/self/numa_maps`` (glibc's memory says ``default``). Prints one line per buffer and exits
-1 when a page is elsewhere or a policy is not the library's.
+usage: placed.py NODE [MIB ...]   (default sizes: 64 256)
+
+Run under the preload library (``numa-gpu-alloc run -- python3 placed.py NODE``). For each size:
+a ``bytearray`` (``PyByteArray`` takes ``malloc``), one grown by ``realloc`` from 1 MiB (glibc's
+side of the threshold) to that size, and numpy's ``np.empty``/``np.zeros`` arrays
+(``malloc``/``calloc``, aligned by numpy itself) when numpy is installed. One buffer lives at a
+time, so the largest size is the most the asked node must hold. Every page is touched, then asked
+for its node with ``move_pages``; the mapping's policy comes from ``/proc/self/numa_maps``
+(glibc's memory says ``default``). Prints one line per buffer (the nodes of pages elsewhere in
+brackets) and exits 1 when a page is elsewhere or a policy is not the library's.
 """
 
+import collections
 import ctypes
 import os
 import platform
@@ -56,30 +61,39 @@ def check(name, buf, addr, node):
     view = memoryview(buf).cast("B")
     for i in range(0, len(view), PAGE):
         view[i] = 1
+    view[-1] = 1  # the last page, when the buffer does not start on a page
     found = nodes(addr, len(view))
-    on = sum(1 for n in found if n == node)
+    count = collections.Counter(found)
+    on = count.pop(node, 0)
     pol = policy(addr)
-    print(f"{name} {len(view) >> 20} MiB: policy {pol}, pages on node {node}: {on}, elsewhere: {len(found) - on}")
+    others = ", ".join(f"node {n}: {k}" if n >= 0 else f"absent ({-n}): {k}" for n, k in sorted(count.items()))
+    others = f" ({others})" if others else ""
+    print(f"{name} {len(view) >> 20} MiB: policy {pol}, pages on node {node}: {on}, elsewhere: {len(found) - on}{others}")
     return on == len(found) and pol != "default"
 
 
 def main():
     node = int(sys.argv[1])
-    ok = True
-    for mib in (64, 256):
-        buf = bytearray(mib << 20)
-        ok &= check("bytearray", buf, address(buf), node)
-    grown = bytearray(1 << 20)
-    grown.extend(bytes(127 << 20))  # realloc from glibc's side of the threshold to ours
-    ok &= check("bytearray grown by realloc", grown, address(grown), node)
+    sizes = [int(mib) for mib in sys.argv[2:]] or [64, 256]
     try:
         import numpy as np
     except ImportError:
+        np = None
         print("numpy: not installed, its arrays not checked")
-    else:
-        for make in (np.empty, np.zeros):
-            arr = make(96 << 20, dtype=np.uint8)
-            ok &= check(f"numpy.{make.__name__}", arr, arr.ctypes.data, node)
+    ok = True
+    for mib in sizes:
+        buf = bytearray(mib << 20)
+        ok &= check("bytearray", buf, address(buf), node)
+        del buf
+        grown = bytearray(1 << 20)
+        grown *= mib  # realloc from glibc's side of the threshold to ours, no other buffer
+        ok &= check("bytearray.grown", grown, address(grown), node)
+        del grown
+        if np is not None:
+            for make in (np.empty, np.zeros):
+                arr = make(mib << 20, dtype=np.uint8)
+                ok &= check(f"numpy.{make.__name__}", arr, arr.ctypes.data, node)
+                del arr
     print("ok" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -9,7 +9,7 @@
 //! guest_check --topology NAME --numactl FILE --device DDDD:BB:DD.F
 //!             --expect-home NODE --expect-host NODE [--unknown-device DDDD:BB:DD.F]
 //!             [--alloc-report FILE] [--limit-report FILE] [--routes-report FILE]
-//!             [--shared-report FILE]
+//!             [--shared-report FILE] [--python-placed FILE] [--python-unplaced FILE]
 //!             [--cpuset-report NAME=FILE]... [--sysfs /sys]
 //! ```
 //!
@@ -29,6 +29,8 @@
 //!   different nodes; topologies that set `ROUTES`);
 //! * `--shared-report`: the same for `guest_shared` (a shared pool on each node, attached by a
 //!   second process);
+//! * `--python-placed`, `--python-unplaced`: what `preload/tests/python/placed.py` printed
+//!   under the preload library and without it (`python.rs`; topologies that set `PYTHON_MIB`);
 //! * `--cpuset-report NAME=FILE` (once per allocator): the same for `guest_mixed`
 //!   with allocator `NAME`, run by `guest/init` inside a cgroup whose cpuset confines it to one
 //!   node (topologies that set `CPUSET_NODE`), followed by the cgroup's `memory.events` line:
@@ -61,8 +63,10 @@ use numa_gpu_alloc::{NumaGpuAlloc, NumaTopology, Stats};
 
 mod allocators;
 mod numactl;
+mod python;
 use allocators::{bind_exhausted, interleave, node_allocators, two_handles};
 use numactl::*;
+use python::python;
 
 const MIB: usize = 1 << 20;
 /// Bytes mapped, bound and populated per node by the placement checks.
@@ -128,6 +132,8 @@ struct Args {
     limit_report: Option<PathBuf>,
     routes_report: Option<PathBuf>,
     shared_report: Option<PathBuf>,
+    python_placed: Option<PathBuf>,
+    python_unplaced: Option<PathBuf>,
     /// `(allocator, report)` of each `guest_mixed` run.
     cpuset_reports: Vec<(String, PathBuf)>,
     sysfs: PathBuf,
@@ -155,6 +161,7 @@ const GROUPS: &[Group] = &[
     memory_limit,
     routes,
     shared,
+    python,
     cpuset,
     node_allocators,
     interleave,
@@ -458,6 +465,8 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         limit_report: None,
         routes_report: None,
         shared_report: None,
+        python_placed: None,
+        python_unplaced: None,
         cpuset_reports: Vec::new(),
         sysfs: PathBuf::from("/sys"),
     };
@@ -476,6 +485,8 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         "--limit-report",
         "--routes-report",
         "--shared-report",
+        "--python-placed",
+        "--python-unplaced",
         "--cpuset-report",
         "--sysfs",
     ];
@@ -495,6 +506,8 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--limit-report" => args.limit_report = Some(value.into()),
             "--routes-report" => args.routes_report = Some(value.into()),
             "--shared-report" => args.shared_report = Some(value.into()),
+            "--python-placed" => args.python_placed = Some(value.into()),
+            "--python-unplaced" => args.python_unplaced = Some(value.into()),
             "--cpuset-report" => {
                 let (name, path) = value
                     .split_once('=')
