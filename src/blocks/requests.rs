@@ -60,20 +60,22 @@ impl Blocks {
         } else if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
             Some(block)
         } else {
-            self.dedicated(layout, zeroed, target, kind)
+            self.dedicated(layout, zeroed, growing, target, kind)
         }
     }
 
-    /// A block of its own for a request too large to carve (or a growing one): a cached one, or
-    /// a new mapping.
+    /// A block of its own for a request too large to carve (or a growing one): a cached one (for
+    /// a growing one, one it can grow into: [`Fit::for_growth`]), or a new mapping.
     fn dedicated(
         &self,
         layout: Layout,
         zeroed: bool,
+        growing: bool,
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
         let (capacity, fit) = self.fit(layout, kind)?;
+        let fit = if growing { fit.for_growth() } else { fit };
         let zero = zeroed.then_some(layout.size());
         // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
         self.take_cached(fit, zero, target)
@@ -233,7 +235,7 @@ impl Blocks {
         let node = target.host_node;
         let old = {
             let mut arena = NODES.lock(node)?;
-            if arena.holds_fit(fit) {
+            if arena.holds_fit(fit.for_growth()) {
                 return None;
             }
             arena.take_growable(addr, fit.kind, capacity)?
