@@ -10,7 +10,7 @@ use crate::arena::{count_release, Block, Dedicated};
 use crate::chunk::{Mapping, Memory, Part, ANONYMOUS};
 use crate::config::PinMode;
 use crate::cuda::Gpu;
-use crate::process::workers;
+use crate::process::{faults, workers};
 use crate::sys::{self, MbindFlags, MemPolicy, NodeMask};
 use crate::Error;
 
@@ -125,6 +125,9 @@ impl Blocks {
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
         let mut mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
+        if !populate && self.settings.huge_pages && capacity >= HUGE_PAGE {
+            faults::advise_lazy(&mut mapping.whole());
+        }
         let placed = self.place_and_populate(&mut mapping.whole(), &target.nodes, populate);
         let made = placed.and_then(|()| {
             let mut memory = Memory::new(mapping);
