@@ -126,7 +126,7 @@ impl Blocks {
             .map_err(|e| (Cause::MemoryLimit, e))?;
         let mut mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
         if !populate && self.settings.huge_pages && capacity >= HUGE_PAGE {
-            faults::advise_lazy(&mut mapping.whole());
+            faults::advise_lazy(&mut mapping.whole(), self.settings.sysfs_root.as_ref());
         }
         let placed = self.place_and_populate(&mut mapping.whole(), &target.nodes, populate);
         let made = placed.and_then(|()| {

@@ -1,27 +1,36 @@
-//! Whether this machine faults fresh huge pages in cheaper than small ones: probed once per
-//! process ([`sys::fault_costs`]), the first time a lazy block is mapped, and used to give lazy
-//! blocks small pages where huge ones cost more ([`advise_lazy`]).
+//! Whether fresh huge pages fault in cheaper than small ones here, decided once per process the
+//! first time a lazy block is mapped, and used to give lazy blocks small pages where huge ones
+//! cost more ([`advise_lazy`]).
 //!
 //! A lazy block's pages are faulted in where its user first touches them, often inside the
 //! kernel (a `read()` into the buffer). On bare metal a fresh huge page costs less per byte than
-//! 512 small ones. On a virtual machine whose host took the guest's free huge blocks back (free
-//! page reporting, ballooning), each fresh huge page is backed again page by page when the guest
-//! clears it: several times the cost of small pages, whose faults mostly find memory the host
-//! still backs (a 1 GiB `read()` into a fresh huge-page buffer took 3.3–5.2 s on a 2-vCPU VM,
-//! 0.6–0.8 s in small pages). Blocks populated in bulk keep their huge pages: the populate
-//! workers fault them in off the user's path, and they serve every later use with fewer TLB
-//! misses.
+//! 512 small ones. On a virtual machine whose host takes the guest's free memory back (free page
+//! reporting), a huge-page fault takes a whole free 2 MiB block, nearly always one the host took
+//! back, and waits while the host backs it again; small pages come first from the kernel's lists
+//! of small free pieces, which the host keeps. On the 2-vCPU VM of the benchmarks a 1 GiB `read()`
+//! into a fresh buffer took 0.17–2.26 s in huge pages (median 0.85 s, 6 runs) and 0.46–0.92 s in
+//! small ones (median 0.54 s), as glibc's.
 //!
-//! The probe maps 4 MiB twice and writes one byte per page: a few milliseconds once, less than a
-//! hundredth of what one slow 1 GiB buffer costs. It allocates nothing (the allocator may be
-//! asked for memory on any path). Two threads meeting the first lazy block at once: one probes,
-//! the other keeps huge pages meanwhile. A probe that fails (no transparent huge pages) leaves
-//! huge pages as they were.
+//! The rule: lazy blocks keep huge pages unless the host takes free memory back
+//! ([`topology::host::free_page_reporting`]) or a probe ([`sys::fault_costs`]: 4 MiB faulted in
+//! each way, one write per page, a few milliseconds once) finds huge pages slower. The probe
+//! alone cannot see the host's reclaim: the first free huge blocks it gets are the ones freed
+//! last, not yet reported, and fast (80 µs per 2 MiB against 600–2,000 µs in small pages on that
+//! VM, while the same process's 1 GiB buffer then took 2.8 s). Blocks populated in bulk keep
+//! their huge pages: the populate workers fault them in off the user's path, and they serve every
+//! later use with fewer TLB misses.
+//!
+//! It allocates only inside the re-entrancy guard (the sysfs read). Two threads meeting the first
+//! lazy block at once: one decides, the other keeps huge pages meanwhile. A probe that fails (no
+//! transparent huge pages) leaves huge pages as they were.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use std::path::Path;
+
 use crate::chunk::Part;
 use crate::sys::{self, FaultCosts};
+use crate::topology;
 
 /// Huge pages probed per kind: the fastest of two counts, so one preempted fault does not decide.
 const PROBE_GROUPS: usize = 2;
@@ -40,25 +49,26 @@ pub(crate) fn huge_pages_pay(costs: FaultCosts) -> bool {
     costs.huge <= costs.small
 }
 
-/// Whether a lazy block should keep its huge pages: probed on first use (see the module's docs);
-/// `true` while unknown (another thread probing) or when the probe failed.
-pub(crate) fn lazy_blocks_keep_huge_pages() -> bool {
+/// Whether a lazy block should keep its huge pages (see the module's docs), decided on first
+/// use with `root` as sysfs; `true` while another thread decides.
+pub(crate) fn lazy_blocks_keep_huge_pages(root: &Path) -> bool {
     match STATE.load(Ordering::Acquire) {
         HUGE_COST_MORE => false,
-        UNKNOWN => probe(),
+        UNKNOWN => decide(root),
         _ => true,
     }
 }
 
-/// Runs the probe unless another thread claimed it, records and returns its answer.
-fn probe() -> bool {
+/// Decides unless another thread claimed it, records and returns the answer.
+fn decide(root: &Path) -> bool {
     if STATE
         .compare_exchange(UNKNOWN, PROBING, Ordering::AcqRel, Ordering::Acquire)
         .is_err()
     {
         return STATE.load(Ordering::Acquire) != HUGE_COST_MORE;
     }
-    let pay = sys::fault_costs(PROBE_GROUPS).map_or(true, huge_pages_pay);
+    let pay = !topology::host::free_page_reporting(root)
+        && sys::fault_costs(PROBE_GROUPS).map_or(true, huge_pages_pay);
     STATE.store(
         if pay { HUGE_PAY } else { HUGE_COST_MORE },
         Ordering::Release,
@@ -67,9 +77,9 @@ fn probe() -> bool {
 }
 
 /// Advises a fresh lazy block's whole `part` (mapped, nothing faulted in yet) `MADV_NOHUGEPAGE`
-/// when huge pages cost more to fault in here than small ones ([`lazy_blocks_keep_huge_pages`]).
-pub(crate) fn advise_lazy(part: &mut Part<'_>) {
-    if !lazy_blocks_keep_huge_pages() {
+/// where huge pages cost more to fault in than small ones ([`lazy_blocks_keep_huge_pages`]).
+pub(crate) fn advise_lazy(part: &mut Part<'_>, root: &Path) {
+    if !lazy_blocks_keep_huge_pages(root) {
         part.advise_huge(false);
     }
 }
@@ -100,7 +110,7 @@ mod tests {
         let addr = mapping.ptr().as_ptr() as usize;
         // What the probe would record on the VM whose host took its free huge blocks back.
         let before = STATE.swap(HUGE_COST_MORE, Ordering::AcqRel);
-        advise_lazy(&mut mapping.whole());
+        advise_lazy(&mut mapping.whole(), Path::new("/sys"));
         STATE.store(before, Ordering::Release);
         let flags = vm_flags(addr);
         assert!(
