@@ -57,7 +57,7 @@ pub mod sys {
     pub use crate::sys::fault;
     pub use crate::sys::{
         advise_dontneed, advise_hugepage, advise_nohugepage, allowed_memory_nodes, bind, census,
-        current_node, map_anonymous, move_mapping, page_nodes, page_size, populate, unmap,
-        MbindFlags, MemPolicy, NodeMask, PageCensus, PopulateMethod, MAX_NODES,
+        current_node, fault_costs, map_anonymous, move_mapping, page_nodes, page_size, populate,
+        unmap, FaultCosts, MbindFlags, MemPolicy, NodeMask, PageCensus, PopulateMethod, MAX_NODES,
     };
 }

@@ -1,5 +1,5 @@
 //! Large-buffer churn in whole programs: five allocators, each the `#[global_allocator]` of its own
-//! child process, on nine workloads of buffers at and above the 2 MiB threshold.
+//! child process, on ten workloads of buffers at and above the 2 MiB threshold.
 //!
 //! `cargo bench --bench churn [-- --quick] [-- --runs N] [-- --workload a,c] [-- --json PATH]`
 //!
@@ -170,7 +170,7 @@ fn workload(key: &str) -> Result<&'static Workload, String> {
     WORKLOADS
         .iter()
         .find(|w| w.key == key)
-        .ok_or_else(|| format!("no workload {key:?} (a to i)"))
+        .ok_or_else(|| format!("no workload {key:?} (a to j)"))
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -254,6 +254,16 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
     let started = Instant::now();
     let date = machine::utc_now();
     println!("{}", report::header(runs, args.quick, &date));
+    // What the default's lazy blocks are decided by (each child probes once, for itself).
+    match numa_gpu_alloc::unstable::sys::fault_costs(2) {
+        Ok(c) => println!(
+            "fresh 2 MiB faulted in here (the driver's probe): one huge page {:.0} us, 512 small \
+             pages {:.0} us\n",
+            c.huge.as_secs_f64() * 1e6,
+            c.small.as_secs_f64() * 1e6
+        ),
+        Err(e) => println!("fault probe: {e}\n"),
+    }
     let mut results = Vec::new();
     for workload in &args.workloads {
         if let Some(prepare) = workload.prepare {

@@ -2,7 +2,7 @@
 //!
 //! Every buffer of (a)–(d) and (g)–(i) is written, so that its pages are really touched: every
 //! byte (`vec![byte; n]` is a `memset`, `extend_from_slice` a `memcpy`, `read()` the kernel's
-//! copy), or in (c) one byte per 4 KiB page. (e) and (f) are the zeroed, barely touched shapes of
+//! copy), or in (c) one byte per 4 KiB page; (j) is (i) over a buffer asked for zeroed. (e) and (f) are the zeroed, barely touched shapes of
 //! public allocator benchmarks: `vec![0u8; n]` is `alloc_zeroed`, and one byte of each buffer is
 //! written. (g) asks for zeroed buffers and then writes them whole (a buffer cleared before it is
 //! filled, as `vec![0; n]` followed by a fill or a read): the allocator cannot tell it from (e)
@@ -78,7 +78,7 @@ pub struct Workload {
     pub glibc_wall_target: Option<f64>,
 }
 
-pub const WORKLOADS: [Workload; 9] = [
+pub const WORKLOADS: [Workload; 10] = [
     Workload {
         key: "a",
         title:
@@ -183,6 +183,18 @@ pub const WORKLOADS: [Workload; 9] = [
         title: "(i) one read() of a {n} MiB file (in the page cache) into a new Vec<u8>",
         count: |s| s.read_bytes / MIB,
         run: read_file,
+        prepare: Some(make_file),
+        wall_target: 1.0,
+        rss_target: Some(1.0),
+        jemalloc_wall_target: None,
+        glibc_wall_target: Some(1.1),
+    },
+    Workload {
+        key: "j",
+        title: "(j) as (i), into a new Vec<u8> asked for zeroed (vec![0u8; n]): one read() of a \
+                {n} MiB file over it",
+        count: |s| s.read_bytes / MIB,
+        run: read_file_zeroed,
         prepare: Some(make_file),
         wall_target: 1.0,
         rss_target: Some(1.0),
@@ -309,6 +321,20 @@ fn read_file(scale: &Scale) -> u64 {
     assert_eq!(got, len as isize, "one read() of the whole file");
     // SAFETY: `read` wrote `len` bytes.
     unsafe { buf.set_len(len) };
+    u64::from(black_box(&buf)[len / 2])
+}
+
+/// (j) Reads the whole file with one `read()` over a buffer asked for zeroed (a buffer cleared
+/// before it is filled): the allocator leaves such a buffer's fresh pages to be faulted in where
+/// touched, here inside the kernel's copy.
+fn read_file_zeroed(scale: &Scale) -> u64 {
+    use std::io::Read;
+    let len = scale.read_bytes;
+    let mut file = std::fs::File::open(file_path(len)).expect("the driver made the file");
+    let mut buf = black_box(vec![0u8; len]);
+    // `File::read` of a regular file is one `read()`.
+    let got = file.read(&mut buf).expect("read");
+    assert_eq!(got, len, "one read() of the whole file");
     u64::from(black_box(&buf)[len / 2])
 }
 

@@ -214,6 +214,43 @@ fn growing_a_dedicated_block_moves_its_pages_and_leaves_nothing_behind() {
     unsafe { alloc.deallocate(grown, layout(2 * size)) };
 }
 
+/// A block grown by doubling a second time finds the block it grew into the first time, cached:
+/// it moves into it at its first doubling and grows in place after, mapping nothing new.
+#[test]
+fn a_block_grown_again_grows_inside_the_block_cached_last_time() {
+    let _serial = serial();
+    let alloc = allocator();
+    let grow = |round: u8| {
+        let mut size = 16 << 20;
+        let mut block = alloc.allocate(layout(size), false);
+        assert!(!block.is_null());
+        while size < 128 << 20 {
+            // SAFETY: `block` is live with this layout.
+            block = unsafe { alloc.reallocate(block, layout(size), layout(2 * size)) };
+            assert!(!block.is_null());
+            // SAFETY: the grown block is 2 × size long.
+            unsafe { ptr::write_bytes(block.add(size), round, size) };
+            size *= 2;
+        }
+        // SAFETY: live with this layout.
+        unsafe { alloc.deallocate(block, layout(size)) };
+    };
+    grow(1);
+    let before = alloc.stats();
+    grow(2);
+    let after = alloc.stats();
+    assert_eq!(
+        (
+            after.cache_misses - before.cache_misses,
+            after.cache_hits - before.cache_hits,
+            after.in_place_reallocs - before.in_place_reallocs,
+        ),
+        // Hits: the 16 MiB block (carved where the first one was) and the cached 128 MiB block.
+        (0, 2, 2),
+        "(misses, hits, in place) of the second growth from 16 to 128 MiB"
+    );
+}
+
 /// Kernel mappings (`/proc/self/maps` lines) that overlap `addr..addr+len`.
 fn mappings_over(addr: usize, len: usize) -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();

@@ -42,6 +42,9 @@ use crate::sys::MemPolicy;
 
 /// Size classes per power of two: with 8, rounding wastes at most 1/8 = 12.5% of a request.
 const CLASSES_PER_DOUBLING: u32 = 8;
+/// How many times its size a cached block handed to a growing block may be ([`Fit::for_growth`]):
+/// four covers two doublings, which a dedicated block makes in place.
+const GROWTH_ROOM: usize = 4;
 
 /// The largest chunk, and the most one registration covers.
 pub(crate) const CHUNK_MAX: usize = 1 << 30;
@@ -225,6 +228,19 @@ impl Fit {
             most: most.max(capacity),
             align,
             kind,
+        }
+    }
+
+    /// The same request for the new place of a block that `realloc` grows: a cached block up to
+    /// [`GROWTH_ROOM`] times the request's class serves it too. The block then grows in place
+    /// (a dedicated block keeps any size from half its capacity up), so a doubling `Vec` spends
+    /// two more doublings in memory already resident instead of mapping and populating fresh
+    /// pages each time while the larger block it used last time idles in the cache or is
+    /// evicted to make room for them.
+    pub(crate) fn for_growth(self) -> Fit {
+        Fit {
+            most: self.most.max(self.least.saturating_mul(GROWTH_ROOM)),
+            ..self
         }
     }
 

@@ -23,16 +23,18 @@ pub(crate) struct DedicatedPath<'a> {
 }
 
 impl DedicatedPath<'_> {
-    /// A block of its own for a request too large to carve (or a growing one): a cached one, or
-    /// a new mapping.
+    /// A block of its own for a request too large to carve (or a growing one): a cached one (for
+    /// a growing one, one it can grow into: [`Fit::for_growth`]), or a new mapping.
     pub(crate) fn dedicated(
         &self,
         layout: Layout,
         zeroed: bool,
+        growing: bool,
         target: &Resolved,
         kind: Kind,
     ) -> Option<Block> {
         let (capacity, fit) = self.fit(layout, kind)?;
+        let fit = if growing { fit.for_growth() } else { fit };
         let zero = zeroed.then_some(layout.size());
         // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
         self.take_cached(fit, zero, target)

@@ -41,7 +41,7 @@ use crate::arena::{count_release, Arena, HeapKey, Kind, PurgeFailures, Released,
 use crate::chunk::{Chunk, Numa, Part, PinFlags, PinPolicy, Place, Placer, Rules, Seams};
 use crate::config::{Config, PinMode};
 use crate::cuda::{Gpu, RegisterFlags};
-use crate::process::{LargePath, NODES};
+use crate::process::{faults, LargePath, NODES};
 use crate::stats::Counters;
 use crate::sys::lock::Guard;
 use crate::sys::{MemPolicy, NodeMask};
@@ -374,6 +374,10 @@ impl Seams for Blocks {
 
     fn make_pinned_room(&self, bytes: usize) {
         Pressure { blocks: self }.give_back_page_locked(bytes);
+    }
+
+    fn advise_lazy(&self, part: &mut Part<'_>) {
+        faults::advise_lazy(part, self.settings.sysfs_root.as_ref());
     }
 }
 

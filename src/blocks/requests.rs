@@ -60,7 +60,7 @@ impl Blocks {
         } else if let Some(block) = carver.carve_reserved(size, align, zeroed, target, kind) {
             Some(block)
         } else {
-            DedicatedPath { blocks: self }.dedicated(layout, zeroed, target, kind)
+            DedicatedPath { blocks: self }.dedicated(layout, zeroed, growing, target, kind)
         }
     }
 
@@ -131,7 +131,7 @@ impl Blocks {
     /// [`DedicatedPath::grow_block`]), so a growing `Vec` leaves no smaller blocks behind and is never
     /// copied. Only for unpinned dedicated blocks without GPU work recorded (a registration is
     /// tied to the address), in `target`'s arena. `None`: move by copying instead (also when a
-    /// cached block fits: reuse comes first).
+    /// cached block it could grow into fits, [`Fit::for_growth`]: reuse comes first).
     pub(crate) fn grow_without_copy(
         &self,
         addr: usize,
@@ -144,7 +144,7 @@ impl Blocks {
         let node = target.host_node;
         let old = {
             let mut arena = NODES.lock(node)?;
-            if arena.holds_fit(fit) {
+            if arena.holds_fit(fit.for_growth()) {
                 return None;
             }
             arena.take_growable(addr, fit.kind, capacity)?

@@ -51,6 +51,9 @@ pub(crate) trait Seams {
     /// Gives back up to `bytes` of idle page-locked memory (before a registration that would
     /// pass the pinned limit).
     fn make_pinned_room(&self, bytes: usize);
+    /// Advises a fresh lazy block (mapped, nothing faulted in) as the machine's faults pay
+    /// best; memory that is always populated needs nothing.
+    fn advise_lazy(&self, _part: &mut Part<'_>) {}
 }
 
 /// An allocator value's placement settings, as resolved at its initialisation.
@@ -215,6 +218,9 @@ impl Placer<'_> {
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
         let mut mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
+        if !populate && self.rules.huge_pages && capacity >= HUGE_PAGE {
+            self.seams.advise_lazy(&mut mapping.whole());
+        }
         let placed = self.place_and_populate(&mut mapping.whole(), &place.nodes, populate);
         let made = placed.and_then(|()| {
             let mut memory = Memory::new(mapping);

@@ -6,6 +6,8 @@
 //!   [`allowed_memory_nodes`] (`get_mempolicy`), [`current_node`] (`getcpu`);
 //! - `resident.rs`: making pages resident — [`populate`]
 //!   (`madvise(MADV_POPULATE_WRITE)`);
+//! - `faults.rs`: what faulting fresh memory in costs, in huge and in small pages
+//!   ([`fault_costs`]);
 //! - `pages.rs`: where pages are — [`page_nodes`] and [`census`] (`move_pages`);
 //! - `affinity.rs`: which CPUs a thread runs on (`sched_setaffinity`, `sched_getaffinity`);
 //! - `lock.rs`: the allocator's fork-safe lock (`futex`); `once.rs`: one-time state a fork cannot
@@ -76,6 +78,7 @@ mod exit;
 pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 pub(crate) mod fault;
+mod faults;
 pub(crate) mod lock;
 mod mem;
 pub(crate) mod once;
@@ -88,6 +91,7 @@ mod shm;
 
 pub(crate) use affinity::{bind_thread_to_cpus, process_cpus};
 pub(crate) use exit::{at_exit, in_loaded_image, write_stderr};
+pub use faults::{fault_costs, FaultCosts};
 pub(crate) use lock::{futex_wait, futex_wake};
 pub use mem::{
     advise_dontneed, advise_hugepage, advise_nohugepage, map_anonymous, move_mapping, unmap,

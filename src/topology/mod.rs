@@ -19,6 +19,7 @@ use crate::{Error, Result};
 mod buffer;
 pub(crate) mod cgroup;
 mod choice;
+pub(crate) mod host;
 pub mod pci;
 pub mod sysfs;
 
