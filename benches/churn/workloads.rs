@@ -2,11 +2,12 @@
 //!
 //! Every buffer of (a)–(d) and (g)–(i) is written, so that its pages are really touched: every
 //! byte (`vec![byte; n]` is a `memset`, `extend_from_slice` a `memcpy`, `read()` the kernel's
-//! copy), or in (c) one byte per 4 KiB page; (j) is (i) over a buffer asked for zeroed. (e) and (f) are the zeroed, barely touched shapes of
-//! public allocator benchmarks: `vec![0u8; n]` is `alloc_zeroed`, and one byte of each buffer is
-//! written. (g) asks for zeroed buffers and then writes them whole (a buffer cleared before it is
-//! filled, as `vec![0; n]` followed by a fill or a read): the allocator cannot tell it from (e)
-//! by the request alone.
+//! copy), or in (c) one byte per 4 KiB page; (j) is (i) over a buffer asked for zeroed. (e) and
+//! (f) are the zeroed, barely touched shapes of public allocator benchmarks: `vec![0u8; n]` is
+//! `alloc_zeroed`, and one byte of each buffer is written. (g) asks for zeroed buffers and then
+//! writes them whole (a buffer cleared before it is filled, as `vec![0; n]` followed by a fill or
+//! a read): the allocator cannot tell it from (e) by the request alone. (k) is the other way
+//! round: not asked zeroed, yet barely touched (a sort buffer sized for the worst case).
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -37,6 +38,9 @@ pub struct Scale {
     phases: usize,
     /// (i): bytes of the file read.
     read_bytes: usize,
+    /// (k): bytes of each sort buffer, and how many.
+    sort_bytes: usize,
+    sort_buffers: usize,
 }
 
 pub const FULL: Scale = Scale {
@@ -48,6 +52,8 @@ pub const FULL: Scale = Scale {
     gib_zeroed: 200,
     phases: 10,
     read_bytes: GIB,
+    sort_bytes: GIB,
+    sort_buffers: 10,
 };
 pub const QUICK: Scale = Scale {
     batches: 1,
@@ -58,6 +64,8 @@ pub const QUICK: Scale = Scale {
     gib_zeroed: 4,
     phases: 2,
     read_bytes: 64 * MIB,
+    sort_bytes: 512 * MIB,
+    sort_buffers: 2,
 };
 
 pub struct Workload {
@@ -78,7 +86,7 @@ pub struct Workload {
     pub glibc_wall_target: Option<f64>,
 }
 
-pub const WORKLOADS: [Workload; 10] = [
+pub const WORKLOADS: [Workload; 11] = [
     Workload {
         key: "a",
         title:
@@ -196,6 +204,18 @@ pub const WORKLOADS: [Workload; 10] = [
         count: |s| s.read_bytes / MIB,
         run: read_file_zeroed,
         prepare: Some(make_file),
+        wall_target: 1.0,
+        rss_target: Some(1.0),
+        jemalloc_wall_target: None,
+        glibc_wall_target: Some(1.1),
+    },
+    Workload {
+        key: "k",
+        title: "(k) {n} sort buffers, one live at a time: a Vec<u8> with a capacity of 1 GiB \
+                (512 MiB quick) of which 8 MiB are written (`sort -S 1G` on a small input)",
+        count: |s| s.sort_buffers,
+        run: sort_buffers,
+        prepare: None,
         wall_target: 1.0,
         rss_target: Some(1.0),
         jemalloc_wall_target: None,
@@ -336,6 +356,18 @@ fn read_file_zeroed(scale: &Scale) -> u64 {
     let got = file.read(&mut buf).expect("read");
     assert_eq!(got, len, "one read() of the whole file");
     u64::from(black_box(&buf)[len / 2])
+}
+
+/// (k) Buffers of `sort_bytes` capacity, not asked zeroed, of which only the first 8 MiB are
+/// written: a request not asked zeroed that its user barely touches.
+fn sort_buffers(scale: &Scale) -> u64 {
+    let mut sum = 0u64;
+    for i in 0..scale.sort_buffers {
+        let mut buf: Vec<u8> = Vec::with_capacity(scale.sort_bytes);
+        buf.resize(8 * MIB, i as u8);
+        sum += u64::from(black_box(&buf)[4 * MIB]);
+    }
+    sum
 }
 
 /// A block of `len` bytes with one byte written per page.

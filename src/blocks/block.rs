@@ -9,7 +9,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use super::pressure::{shortage_bytes, Pressure};
-use super::{Blocks, Resolved};
+use super::{written, Blocks, Resolved};
 use crate::arena::{class_size, count_release, Arena, Block, Dedicated, Fit, Kind, Released};
 use crate::chunk::{Cause, Memory, PinPolicy};
 #[cfg(doc)]
@@ -98,8 +98,8 @@ impl DedicatedPath<'_> {
         Some(block)
     }
 
-    /// A new live dedicated block of `kind` for `target` (a cache miss), populated unless a lazy
-    /// kind's `zeroed` request ([`Blocks::populates_request`]).
+    /// A new live dedicated block of `kind` for `target` (a cache miss), populated as
+    /// [`Blocks::populates_new_block`] says; a very large one handed out lazily is watched.
     fn create(
         &self,
         capacity: usize,
@@ -114,9 +114,13 @@ impl DedicatedPath<'_> {
         blocks.with_arena(target.host_node, |arena, out| {
             arena.make_room(capacity, limit, out);
         });
-        let populate = blocks.populates_request(kind, zeroed);
+        let populate = blocks.populates_new_block(kind, zeroed, capacity);
         let made = self.create_block(capacity, align, target, populate).ok()?;
-        self.record_created(made)
+        let block = self.record_created(made)?;
+        if !zeroed && !populate && capacity > written::SURE_MAX {
+            written::watch(block.addr, block.capacity);
+        }
+        Some(block)
     }
 
     /// Creates a block of `capacity` bytes for `target`, placed, populated and (when configured)

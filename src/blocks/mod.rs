@@ -26,6 +26,7 @@ pub(crate) mod reserve;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod written;
 
 pub(crate) use pinning::Unpinnable;
 pub(crate) use reserve::Reserver;
@@ -226,6 +227,14 @@ impl Blocks {
     /// pages are already zero and are faulted in only where touched.
     pub(crate) fn populates_request(&self, kind: Kind, zeroed: bool) -> bool {
         !kind.lazy || !zeroed
+    }
+
+    /// Whether a new dedicated block of `capacity` bytes is populated when handed out: as
+    /// [`Self::populates_request`] says, except that a lazy kind's request larger than 256 MiB
+    /// is populated in bulk only while the process was seen writing such blocks whole (see
+    /// `written.rs`).
+    pub(crate) fn populates_new_block(&self, kind: Kind, zeroed: bool, capacity: usize) -> bool {
+        self.populates_request(kind, zeroed) && (!kind.lazy || written::populate_in_bulk(capacity))
     }
 
     /// Whether the part of a block of `kind` at `ptr..ptr+len` that held data is made zero by

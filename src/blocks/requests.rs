@@ -6,7 +6,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use super::{carved, Blocks, CarvedPath, DedicatedPath, Resolved, HUGE_PAGE};
+use super::{carved, written, Blocks, CarvedPath, DedicatedPath, Resolved, HUGE_PAGE};
 use crate::arena::{Block, InFlight, Released};
 use crate::process::NODES;
 use crate::sys;
@@ -70,6 +70,7 @@ impl Blocks {
     /// arena holds a live block starting at `addr` (counted: the caller frees it elsewhere).
     /// Allocates nothing.
     pub(crate) fn free(&self, addr: usize, near: usize) -> bool {
+        written::freeing(addr);
         let mut out = Released::default();
         let (limit, decay) = (self.settings.cache_limit, self.settings.decay_ms);
         let found = NODES.find_map(near, |arena| {
