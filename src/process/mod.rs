@@ -22,6 +22,7 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod decay;
+pub(crate) mod job;
 mod large;
 mod nodes;
 pub(crate) mod workers;
