@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::blocks::reserve::Tally;
-use crate::process::job::Background;
+use crate::process::job::{Background, Tail};
 use crate::Error;
 
 /// A reservation of bytes under way on a thread of its own (see
@@ -109,6 +109,7 @@ impl fmt::Display for ReserveProgress {
     /// One line, usable of requested first: `reserve 12.0/64.0 GiB: placed 13.0, populated 12.5,
     /// registered 12.0 GiB in 12 chunks, first in 150 ms, longest driver call 21 ms, 3.20 s`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (s, first, longest) = (self, self.first_chunk, self.longest_driver_call);
         const GIB: f64 = (1u64 << 30) as f64;
         let gib = |bytes: usize| bytes as f64 / GIB;
         write!(
@@ -122,19 +123,10 @@ impl fmt::Display for ReserveProgress {
             gib(self.registered),
             self.chunks
         )?;
-        if let Some(first) = self.first_chunk {
-            write!(f, ", first in {} ms", first.as_millis())?;
-        }
         write!(
             f,
-            ", longest driver call {} ms, {:.2} s",
-            self.longest_driver_call.as_millis(),
-            self.elapsed.as_secs_f64()
-        )?;
-        match (&self.error, self.finished) {
-            (Some(e), _) => write!(f, "; stopped: {e}"),
-            (None, true) => write!(f, "; done"),
-            (None, false) => Ok(()),
-        }
+            "{}",
+            Tail::of(first, longest, s.elapsed, s.finished, &s.error)
+        )
     }
 }

@@ -3,6 +3,7 @@
 //! handle that watches it, cancels it and waits for it ([`Background`]). The front ends wrap
 //! both in their public handles and snapshots.
 
+use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -223,6 +224,54 @@ impl<T: AsRef<Job> + Send + Sync + 'static> Background<T> {
             let _ = thread.join();
         }
         self.job().error().map_or(Ok(()), Err)
+    }
+}
+
+/// The end of a job's one-line summary, from its snapshot: `, first in 20 ms, longest driver
+/// call 21 ms, 0.10 s; done` (or `; stopped: ERROR`, or nothing while it runs).
+pub(crate) struct Tail<'a> {
+    first_chunk: Option<Duration>,
+    longest_driver_call: Duration,
+    elapsed: Duration,
+    finished: bool,
+    error: &'a Option<Error>,
+}
+
+impl Tail<'_> {
+    /// The tail of a snapshot with these fields.
+    pub(crate) fn of(
+        first_chunk: Option<Duration>,
+        longest_driver_call: Duration,
+        elapsed: Duration,
+        finished: bool,
+        error: &Option<Error>,
+    ) -> Tail<'_> {
+        Tail {
+            first_chunk,
+            longest_driver_call,
+            elapsed,
+            finished,
+            error,
+        }
+    }
+}
+
+impl fmt::Display for Tail<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(first) = self.first_chunk {
+            write!(f, ", first in {} ms", first.as_millis())?;
+        }
+        write!(
+            f,
+            ", longest driver call {} ms, {:.2} s",
+            self.longest_driver_call.as_millis(),
+            self.elapsed.as_secs_f64()
+        )?;
+        match (self.error, self.finished) {
+            (Some(e), _) => write!(f, "; stopped: {e}"),
+            (None, true) => write!(f, "; done"),
+            (None, false) => Ok(()),
+        }
     }
 }
 

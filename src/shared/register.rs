@@ -11,7 +11,7 @@ use crate::chunk::{Numa, PinFlags, Placer};
 use crate::cuda::{Device, Gpu, RegisterFlags, FORKED_REASON};
 use crate::pool::chunks::{self, PoolSeams};
 use crate::pool::DATA_START;
-use crate::process::job::{Background, Job};
+use crate::process::job::{Background, Job, Tail};
 use crate::{Error, GpuSelector};
 
 impl SharedPool {
@@ -168,6 +168,7 @@ impl fmt::Display for RegisterProgress {
     /// One line: `pool registration 1.0/4.0 GiB in 4 chunks, first in 20 ms, longest driver
     /// call 21 ms, 0.10 s; done`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (s, first, longest) = (self, self.first_chunk, self.longest_driver_call);
         const GIB: f64 = (1u64 << 30) as f64;
         write!(
             f,
@@ -176,19 +177,10 @@ impl fmt::Display for RegisterProgress {
             self.requested as f64 / GIB,
             self.chunks
         )?;
-        if let Some(first) = self.first_chunk {
-            write!(f, ", first in {} ms", first.as_millis())?;
-        }
         write!(
             f,
-            ", longest driver call {} ms, {:.2} s",
-            self.longest_driver_call.as_millis(),
-            self.elapsed.as_secs_f64()
-        )?;
-        match (&self.error, self.finished) {
-            (Some(e), _) => write!(f, "; stopped: {e}"),
-            (None, true) => write!(f, "; done"),
-            (None, false) => Ok(()),
-        }
+            "{}",
+            Tail::of(first, longest, s.elapsed, s.finished, &s.error)
+        )
     }
 }
