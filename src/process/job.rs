@@ -287,3 +287,70 @@ impl Drop for EndOnUnwind<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{Background, Job, Tail};
+    use crate::Error;
+
+    #[test]
+    fn a_job_counts_its_chunks_and_ends_with_its_outcome() {
+        let mut done = Background::spawn("job-test", "test thread", Arc::new(Job::new(8)), |job| {
+            job.driver_call(Duration::from_millis(3));
+            job.chunk_done(4);
+            job.chunk_done(4);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(done.wait(), Ok(()));
+        let job = done.state();
+        assert!(done.is_finished() && job.finished());
+        assert_eq!((job.requested(), job.chunks(), job.bytes()), (8, 2, 8));
+        assert_eq!(job.longest_driver_call(), Duration::from_millis(3));
+        assert!(job.first_chunk().is_some());
+        let tail = Tail::of(
+            job.first_chunk(),
+            Duration::from_millis(3),
+            Duration::ZERO,
+            true,
+            &None,
+        );
+        assert!(
+            tail.to_string()
+                .ends_with(", longest driver call 3 ms, 0.00 s; done"),
+            "{tail}"
+        );
+
+        let failed = Error::PinningOff;
+        let mut stopped = Background::spawn("job-test", "test thread", Arc::new(Job::new(8)), {
+            let failed = failed.clone();
+            move |_| Err(failed)
+        })
+        .unwrap();
+        assert_eq!(stopped.wait(), Err(failed));
+    }
+
+    #[test]
+    fn a_job_whose_thread_panics_ends_lost_and_a_cancelled_one_sees_it() {
+        let job = Arc::new(Job::new(0));
+        job.cancel();
+        let mut panicked = Background::spawn("job-test", "test thread", job, |job| {
+            // Ends well unless it sees the cancel flag, then panics.
+            if !job.cancelled() {
+                return Ok(());
+            }
+            panic!("planted");
+        })
+        .unwrap();
+        assert!(matches!(
+            panicked.wait(),
+            Err(Error::ReservationLost {
+                reason: "its thread panicked"
+            })
+        ));
+        assert!(panicked.is_finished());
+    }
+}
