@@ -1,8 +1,8 @@
 //! A pool's chunks made ready one by one, each by [`prepare`], through the one placer
 //! ([`Placer`]): placed on the pool's node, populated by the node's bound workers, checked page
 //! by page, and registered with CUDA. The creator runs the first three steps on every chunk;
-//! each attached process that pins runs the last, in the background, counted in the pool's own
-//! [`Progress`].
+//! each attached process that pins runs the last, in the background ([`register_all`]),
+//! counted in its [`Job`].
 //!
 //! The placer's way is the allocator's: `bind` is first applied as `preferred`, the pages are
 //! populated and checked, then the strict policy is set; a node too small shows as pages off
