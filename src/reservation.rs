@@ -2,10 +2,10 @@
 
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::blocks::reserve::Tally;
+use crate::process::job::{Background, Tail};
 use crate::Error;
 
 /// A reservation of bytes under way on a thread of its own (see
@@ -15,42 +15,28 @@ use crate::Error;
 /// later ones are still being made. Dropping the handle lets the reservation go on to its end;
 /// [`cancel`](Self::cancel) stops it after the chunk in progress.
 pub struct Reservation {
-    tally: Arc<Tally>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// The fork generation it was made in: its thread runs only there.
-    generation: u32,
+    job: Background<Tally>,
 }
 
-/// Why [`Reservation::wait`] in a child forked since it was made cannot wait.
-const FORKED: &str = "this is a child forked since it was made (its thread runs in the parent)";
-
 impl Reservation {
-    pub(crate) fn new(tally: Arc<Tally>, thread: std::thread::JoinHandle<()>) -> Reservation {
-        Reservation {
-            tally,
-            thread: Some(thread),
-            generation: crate::fork::generation(),
-        }
+    pub(crate) fn new(job: Background<Tally>) -> Reservation {
+        Reservation { job }
     }
 
     /// What it has done so far.
     pub fn progress(&self) -> ReserveProgress {
-        progress(&self.tally)
+        progress(self.job.state())
     }
 
     /// Whether it ended (all made, failed or cancelled), or can go on no more (in a child forked
     /// since it was made: the progress is what it was at the fork).
     pub fn is_finished(&self) -> bool {
-        self.tally.finished.load(Ordering::Acquire) != 0 || self.forked()
-    }
-
-    fn forked(&self) -> bool {
-        crate::fork::generation() != self.generation
+        self.job.is_finished()
     }
 
     /// Stops it after the chunk in progress; what was made stays.
     pub fn cancel(&self) {
-        self.tally.cancel.store(true, Ordering::Release);
+        self.job.cancel();
     }
 
     /// Waits for its end; what it did.
@@ -61,18 +47,8 @@ impl Reservation {
     /// [`Error::ReservationLost`] when its thread panicked, or at once in a child forked since
     /// it was made.
     pub fn wait(mut self) -> Result<ReserveProgress, Error> {
-        if self.forked() {
-            return Err(Error::ReservationLost { reason: FORKED });
-        }
-        if let Some(thread) = self.thread.take() {
-            // A panic is recorded by the thread's guard (see `reserve_in_background`).
-            let _ = thread.join();
-        }
-        let done = self.progress();
-        match &done.error {
-            Some(e) => Err(e.clone()),
-            None => Ok(done),
-        }
+        self.job.wait()?;
+        Ok(self.progress())
     }
 }
 
@@ -113,19 +89,19 @@ pub struct ReserveProgress {
 }
 
 pub(crate) fn progress(tally: &Tally) -> ReserveProgress {
-    let first = tally.first_chunk_ns.load(Ordering::Relaxed);
+    let job = &tally.job;
     ReserveProgress {
-        requested: tally.requested,
+        requested: job.requested(),
         placed: tally.placed.load(Ordering::Relaxed),
         populated: tally.populated.load(Ordering::Relaxed),
         registered: tally.registered.load(Ordering::Relaxed),
-        chunks: tally.chunks.load(Ordering::Acquire),
-        usable: tally.usable.load(Ordering::Relaxed),
-        longest_driver_call: Duration::from_nanos(tally.longest_call_ns.load(Ordering::Relaxed)),
-        first_chunk: (first != 0).then(|| Duration::from_nanos(first)),
-        elapsed: tally.start.elapsed(),
-        finished: tally.finished.load(Ordering::Acquire) != 0,
-        error: tally.error.lock().clone(),
+        chunks: job.chunks(),
+        usable: job.bytes(),
+        longest_driver_call: job.longest_driver_call(),
+        first_chunk: job.first_chunk(),
+        elapsed: job.elapsed(),
+        finished: job.finished(),
+        error: job.error(),
     }
 }
 
@@ -133,6 +109,7 @@ impl fmt::Display for ReserveProgress {
     /// One line, usable of requested first: `reserve 12.0/64.0 GiB: placed 13.0, populated 12.5,
     /// registered 12.0 GiB in 12 chunks, first in 150 ms, longest driver call 21 ms, 3.20 s`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (s, first, longest) = (self, self.first_chunk, self.longest_driver_call);
         const GIB: f64 = (1u64 << 30) as f64;
         let gib = |bytes: usize| bytes as f64 / GIB;
         write!(
@@ -146,19 +123,10 @@ impl fmt::Display for ReserveProgress {
             gib(self.registered),
             self.chunks
         )?;
-        if let Some(first) = self.first_chunk {
-            write!(f, ", first in {} ms", first.as_millis())?;
-        }
         write!(
             f,
-            ", longest driver call {} ms, {:.2} s",
-            self.longest_driver_call.as_millis(),
-            self.elapsed.as_secs_f64()
-        )?;
-        match (&self.error, self.finished) {
-            (Some(e), _) => write!(f, "; stopped: {e}"),
-            (None, true) => write!(f, "; done"),
-            (None, false) => Ok(()),
-        }
+            "{}",
+            Tail::of(first, longest, s.elapsed, s.finished, &s.error)
+        )
     }
 }

@@ -43,9 +43,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::pool::chunks::Progress;
 use crate::pool::extents::MAX_ALIGN;
 use crate::pool::{self, Pool, DATA_START};
+use crate::process::job::Job;
+use crate::stats::Counters;
 use crate::sys::{self, lock::Lock};
 use crate::Error;
 
@@ -110,17 +111,24 @@ const TRUSTED_MODE: u32 = 0o755;
 pub struct SharedPool {
     inner: Arc<Inner>,
     /// The registration under way in the background, cancelled at detach.
-    background: Lock<Option<Arc<Progress>>>,
+    background: Lock<Option<Arc<Job>>>,
 }
 
 impl SharedPool {
-    fn new(pool: Pool, path: Option<PathBuf>, lock_wait: Duration) -> SharedPool {
+    /// This process's handle of `pool`, its placer's steps counted in `counters`.
+    fn new(
+        pool: Pool,
+        path: Option<PathBuf>,
+        lock_wait: Duration,
+        counters: Counters,
+    ) -> SharedPool {
         SharedPool {
             inner: Arc::new(Inner {
                 pool,
                 path,
                 attached_by: (sys::process_id(), crate::fork::generation()),
                 lock_wait,
+                counters,
             }),
             background: Lock::new(None),
         }
@@ -237,7 +245,7 @@ impl SharedPool {
         pool.map_in_pages();
         pool.check_node(DATA_START, len - DATA_START, header.node as usize, false)?;
         header.attached.fetch_add(1, Ordering::AcqRel);
-        Ok(SharedPool::new(pool, path, lock_wait))
+        Ok(SharedPool::new(pool, path, lock_wait, Counters::default()))
     }
 
     /// The pool's file descriptor: a child inherits it across `fork`, and attaches with
@@ -472,6 +480,7 @@ impl SharedPool {
             rebuilds: 0,
             node: header.node as usize,
             huge_pages: header.huge != 0,
+            pages_checked: self.inner.counters.pages_checked.get(),
         };
         if let Ok(mut guard) = self.inner.pool.lock(self.inner.lock_wait) {
             let table = guard.extents();
@@ -514,8 +523,8 @@ impl Drop for SharedPool {
         if self.inner.inherited() {
             return;
         }
-        if let Some(progress) = self.background.lock().take() {
-            progress.cancel.store(true, Ordering::Release);
+        if let Some(job) = self.background.lock().take() {
+            job.cancel();
         }
     }
 }

@@ -136,6 +136,25 @@ fn a_memory_file_pool_is_sealed_against_resizing() {
 }
 
 #[test]
+fn the_creator_checks_every_page_on_the_node() {
+    let pool = SharedPool::builder(8 * MIB).node(0).create().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let stats = pool.stats();
+    assert_eq!(
+        stats.pages_checked,
+        stats.usable_bytes as u64 / page,
+        "every page of its blocks, through the placer: {stats:?}"
+    );
+    let attached = SharedPool::attach_fd(pool.fd().try_clone_to_owned().unwrap()).unwrap();
+    assert_eq!(
+        attached.stats().pages_checked,
+        0,
+        "attaching places nothing"
+    );
+}
+
+#[test]
 fn the_chunk_is_at_most_the_registration_bound() {
     const BOUND: &str = "register_max=4MiB";
     // The child runs with the bound in NUMA_GPU_ALLOC, which a process reads once.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::NumaGpuAlloc;
 use crate::blocks::reserve::Tally;
 use crate::guard::Inside;
+use crate::process::job::Background;
 use crate::reservation::{self, Reservation, ReserveProgress};
 use crate::runtime::route;
 use crate::runtime::Runtime;
@@ -59,7 +60,7 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let tally = Tally::new(bytes);
         let rt = self.runtime();
         let outcome = reserve_for_caller(rt, bytes, &tally);
-        tally.finish(outcome);
+        tally.job.finish(outcome);
         let done = reservation::progress(&tally);
         match &done.error {
             Some(e) => Err(e.clone()),
@@ -103,39 +104,15 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         let kind = rt.blocks.kind(&target)?;
         drop(inside);
         let tally = Arc::new(Tally::new(bytes));
-        let shared = Arc::clone(&tally);
-        let thread = std::thread::Builder::new()
-            .name("numa-reserve".into())
-            .spawn(move || {
-                let _inside = Inside::enter();
-                let finished = FinishOnUnwind(&shared);
-                // Alive while `self` is: `'static`.
-                let rt = self.runtime();
-                shared.finish(
-                    rt.blocks
-                        .reserver()
-                        .reserve_bytes(bytes, &target, kind, &shared),
-                );
-                drop(finished);
-            })
-            .map_err(|e| Error::Syscall {
-                call: "reservation thread",
-                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
-            })?;
-        Ok(Reservation::new(tally, thread))
-    }
-}
-
-/// Ends a reservation whose thread unwinds, so that its handle does not wait for ever.
-struct FinishOnUnwind<'a>(&'a Tally);
-
-impl Drop for FinishOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.finish(Err(Error::ReservationLost {
-                reason: "its thread panicked",
-            }));
-        }
+        let job = Background::spawn("numa-reserve", "reservation thread", tally, move |tally| {
+            let _inside = Inside::enter();
+            // Alive while `self` is: `'static`.
+            let rt = self.runtime();
+            rt.blocks
+                .reserver()
+                .reserve_bytes(bytes, &target, kind, tally)
+        })?;
+        Ok(Reservation::new(job))
     }
 }
 

@@ -11,15 +11,15 @@
 //!   registered whole.
 //! - Either is bounded by the node's memory and the pinned limit, not by the cache limit.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use super::block::DedicatedPath;
 use super::{reserved_key, Blocks, Resolved, HUGE_PAGE};
 use crate::arena::{class_size, Kind, CHUNK_ALIGN, CHUNK_FIRST};
 use crate::chunk::{PinPolicy, Progress};
 use crate::cuda;
-use crate::sys::lock::Lock;
+use crate::process::job::Job;
 use crate::Error;
 
 /// The reservations side of a value's large path.
@@ -85,7 +85,7 @@ impl Reserver<'_> {
             self.blocks.with_arena(made.block.node, |arena, out| {
                 arena.insert_reserved(made, usize::MAX, out)
             });
-            tally.chunk_added(capacity);
+            tally.job.chunk_done(capacity);
             self.blocks.counters.reserved_chunks.incr();
             self.blocks.counters.reserved_bytes.add(capacity as u64);
         }
@@ -152,7 +152,7 @@ impl Reserver<'_> {
         let mut left = bytes.div_ceil(unit);
         let max = (self.blocks.chunk_max(kind.pinned) / unit).max(1);
         let mut next = (CHUNK_FIRST / unit).clamp(1, max);
-        while left > 0 && !tally.cancel.load(Ordering::Acquire) {
+        while left > 0 && !tally.job.cancelled() {
             // A pinned chunk could not be registered any more (`cuda/teardown.rs`).
             if kind.pinned && cuda::exiting() {
                 return Err(Error::ReservationLost {
@@ -179,7 +179,7 @@ impl Reserver<'_> {
                     call: "arena bookkeeping",
                     errno: libc::ENOMEM,
                 })?;
-            tally.chunk_added(len);
+            tally.job.chunk_done(len);
             self.blocks.counters.reserved_chunks.incr();
             self.blocks.counters.reserved_bytes.add(len as u64);
         }
@@ -208,65 +208,30 @@ pub(crate) fn bytes_reserved() -> bool {
     BYTES_RESERVED.load(Ordering::Acquire)
 }
 
-/// What a reservation of bytes has done so far, updated as it goes (read by its handle).
+/// What a reservation of bytes has done so far, updated as it goes (read by its handle): its
+/// [`Job`] (chunks added to the arena, and their bytes: what is usable), and the bytes each
+/// step has done, a chunk that then failed included.
 pub(crate) struct Tally {
-    pub(crate) requested: usize,
-    pub(crate) start: Instant,
+    pub(crate) job: Job,
     pub(crate) placed: AtomicUsize,
     pub(crate) populated: AtomicUsize,
     pub(crate) registered: AtomicUsize,
-    pub(crate) chunks: AtomicUsize,
-    /// Bytes of the chunks added.
-    pub(crate) usable: AtomicUsize,
-    /// Nanoseconds of the longest registration.
-    pub(crate) longest_call_ns: AtomicU64,
-    /// Nanoseconds from the start to the first chunk added (0: none yet).
-    pub(crate) first_chunk_ns: AtomicU64,
-    /// Set to stop after the chunk in progress.
-    pub(crate) cancel: AtomicBool,
-    /// 1 once the reservation ended (a futex word: waiters sleep on it).
-    pub(crate) finished: AtomicU32,
-    /// Why it ended early.
-    pub(crate) error: Lock<Option<Error>>,
 }
 
 impl Tally {
     pub(crate) fn new(requested: usize) -> Tally {
         Tally {
-            requested,
-            start: Instant::now(),
+            job: Job::new(requested),
             placed: AtomicUsize::new(0),
             populated: AtomicUsize::new(0),
             registered: AtomicUsize::new(0),
-            chunks: AtomicUsize::new(0),
-            usable: AtomicUsize::new(0),
-            longest_call_ns: AtomicU64::new(0),
-            first_chunk_ns: AtomicU64::new(0),
-            cancel: AtomicBool::new(false),
-            finished: AtomicU32::new(0),
-            error: Lock::new(None),
         }
     }
+}
 
-    fn chunk_added(&self, len: usize) {
-        self.usable.fetch_add(len, Ordering::Relaxed);
-        self.chunks.fetch_add(1, Ordering::Release);
-        let ns = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let _ = self.first_chunk_ns.compare_exchange(
-            0,
-            ns.max(1),
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-    }
-
-    /// Records the outcome and wakes the waiters.
-    pub(crate) fn finish(&self, outcome: Result<(), Error>) {
-        if let Err(e) = outcome {
-            *self.error.lock() = Some(e);
-        }
-        self.finished.store(1, Ordering::Release);
-        crate::sys::futex_wake(&self.finished, u32::MAX);
+impl AsRef<Job> for Tally {
+    fn as_ref(&self) -> &Job {
+        &self.job
     }
 }
 
@@ -281,8 +246,7 @@ impl Progress for Tally {
     }
 
     fn driver_call(&self, took: Duration) {
-        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.longest_call_ns.fetch_max(ns, Ordering::Relaxed);
+        self.job.driver_call(took);
     }
 
     fn registered(&self, len: usize) {

@@ -1,5 +1,5 @@
-//! The one placer: every chunk, dedicated block and reserved chunk is made by the same steps,
-//! and page-locked (or not) by one rule.
+//! The one placer: every chunk, dedicated block, reserved chunk and shared pool chunk is made
+//! by the same steps, and page-locked (or not) by one rule.
 //!
 //! 1. map: a fresh range from a [`ChunkSource`] ([`Mapping`], unmapped by its guard on failure);
 //! 2. place: `mbind` before any page is touched ([`Placer::place`]; `policy=bind` is first
@@ -8,12 +8,14 @@
 //!    resident or its pages checked;
 //! 4. check: page by page under `verify=on` or `policy=bind` ([`Placer::check_placement`]);
 //! 5. register: `cuMemHostRegister`, as [`PinPolicy`] decides, held within the pinned limit
-//!    ([`Placer::register`]), the registration owned by the [`Memory`] (unregistered before
+//!    ([`Placer::register`] for a whole mapping, [`Placer::register_range`] for one of a
+//!    shared pool's chunks), the registration owned by the [`Memory`] (unregistered before
 //!    it is unmapped).
 //!
 //! The placer runs outside every arena lock, inside the re-entrancy guard, on memory the call
 //! owns. What it needs of the layers above it (the node's populate workers, idle page-locked
-//! memory given back) comes through [`Seams`]; it counts into the allocator value's counters.
+//! memory given back) comes through [`Seams`]; it counts into the counters it is given (an
+//! allocator value's, or a shared pool's).
 
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 use std::time::Instant;
@@ -190,8 +192,9 @@ fn bind_exhausted() -> Error {
     }
 }
 
-/// The placer of one allocator value: its rules, its placement state, its counters and the
-/// seams to the layers above. Made per call (it only borrows).
+/// The placer of one allocator value (or of a shared pool in this process): its rules, its
+/// placement state, its counters and the seams to the layers above. Made per call (it only
+/// borrows).
 pub(crate) struct Placer<'a> {
     pub(crate) rules: &'a Rules,
     pub(crate) numa: &'a Numa,
@@ -501,16 +504,48 @@ impl Placer<'_> {
         Ok(())
     }
 
-    /// Registers `memory` (populated) whole through `gpu` (none: an error), timed and counted.
-    /// Past the pinned limit, idle page-locked memory is given back first
-    /// ([`Seams::make_pinned_room`]), then the limit refuses ([`Error::PinLimit`], counted in
-    /// `pin_limited`).
+    /// Registers `memory` (populated) whole through `gpu` (none: an error), through
+    /// [`Self::registering`].
     pub(crate) fn register(
         &self,
         gpu: Option<&'static Gpu>,
         memory: &mut Memory,
     ) -> Result<(), Error> {
         let len = memory.len();
+        self.registering(gpu, len, |gpu, flags| {
+            memory.register(gpu, flags).map(|()| true)
+        })
+        .map(drop)
+    }
+
+    /// Registers range `index` of `memory` (a shared pool's chunk, populated) through `gpu`
+    /// (none: an error), through [`Self::registering`]; the time it took, or `None` when the
+    /// range is registered already (or another thread is registering it now).
+    pub(crate) fn register_range(
+        &self,
+        gpu: Option<&'static Gpu>,
+        memory: &Memory,
+        index: usize,
+    ) -> Result<Option<std::time::Duration>, Error> {
+        let len = memory.range(index).map_or(0, |(_, len)| len);
+        self.registering(gpu, len, |gpu, flags| {
+            memory
+                .register_range(index, gpu, flags)
+                .map(|took| took.is_some())
+        })
+    }
+
+    /// Runs `call`, which registers `len` bytes through `gpu` (none: an error) and says whether
+    /// it made a driver call, timed and counted. Past the pinned limit, idle page-locked memory
+    /// is given back first ([`Seams::make_pinned_room`]), then the limit refuses
+    /// ([`Error::PinLimit`], counted in `pin_limited`). The time of a driver call made, or
+    /// `None`.
+    fn registering(
+        &self,
+        gpu: Option<&'static Gpu>,
+        len: usize,
+        call: impl FnOnce(&'static Gpu, PinFlags) -> Result<bool, Error>,
+    ) -> Result<Option<std::time::Duration>, Error> {
         // Tests simulate a failed registration, GPU or not (never compiled without the feature).
         #[cfg(feature = "fault-injection")]
         if let Some(code) = crate::sys::fault::injected(crate::sys::fault::FaultPoint::Register) {
@@ -533,10 +568,12 @@ impl Placer<'_> {
             self.seams.make_pinned_room(over);
         }
         let start = Instant::now();
-        let registered = memory.register(gpu, flags);
+        let registered = call(gpu, flags);
+        let took = start.elapsed();
         match &registered {
-            Ok(_) => {
-                self.counters.pin.record(start.elapsed());
+            Ok(false) => return Ok(None),
+            Ok(true) => {
+                self.counters.pin.record(took);
                 self.counters.registrations.incr();
                 if len > self.rules.registration_bound() {
                     self.counters.oversized_registrations.incr();
@@ -544,10 +581,10 @@ impl Placer<'_> {
             }
             Err(Error::PinLimit { .. }) => self.counters.pin_limited.incr(),
             Err(e) => {
-                self.counters.pin.record(start.elapsed());
+                self.counters.pin.record(took);
                 self.counters.record_pin_failure(e);
             }
         }
-        registered
+        registered.map(|_| Some(took))
     }
 }

@@ -1,8 +1,12 @@
-//! A pool's chunks made ready one by one, each by [`prepare`]: placed on the pool's node
-//! (`mbind`, before any page is touched), populated by the node's bound workers, checked page
-//! by page (`move_pages`), and registered with CUDA. The creator runs the first three steps on
-//! every chunk; each attached process that pins runs the last, in the background, counted in
-//! the pool's own [`Progress`].
+//! A pool's chunks made ready one by one, each by [`prepare`], through the one placer
+//! ([`Placer`]): placed on the pool's node, populated by the node's bound workers, checked page
+//! by page, and registered with CUDA. The creator runs the first three steps on every chunk;
+//! each attached process that pins runs the last, in the background ([`register_all`]),
+//! counted in its [`Job`].
+//!
+//! The placer's way is the allocator's: `bind` is first applied as `preferred`, the pages are
+//! populated and checked, then the strict policy is set; a node too small shows as pages off
+//! the node ([`Error::PoolWrongNode`]) rather than the OOM killer at populate time.
 //!
 //! A registration is this process's: the kernel counts the chunks it page-locks against it
 //! (its locked memory, `RLIMIT_MEMLOCK` where it applies), and the driver keeps a page table of
@@ -13,61 +17,88 @@
 //! Unsafe code here relies on the caller's promise, for placement, that the pool is new.
 #![allow(unsafe_code)]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use super::Pool;
-use crate::chunk::{PinFlags, Span};
+use crate::chunk::{Cause, Part, PinFlags, PinPolicy, Placer, Rules, Seams, Span};
 use crate::cuda::Gpu;
-use crate::process::workers;
-use crate::sys::{lock::Lock, MbindFlags, MemPolicy, NodeMask};
+use crate::process::job::Job;
+use crate::process::LargePath;
+use crate::sys::{MemPolicy, NodeMask};
+use crate::topology::cgroup::MemoryLimits;
 use crate::Error;
 
-/// Where a new pool's pages go, and who populates them.
+/// The placer's rules for a pool's chunks: strict placement on its node with every page
+/// checked, transparent huge pages unless the pool is of huge pages (`hugetlb`), populated by
+/// up to `threads` threads, registered with `flags` in chunks of at most `register_max`.
+pub(crate) fn rules(hugetlb: bool, threads: usize, flags: PinFlags, register_max: usize) -> Rules {
+    Rules {
+        policy: MemPolicy::Bind,
+        verify: true,
+        huge_pages: !hugetlb,
+        populate_threads: threads,
+        flags,
+        register_max,
+    }
+}
+
+/// The placer's way to the process for a pool: the process's page size, memory limits and
+/// populate workers (its large path). A pool has no idle page-locked memory to give back.
+pub(crate) struct PoolSeams(pub(crate) &'static LargePath);
+
+impl Seams for PoolSeams {
+    fn page_size(&self) -> usize {
+        self.0.page_size()
+    }
+
+    fn memory_limits(&self) -> &MemoryLimits {
+        self.0.memory_limits()
+    }
+
+    fn populate(
+        &self,
+        part: &mut Part<'_>,
+        nodes: &NodeMask,
+        threads: usize,
+        huge: bool,
+    ) -> Result<bool, Error> {
+        self.0.populate(part, nodes, threads, huge)
+    }
+
+    fn make_pinned_room(&self, _bytes: usize) {}
+}
+
+/// Where a new pool's pages go.
 #[derive(Debug)]
 pub(crate) struct Placement {
     node: usize,
-    /// The node's CPUs this process may run on (its populate workers' CPUs).
-    cpus: Vec<usize>,
-    threads: usize,
-    /// Of huge pages (hugetlbfs): no transparent huge page advice.
-    huge: bool,
 }
 
 impl Placement {
-    /// Pages on `node`, populated by up to `threads` threads on `cpus`.
+    /// Pages on `node`.
     ///
     /// # Safety
     /// The pool it is used on is new: no page of its blocks was touched, and no other process
     /// uses them yet.
-    pub(crate) unsafe fn new(
-        node: usize,
-        cpus: Vec<usize>,
-        threads: usize,
-        huge: bool,
-    ) -> Placement {
-        Placement {
-            node,
-            cpus,
-            threads,
-            huge,
-        }
+    pub(crate) unsafe fn new(node: usize) -> Placement {
+        Placement { node }
     }
 }
 
-/// How chunks are registered: through which GPU, within which pinned limit, and how long to
+/// How chunks are registered: through which GPU, as which pin policy says, and how long to
 /// wait for the pool's registration lock (until `cancel` is set, at most `wait`).
 #[derive(Debug)]
 pub(crate) struct Registering<'a> {
     pub(crate) gpu: &'static Gpu,
-    pub(crate) flags: PinFlags,
+    pub(crate) pin: PinPolicy,
     pub(crate) cancel: &'a AtomicBool,
     pub(crate) wait: Duration,
 }
 
-/// The steps [`prepare`] runs on a chunk.
-#[derive(Debug)]
+/// The steps [`prepare`] runs on a chunk, and the placer that runs them.
 pub(crate) struct Steps<'a> {
+    pub(crate) placer: Placer<'a>,
     /// Place, populate and check (the creator's steps).
     pub(crate) place: Option<Placement>,
     /// Register (each pinning process's step).
@@ -96,6 +127,7 @@ pub(crate) fn prepare(pool: &Pool, index: usize, steps: &Steps<'_>) -> Result<Pr
         addr: pool.base(),
         len: index,
     })?;
+    let placer = &steps.placer;
     if let Some(placement) = &steps.place {
         let span = Span {
             addr: pool.base() + offset,
@@ -107,30 +139,22 @@ pub(crate) fn prepare(pool: &Pool, index: usize, steps: &Steps<'_>) -> Result<Pr
             addr: span.addr,
             len,
         })?;
-        let flags = MbindFlags {
-            strict: true,
-            move_existing: false,
-        };
-        let nodes = NodeMask::single(placement.node)?;
-        match part.bind(MemPolicy::Bind, &nodes, flags) {
-            // No NUMA here (seccomp, a kernel without it): the pages go where the kernel puts
-            // them, as for the allocator's own blocks; the page check says where.
-            Ok(()) | Err(Error::NumaUnavailable { .. }) => {}
-            Err(e) => return Err(e),
-        }
-        if !placement.huge {
+        if placer.rules.huge_pages {
             part.advise_huge(true);
         }
-        let cpus = || placement.cpus.clone();
-        workers::populate(
-            Some(placement.node),
-            cpus,
-            &mut part,
-            placement.threads,
-            !placement.huge,
-        )?;
-        // Every page must be there: one not resident counts as elsewhere.
-        pool.check_node(offset, len, placement.node, true)?;
+        let nodes = NodeMask::single(placement.node)?;
+        placer
+            .place_and_populate(&mut part, &nodes, true)
+            .map_err(|(cause, e)| {
+                cause.count(placer.counters);
+                if cause != Cause::BindExhausted {
+                    return e;
+                }
+                // Pages off the node (one not resident counts as elsewhere): say where.
+                pool.check_node(offset, len, placement.node, true)
+                    .err()
+                    .unwrap_or(e)
+            })?;
     }
     let Some(registering) = &steps.register else {
         return Ok(Prepared::Done(None));
@@ -142,9 +166,11 @@ pub(crate) fn prepare(pool: &Pool, index: usize, steps: &Steps<'_>) -> Result<Pr
         return Ok(Prepared::Cancelled);
     };
     // Under the pool's registration lock, which every thread of every process takes for this.
-    let took = pool
-        .memory()
-        .register_range(index, registering.gpu, registering.flags)?;
+    let mut took = None;
+    registering.pin.settle(placer.counters, || {
+        took = placer.register_range(Some(registering.gpu), pool.memory(), index)?;
+        Ok(())
+    })?;
     drop(lock);
     if took.is_some() {
         pool.header().registrations.fetch_add(1, Ordering::AcqRel);
@@ -152,90 +178,39 @@ pub(crate) fn prepare(pool: &Pool, index: usize, steps: &Steps<'_>) -> Result<Pr
     Ok(Prepared::Done(took))
 }
 
-/// A background registration's progress, the pool's own: bytes and chunks registered, the
-/// longest driver call, when the first chunk was done, the cancel flag and the outcome.
-pub(crate) struct Progress {
-    /// Bytes of the pool's chunks.
-    pub(crate) requested: usize,
-    pub(crate) start: Instant,
-    pub(crate) chunks: AtomicUsize,
-    pub(crate) registered: AtomicUsize,
-    /// Nanoseconds of the longest registration.
-    pub(crate) longest_call_ns: AtomicU64,
-    /// Nanoseconds from the start to the first chunk done (0: none yet).
-    pub(crate) first_chunk_ns: AtomicU64,
-    /// Set to stop after the chunk in progress (or the wait for the lock).
-    pub(crate) cancel: AtomicBool,
-    /// Set once it ended.
-    pub(crate) finished: AtomicBool,
-    /// Why it ended early.
-    pub(crate) error: Lock<Option<Error>>,
-}
-
-impl Progress {
-    pub(crate) fn new(requested: usize) -> Progress {
-        Progress {
-            requested,
-            start: Instant::now(),
-            chunks: AtomicUsize::new(0),
-            registered: AtomicUsize::new(0),
-            longest_call_ns: AtomicU64::new(0),
-            first_chunk_ns: AtomicU64::new(0),
-            cancel: AtomicBool::new(false),
-            finished: AtomicBool::new(false),
-            error: Lock::new(None),
-        }
-    }
-
-    /// Counts a chunk of `len` bytes registered (its driver call taking `took`, when this run
-    /// made it).
-    fn chunk_done(&self, len: usize, took: Option<Duration>) {
-        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        if let Some(took) = took {
-            self.longest_call_ns.fetch_max(ns(took), Ordering::Relaxed);
-        }
-        self.registered.fetch_add(len, Ordering::Relaxed);
-        self.chunks.fetch_add(1, Ordering::Release);
-        let since = ns(self.start.elapsed()).max(1);
-        let _ =
-            self.first_chunk_ns
-                .compare_exchange(0, since, Ordering::Relaxed, Ordering::Relaxed);
-    }
-
-    /// Records the outcome.
-    pub(crate) fn finish(&self, outcome: Result<(), Error>) {
-        if let Err(e) = outcome {
-            *self.error.lock() = Some(e);
-        }
-        self.finished.store(true, Ordering::Release);
-    }
-}
-
-/// Registers every chunk of `pool` not registered yet, in order, until all are, or
-/// `progress` is cancelled, or one fails.
+/// Registers every chunk of `pool` not registered yet, in order, through `placer`, until all
+/// are, or `job` is cancelled, or one fails; each chunk registered counted in `job`.
 pub(crate) fn register_all(
     pool: &Pool,
+    placer: Placer<'_>,
     gpu: &'static Gpu,
-    flags: PinFlags,
     wait: Duration,
-    progress: &Progress,
+    job: &Job,
 ) -> Result<(), Error> {
     let steps = Steps {
+        placer,
         place: None,
         register: Some(Registering {
             gpu,
-            flags,
-            cancel: &progress.cancel,
+            // Asked for (`register_in_background`): each chunk registers, or the registration
+            // stops with its error, as a reservation's chunks do.
+            pin: PinPolicy::reserving(true),
+            cancel: job.cancel_flag(),
             wait,
         }),
     };
     for index in 0..pool.memory().ranges() {
-        if progress.cancel.load(Ordering::Acquire) {
+        if job.cancelled() {
             break;
         }
         let len = pool.memory().range(index).map_or(0, |(_, len)| len);
         match prepare(pool, index, &steps)? {
-            Prepared::Done(took) => progress.chunk_done(len, took),
+            Prepared::Done(took) => {
+                if let Some(took) = took {
+                    job.driver_call(took);
+                }
+                job.chunk_done(len);
+            }
             Prepared::Cancelled => break,
         }
     }

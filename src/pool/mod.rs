@@ -5,9 +5,9 @@
 //! registrations they hold) and the extent table (`extents/`) under the header's robust
 //! process-shared mutex; this process's view of the file ([`Pool`]: its [`Memory`], mapped
 //! through the file's [`SharedFile`] source, which also holds this process's registrations of
-//! its chunks); and the steps that make each chunk ready (`chunks.rs`: place, populate, check,
-//! register). The front end (`shared.rs`) opens the files and runs the registrations in the
-//! background.
+//! its chunks); and the steps that make each chunk ready (`chunks.rs`, through the one placer:
+//! place, populate, check, register). The front end (`shared.rs`) opens the files and runs the
+//! registrations in the background.
 //!
 //! Unsafe code here relies on the header being at the start of the mapping of the pool's file
 //! that the [`Pool`]'s memory owns: its fields are written once, by the creator, before the

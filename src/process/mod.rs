@@ -23,6 +23,7 @@
 
 pub(crate) mod decay;
 pub(crate) mod faults;
+pub(crate) mod job;
 mod large;
 mod nodes;
 pub(crate) mod workers;

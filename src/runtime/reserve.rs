@@ -3,7 +3,6 @@
 //! chunks and blocks themselves are made by [`Reserver`](crate::blocks::Reserver) (`blocks/reserve.rs`).
 
 use std::io::Write as _;
-use std::sync::atomic::Ordering;
 
 use super::route;
 use super::Runtime;
@@ -40,24 +39,21 @@ impl Runtime {
                 let tally = Tally::new(self.configured_bytes());
                 let outcome = self.reserve_as_configured(&target, &tally);
                 let mib = |bytes: usize| bytes >> 20;
-                let (usable, chunks) = (
-                    tally.usable.load(Ordering::Relaxed),
-                    tally.chunks.load(Ordering::Relaxed),
-                );
+                let (usable, chunks) = (tally.job.bytes(), tally.job.chunks());
                 let _ = match outcome {
                     Ok(()) => writeln!(
                         std::io::stderr(),
                         "numa-gpu-alloc: reserve in the background: {} MiB usable in {chunks} \
                          chunks after {:.2} s",
                         mib(usable),
-                        tally.start.elapsed().as_secs_f64()
+                        tally.job.elapsed().as_secs_f64()
                     ),
                     Err(e) => writeln!(
                         std::io::stderr(),
                         "numa-gpu-alloc: reserve in the background stopped with {} of {} MiB \
                          usable in {chunks} chunks: {e}",
                         mib(usable),
-                        mib(tally.requested)
+                        mib(tally.job.requested())
                     ),
                 };
             });

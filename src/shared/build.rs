@@ -15,12 +15,15 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::{io_error, shown, SharedPool, LOCK_WAIT};
+use crate::chunk::{Numa, PinFlags, Placer};
 use crate::config::Config;
+use crate::cuda::RegisterFlags;
 use crate::guard::Inside;
-use crate::pool::chunks::{self, Placement, Steps};
+use crate::pool::chunks::{self, Placement, PoolSeams, Steps};
 use crate::pool::extents::MAX_ALIGN;
 use crate::pool::{self, Pool, DATA_START};
-use crate::process::INIT;
+use crate::process::{large_path, LargePath, INIT};
+use crate::stats::Counters;
 use crate::sys::{self, HUGE_PAGE};
 use crate::topology::sysfs::free_huge_pages;
 use crate::topology::NumaTopology;
@@ -119,7 +122,8 @@ impl SharedPoolBuilder {
     /// call's error. Nothing is left at the path, nor under the private name, when making it
     /// failed.
     pub fn create(self) -> Result<SharedPool, Error> {
-        let sysfs_root = Path::new(process_settings().sysfs_root);
+        let (config, large) = process_settings();
+        let sysfs_root = Path::new(config.sysfs_root);
         let topology = NumaTopology::from_sysfs_root(sysfs_root)?;
         let node = match self.node {
             Some(node) => node,
@@ -147,17 +151,27 @@ impl SharedPoolBuilder {
         if self.huge_pages {
             check_huge_pages(sysfs_root, node, size, self.path.as_deref())?;
         }
+        let placing = Placing {
+            large,
+            register_max: config.register_max,
+            counters: Counters::default(),
+        };
         let Some(path) = self.path.clone() else {
             let file = memfd(self.huge_pages, self.inherit)?;
-            let pool = self.make(file, None, node, size, &info.cpus)?;
-            return Ok(SharedPool::new(pool, None, self.lock_wait));
+            let pool = self.make(file, None, (node, size), &placing)?;
+            return Ok(SharedPool::new(
+                pool,
+                None,
+                self.lock_wait,
+                placing.counters,
+            ));
         };
         if path.symlink_metadata().is_ok() {
             return Err(Error::PoolExists { path });
         }
         let (file, private) = create_private(&path)?;
         let made = self
-            .make(file, Some(&path), node, size, &info.cpus)
+            .make(file, Some(&path), (node, size), &placing)
             .and_then(|pool| {
                 if self.inherit {
                     sys::set_cloexec(pool.fd(), false)?;
@@ -174,16 +188,17 @@ impl SharedPoolBuilder {
             });
         // Made or not, the private name goes: the pool lives at the path, or nowhere.
         let _ = std::fs::remove_file(&private);
-        made.map(|pool| SharedPool::new(pool, Some(path), self.lock_wait))
+        made.map(|pool| SharedPool::new(pool, Some(path), self.lock_wait, placing.counters))
     }
 
+    /// Makes a pool of `size` bytes on `node` in `file` (at `path`, if it has one), placed
+    /// through the placer with `placing`.
     fn make(
         &self,
         file: File,
         path: Option<&Path>,
-        node: usize,
-        size: usize,
-        cpus: &[usize],
+        (node, size): (usize, usize),
+        placing: &Placing,
     ) -> Result<Pool, Error> {
         file.set_len(size as u64).map_err(|e| io_error(path, &e))?;
         let fd = OwnedFd::from(file);
@@ -216,7 +231,7 @@ impl SharedPoolBuilder {
             e => e,
         };
         let (mapping, file) = pool::map(fd, size, &name)?;
-        let bound = process_settings().register_max;
+        let bound = placing.register_max;
         let chunk = self
             .chunk
             .unwrap_or(bound)
@@ -227,22 +242,22 @@ impl SharedPoolBuilder {
         // SAFETY: the file was just made, all zeros, and nobody else has it yet (a path is
         // created exclusively, and attachers wait for it to be ready).
         let pool = unsafe { Pool::init(mapping, file, name.clone(), (node, huge, chunk)) }?;
-        let allowed = sys::process_cpus().unwrap_or_default();
-        let mine: Vec<usize> = cpus
-            .iter()
-            .copied()
-            .filter(|c| allowed.contains(c))
-            .collect();
+        // Nothing is registered here: the flags are the driver's defaults, with no limit.
+        let flags = PinFlags {
+            register: RegisterFlags::default(),
+            limit: usize::MAX,
+        };
+        let rules = chunks::rules(huge, self.populate_threads, flags, bound);
+        let numa = Numa::new(None);
         let steps = Steps {
+            placer: Placer {
+                rules: &rules,
+                numa: &numa,
+                counters: &placing.counters,
+                seams: &PoolSeams(placing.large),
+            },
             // SAFETY: new, no page of it touched yet, and nobody else has it.
-            place: Some(unsafe {
-                Placement::new(
-                    node,
-                    if mine.is_empty() { allowed } else { mine },
-                    self.populate_threads,
-                    huge,
-                )
-            }),
+            place: Some(unsafe { Placement::new(node) }),
             register: None,
         };
         for index in 0..pool.memory().ranges() {
@@ -272,17 +287,27 @@ impl SharedPool {
     }
 }
 
+/// What a pool's placer needs of the process: its large path (page size, memory limits,
+/// populate workers), its registration bound, and the counters the placer counts into.
+pub(super) struct Placing {
+    pub(super) large: &'static LargePath,
+    pub(super) register_max: usize,
+    pub(super) counters: Counters,
+}
+
 /// The process's settings as every allocator value reads them: the default (`Config::DEFAULT`)
 /// with `NUMA_GPU_ALLOC`'s settings applied (parsed once per process, under the initialisation
 /// lock): the registration bound (`register_max=`, 2 MiB to 1 GiB, a multiple of 2 MiB) and the
-/// sysfs root.
-fn process_settings() -> Config {
+/// sysfs root; and the process's large path, made now if no allocator value made it yet.
+pub(super) fn process_settings() -> (Config, &'static LargePath) {
     // Inside the allocator while the lock is held: parsing allocates, and an allocation that
     // reached a `NumaGpuAlloc` global allocator's initialisation would wait for this lock.
     let _inside = Inside::enter();
     let mut config = Config::DEFAULT;
-    INIT.lock().env().apply_to(&mut config);
-    config
+    let mut setup = INIT.lock();
+    setup.env().apply_to(&mut config);
+    let large = large_path(&mut setup, config.sysfs_root);
+    (config, large)
 }
 
 /// A memory file for a pool, close-on-exec unless `inherit`, and sealed against resizing once

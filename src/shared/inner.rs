@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::pool::Pool;
+use crate::stats::Counters;
 use crate::sys;
 
 /// What the pool's handle and its background registration share; dropped (detached) when both
@@ -17,6 +18,9 @@ pub(super) struct Inner {
     pub(super) attached_by: (u32, u32),
     /// How long this process waits for a lock of the pool another holds.
     pub(super) lock_wait: Duration,
+    /// What the placer did for this process: the creator's placement, populate and page
+    /// check, and this process's registrations.
+    pub(super) counters: Counters,
 }
 
 impl Inner {

@@ -3,15 +3,15 @@
 //! progress, wait, cancel).
 
 use std::fmt;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::SharedPool;
-use crate::chunk::PinFlags;
+use super::{build, SharedPool};
+use crate::chunk::{Numa, PinFlags, Placer};
 use crate::cuda::{Device, Gpu, RegisterFlags, FORKED_REASON};
-use crate::pool::chunks::{self, Progress};
+use crate::pool::chunks::{self, PoolSeams};
 use crate::pool::DATA_START;
+use crate::process::job::{Background, Job, Tail};
 use crate::{Error, GpuSelector};
 
 impl SharedPool {
@@ -57,39 +57,28 @@ impl SharedPool {
             register: RegisterFlags::default(),
             limit: pin_limit,
         };
-        let progress = Arc::new(Progress::new(self.inner.pool.len() - DATA_START));
-        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&progress));
-        let thread = std::thread::Builder::new()
-            .name("numa-pool-pin".into())
-            .spawn(move || {
-                let ended = EndOnUnwind(&shared);
-                let wait = inner.lock_wait;
-                shared.finish(chunks::register_all(&inner.pool, gpu, flags, wait, &shared));
-                drop(ended);
-            })
-            .map_err(|e| Error::Syscall {
-                call: "registration thread",
-                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
-            })?;
-        *self.background.lock() = Some(Arc::clone(&progress));
-        Ok(PoolRegistration {
-            progress,
-            thread: Some(thread),
-            generation: crate::fork::generation(),
-        })
-    }
-}
-
-/// Ends a registration whose thread unwinds, so that its handle does not wait for ever.
-struct EndOnUnwind<'a>(&'a Progress);
-
-impl Drop for EndOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.finish(Err(Error::ReservationLost {
-                reason: "its thread panicked",
-            }));
-        }
+        let (config, large) = build::process_settings();
+        let hugetlb = self.inner.pool.header().huge != 0;
+        let rules = chunks::rules(hugetlb, 1, flags, config.register_max);
+        let job = Arc::new(Job::new(self.inner.pool.len() - DATA_START));
+        let inner = Arc::clone(&self.inner);
+        let background = Background::spawn(
+            "numa-pool-pin",
+            "registration thread",
+            Arc::clone(&job),
+            move |job| {
+                let numa = Numa::new(None);
+                let placer = Placer {
+                    rules: &rules,
+                    numa: &numa,
+                    counters: &inner.counters,
+                    seams: &PoolSeams(large),
+                };
+                chunks::register_all(&inner.pool, placer, gpu, inner.lock_wait, job)
+            },
+        )?;
+        *self.background.lock() = Some(job);
+        Ok(PoolRegistration { job: background })
     }
 }
 
@@ -100,46 +89,35 @@ impl Drop for EndOnUnwind<'_> {
 /// [`cancel`](Self::cancel) stops it after the chunk in progress, or its wait for the pool's
 /// registration lock.
 pub struct PoolRegistration {
-    progress: Arc<Progress>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// The fork generation it was made in: its thread runs only there.
-    generation: u32,
+    job: Background<Job>,
 }
-
-/// Why [`PoolRegistration::wait`] in a child forked since it was made cannot wait.
-const FORKED: &str = "this is a child forked since it was made (its thread runs in the parent)";
 
 impl PoolRegistration {
     /// What it has done so far.
     pub fn progress(&self) -> RegisterProgress {
-        let p = &self.progress;
-        let first = p.first_chunk_ns.load(Ordering::Relaxed);
+        let job = self.job.state();
         RegisterProgress {
-            requested: p.requested,
-            registered: p.registered.load(Ordering::Relaxed),
-            chunks: p.chunks.load(Ordering::Acquire),
-            longest_driver_call: Duration::from_nanos(p.longest_call_ns.load(Ordering::Relaxed)),
-            first_chunk: (first != 0).then(|| Duration::from_nanos(first)),
-            elapsed: p.start.elapsed(),
-            finished: p.finished.load(Ordering::Acquire),
-            error: p.error.lock().clone(),
+            requested: job.requested(),
+            registered: job.bytes(),
+            chunks: job.chunks(),
+            longest_driver_call: job.longest_driver_call(),
+            first_chunk: job.first_chunk(),
+            elapsed: job.elapsed(),
+            finished: job.finished(),
+            error: job.error(),
         }
     }
 
     /// Whether it ended (all registered, failed or cancelled), or can go on no more (in a child
     /// forked since it was made: the progress is what it was at the fork).
     pub fn is_finished(&self) -> bool {
-        self.progress.finished.load(Ordering::Acquire) || self.forked()
-    }
-
-    fn forked(&self) -> bool {
-        crate::fork::generation() != self.generation
+        self.job.is_finished()
     }
 
     /// Stops it after the chunk in progress (or its wait for the pool's registration lock);
     /// the chunks registered stay so until the pool is dropped.
     pub fn cancel(&self) {
-        self.progress.cancel.store(true, Ordering::Release);
+        self.job.cancel();
     }
 
     /// Waits for its end; what it did.
@@ -150,18 +128,8 @@ impl PoolRegistration {
     /// The chunks registered before it stay so. [`Error::ReservationLost`] when its thread
     /// panicked, or at once in a child forked since it was made.
     pub fn wait(mut self) -> Result<RegisterProgress, Error> {
-        if self.forked() {
-            return Err(Error::ReservationLost { reason: FORKED });
-        }
-        if let Some(thread) = self.thread.take() {
-            // A panic is recorded by the thread's guard (`EndOnUnwind`).
-            let _ = thread.join();
-        }
-        let done = self.progress();
-        match &done.error {
-            Some(e) => Err(e.clone()),
-            None => Ok(done),
-        }
+        self.job.wait()?;
+        Ok(self.progress())
     }
 }
 
@@ -200,6 +168,7 @@ impl fmt::Display for RegisterProgress {
     /// One line: `pool registration 1.0/4.0 GiB in 4 chunks, first in 20 ms, longest driver
     /// call 21 ms, 0.10 s; done`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (s, first, longest) = (self, self.first_chunk, self.longest_driver_call);
         const GIB: f64 = (1u64 << 30) as f64;
         write!(
             f,
@@ -208,19 +177,10 @@ impl fmt::Display for RegisterProgress {
             self.requested as f64 / GIB,
             self.chunks
         )?;
-        if let Some(first) = self.first_chunk {
-            write!(f, ", first in {} ms", first.as_millis())?;
-        }
         write!(
             f,
-            ", longest driver call {} ms, {:.2} s",
-            self.longest_driver_call.as_millis(),
-            self.elapsed.as_secs_f64()
-        )?;
-        match (&self.error, self.finished) {
-            (Some(e), _) => write!(f, "; stopped: {e}"),
-            (None, true) => write!(f, "; done"),
-            (None, false) => Ok(()),
-        }
+            "{}",
+            Tail::of(first, longest, s.elapsed, s.finished, &s.error)
+        )
     }
 }

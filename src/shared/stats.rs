@@ -38,4 +38,8 @@ pub struct PoolStats {
     pub node: usize,
     /// Whether its pages are huge pages (hugetlbfs).
     pub huge_pages: bool,
+    /// Pages this process found on the node, page by page, as it made the pool: every page of
+    /// its blocks in the creator (0 where the kernel refuses `move_pages`), 0 in a process that
+    /// attached.
+    pub pages_checked: u64,
 }

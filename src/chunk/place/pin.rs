@@ -39,9 +39,10 @@ impl PinPolicy {
         PinPolicy::decide(mode, true)
     }
 
-    /// The policy of a reservation of a kind that is `pinned` or not: what it makes is what it
-    /// promises, so a pinned kind's chunks register or fail (as `Strict`), and an unpinned
-    /// kind's never ask (as `Off`: nothing fell back).
+    /// The policy of a reservation of a kind that is `pinned` or not, or of a shared pool's
+    /// registration (asked for explicitly, `pinned`): what it makes is what it promises, so a
+    /// pinned kind's chunks register or fail (as `Strict`), and an unpinned kind's never ask
+    /// (as `Off`: nothing fell back).
     pub(crate) fn reserving(pinned: bool) -> PinPolicy {
         if pinned {
             PinPolicy::Strict
