@@ -17,11 +17,12 @@
 //! memory given back) comes through [`Seams`]; it counts into the counters it is given (an
 //! allocator value's, or a shared pool's).
 
-use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 use std::time::Instant;
 
+mod numa;
 mod pin;
 
+pub(crate) use numa::Numa;
 pub(crate) use pin::PinPolicy;
 
 use super::{page_locked_bytes, Chunk, ChunkSource, Mapping, Memory, Part, PinFlags, ANONYMOUS};
@@ -84,56 +85,6 @@ impl Rules {
     }
 }
 
-/// Whether an allocator value still places with `mbind`: not when its topology could not be
-/// read, nor once the kernel refused the call (seccomp). Kept per value: each reports what it
-/// met, and a refusal a fault test injects stays with the value that met it.
-#[derive(Debug)]
-pub(crate) struct Numa {
-    /// Why the topology could not be read (then blocks go unplaced).
-    topology_error: Option<Error>,
-    /// The errno with which the kernel refused `mbind` (0: never). An atomic rather than a
-    /// `OnceLock`, which a fork during its initialisation would leave blocking in the child.
-    mbind_refused: AtomicI32,
-}
-
-impl Numa {
-    /// Placement with `topology_error` (`None`: the topology was read).
-    pub(crate) fn new(topology_error: Option<Error>) -> Numa {
-        Numa {
-            topology_error,
-            mbind_refused: AtomicI32::new(0),
-        }
-    }
-
-    /// Whether blocks are still placed with `mbind`.
-    pub(crate) fn placing(&self) -> bool {
-        self.topology_error.is_none() && self.mbind_refused.load(Relaxed) == 0
-    }
-
-    /// Records that the kernel refused `mbind` with `errno`: later blocks go unplaced.
-    fn refuse(&self, errno: i32) {
-        // The first refusal is the one reported; a zero errno would read as "never".
-        let _ = self
-            .mbind_refused
-            .compare_exchange(0, errno.max(1), Relaxed, Relaxed);
-    }
-
-    /// Why NUMA placement is off, if it is.
-    pub(crate) fn unavailable(&self) -> Option<Error> {
-        self.topology_error.clone().or_else(|| self.refusal())
-    }
-
-    /// The kernel's refusal of `mbind` after initialisation, if any (no heap data: the exit
-    /// report reads it).
-    pub(crate) fn refusal(&self) -> Option<Error> {
-        let errno = self.mbind_refused.load(Relaxed);
-        (errno != 0).then_some(Error::NumaUnavailable {
-            call: "mbind",
-            errno,
-        })
-    }
-}
-
 /// The step at which a dedicated block could not be made, counted once per failed request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Cause {
@@ -182,6 +133,14 @@ pub(crate) trait Progress {
     fn driver_call(&self, took: std::time::Duration);
     /// `len` bytes registered.
     fn registered(&self, len: usize);
+}
+
+/// No one to tell: a chunk made for a request.
+impl Progress for () {
+    fn placed(&self, _len: usize) {}
+    fn populated(&self, _len: usize) {}
+    fn driver_call(&self, _took: std::time::Duration) {}
+    fn registered(&self, _len: usize) {}
 }
 
 /// The error of a `policy=bind` block with pages off the node.
@@ -255,17 +214,7 @@ impl Placer<'_> {
             self.seams.memory_limits().check(len)?;
         }
         let mapping = Mapping::new(source, len, HUGE_PAGE)?;
-        let made = self
-            .placed_chunk(mapping, huge, &place.nodes)
-            .and_then(|mut chunk| {
-                if pin.registers() {
-                    self.populate_chunk(&mut chunk, &place.nodes)?;
-                }
-                pin.settle(self.counters, || {
-                    chunk.register(|memory| self.register(place.gpu, memory))
-                })?;
-                Ok(chunk)
-            });
+        let made = self.make_chunk(mapping, huge, place, pin, pin.registers(), &());
         if made.is_err() {
             // The mapping went with the error (its guard unmapped it).
             self.counters.released_blocks.incr();
@@ -286,10 +235,29 @@ impl Placer<'_> {
         progress: &dyn Progress,
     ) -> Result<Chunk, Error> {
         let mapping = Mapping::new(source, len, HUGE_PAGE)?;
+        let mut chunk = self.make_chunk(mapping, huge, place, pin, true, progress)?;
+        chunk.set_reserved();
+        Ok(chunk)
+    }
+
+    /// The steps of a chunk over `mapping`: placed, populated whole and checked when
+    /// `populate`, registered as `pin` decides, each step reported to `progress`.
+    fn make_chunk(
+        &self,
+        mapping: Mapping,
+        huge: bool,
+        place: &Place,
+        pin: PinPolicy,
+        populate: bool,
+        progress: &dyn Progress,
+    ) -> Result<Chunk, Error> {
+        let len = mapping.len();
         let mut chunk = self.placed_chunk(mapping, huge, &place.nodes)?;
         progress.placed(len);
-        self.populate_chunk(&mut chunk, &place.nodes)?;
-        progress.populated(len);
+        if populate {
+            self.populate_chunk(&mut chunk, &place.nodes)?;
+            progress.populated(len);
+        }
         let pinned = pin.settle(self.counters, || {
             let start = Instant::now();
             let registered = chunk.register(|memory| self.register(place.gpu, memory));
@@ -299,7 +267,6 @@ impl Placer<'_> {
         if pinned {
             progress.registered(len);
         }
-        chunk.set_reserved();
         Ok(chunk)
     }
 
