@@ -369,6 +369,9 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     #[inline(never)]
     unsafe fn reallocate_large_path(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
         let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
+        if old_large {
+            self.reallocating(ptr);
+        }
         if old_large && new_large && self.resize_in_place(ptr, new) {
             return ptr;
         }

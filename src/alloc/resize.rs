@@ -8,6 +8,14 @@ use crate::guard::Inside;
 use crate::runtime::route;
 
 impl<A: GlobalAlloc> NumaGpuAlloc<A> {
+    /// Tells the large path that its block at `ptr` is being reallocated: resized, grown by
+    /// moving its pages, or copied (read whole) into another.
+    pub(super) fn reallocating(&self, ptr: *mut u8) {
+        if let Some(rt) = self.initialised() {
+            rt.blocks.reallocating(ptr as usize);
+        }
+    }
+
     /// Grows a large block without copying its bytes, when the large path can (see
     /// `Blocks::grow_without_copy`); `None`: move by copying instead.
     pub(super) fn grow_without_copy(&self, ptr: *mut u8, new: Layout) -> Option<NonNull<u8>> {

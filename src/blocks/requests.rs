@@ -70,7 +70,6 @@ impl Blocks {
     /// arena holds a live block starting at `addr` (counted: the caller frees it elsewhere).
     /// Allocates nothing.
     pub(crate) fn free(&self, addr: usize, near: usize) -> bool {
-        written::freeing(addr);
         let mut out = Released::default();
         let (limit, decay) = (self.settings.cache_limit, self.settings.decay_ms);
         let found = NODES.find_map(near, |arena| {
@@ -81,17 +80,26 @@ impl Blocks {
             } else {
                 live
             };
+            let capacity = live.block.capacity;
             arena.free(live, limit, &mut out);
             arena.decay(decay, &mut out);
-            Some(arena.node())
+            Some((arena.node(), capacity))
         });
-        let Some(node) = found else {
+        let Some((node, capacity)) = found else {
             self.counters.foreign_frees.incr();
             return false;
         };
         self.counters.frees.incr();
+        // Before `finish` releases anything: a block given back is still mapped here.
+        written::freed(addr, capacity);
         self.finish(node, &mut out);
         true
+    }
+
+    /// The live block at `addr` is being reallocated: what its user writes is no longer seen
+    /// at its free (a copy reads it whole; a move takes its pages elsewhere).
+    pub(crate) fn reallocating(&self, addr: usize) {
+        written::forget(addr);
     }
 
     /// Resizes the live block at `addr` where it lies: a carved block grows into the free range

@@ -102,8 +102,8 @@ pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
 pub(crate) use process::at_fork;
-pub(crate) use resident::resident_sample;
 pub use resident::{populate, PopulateMethod};
+pub(crate) use resident::{resident_sample, written_sample};
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
     access_mode, effective_uid, file_owner, free_bytes, map_in, map_shared, memfd, on_hugetlbfs,

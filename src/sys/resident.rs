@@ -110,6 +110,11 @@ fn madvise_populate_write(ptr: NonNull<u8>, len: usize) -> std::result::Result<(
     Ok(())
 }
 
+/// The page at the middle of the `i`th of `samples` equal slices of `pages` pages.
+fn sample_index(i: usize, pages: usize, samples: usize) -> usize {
+    (2 * i + 1) * pages / (2 * samples)
+}
+
 /// How many of `samples` pages spread evenly over `ptr..ptr+len` are resident (`mincore`), and
 /// how many were asked about: what the range's last user touched, seen without touching it.
 /// `None` when the kernel refused (a range not mapped, an empty one). Allocates nothing: one
@@ -127,8 +132,7 @@ pub(crate) fn resident_sample(
     }
     let mut resident = 0;
     for i in 0..samples {
-        // The middle of each of `samples` equal slices.
-        let index = (2 * i + 1) * pages / (2 * samples);
+        let index = sample_index(i, pages, samples);
         let mut vec = 0u8;
         // SAFETY: the address is page-aligned and inside the caller's range; `vec` holds the
         // one byte `mincore` writes for one page. It reads page tables only.
@@ -146,4 +150,38 @@ pub(crate) fn resident_sample(
         resident += usize::from(vec & 1);
     }
     Some((resident, samples))
+}
+
+/// How many of `samples` pages spread evenly over `ptr..ptr+len` were written (a page of their
+/// own on some node: `move_pages`, which reports a page only read, mapped to the kernel's
+/// shared zero page, as absent), and how many were asked about. Where `move_pages` is refused
+/// (seccomp), [`resident_sample`], which counts a page only read as resident. `None` when the
+/// kernel refused both. Allocates nothing: one call per sampled page.
+pub(crate) fn written_sample(
+    ptr: NonNull<u8>,
+    len: usize,
+    samples: usize,
+) -> Option<(usize, usize)> {
+    let page = page_size();
+    let pages = len / page;
+    let samples = samples.min(pages);
+    if samples == 0 {
+        return None;
+    }
+    let mut written = 0;
+    for i in 0..samples {
+        let at = NonNull::new(
+            ptr.as_ptr()
+                .wrapping_add(sample_index(i, pages, samples) * page),
+        )?;
+        let mut node = -1;
+        // SAFETY: one page-aligned page inside the caller's range; `move_pages` without target
+        // nodes reads page tables only.
+        match unsafe { super::page_nodes(at, page, |_, n| node = n) } {
+            Ok(()) => written += usize::from(node >= 0),
+            Err(Error::NumaUnavailable { .. }) => return resident_sample(ptr, len, samples),
+            Err(_) => return None,
+        }
+    }
+    Some((written, samples))
 }
