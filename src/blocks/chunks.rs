@@ -77,6 +77,7 @@ impl CarvedPath<'_> {
         make: bool,
     ) -> Option<Block> {
         let kind = key.kind;
+        let strict = PinPolicy::of(self.blocks.settings.pin).strict();
         let mut made = false;
         let block = (|| {
             // Another thread may carve the new chunk first: then make another, twice at most.
@@ -84,9 +85,11 @@ impl CarvedPath<'_> {
                 let mut out = Released::default();
                 let carving = {
                     let mut arena = self.blocks.arena(target.host_node)?;
-                    if key.kind.pinned && arena.registration_failed_lately() {
+                    if key.kind.pinned && !strict && arena.registration_failed_lately() {
                         // `pin=on` after a failed registration: unpinned chunks for a while,
                         // rather than mapping and populating one to try again at each request.
+                        // The arenas are the process's: another value's failure must not
+                        // hand a `pin=strict` value unpinned memory.
                         key.kind = key.kind.without_pinning();
                     }
                     arena.settle_pending(self.blocks.settings.cache_limit, &mut out);

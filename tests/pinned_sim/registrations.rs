@@ -84,6 +84,36 @@ fn child_succeeded(pid: libc::pid_t) -> bool {
 }
 
 sim_test!(
+    /// The arenas are the process's: after a `pin=on` value's registration failed (injected),
+    /// its arena serves that value unpinned chunks for a while, but a `pin=strict` value
+    /// carving there still gets page-locked memory, never the other value's unpinned chunk.
+    another_values_failed_registration_never_unpins_a_strict_value,
+    env: [],
+    {
+        require!(
+            !sim::real_driver(),
+            "on the real driver: the failure is injected by the simulator"
+        );
+        let _ctx = context();
+        let layout = std::alloc::Layout::from_size_align(4 * MIB, 4096).unwrap();
+        let on = NumaGpuAlloc::new().pin(PinMode::On);
+        Sim::get().fail("cuMemHostRegister_v2", 2, 0, 1);
+        let unpinned = on.allocate(layout).expect("pin=on serves unpinned");
+        let s = on.stats();
+        assert_eq!((s.fallbacks.pin_failures, s.fallbacks.unpinned_blocks), (1, 1), "{s}");
+        let strict = NumaGpuAlloc::new().pin(PinMode::Strict);
+        let block = strict.allocate(layout).expect("pin=strict registers its own chunk");
+        let s = strict.stats();
+        assert_eq!((s.registrations, s.fallbacks.unpinned_blocks), (1, 0), "{s}");
+        // SAFETY: live with this layout, freed once each.
+        unsafe {
+            strict.deallocate(block.cast(), layout);
+            on.deallocate(unpinned.cast(), layout);
+        }
+    }
+);
+
+sim_test!(
     /// `pin=strict` with a GPU: a failed registration (injected: CUDA_ERROR_NOT_PERMITTED) fails
     /// the request and gives its mapping back; the next request is pinned.
     registration_failure_under_strict_fails_the_request,
