@@ -1,13 +1,17 @@
 //! Large-buffer churn in whole programs: five allocators, each the `#[global_allocator]` of its own
 //! child process, on eleven workloads of buffers at and above the 2 MiB threshold.
 //!
-//! `cargo bench --bench churn [-- --quick] [-- --runs N] [-- --workload a,c] [-- --json PATH]`
+//! `cargo bench --bench churn [-- --quick] [-- --runs N] [-- --warm-up] [-- --workload a,c]
+//! [-- --json PATH]`
 //!
 //! The driver (this binary with `CHURN_BENCH_ALLOCATOR` unset) runs this binary again once per
 //! workload, allocator and run, with `CHURN_BENCH_ALLOCATOR=<allocator> --child <workload>`; run 1
 //! of every allocator, then run 2 (starting at the next allocator, in the reverse order), and so
-//! on, so that a noisy minute falls on all of them; before run 1 (not under `--quick`), one
-//! untimed child of mimalloc takes the cost of the pages the host took back. Each
+//! on, so that a noisy minute falls on all of them. On a VM whose host takes freed memory back
+//! (free page reporting), the first child of a workload that needs more memory than the one
+//! before starts on pages the host must back again (cold), the next ones on the pages it just
+//! freed (warm): the rotation spreads that over the allocators; `--warm-up` runs one untimed
+//! mimalloc child before run 1, so that every measured child starts warm. Each
 //! child prints one line: wall seconds of the workload alone, user and system CPU seconds and peak
 //! RSS of the whole process (`getrusage`), and for ours its `stats()`. The driver prints, per
 //! workload, the median of each figure and the ratios with their targets. `--quick` (also the
@@ -159,13 +163,15 @@ fn med(samples: &[Sample], figure: impl Fn(&Sample) -> f64) -> f64 {
 struct Args {
     runs: Option<usize>,
     quick: bool,
+    warm_up: bool,
     workloads: Vec<&'static Workload>,
     json: Option<String>,
     child: Option<&'static Workload>,
 }
 
 const USAGE: &str =
-    "usage: cargo bench --bench churn -- [--quick] [--runs N] [--workload a,e,f] [--json PATH]";
+    "usage: cargo bench --bench churn -- [--quick] [--runs N] [--warm-up] [--workload a,e,f] \
+     [--json PATH]";
 
 fn workload(key: &str) -> Result<&'static Workload, String> {
     WORKLOADS
@@ -179,6 +185,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         runs: None,
         quick: false,
+        warm_up: false,
         workloads: Vec::new(),
         json: None,
         child: None,
@@ -191,6 +198,7 @@ fn parse_args() -> Result<Args, String> {
     while let Some(arg) = parser.next().map_err(|e| e.to_string())? {
         match arg {
             Long("quick") => args.quick = true,
+            Long("warm-up") => args.warm_up = true,
             Long("bench") => {}
             Long("runs") => {
                 let v = value(&mut parser)?;
@@ -271,10 +279,9 @@ fn drive(args: &Args, scale: &Scale) -> Result<(), String> {
             prepare(scale).map_err(|e| format!("({}) preparing: {e}", workload.key))?;
         }
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Peer::ALL.len()];
-        if !args.quick {
-            // An untimed child first: after a workload that needed less memory, the first child
-            // would pay alone for the pages this VM's host took back (free page reporting), and
-            // run 1 always starts at the same allocator. mimalloc's child touches the most.
+        if args.warm_up {
+            // An untimed child first, so that no measured child starts on memory the host took
+            // back (see the module's docs). mimalloc's child touches the most.
             measure(workload, Peer::Mimalloc, args.quick)?;
         }
         for run in 1..=runs {
