@@ -1,4 +1,5 @@
-//! Idle memory goes back to the kernel: free ranges idle for the decay time are purged
+//! What the arena gives back. Cached dedicated blocks beyond the budget are evicted, oldest
+//! first. Idle memory goes back to the kernel: free ranges idle for the decay time are purged
 //! (`MADV_DONTNEED`, outside the lock), chunks wholly free as long are released (pinned ones
 //! after ten times as long), and the same at once for memory pressure and `trim()`.
 //!
@@ -6,21 +7,67 @@
 //! (see the carver), so that none of these loops offers it again and again, and its bytes count
 //! as nothing to give back.
 
-use super::carve::Range;
-use super::{Arena, Purge, PurgeFailures, Released, Shortage, CHUNK_FIRST, PINNED_DECAY_FACTOR};
-use crate::chunk::Chunk;
+use super::{Arena, Dedicated, Purge, PurgeFailures, Released, Shortage, CLASSES_PER_DOUBLING};
+
+/// Wholly free pinned chunks decay this many times more slowly than unpinned memory: making one
+/// again costs a populate and a registration.
+const PINNED_DECAY_FACTOR: u64 = 10;
 
 impl Arena {
+    /// Caches a freed dedicated block, then evicts the oldest cached blocks while cached and
+    /// pending bytes exceed the budget (`limit`, and the live high-water mark, see
+    /// [`Self::budget`]). A block larger than the whole limit is evicted alone rather than
+    /// emptying the cache, and so is a page-locked block in a forked child. Pending blocks are
+    /// never evicted: GPU work may still use them.
+    pub(crate) fn cache(&mut self, dedicated: Dedicated, limit: usize, out: &mut Released) {
+        let in_child = self.in_child;
+        if self
+            .dedicated
+            .cache(dedicated, limit, in_child, &self.clock, out)
+        {
+            self.evict_beyond(limit, out);
+        }
+    }
+
+    /// Bytes the dedicated cache and the pending list may hold once `more` bytes more are live:
+    /// at most `limit`, and no more than keeps live, pending and cached bytes within 1/8 above
+    /// the most that was live and pending at once. Reuse never needs more (what was in use at
+    /// once fits).
+    fn budget(&self, limit: usize, more: usize) -> usize {
+        let live = self.live.bytes().saturating_add(more);
+        let peak = self.peak_in_use.max(live);
+        let roof = peak.saturating_add(peak / CLASSES_PER_DOUBLING as usize);
+        limit.min(roof.saturating_sub(live))
+    }
+
+    /// Evicts the oldest cached blocks beyond the budget a new dedicated block of `capacity` will
+    /// leave once live: before that block is mapped and populated, so that the blocks a phase of
+    /// the program stopped using (of sizes the next phase does not ask for) leave before the
+    /// next phase's memory comes in, and the process never holds both. Cached blocks within the
+    /// budget stay for reuse: together with what is live they fit in what was in use at once.
+    pub(crate) fn make_room(&mut self, capacity: usize, limit: usize, out: &mut Released) {
+        self.evict_to(self.budget(limit, capacity), out);
+    }
+
+    pub(super) fn evict_beyond(&mut self, limit: usize, out: &mut Released) {
+        self.evict_to(self.budget(limit, 0), out);
+    }
+
+    /// Evicts the oldest cached blocks while cached and pending bytes pass `budget`.
+    fn evict_to(&mut self, budget: usize, out: &mut Released) {
+        let pending = self.pending.bytes();
+        self.dedicated.evict_to(budget, pending, &self.clock, out);
+    }
+
+    // Idle memory.
+
     /// Idle memory: free ranges not used for `decay_ms` are purged, chunks wholly free for as
     /// long (pinned ones ten times as long) released. Looks at most four times per `decay_ms`;
     /// stops when `out` is full.
     pub(crate) fn decay(&mut self, decay_ms: u64, out: &mut Released) {
-        let now = self.now();
-        if now < self.next_decay {
-            return;
+        if self.clock.decay_due(decay_ms) {
+            self.release_idle(decay_ms, usize::MAX, Shortage::Memory, false, out);
         }
-        self.next_decay = now.saturating_add(decay_ms / 4);
-        self.release_idle(decay_ms, usize::MAX, Shortage::Memory, false, out);
     }
 
     /// Gives back memory idle for at least `age` milliseconds — chunks wholly free for as long
@@ -28,7 +75,7 @@ impl Arena {
     /// blocks — until `bytes` were given back or `out` is full; `Shortage::AddressSpace` counts
     /// only what unmaps (purging keeps the mapping). Reserved chunks go only with `everything`
     /// (trim, memory pressure). Returns the bytes given back.
-    pub(super) fn release_idle(
+    fn release_idle(
         &mut self,
         age: u64,
         bytes: usize,
@@ -36,13 +83,13 @@ impl Arena {
         everything: bool,
         out: &mut Released,
     ) -> usize {
-        let now = self.now();
+        let now = self.clock.now();
         let mut released = 0usize;
         let page_locked = want == Shortage::PageLocked;
         // The pinned limit: reservations keep their page-locked chunks.
         let everything = everything && !page_locked;
         for h in 0..self.heaps.len() {
-            let pinned = self.heaps[h].key.kind.pinned;
+            let pinned = self.heaps.pinned(h);
             // A forked child's pinned chunks are the parent's registrations: left alone.
             if (pinned && self.in_child) || (page_locked && !pinned) {
                 continue;
@@ -54,120 +101,48 @@ impl Arena {
             };
             if let Some(since) = now.checked_sub(chunk_age) {
                 let left = bytes - released.min(bytes);
-                released += self.release_free_chunks(h, since, everything, left, out);
+                released += self
+                    .heaps
+                    .release_free_chunks(h, since, everything, left, out);
             }
             if let Some(since) = now.checked_sub(age).filter(|_| !pinned) {
-                let purged = self.purge_idle(h, since, bytes - released.min(bytes), out);
+                let purged = self
+                    .heaps
+                    .purge_idle(h, since, bytes - released.min(bytes), out);
                 if want == Shortage::Memory {
                     released += purged;
                 }
             }
         }
-        let cached_by = now.saturating_sub(age);
-        while released < bytes && !out.blocks.is_full() && age != u64::MAX {
-            let old = self
-                .cached
-                .pop_cached_where(cached_by, |block| !page_locked || block.kind.pinned);
-            let Some(old) = old else {
-                break;
-            };
-            released += old.block.capacity;
-            self.evict(old, out);
+        if age != u64::MAX {
+            let cached_by = now.saturating_sub(age);
+            let left = bytes.saturating_sub(released);
+            released += self
+                .dedicated
+                .release_idle(cached_by, left, page_locked, &self.clock, out);
         }
         released
     }
 
-    /// Takes the chunks of heap `h` wholly free since `since` out, into `out`; reserved chunks
-    /// only when everything idle goes (`everything`: trim, memory pressure).
-    pub(super) fn release_free_chunks(
-        &mut self,
-        h: usize,
-        since: u64,
-        everything: bool,
-        bytes: usize,
-        out: &mut Released,
-    ) -> usize {
-        let mut released = 0;
-        let heap = &mut self.heaps[h];
-        while released < bytes && !out.chunks.is_full() {
-            let (carver, chunks) = (&heap.carver, &heap.chunks);
-            let idle = carver
-                .regions()
-                .map(|(region, _, _)| region)
-                .filter(|&region| {
-                    everything
-                        || !chunks
-                            .get(region as usize)
-                            .and_then(Option::as_ref)
-                            .is_some_and(Chunk::reserved)
-                })
-                .find(|&region| carver.wholly_free(region).is_some_and(|t| t <= since));
-            let Some(chunk) = idle
-                .and_then(|region| heap.carver.remove_region(region).map(|_| region))
-                .and_then(|region| heap.chunks.get_mut(region as usize)?.take())
-            else {
-                break;
-            };
-            released += chunk.len();
-            // Growth starts over when the heap is empty again.
-            heap.next_chunk = if heap.carver.regions().next().is_none() {
-                CHUNK_FIRST
-            } else {
-                (heap.next_chunk / 2).max(CHUNK_FIRST)
-            };
-            let _ = out.chunks.push(chunk);
+    /// Gives the oldest idle memory back while idle memory that may be resident (dirty free
+    /// ranges, cached dedicated blocks) is above `limit`.
+    pub(super) fn hold_within(&mut self, limit: usize, out: &mut Released) {
+        // Pinned chunks' free space cannot be purged: it does not count (it decays whole).
+        let idle = self.heaps.idle_unpinned() + self.dedicated.cached.bytes();
+        if idle > limit {
+            self.release_idle(0, idle - limit, Shortage::Memory, false, out);
         }
-        released
-    }
-
-    /// Takes the free ranges of heap `h` idle since `since` out of its carver, and hands their
-    /// resident granules to `out` to purge.
-    pub(super) fn purge_idle(
-        &mut self,
-        h: usize,
-        since: u64,
-        bytes: usize,
-        out: &mut Released,
-    ) -> usize {
-        let mut released = 0;
-        let heap = &mut self.heaps[h];
-        while released < bytes && !out.purges.is_full() {
-            let Some(range) = heap.carver.take_idle(since) else {
-                break;
-            };
-            let planned = heap.chunk_mut(range.region).and_then(|chunk| {
-                let span = chunk.plan_purge(range.addr, range.size)?;
-                Some((span, chunk.source()))
-            });
-            match planned {
-                Some((span, source)) => {
-                    released += span.len;
-                    heap.purged += span.len as u64;
-                    let _ = out.purges.push(Purge {
-                        heap: h,
-                        range,
-                        span,
-                        source,
-                    });
-                }
-                // Nothing resident in it: back at once.
-                None => {
-                    let _ = heap.carver.give_back_clean(range.handle, range.addr);
-                }
-            }
-        }
-        released
     }
 
     /// Takes the free ranges of unpinned chunks idle for at least `age` milliseconds out, into
     /// `out`, to purge (the decay thread: chunks and cached blocks stay).
     pub(crate) fn purge_idle_ranges(&mut self, age: u64, out: &mut Released) {
-        let Some(since) = self.now().checked_sub(age) else {
+        let Some(since) = self.clock.now().checked_sub(age) else {
             return;
         };
         for h in 0..self.heaps.len() {
-            if !self.heaps[h].key.kind.pinned {
-                self.purge_idle(h, since, usize::MAX, out);
+            if !self.heaps.pinned(h) {
+                self.heaps.purge_idle(h, since, usize::MAX, out);
             }
         }
     }
@@ -175,16 +150,10 @@ impl Arena {
     /// Takes cached dedicated blocks cached at least `age` milliseconds ago out, into `out`, to
     /// release (the decay thread; counted in the node's `decay_released`).
     pub(crate) fn release_idle_dedicated(&mut self, age: u64, out: &mut Released) {
-        let Some(since) = self.now().checked_sub(age) else {
+        let Some(since) = self.clock.now().checked_sub(age) else {
             return;
         };
-        while !out.blocks.is_full() {
-            let Some(block) = self.cached.pop_cached_by(since) else {
-                break;
-            };
-            self.decay_released += 1;
-            self.evict(block, out);
-        }
+        self.dedicated.release_cached_by(since, &self.clock, out);
     }
 
     /// Gives back idle memory for a request that failed for want of `bytes`: free ranges and
@@ -214,63 +183,17 @@ impl Arena {
     /// pinned chunks not reserved; and cached dedicated blocks (pinned ones for page-locked
     /// bytes).
     pub(crate) fn releasable(&self, want: Shortage) -> usize {
-        let chunks: usize = self
-            .heaps
-            .iter()
-            .map(|h| match want {
-                Shortage::AddressSpace => h.carver.stats().free_bytes,
-                Shortage::Memory if h.key.kind.pinned => h.wholly_free_bytes(),
-                Shortage::Memory => h.idle_resident(),
-                Shortage::PageLocked if h.key.kind.pinned => h.wholly_free_unreserved_bytes(),
-                Shortage::PageLocked => 0,
-            })
-            .sum();
+        let chunks = self.heaps.releasable(want);
         let cached = match want {
-            Shortage::PageLocked => self.cached.pinned_bytes(),
-            _ => self.cached.bytes(),
+            Shortage::PageLocked => self.dedicated.cached.pinned_bytes(),
+            _ => self.dedicated.cached.bytes(),
         };
         chunks + cached
     }
 
-    /// Takes back ranges purged outside the lock: free again, and known to be zero.
-    ///
-    /// Each comes with whether its purge worked: one that failed (`MADV_DONTNEED` refuses locked
-    /// memory) keeps its data, so it goes back dirty and resident, and unpurgeable: not offered
-    /// again until it merges with another range; its bytes no longer count as purged. A range
-    /// still touching a resident granule (one shared with a neighbour, purged with neither) goes
-    /// back dirty too, so that a later merge purges it. Returns the purges that failed.
+    /// Takes back ranges purged outside the lock: free again, and known to be zero (see
+    /// [`Heaps::purged`](super::heaps::Heaps::purged)). Returns the purges that failed.
     pub(crate) fn purged(&mut self, purges: impl Iterator<Item = (Purge, bool)>) -> PurgeFailures {
-        let now = self.now();
-        let mut failed = PurgeFailures::default();
-        for (purge, done) in purges {
-            let Some(heap) = self.heaps.get_mut(purge.heap) else {
-                continue;
-            };
-            let Range {
-                addr,
-                size,
-                region,
-                handle,
-            } = purge.range;
-            if !done {
-                if let Some(chunk) = heap.chunk_mut(region) {
-                    chunk.purge_failed(purge.span);
-                }
-                heap.purged = heap.purged.saturating_sub(purge.span.len as u64);
-                failed.count += 1;
-                failed.bytes += purge.span.len;
-                let _ = heap.carver.give_back_unpurged(handle, addr);
-                continue;
-            }
-            let resident = heap
-                .chunk_mut(region)
-                .is_some_and(|chunk| chunk.any_resident(addr, size));
-            let _ = if resident {
-                heap.carver.free(handle, addr, now)
-            } else {
-                heap.carver.give_back_clean(handle, addr)
-            };
-        }
-        failed
+        self.heaps.purged(purges, self.clock.now())
     }
 }

@@ -1,42 +1,136 @@
-//! Carving: blocks cut from a heap's chunks, given back to them (or to the pending list while
-//! GPU work uses them), grown and shrunk where they lie; chunks added as they are made.
+//! The heaps: for each kind of chunk, its chunks and the carver over them. Blocks are carved
+//! from them, given back, grown and shrunk where they lie; chunks are added as they are made,
+//! and taken out again when wholly free; idle free ranges are taken out to purge.
 //!
 //! Unsafe code here relies on the carver: a range it just handed out (or a block just grew
 //! into) is nobody's but the caller's.
 #![allow(unsafe_code)]
 
-use super::carve::Carver;
-use super::index::CacheIndex;
-use super::settle;
-use super::{
-    Arena, Backing, Block, Carving, Dedicated, Heap, HeapKey, Live, Released, Shortage, Slot,
-    CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX,
-};
+use super::block::{Block, Carving, HeapKey, Shortage, Slot};
+use super::carve::{Carver, Range};
+use super::released::{Purge, PurgeFailures, Released};
+use super::{CHUNK_ALIGN, CHUNK_FIRST, CHUNK_MAX};
 use crate::chunk::{Chunk, Part, Span};
+use crate::stats::HeapStats;
 
-impl Arena {
-    /// Carves `size` bytes (a multiple of the page size) at a multiple of `align` from a chunk of
-    /// `key`, and records the block live for `for_gpu`. `Ok(None)`: no chunk has room (make one,
-    /// [`Self::add_chunk`]); `Err(())`: the bookkeeping could not grow.
-    pub(crate) fn carve(
+/// The chunks of one [`HeapKey`] and their carver.
+struct Heap {
+    key: HeapKey,
+    carver: Carver,
+    /// By carver region id.
+    chunks: Vec<Option<Chunk>>,
+    /// The length of the next chunk made (doubling, up to [`CHUNK_MAX`]).
+    next_chunk: usize,
+    /// Chunks made, and registered, over the heap's life.
+    chunks_made: u64,
+    registrations: u64,
+    /// Bytes given back to the kernel by purging idle free ranges.
+    purged: u64,
+}
+
+impl Heap {
+    /// Resident bytes of the chunks not in live or pending blocks (granules shared with a block
+    /// count as the block's) that giving back could free: free ranges whose purge failed count
+    /// only when their chunk is wholly free (released, not purged).
+    fn idle_resident(&self) -> usize {
+        let resident: usize = self.chunks.iter().flatten().map(Chunk::resident).sum();
+        resident.saturating_sub(self.carver.used_bytes() + self.carver.unpurgeable_bytes())
+    }
+
+    /// Bytes of the chunks that are wholly free.
+    fn wholly_free_bytes(&self) -> usize {
+        self.wholly_free_where(|_| true)
+    }
+
+    /// Bytes of the chunks that are wholly free and not reserved.
+    fn wholly_free_unreserved_bytes(&self) -> usize {
+        self.wholly_free_where(|chunk| !chunk.is_some_and(Chunk::reserved))
+    }
+
+    fn wholly_free_where(&self, wanted: impl Fn(Option<&Chunk>) -> bool) -> usize {
+        let carver = &self.carver;
+        carver
+            .regions()
+            .filter(|&(region, _, _)| carver.wholly_free(region).is_some())
+            .filter(|&(region, _, _)| {
+                wanted(self.chunks.get(region as usize).and_then(Option::as_ref))
+            })
+            .map(|(_, _, len)| len)
+            .sum()
+    }
+
+    fn chunk_mut(&mut self, region: u32) -> Option<&mut Chunk> {
+        self.chunks.get_mut(region as usize)?.as_mut()
+    }
+
+    /// Its row of the stats, for a heap of `node`.
+    fn stats(&self, node: usize) -> HeapStats {
+        let carver = self.carver.stats();
+        let resident: usize = self.chunks.iter().flatten().map(Chunk::resident).sum();
+        HeapStats {
+            node,
+            policy: self.key.kind.policy,
+            pinned: self.key.kind.pinned,
+            huge_pages: self.key.huge,
+            reserved: self.key.reserved,
+            chunks: carver.regions,
+            mapped_bytes: carver.region_bytes,
+            resident_bytes: resident,
+            pinned_bytes: if self.key.kind.pinned {
+                carver.region_bytes
+            } else {
+                0
+            },
+            free_bytes: carver.free_bytes,
+            free_ranges: carver.free_ranges,
+            largest_free: carver.largest_free,
+            chunks_made: self.chunks_made,
+            registrations: self.registrations,
+            purged_bytes: self.purged,
+        }
+    }
+}
+
+/// Every heap of one arena, in the order they were made: a [`Slot`] and a [`Purge`] name their
+/// heap by its index here.
+#[derive(Default)]
+pub(super) struct Heaps {
+    heaps: Vec<Heap>,
+}
+
+impl Heaps {
+    /// The index of the heap of `key`.
+    pub(super) fn index(&self, key: HeapKey) -> Option<usize> {
+        self.heaps.iter().position(|h| h.key == key)
+    }
+
+    /// Number of heaps.
+    pub(super) fn len(&self) -> usize {
+        self.heaps.len()
+    }
+
+    /// Whether heap `h`'s chunks are page-locked.
+    pub(super) fn pinned(&self, h: usize) -> bool {
+        self.heaps[h].key.kind.pinned
+    }
+
+    /// Carves `size` bytes at a multiple of `align` from heap `h`, for a block on `node` live for
+    /// GPU `for_gpu`: its slot, and the carving for the caller. `Ok(None)`: no chunk has room;
+    /// `Err(())`: the carver's table could not grow.
+    pub(super) fn carve(
         &mut self,
-        key: HeapKey,
+        h: usize,
         size: usize,
         align: usize,
+        node: usize,
         for_gpu: Option<u32>,
-    ) -> Result<Option<Carving>, ()> {
-        // In a forked child pinned chunks are the parent's registrations: never handed out again.
-        let Some(heap) = self
-            .heap_index(key)
-            .filter(|_| !(self.in_child && key.kind.pinned))
-        else {
+    ) -> Result<Option<(Slot, Carving)>, ()> {
+        let heap = &mut self.heaps[h];
+        let Some(range) = heap.carver.carve(size, align).map_err(drop)? else {
             return Ok(None);
         };
-        self.live.try_reserve(1).map_err(drop)?;
-        let Some(range) = self.heaps[heap].carver.carve(size, align).map_err(drop)? else {
-            return Ok(None);
-        };
-        let Some(chunk) = self.heaps[heap].chunk_mut(range.region) else {
+        let kind = heap.key.kind;
+        let Some(chunk) = heap.chunk_mut(range.region) else {
             // Cannot happen: every region has its chunk. Keep the range out of use.
             return Ok(None);
         };
@@ -54,50 +148,35 @@ impl Arena {
         let block = Block {
             addr: range.addr,
             capacity: range.size,
-            node: self.node,
-            kind: key.kind,
+            node,
+            kind,
             routed_for: for_gpu,
         };
         let slot = Slot {
-            heap,
+            heap: h,
             region: range.region,
             handle: range.handle,
         };
-        self.insert_live(block, Backing::Carved(slot));
-        Ok(Some(Carving {
+        let carving = Carving {
             block,
             part,
             populate,
             dirty,
-        }))
-    }
-
-    /// Takes back a carved block whose populate failed, unused (its granules stay marked as
-    /// may-be-resident: populating may have got some of them in).
-    pub(crate) fn populate_failed(&mut self, block: Block) {
-        let Some(live) = self.remove_live(block.addr) else {
-            return;
         };
-        if let Backing::Carved(slot) = live.backing {
-            let now = self.now();
-            let _ = self.heaps[slot.heap]
-                .carver
-                .free(slot.handle, block.addr, now);
-        }
+        Ok(Some((slot, carving)))
     }
 
     /// How long the next chunk of `key` is for a request that needs `need` bytes of it.
-    pub(crate) fn next_chunk_len(&self, key: HeapKey, need: usize) -> usize {
+    pub(super) fn next_chunk_len(&self, key: HeapKey, need: usize) -> usize {
         let next = self
-            .heap_index(key)
+            .index(key)
             .map_or(CHUNK_FIRST, |h| self.heaps[h].next_chunk);
         next.max(need.next_multiple_of(CHUNK_ALIGN))
     }
 
-    /// Adds a chunk made for `key` outside the lock; gives it back when the bookkeeping could not
-    /// grow (the caller releases it).
-    pub(crate) fn add_chunk(&mut self, key: HeapKey, chunk: Chunk) -> Result<(), Chunk> {
-        let heap = match self.heap_index(key) {
+    /// Adds a chunk made for `key` at `now`; gives it back when the bookkeeping could not grow.
+    pub(super) fn add_chunk(&mut self, key: HeapKey, chunk: Chunk, now: u64) -> Result<(), Chunk> {
+        let heap = match self.index(key) {
             Some(heap) => heap,
             None => {
                 if self.heaps.try_reserve(1).is_err() {
@@ -115,7 +194,6 @@ impl Arena {
                 self.heaps.len() - 1
             }
         };
-        let now = self.now();
         let heap = &mut self.heaps[heap];
         if heap.chunks.try_reserve(1).is_err() {
             return Err(chunk);
@@ -134,117 +212,38 @@ impl Arena {
         Ok(())
     }
 
-    /// Moves pending blocks whose work has completed back (evicting beyond `limit` into `out`).
-    /// Polls, never waits: O(pending).
-    pub(crate) fn settle_pending(&mut self, limit: usize, out: &mut Released) {
-        if self.pinned_cache_stale {
-            self.pinned_cache_stale = false;
-            let mut kept = CacheIndex::default();
-            // Room for all of them; short of it, `out` takes what does not fit.
-            let _ = kept.reserve(self.cached.len() + self.live_dedicated + self.pending.len());
-            while let Some(cached) = self.cached.pop_oldest() {
-                let cached = if cached.block.kind.pinned {
-                    self.forget_pinned(&cached.block);
-                    match out.blocks.push(cached) {
-                        Ok(()) => continue,
-                        Err(cached) => cached,
-                    }
-                } else {
-                    cached
-                };
-                if let Err(cached) = kept.insert(cached, 0) {
-                    if let Err(cached) = out.blocks.push(cached) {
-                        Dedicated::leave_mapped(cached);
-                    }
-                }
-            }
-            self.cached = kept;
-        }
-        if self.pending.len() == 0 {
-            return;
-        }
-        let now = self.now();
-        let mut cursor = 0;
-        while let Some((block, backing)) = self.pending.take_ready(&mut cursor) {
-            self.give_back(block, backing, now, limit, out);
-        }
+    /// Frees the carved block at `addr` back to its carver, dirty, stamped `now`.
+    pub(super) fn free(&mut self, slot: Slot, addr: usize, now: u64) {
+        let _ = self.heaps[slot.heap].carver.free(slot.handle, addr, now);
     }
 
-    /// A freed block without work in flight: back to its carver, or into the dedicated cache.
-    pub(super) fn give_back(
-        &mut self,
-        block: Block,
-        backing: Backing,
-        now: u64,
-        limit: usize,
-        out: &mut Released,
-    ) {
-        match backing {
-            Backing::Carved(slot) => {
-                let heap = &mut self.heaps[slot.heap];
-                let reserved = heap.chunk_mut(slot.region).is_some_and(|c| c.reserved());
-                // A reserved chunk's free space is not idle: out of the decay's sight.
-                let _ = if reserved {
-                    heap.carver.give_back_clean(slot.handle, block.addr)
-                } else {
-                    heap.carver.free(slot.handle, block.addr, now)
-                };
-            }
-            Backing::Dedicated(memory) => self.cache(Dedicated { block, memory }, limit, out),
-        }
-    }
-
-    /// Takes back a freed block: pending while any of its work is not complete, else back to its
-    /// carver or cached (see [`Self::cache`]). Allocates nothing.
-    pub(crate) fn free(&mut self, mut live: Live, limit: usize, out: &mut Released) {
-        if settle(&mut live.work) {
-            let now = self.now();
-            self.give_back(live.block, live.backing, now, limit, out);
-            self.hold_within(limit, out);
-        } else {
-            self.pending.push(live.block, live.backing, live.work);
-            self.evict_beyond(limit, out);
-        }
-    }
-
-    /// Gives the oldest idle memory back while idle memory that may be resident (dirty free
-    /// ranges, cached dedicated blocks) is above `limit`.
-    pub(super) fn hold_within(&mut self, limit: usize, out: &mut Released) {
-        // Pinned chunks' free space cannot be purged: it does not count (it decays whole).
-        let unpinned = self.heaps.iter().filter(|h| !h.key.kind.pinned);
-        let idle = unpinned.map(Heap::idle_resident).sum::<usize>() + self.cached.bytes();
-        if idle > limit {
-            self.release_idle(0, idle - limit, Shortage::Memory, false, out);
-        }
-    }
-
-    /// Grows or shrinks the live carved block at `addr` to `new_size` bytes (a multiple of the
-    /// page size) where it lies: into the free range after it, or by freeing its tail. `Some`
-    /// with the span to populate (growth into granules never resident); `None`: not carved, or
-    /// no room (nothing changed).
-    pub(crate) fn resize_carved(
-        &mut self,
-        addr: usize,
-        new_size: usize,
-    ) -> Option<Option<Part<'static>>> {
-        let live = self.live.get_mut(&addr)?;
-        // A tail GPU work may still use must not be carved again: such a block moves instead.
-        if new_size < live.block.capacity && !live.work.is_empty() {
-            if !settle(&mut live.work) {
-                return None;
-            }
-            self.live_with_work = self.live_with_work.saturating_sub(1);
-        }
-        let live = self.live.get(&addr)?;
-        let (Backing::Carved(slot), old) = (&live.backing, live.block) else {
-            return None;
-        };
-        let slot = *slot;
-        let now = self.now();
+    /// Gives a freed carved block at `addr` back to its carver: idle since `now`, but in a
+    /// reserved chunk, whose free space is not idle.
+    pub(super) fn give_back(&mut self, slot: Slot, addr: usize, now: u64) {
         let heap = &mut self.heaps[slot.heap];
-        let resized = if new_size > old.capacity {
+        let reserved = heap.chunk_mut(slot.region).is_some_and(|c| c.reserved());
+        // A reserved chunk's free space is not idle: out of the decay's sight.
+        let _ = if reserved {
+            heap.carver.give_back_clean(slot.handle, addr)
+        } else {
+            heap.carver.free(slot.handle, addr, now)
+        };
+    }
+
+    /// Grows or shrinks the carved block at `addr` of `old` bytes to `new_size` where it lies
+    /// (see [`Arena::resize_carved`](super::Arena::resize_carved)): `None` when there is no room.
+    pub(super) fn resize(
+        &mut self,
+        slot: Slot,
+        addr: usize,
+        old: usize,
+        new_size: usize,
+        now: u64,
+    ) -> Option<Option<Part<'static>>> {
+        let heap = &mut self.heaps[slot.heap];
+        let resized = if new_size > old {
             heap.carver.grow_in_place(slot.handle, addr, new_size)
-        } else if new_size < old.capacity {
+        } else if new_size < old {
             heap.carver
                 .shrink_in_place(slot.handle, addr, new_size, now)
                 .unwrap_or(false)
@@ -254,8 +253,8 @@ impl Arena {
         if !resized {
             return None;
         }
-        let populate = if new_size > old.capacity {
-            let grown = (addr + old.capacity, new_size - old.capacity);
+        let populate = if new_size > old {
+            let grown = (addr + old, new_size - old);
             heap.chunk_mut(slot.region).and_then(|chunk| {
                 let span = chunk.plan_populate(grown.0, grown.1);
                 let _ = chunk.hand_out(grown.0, grown.1);
@@ -266,21 +265,168 @@ impl Arena {
         } else {
             None
         };
-        self.account(&old, false);
-        let new = Block {
-            capacity: new_size,
-            ..old
-        };
-        self.account(&new, true);
-        if let Some(live) = self.live.get_mut(&addr) {
-            live.block = new;
-        }
-        self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes());
         Some(populate)
     }
 
-    /// Undoes a growth in place whose populate failed: the block is `old` again.
-    pub(crate) fn grow_failed(&mut self, old: Block) {
-        let _ = self.resize_carved(old.addr, old.capacity);
+    /// The start of the carved range in use that contains `addr`.
+    pub(super) fn used_start(&self, addr: usize) -> Option<usize> {
+        self.heaps
+            .iter()
+            .find_map(|h| h.carver.used_containing(addr))
+            .map(|range| range.addr)
+    }
+
+    /// Resident idle bytes of the unpinned heaps (pinned chunks' free space cannot be purged: it
+    /// decays whole).
+    pub(super) fn idle_unpinned(&self) -> usize {
+        let unpinned = self.heaps.iter().filter(|h| !h.key.kind.pinned);
+        unpinned.map(Heap::idle_resident).sum()
+    }
+
+    /// One row of the stats per heap, for the arena of `node`.
+    pub(super) fn rows(&self, node: usize) -> impl Iterator<Item = HeapStats> + '_ {
+        self.heaps.iter().map(move |heap| heap.stats(node))
+    }
+
+    /// Takes the chunks of heap `h` wholly free since `since` out, into `out`; reserved chunks
+    /// only when everything idle goes (`everything`: trim, memory pressure).
+    pub(super) fn release_free_chunks(
+        &mut self,
+        h: usize,
+        since: u64,
+        everything: bool,
+        bytes: usize,
+        out: &mut Released,
+    ) -> usize {
+        let mut released = 0;
+        let heap = &mut self.heaps[h];
+        while released < bytes && !out.chunks.is_full() {
+            let (carver, chunks) = (&heap.carver, &heap.chunks);
+            let idle = carver
+                .regions()
+                .map(|(region, _, _)| region)
+                .filter(|&region| {
+                    everything
+                        || !chunks
+                            .get(region as usize)
+                            .and_then(Option::as_ref)
+                            .is_some_and(Chunk::reserved)
+                })
+                .find(|&region| carver.wholly_free(region).is_some_and(|t| t <= since));
+            let Some(chunk) = idle
+                .and_then(|region| heap.carver.remove_region(region).map(|_| region))
+                .and_then(|region| heap.chunks.get_mut(region as usize)?.take())
+            else {
+                break;
+            };
+            released += chunk.len();
+            // Growth starts over when the heap is empty again.
+            heap.next_chunk = if heap.carver.regions().next().is_none() {
+                CHUNK_FIRST
+            } else {
+                (heap.next_chunk / 2).max(CHUNK_FIRST)
+            };
+            let _ = out.chunks.push(chunk);
+        }
+        released
+    }
+
+    /// Takes the free ranges of heap `h` idle since `since` out of its carver, and hands their
+    /// resident granules to `out` to purge.
+    pub(super) fn purge_idle(
+        &mut self,
+        h: usize,
+        since: u64,
+        bytes: usize,
+        out: &mut Released,
+    ) -> usize {
+        let mut released = 0;
+        let heap = &mut self.heaps[h];
+        while released < bytes && !out.purges.is_full() {
+            let Some(range) = heap.carver.take_idle(since) else {
+                break;
+            };
+            let planned = heap.chunk_mut(range.region).and_then(|chunk| {
+                let span = chunk.plan_purge(range.addr, range.size)?;
+                Some((span, chunk.source()))
+            });
+            match planned {
+                Some((span, source)) => {
+                    released += span.len;
+                    heap.purged += span.len as u64;
+                    let _ = out.purges.push(Purge {
+                        heap: h,
+                        range,
+                        span,
+                        source,
+                    });
+                }
+                // Nothing resident in it: back at once.
+                None => {
+                    let _ = heap.carver.give_back_clean(range.handle, range.addr);
+                }
+            }
+        }
+        released
+    }
+
+    /// Bytes of the chunks that giving idle memory back could free now for a request short of
+    /// `want` (see [`Arena::releasable`](super::Arena::releasable)).
+    pub(super) fn releasable(&self, want: Shortage) -> usize {
+        self.heaps
+            .iter()
+            .map(|h| match want {
+                Shortage::AddressSpace => h.carver.stats().free_bytes,
+                Shortage::Memory if h.key.kind.pinned => h.wholly_free_bytes(),
+                Shortage::Memory => h.idle_resident(),
+                Shortage::PageLocked if h.key.kind.pinned => h.wholly_free_unreserved_bytes(),
+                Shortage::PageLocked => 0,
+            })
+            .sum()
+    }
+
+    /// Takes back ranges purged outside the lock at `now`: free again, and known to be zero.
+    ///
+    /// Each comes with whether its purge worked: one that failed (`MADV_DONTNEED` refuses locked
+    /// memory) keeps its data, so it goes back dirty and resident, and unpurgeable: not offered
+    /// again until it merges with another range; its bytes no longer count as purged. A range
+    /// still touching a resident granule (one shared with a neighbour, purged with neither) goes
+    /// back dirty too, so that a later merge purges it. Returns the purges that failed.
+    pub(super) fn purged(
+        &mut self,
+        purges: impl Iterator<Item = (Purge, bool)>,
+        now: u64,
+    ) -> PurgeFailures {
+        let mut failed = PurgeFailures::default();
+        for (purge, done) in purges {
+            let Some(heap) = self.heaps.get_mut(purge.heap) else {
+                continue;
+            };
+            let Range {
+                addr,
+                size,
+                region,
+                handle,
+            } = purge.range;
+            if !done {
+                if let Some(chunk) = heap.chunk_mut(region) {
+                    chunk.purge_failed(purge.span);
+                }
+                heap.purged = heap.purged.saturating_sub(purge.span.len as u64);
+                failed.count += 1;
+                failed.bytes += purge.span.len;
+                let _ = heap.carver.give_back_unpurged(handle, addr);
+                continue;
+            }
+            let resident = heap
+                .chunk_mut(region)
+                .is_some_and(|chunk| chunk.any_resident(addr, size));
+            let _ = if resident {
+                heap.carver.free(handle, addr, now)
+            } else {
+                heap.carver.give_back_clean(handle, addr)
+            };
+        }
+        failed
     }
 }

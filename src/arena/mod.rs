@@ -1,7 +1,8 @@
 //! The per-node arena: chunks of each kind with the carver that carves blocks of any size from
-//! them (`carve/`), the dedicated blocks (too large to carve, or growing) and their cache
-//! (`index.rs`), blocks waiting for GPU work (`pending.rs`), idle memory's decay, and per-node
-//! accounting.
+//! them (`heaps.rs`, `carve/`), the dedicated blocks (too large to carve, or growing) and their
+//! cache (`dedicated.rs`, `index.rs`), the live blocks and their accounting (`live.rs`), blocks
+//! waiting for GPU work (`pending.rs`), and idle memory's decay (`decay.rs`, `clock.rs`). What a
+//! block is lives in `block.rs`; [`Arena`] holds one of each and is their one entry point.
 //!
 //! There is one arena per NUMA node for the whole process (`process/nodes.rs`), shared by every
 //! allocator value. An arena is only touched under its lock (`sys/lock.rs`), from inside the
@@ -14,37 +15,34 @@
 //! GPU work into a pending list whose room was reserved when the work was recorded, and what is
 //! to be released is handed out in fixed-size arrays.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-use std::time::Instant;
-
+mod block;
 mod carve;
+mod clock;
 mod decay;
 mod dedicated;
 mod heaps;
 mod index;
+mod live;
 mod pending;
 mod released;
-mod report;
 
-use carve::{Carver, Handle};
-use index::CacheIndex;
+use block::Backing;
+pub(crate) use block::{Block, Carving, Dedicated, Fit, HeapKey, Kind, Shortage};
+use clock::Clock;
+use dedicated::DedicatedBlocks;
+use heaps::Heaps;
+use live::{Live, LiveSet};
 #[cfg(test)]
 pub(crate) use pending::double as pending_double;
 use pending::PendingList;
-pub(crate) use pending::{settle, InFlight, Work};
+pub(crate) use pending::{settle, InFlight};
 pub(crate) use released::{count_release, Purge, PurgeFailures, Released};
 
-use crate::chunk::{Chunk, Memory, Part, Span};
-use crate::cuda::RegisterFlags;
-use crate::stats::GpuStats;
-use crate::sys::MemPolicy;
+use crate::chunk::{Chunk, Part};
+use crate::stats::{GpuStats, HeapStats, NodeStats};
 
 /// Size classes per power of two: with 8, rounding wastes at most 1/8 = 12.5% of a request.
 const CLASSES_PER_DOUBLING: u32 = 8;
-/// How many times its size a cached block handed to a growing block may be ([`Fit::for_growth`]):
-/// four covers two doublings, which a dedicated block makes in place.
-const GROWTH_ROOM: usize = 4;
 
 /// The largest chunk, and the most one registration covers.
 pub(crate) const CHUNK_MAX: usize = 1 << 30;
@@ -56,12 +54,6 @@ pub(crate) const CHUNK_ALIGN: usize = 2 << 20;
 /// pages (`mremap`) rather than by copying (a `Vec` growing to 256 MiB: 0.49× mimalloc's time,
 /// where carving every size up to 512 MiB took 1.02×).
 pub(crate) const DEDICATED_MIN: usize = 64 << 20;
-/// After a chunk's registration failed under `pin=on`, requests for page-locked blocks are served
-/// unpinned for this long (milliseconds) before registering is tried again.
-const REGISTRATION_RETRY_MS: u64 = 1000;
-/// Wholly free pinned chunks decay this many times more slowly than unpinned memory: making one
-/// again costs a populate and a registration.
-const PINNED_DECAY_FACTOR: u64 = 10;
 
 /// The capacity given to a dedicated request of `size` bytes: `size` rounded up to one of 8
 /// classes per power of two, and to whole pages.
@@ -73,321 +65,26 @@ pub(crate) fn class_size(size: usize, page_size: usize) -> Option<usize> {
     size.checked_next_multiple_of(step)
 }
 
-/// What a block was made with, beyond its node and size: a block serves only requests that ask
-/// for the same. The GPU whose context registered a block is not part of it: blocks are
-/// registered PORTABLE, so every GPU's context may use them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct Kind {
-    /// The `mbind` policy asked for (a block left unplaced, which is counted, keeps it: it
-    /// serves the same requests as a placed one would).
-    pub(crate) policy: MemPolicy,
-    /// Registered with CUDA, with these flags (default when not pinned).
-    pub(crate) pinned: bool,
-    pub(crate) flags: RegisterFlags,
-    /// Pages faulted in where touched, not populated when handed out (unpinned only): such
-    /// blocks and chunks never serve a value that populates, nor the other way round, so that
-    /// a granule marked populated is resident for every value carving it.
-    pub(crate) lazy: bool,
-    /// Pages checked to be on the policy's nodes when populated (`verify=on`): a value that
-    /// checks takes no granule another value populated unchecked.
-    pub(crate) verified: bool,
-}
-
-impl Kind {
-    /// An unpinned block under `policy`, populated when handed out.
-    pub(crate) const fn unpinned(policy: MemPolicy) -> Kind {
-        Kind {
-            policy,
-            pinned: false,
-            flags: RegisterFlags {
-                devicemap: false,
-                read_only: false,
-            },
-            lazy: false,
-            verified: false,
-        }
-    }
-}
-
-impl Kind {
-    /// The same kind unpinned (a registration that failed under `pin=on`).
-    pub(crate) fn without_pinning(self) -> Kind {
-        Kind {
-            pinned: false,
-            flags: RegisterFlags::default(),
-            ..self
-        }
-    }
-}
-
-impl Default for Kind {
-    /// An unpinned block under the default policy.
-    fn default() -> Self {
-        Kind::unpinned(MemPolicy::Preferred)
-    }
-}
-
-/// The chunks one request may be carved from: its kind, whether they are huge-page chunks (for
-/// blocks of 2 MiB and more) or small-page ones, and whether a reservation of bytes made them
-/// (a heap of its own, populated whole, that serves requests of every size first).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct HeapKey {
-    pub(crate) kind: Kind,
-    pub(crate) huge: bool,
-    pub(crate) reserved: bool,
-}
-
-/// What a request that failed for want of memory needs given back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Shortage {
-    /// Memory (a failed populate, a cgroup limit): purging resident free space helps.
-    Memory,
-    /// Address space (a failed `mmap`): only unmapping helps.
-    AddressSpace,
-    /// Page-locked bytes (the pinned limit): only unregistering helps, and reserved chunks stay.
-    PageLocked,
-}
-
-/// What one block handed out is: where, how large, on which node, made how. It owns nothing:
-/// its memory is its chunk's ([`Backing::Carved`]) or its own ([`Backing::Dedicated`]), held by
-/// the arena's record of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Block {
-    /// Start address (the pointer handed out).
-    pub(crate) addr: usize,
-    /// Bytes it spans.
-    pub(crate) capacity: usize,
-    /// The node whose arena it belongs to.
-    pub(crate) node: usize,
-    /// What it was made with (see [`Kind`]).
-    pub(crate) kind: Kind,
-    /// CUDA ordinal of the GPU the request it is live for was routed to (per-GPU stats).
-    pub(crate) routed_for: Option<u32>,
-}
-
-/// Where a carved block came from: its heap and its carver record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Slot {
-    heap: usize,
-    /// The carver region (chunk) it lies in: stable while the block is used.
-    region: u32,
-    handle: Handle,
-}
-
-/// Who holds a block's memory: its chunk (the block is a carver record), or the block itself
-/// (a dedicated mapping, and its registration when pinned).
-#[derive(Debug)]
-pub(crate) enum Backing {
-    Carved(Slot),
-    Dedicated(Memory),
-}
-
-/// A dedicated block outside the live set (cached, made, handed out for release): what it is,
-/// and the memory it owns. Released by its memory, once: moving it is the only way to pass it
-/// on.
-#[derive(Debug)]
-pub(crate) struct Dedicated {
-    pub(crate) block: Block,
-    pub(crate) memory: Memory,
-}
-
-impl Dedicated {
-    /// A dedicated block over `memory` (its whole mapping).
-    pub(crate) fn new(memory: Memory, node: usize, kind: Kind, routed_for: Option<u32>) -> Self {
-        let block = Block {
-            addr: memory.base(),
-            capacity: memory.len(),
-            node,
-            kind,
-            routed_for,
-        };
-        Dedicated { block, memory }
-    }
-}
-
-/// The cached dedicated blocks that may serve one request.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Fit {
-    /// The request's class: the least capacity that covers it.
-    pub(crate) least: usize,
-    /// At most 1/8 more than the request itself (never less than the class, which page rounding
-    /// can push beyond that for requests just above a page).
-    pub(crate) most: usize,
-    /// The address must be a multiple of this.
-    pub(crate) align: usize,
-    /// What the block must have been made with.
-    pub(crate) kind: Kind,
-}
-
-impl Fit {
-    /// For a request of `size` bytes whose class is `capacity`, served by blocks of `kind`.
-    pub(crate) fn new(size: usize, capacity: usize, align: usize, kind: Kind) -> Fit {
-        let most = size.saturating_add(size / CLASSES_PER_DOUBLING as usize);
-        Fit {
-            least: capacity,
-            most: most.max(capacity),
-            align,
-            kind,
-        }
-    }
-
-    /// The same request for the new place of a block that `realloc` grows: a cached block up to
-    /// [`GROWTH_ROOM`] times the request's class serves it too. The block then grows in place
-    /// (a dedicated block keeps any size from half its capacity up), so a doubling `Vec` spends
-    /// two more doublings in memory already resident instead of mapping and populating fresh
-    /// pages each time while the larger block it used last time idles in the cache or is
-    /// evicted to make room for them.
-    pub(crate) fn for_growth(self) -> Fit {
-        Fit {
-            most: self.most.max(self.least.saturating_mul(GROWTH_ROOM)),
-            ..self
-        }
-    }
-
-    /// Whether `block` may serve the request.
-    pub(crate) fn admits(&self, block: &Block) -> bool {
-        (self.least..=self.most).contains(&block.capacity)
-            && block.addr.is_multiple_of(self.align)
-            && block.kind == self.kind
-    }
-}
-
-/// A block handed out, who holds its memory, and the GPU work recorded against it.
-pub(crate) struct Live {
-    pub(crate) block: Block,
-    backing: Backing,
-    work: Work,
-}
-
-impl Live {
-    /// The same block with its recorded work dropped (tests switch stream-ordered reuse off).
-    pub(crate) fn without_work(self) -> Live {
-        Live {
-            work: Work::new(),
-            ..self
-        }
-    }
-}
-
-/// A carved block just handed out, and what the caller must do to it outside the lock.
-#[derive(Debug)]
-pub(crate) struct Carving {
-    pub(crate) block: Block,
-    /// The block's bytes, the caller's alone until it hands the block to its user (or back).
-    pub(crate) part: Part<'static>,
-    /// Granules never populated yet (unpinned chunks only).
-    pub(crate) populate: Option<Span>,
-    /// The span that may hold old data: a zeroed request clears it.
-    pub(crate) dirty: Option<Span>,
-}
-
-/// Hashes page-aligned addresses for the live map: the page number, scrambled by a multiply
-/// (hashbrown reads the top bits).
-#[derive(Default)]
-struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_usize(&mut self, addr: usize) {
-        self.0 = ((addr as u64) >> 12).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-/// The chunks of one [`HeapKey`] and their carver.
-struct Heap {
-    key: HeapKey,
-    carver: Carver,
-    /// By carver region id.
-    chunks: Vec<Option<Chunk>>,
-    /// The length of the next chunk made (doubling, up to [`CHUNK_MAX`]).
-    next_chunk: usize,
-    /// Chunks made, and registered, over the heap's life.
-    chunks_made: u64,
-    registrations: u64,
-    /// Bytes given back to the kernel by purging idle free ranges.
-    purged: u64,
-}
-
-impl Heap {
-    /// Resident bytes of the chunks not in live or pending blocks (granules shared with a block
-    /// count as the block's) that giving back could free: free ranges whose purge failed count
-    /// only when their chunk is wholly free (released, not purged).
-    fn idle_resident(&self) -> usize {
-        let resident: usize = self.chunks.iter().flatten().map(Chunk::resident).sum();
-        resident.saturating_sub(self.carver.used_bytes() + self.carver.unpurgeable_bytes())
-    }
-
-    /// Bytes of the chunks that are wholly free.
-    fn wholly_free_bytes(&self) -> usize {
-        self.wholly_free_where(|_| true)
-    }
-
-    /// Bytes of the chunks that are wholly free and not reserved.
-    fn wholly_free_unreserved_bytes(&self) -> usize {
-        self.wholly_free_where(|chunk| !chunk.is_some_and(Chunk::reserved))
-    }
-
-    fn wholly_free_where(&self, wanted: impl Fn(Option<&Chunk>) -> bool) -> usize {
-        let carver = &self.carver;
-        carver
-            .regions()
-            .filter(|&(region, _, _)| carver.wholly_free(region).is_some())
-            .filter(|&(region, _, _)| {
-                wanted(self.chunks.get(region as usize).and_then(Option::as_ref))
-            })
-            .map(|(_, _, len)| len)
-            .sum()
-    }
-
-    fn chunk_mut(&mut self, region: u32) -> Option<&mut Chunk> {
-        self.chunks.get_mut(region as usize)?.as_mut()
-    }
-}
-
-/// State behind one node's lock.
+/// State behind one node's lock: one value per job, composed here.
 pub(crate) struct Arena {
     node: usize,
-    /// The arena's clock starts here (milliseconds for the carvers' idle stamps).
-    epoch: Instant,
-    /// Every live block, by address.
-    live: HashMap<usize, Live, BuildHasherDefault<AddrHasher>>,
-    /// Live blocks with GPU work recorded: the pending list keeps room for each.
-    live_with_work: usize,
-    /// Live dedicated blocks: the dedicated cache keeps room for each.
-    live_dedicated: usize,
-    /// Dedicated blocks out of the live set while they grow ([`Self::take_growable`]): every
-    /// insert keeps room in the live set and the cache for them to come back.
-    moving: usize,
-    heaps: Vec<Heap>,
-    cached: CacheIndex,
+    /// Arena milliseconds, and the times the arena keeps.
+    clock: Clock,
+    /// Every block handed out, and the node's and GPUs' live bytes.
+    live: LiveSet,
+    /// Each kind's chunks and the carver over them.
+    heaps: Heaps,
+    /// Dedicated blocks out of the live set (cached, growing), and their page-locked bytes.
+    dedicated: DedicatedBlocks,
+    /// Freed blocks GPU work may still use.
     pending: PendingList,
-    /// Page-locked dedicated blocks' bytes (live, pending and cached).
-    pinned_dedicated: usize,
-    peak_live_bytes: usize,
     /// Highest live plus pending bytes seen: bounds the dedicated cache (see [`Self::budget`]).
     peak_in_use: usize,
-    /// Bytes of the live blocks.
-    live_bytes: usize,
-    /// Live blocks per GPU they were handed out for, in ordinal order.
-    gpus: Vec<GpuStats>,
     /// In a forked child: page-locked memory is not reused (the child's copy is not registered,
     /// and a driver may keep registered ranges out of the child altogether).
     in_child: bool,
     /// Set by the fork handler; the next settling moves page-locked cached blocks out.
     pinned_cache_stale: bool,
-    /// When idle memory is looked at next (arena milliseconds).
-    next_decay: u64,
-    /// When a chunk's registration last failed (arena milliseconds).
-    registration_failed_at: Option<u64>,
-    /// Cached dedicated blocks the decay thread released.
-    decay_released: u64,
 }
 
 impl Arena {
@@ -395,24 +92,14 @@ impl Arena {
     pub(crate) fn new(node: usize) -> Self {
         Arena {
             node,
-            epoch: Instant::now(),
-            live: HashMap::default(),
-            live_with_work: 0,
-            live_dedicated: 0,
-            moving: 0,
-            heaps: Vec::new(),
-            cached: CacheIndex::default(),
+            clock: Clock::new(),
+            live: LiveSet::new(node),
+            heaps: Heaps::default(),
+            dedicated: DedicatedBlocks::default(),
             pending: PendingList::default(),
-            pinned_dedicated: 0,
-            peak_live_bytes: 0,
             peak_in_use: 0,
-            live_bytes: 0,
-            gpus: Vec::new(),
             in_child: false,
             pinned_cache_stale: false,
-            next_decay: 0,
-            registration_failed_at: None,
-            decay_released: 0,
         }
     }
 
@@ -423,18 +110,13 @@ impl Arena {
 
     /// Records that a chunk's registration failed (under `pin=on`).
     pub(crate) fn registration_failed(&mut self) {
-        self.registration_failed_at = Some(self.now());
+        self.clock.registration_failed();
     }
 
-    /// Whether a chunk's registration failed within the last [`REGISTRATION_RETRY_MS`].
+    /// Whether a chunk's registration failed lately (see
+    /// [`Clock::registration_failed_lately`]).
     pub(crate) fn registration_failed_lately(&self) -> bool {
-        self.registration_failed_at
-            .is_some_and(|at| self.now().saturating_sub(at) < REGISTRATION_RETRY_MS)
-    }
-
-    /// Milliseconds since the arena was made.
-    pub(crate) fn now(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        self.clock.registration_failed_lately()
     }
 
     /// Called by the fork handler in the child: page-locked memory will no longer be reused. No
@@ -444,61 +126,19 @@ impl Arena {
         self.pinned_cache_stale = true;
     }
 
-    fn heap_index(&self, key: HeapKey) -> Option<usize> {
-        self.heaps.iter().position(|h| h.key == key)
-    }
+    // The live set.
 
     /// Records a live block; the map has room (reserved by the caller).
     fn insert_live(&mut self, block: Block, backing: Backing) {
-        self.account(&block, true);
-        self.live_dedicated += usize::from(matches!(backing, Backing::Dedicated(_)));
-        let work = Work::new();
-        let live = Live {
-            block,
-            backing,
-            work,
-        };
-        self.live.insert(block.addr, live);
-        let live = self.live_bytes();
-        self.peak_live_bytes = self.peak_live_bytes.max(live);
-        self.peak_in_use = self.peak_in_use.max(live + self.pending.bytes());
-    }
-
-    /// Adds (or removes) a live block's bytes to the node's and its GPU's rows. Saturating: a free
-    /// path must not panic, even on accounting that drifted.
-    fn account(&mut self, block: &Block, live: bool) {
-        self.live_bytes = if live {
-            self.live_bytes.saturating_add(block.capacity)
-        } else {
-            self.live_bytes.saturating_sub(block.capacity)
-        };
-        // A free finds the row its allocation made (it adds none: the free path allocates nothing).
-        let row = if live {
-            self.gpu_row(block.routed_for)
-        } else {
-            let ordinal = block.routed_for;
-            self.gpus
-                .iter_mut()
-                .find(|row| Some(row.ordinal) == ordinal)
-        };
-        if let Some(row) = row {
-            let pinned = if block.kind.pinned { block.capacity } else { 0 };
-            if live {
-                row.live_bytes += block.capacity;
-                row.live_blocks += 1;
-                row.pinned_bytes += pinned;
-                row.peak_live_bytes = row.peak_live_bytes.max(row.live_bytes);
-            } else {
-                row.live_bytes = row.live_bytes.saturating_sub(block.capacity);
-                row.live_blocks = row.live_blocks.saturating_sub(1);
-                row.pinned_bytes = row.pinned_bytes.saturating_sub(pinned);
-            }
-        }
+        self.live.insert(block, backing);
+        self.peak_in_use = self
+            .peak_in_use
+            .max(self.live.bytes() + self.pending.bytes());
     }
 
     /// Looks up a live block by address, and whether it is dedicated (a mapping of its own).
     pub(crate) fn live_block(&self, addr: usize) -> Option<(Block, bool)> {
-        let live = self.live.get(&addr)?;
+        let live = self.live.get(addr)?;
         Some((live.block, matches!(live.backing, Backing::Dedicated(_))))
     }
 
@@ -512,102 +152,311 @@ impl Arena {
         let Some(start) = self.live_start(addr) else {
             return Err(work);
         };
-        let reserved = self.pending.reserve(self.live_with_work + 1);
-        let Some(live) = self.live.get_mut(&start) else {
-            return Err(work);
-        };
-        // Counted already: the pending list has room for this block.
-        let counted = !live.work.is_empty();
-        // A long-lived block recorded on every copy: keep only the work still running.
-        settle(&mut live.work);
-        let room = (counted || reserved) && live.work.try_reserve(1).is_ok();
-        let result = if room {
-            live.work.push(work);
-            Ok(())
-        } else {
-            Err(work)
-        };
-        match (counted, !live.work.is_empty()) {
-            (false, true) => self.live_with_work += 1,
-            (true, false) => self.live_with_work = self.live_with_work.saturating_sub(1),
-            _ => {}
-        }
-        result
+        let reserved = self.pending.reserve(self.live.with_work() + 1);
+        self.live.record(start, work, reserved)
     }
 
     /// The start of the live block containing `addr`.
     fn live_start(&self, addr: usize) -> Option<usize> {
-        if self.live.contains_key(&addr) {
+        if self.live.contains(addr) {
             return Some(addr);
         }
         let carved = self
             .heaps
-            .iter()
-            .find_map(|h| h.carver.used_containing(addr))
-            .map(|range| range.addr)
-            .filter(|start| self.live.contains_key(start));
-        carved.or_else(|| {
-            self.live
-                .values()
-                .find(|l| {
-                    matches!(l.backing, Backing::Dedicated(_))
-                        && (l.block.addr..l.block.addr + l.block.capacity).contains(&addr)
-                })
-                .map(|l| l.block.addr)
-        })
+            .used_start(addr)
+            .filter(|&start| self.live.contains(start));
+        carved.or_else(|| self.live.dedicated_containing(addr))
     }
 
     /// Removes a live block and its recorded work; `None` if the address was not handed out by
     /// this arena.
     pub(crate) fn remove_live(&mut self, addr: usize) -> Option<Live> {
-        let live = self.live.remove(&addr)?;
-        self.live_dedicated = self
-            .live_dedicated
-            .saturating_sub(usize::from(matches!(live.backing, Backing::Dedicated(_))));
-        if !live.work.is_empty() {
-            self.live_with_work = self.live_with_work.saturating_sub(1);
-        }
-        self.account(&live.block, false);
-        Some(live)
+        self.live.remove(addr)
     }
 
-    /// The row of GPU `ordinal`, added if it is new.
-    fn gpu_row(&mut self, ordinal: Option<u32>) -> Option<&mut GpuStats> {
-        let ordinal = ordinal?;
-        let at = match self.gpus.binary_search_by_key(&ordinal, |row| row.ordinal) {
-            Ok(at) => at,
-            Err(at) => {
-                if self.gpus.try_reserve(1).is_err() {
-                    return None;
-                }
-                let row = GpuStats {
-                    ordinal,
-                    node: self.node,
-                    ..GpuStats::default()
-                };
-                self.gpus.insert(at, row);
-                at
-            }
+    // Carved blocks (`heaps.rs`).
+
+    /// Carves `size` bytes (a multiple of the page size) at a multiple of `align` from a chunk of
+    /// `key`, and records the block live for `for_gpu`. `Ok(None)`: no chunk has room (make one,
+    /// [`Self::add_chunk`]); `Err(())`: the bookkeeping could not grow.
+    pub(crate) fn carve(
+        &mut self,
+        key: HeapKey,
+        size: usize,
+        align: usize,
+        for_gpu: Option<u32>,
+    ) -> Result<Option<Carving>, ()> {
+        // In a forked child pinned chunks are the parent's registrations: never handed out again.
+        let Some(heap) = self
+            .heaps
+            .index(key)
+            .filter(|_| !(self.in_child && key.kind.pinned))
+        else {
+            return Ok(None);
         };
-        self.gpus.get_mut(at)
+        if !self.live.try_reserve(1) {
+            return Err(());
+        }
+        let carved = self.heaps.carve(heap, size, align, self.node, for_gpu)?;
+        let Some((slot, carving)) = carved else {
+            return Ok(None);
+        };
+        self.insert_live(carving.block, Backing::Carved(slot));
+        Ok(Some(carving))
     }
+
+    /// Takes back a carved block whose populate failed, unused (its granules stay marked as
+    /// may-be-resident: populating may have got some of them in).
+    pub(crate) fn populate_failed(&mut self, block: Block) {
+        let Some(live) = self.remove_live(block.addr) else {
+            return;
+        };
+        if let Backing::Carved(slot) = live.backing {
+            let now = self.clock.now();
+            self.heaps.free(slot, block.addr, now);
+        }
+    }
+
+    /// How long the next chunk of `key` is for a request that needs `need` bytes of it.
+    pub(crate) fn next_chunk_len(&self, key: HeapKey, need: usize) -> usize {
+        self.heaps.next_chunk_len(key, need)
+    }
+
+    /// Adds a chunk made for `key` outside the lock; gives it back when the bookkeeping could not
+    /// grow (the caller releases it).
+    pub(crate) fn add_chunk(&mut self, key: HeapKey, chunk: Chunk) -> Result<(), Chunk> {
+        let now = self.clock.now();
+        self.heaps.add_chunk(key, chunk, now)
+    }
+
+    /// Grows or shrinks the live carved block at `addr` to `new_size` bytes (a multiple of the
+    /// page size) where it lies: into the free range after it, or by freeing its tail. `Some`
+    /// with the span to populate (growth into granules never resident); `None`: not carved, or
+    /// no room (nothing changed).
+    pub(crate) fn resize_carved(
+        &mut self,
+        addr: usize,
+        new_size: usize,
+    ) -> Option<Option<Part<'static>>> {
+        let (old, slot) = self.live.resizable(addr, new_size)?;
+        let now = self.clock.now();
+        let populate = self.heaps.resize(slot, addr, old.capacity, new_size, now)?;
+        self.live.resized(old, new_size);
+        Some(populate)
+    }
+
+    /// Undoes a growth in place whose populate failed: the block is `old` again.
+    pub(crate) fn grow_failed(&mut self, old: Block) {
+        let _ = self.resize_carved(old.addr, old.capacity);
+    }
+
+    // Frees, and blocks waiting for GPU work (`pending.rs`).
+
+    /// Takes back a freed block: pending while any of its work is not complete, else back to its
+    /// carver or cached (see [`Self::cache`]). Allocates nothing.
+    pub(crate) fn free(&mut self, mut live: Live, limit: usize, out: &mut Released) {
+        if settle(&mut live.work) {
+            let now = self.clock.now();
+            self.give_back(live.block, live.backing, now, limit, out);
+            self.hold_within(limit, out);
+        } else {
+            self.pending.push(live.block, live.backing, live.work);
+            self.evict_beyond(limit, out);
+        }
+    }
+
+    /// Moves pending blocks whose work has completed back (evicting beyond `limit` into `out`).
+    /// Polls, never waits: O(pending).
+    pub(crate) fn settle_pending(&mut self, limit: usize, out: &mut Released) {
+        if self.pinned_cache_stale {
+            self.pinned_cache_stale = false;
+            let more = self.live.dedicated() + self.pending.len();
+            self.dedicated.release_pinned(more, out);
+        }
+        if self.pending.len() == 0 {
+            return;
+        }
+        let now = self.clock.now();
+        let mut cursor = 0;
+        while let Some((block, backing)) = self.pending.take_ready(&mut cursor) {
+            self.give_back(block, backing, now, limit, out);
+        }
+    }
+
+    /// A freed block without work in flight: back to its carver, or into the dedicated cache.
+    fn give_back(
+        &mut self,
+        block: Block,
+        backing: Backing,
+        now: u64,
+        limit: usize,
+        out: &mut Released,
+    ) {
+        match backing {
+            Backing::Carved(slot) => self.heaps.give_back(slot, block.addr, now),
+            Backing::Dedicated(memory) => self.cache(Dedicated { block, memory }, limit, out),
+        }
+    }
+
+    /// Whether a pending block would have served this request (a miss deferred by GPU work).
+    pub(crate) fn pending_fits(&self, fit: Fit) -> bool {
+        self.pending.holds_fit(fit)
+    }
+
+    // Dedicated blocks (`dedicated.rs`).
+
+    /// Takes a cached dedicated block that fits (see
+    /// [`CacheIndex::take`](index::CacheIndex::take)).
+    pub(crate) fn take_cached(&mut self, fit: Fit) -> Option<Dedicated> {
+        self.dedicated.cached.take(fit)
+    }
+
+    /// Whether a cached dedicated block would serve this request.
+    pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
+        self.dedicated.cached.holds(fit)
+    }
+
+    /// Takes the live dedicated block at `addr` out of the live set when it may grow by moving
+    /// its pages (`mremap`) into a block of `kind` of `capacity` bytes: made with that kind, not
+    /// page-locked (a registration is tied to the address), no GPU work recorded against it, and
+    /// smaller (a block shrunk in place keeps its capacity: it may already be as large). Out of
+    /// the live set before its pages move: once they have, another thread may map a new block
+    /// at this address and record it live.
+    pub(crate) fn take_growable(
+        &mut self,
+        addr: usize,
+        kind: Kind,
+        capacity: usize,
+    ) -> Option<Dedicated> {
+        let live = self.live.get(addr)?;
+        let growable = matches!(&live.backing, Backing::Dedicated(m) if m.movable())
+            && live.block.kind == kind
+            && !kind.pinned
+            && live.work.is_empty()
+            && live.block.capacity < capacity;
+        // Room for it to come back, grown or not, kept by every insert until then.
+        if !growable || !self.reserve_dedicated(self.dedicated.moving + 1) {
+            return None;
+        }
+        let live = self.remove_live(addr)?;
+        self.dedicated.moving += 1;
+        match live.backing {
+            Backing::Dedicated(memory) => Some(Dedicated {
+                block: live.block,
+                memory,
+            }),
+            Backing::Carved(_) => None,
+        }
+    }
+
+    /// Records live again, as the user's, a block [`Self::take_growable`] took out: grown (a new
+    /// address) or not. The room it needs was kept since, so this allocates nothing.
+    pub(crate) fn return_grown(
+        &mut self,
+        dedicated: Dedicated,
+        limit: usize,
+        out: &mut Released,
+    ) -> Result<Block, Dedicated> {
+        self.dedicated.moving = self.dedicated.moving.saturating_sub(1);
+        self.insert_created(dedicated, limit, out)
+    }
+
+    /// Room in the live set for `more` blocks, and in the cache for every dedicated block out
+    /// (live, pending, growing) and `more`: a free must not allocate, nor a grown block's
+    /// return. False when it could not be had.
+    fn reserve_dedicated(&mut self, more: usize) -> bool {
+        let moving = self.dedicated.moving;
+        let out = self.live.dedicated() + self.pending.len() + moving + more;
+        self.live.try_reserve(moving + more) && self.dedicated.cached.reserve(out)
+    }
+
+    /// Records a dedicated block handed out to the user, and returns what it is (room reserved
+    /// first: when none could be had it is given back, not recorded).
+    pub(crate) fn insert_dedicated(&mut self, dedicated: Dedicated) -> Result<Block, Dedicated> {
+        if !self.reserve_dedicated(1) {
+            return Err(dedicated);
+        }
+        let Dedicated { block, memory } = dedicated;
+        self.insert_live(block, Backing::Dedicated(memory));
+        Ok(block)
+    }
+
+    /// Records a dedicated block just created for a request, then evicts what the cache may no
+    /// longer hold now that live bytes grew (see [`Self::budget`]). Given back when it could not
+    /// be recorded (the caller releases it).
+    pub(crate) fn insert_created(
+        &mut self,
+        dedicated: Dedicated,
+        limit: usize,
+        out: &mut Released,
+    ) -> Result<Block, Dedicated> {
+        let block = self.insert_dedicated(dedicated)?;
+        self.dedicated.note_created(&block);
+        self.evict_beyond(limit, out);
+        Ok(block)
+    }
+
+    /// Caches a dedicated block made ahead of the requests that will want it (`reserve`). A
+    /// reservation says how much will be in use at once, so it raises the high-water mark the
+    /// budget follows (see [`Self::budget`]) to everything held now plus the block; only `limit`
+    /// can evict it.
+    pub(crate) fn insert_reserved(
+        &mut self,
+        dedicated: Dedicated,
+        limit: usize,
+        out: &mut Released,
+    ) {
+        // No room to be had: `cache` hands it out for release instead.
+        let _ = self.dedicated.cached.reserve(1);
+        let block = dedicated.block;
+        self.dedicated.note_created(&block);
+        let held = self.live.bytes()
+            + self.pending.bytes()
+            + self.dedicated.cached.bytes()
+            + block.capacity;
+        self.peak_in_use = self.peak_in_use.max(held);
+        self.cache(dedicated, limit, out);
+    }
+
+    // Stats.
 
     /// Starts the peak over from the bytes live now (`reset_peaks()`). The cache budget keeps its
     /// own high-water mark: a statistics call does not release cached blocks.
     pub(crate) fn reset_peak(&mut self) {
-        self.peak_live_bytes = self.live_bytes();
-        for row in &mut self.gpus {
-            row.peak_live_bytes = row.live_bytes;
-        }
-    }
-
-    fn live_bytes(&self) -> usize {
-        self.live_bytes
+        self.live.reset_peak();
     }
 
     /// The rows of the GPUs this node's arena has served.
     pub(crate) fn gpus(&self) -> &[GpuStats] {
-        &self.gpus
+        self.live.gpus()
+    }
+
+    /// Fills in this node's row.
+    pub(crate) fn fill(&self, row: &mut NodeStats) {
+        self.live.fill(row);
+        row.pending_bytes = self.pending.bytes();
+        row.pending_blocks = self.pending.len();
+        let mut heaps = HeapStats::default();
+        for heap in self.heap_rows() {
+            heaps.add(&heap);
+        }
+        row.cached_bytes = heaps.free_bytes + self.dedicated.cached.bytes();
+        row.cached_blocks = heaps.free_ranges + self.dedicated.cached.len();
+        row.pinned_bytes = heaps.pinned_bytes + self.dedicated.pinned;
+        row.chunks = heaps.chunks;
+        row.mapped_bytes = heaps.mapped_bytes;
+        row.resident_bytes = heaps.resident_bytes;
+        row.free_bytes = heaps.free_bytes;
+        row.free_ranges = heaps.free_ranges;
+        row.largest_free = heaps.largest_free;
+        row.registrations = heaps.registrations;
+        row.purged_bytes = heaps.purged_bytes;
+        row.decay_released = self.dedicated.decay_released;
+    }
+
+    /// One row per kind of chunk this arena holds.
+    pub(crate) fn heap_rows(&self) -> impl Iterator<Item = HeapStats> + '_ {
+        self.heaps.rows(self.node)
     }
 }
 

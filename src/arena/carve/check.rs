@@ -1,5 +1,7 @@
 //! The carver's invariants, checked in full after every step of the tests.
 
+use super::regions::RegionSlot;
+use super::table::{class_at_least, class_of, CLASSES, FL_COUNT, SL_COUNT};
 use super::*;
 
 /// A free range as the tests see it.
@@ -24,12 +26,12 @@ fn class_floor(class: usize) -> usize {
 impl Carver {
     /// The nodes of a region in address order.
     fn physical(&self, region: RegionId) -> Vec<(u32, Node)> {
-        let Some(RegionSlot::Live { first, .. }) = self.regions.get(region as usize) else {
+        let Some(first) = self.regions.first(region) else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        let mut i = *first;
-        while let Some(n) = self.node(i) {
+        let mut i = first;
+        while let Some(n) = self.nodes.node(i) {
             out.push((i, *n));
             assert!(out.len() <= self.nodes.len(), "physical list loops");
             i = n.phys_next;
@@ -41,7 +43,7 @@ impl Carver {
     pub(super) fn used_ranges(&self) -> Vec<Range> {
         let mut out: Vec<Range> = (0..self.nodes.len() as u32)
             .filter_map(|i| {
-                let n = self.node(i)?;
+                let n = self.nodes.node(i)?;
                 (n.state == State::Used).then_some(Range {
                     addr: n.start,
                     size: n.size,
@@ -71,27 +73,27 @@ impl Carver {
     /// Panics unless every invariant holds.
     pub(super) fn check(&self) {
         let q = self.quantum;
-        assert!(q.is_power_of_two() && q == 1 << self.shift);
+        assert!(q.is_power_of_two() && q == 1 << self.nodes.shift);
 
         // Vacant slots: exactly the chained ones.
         let mut vacant = 0;
-        let mut i = self.vacant_node;
-        while let Some(n) = self.node(i) {
+        let mut i = self.nodes.vacant_node;
+        while let Some(n) = self.nodes.node(i) {
             assert_eq!(n.state, State::Vacant);
             vacant += 1;
             assert!(vacant <= self.nodes.len(), "vacant chain loops");
             i = n.free_next;
         }
         assert_eq!(i, NONE);
-        assert_eq!(vacant, self.vacant_nodes);
-        let states = |s| self.nodes.iter().filter(|n| n.state == s).count();
+        assert_eq!(vacant, self.nodes.vacant_nodes);
+        let states = |s| self.nodes.slots.iter().filter(|n| n.state == s).count();
         assert_eq!(states(State::Vacant), vacant);
 
         // Regions: by_base lists the live ones, sorted, disjoint; vacant region slots chained.
-        let live: Vec<RegionId> = (0..self.regions.len() as RegionId)
-            .filter(|&r| matches!(self.regions[r as usize], RegionSlot::Live { .. }))
+        let live: Vec<RegionId> = (0..self.regions.slots.len() as RegionId)
+            .filter(|&r| matches!(self.regions.slots[r as usize], RegionSlot::Live { .. }))
             .collect();
-        let mut sorted = self.by_base.clone();
+        let mut sorted = self.regions.by_base.clone();
         sorted.sort_unstable();
         assert_eq!(sorted, live);
         let listed: Vec<(RegionId, usize, usize)> = self.regions().collect();
@@ -103,16 +105,16 @@ impl Carver {
             );
         }
         let mut vacant_regions = 0;
-        let mut r = self.vacant_region;
-        while let Some(slot) = self.regions.get(r as usize) {
+        let mut r = self.regions.vacant;
+        while let Some(slot) = self.regions.slots.get(r as usize) {
             let RegionSlot::Vacant { next } = slot else {
                 panic!("live region {r} in the vacant chain");
             };
             vacant_regions += 1;
-            assert!(vacant_regions <= self.regions.len());
+            assert!(vacant_regions <= self.regions.slots.len());
             r = *next;
         }
-        assert_eq!(vacant_regions + live.len(), self.regions.len());
+        assert_eq!(vacant_regions + live.len(), self.regions.slots.len());
 
         // Physical lists tile their regions; no two free nodes touch.
         let mut reached = 0;
@@ -171,16 +173,19 @@ impl Carver {
         let mut in_classes = 0;
         let mut listed_classes = 0;
         for fl in 0..FL_COUNT {
-            assert_eq!(self.first & (1 << fl) != 0, self.second[fl] != 0);
-            let mut bits = self.second[fl];
+            assert_eq!(
+                self.nodes.first & (1 << fl) != 0,
+                self.nodes.second[fl] != 0
+            );
+            let mut bits = self.nodes.second[fl];
             while bits != 0 {
                 let class = fl * SL_COUNT + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 listed_classes += 1;
                 let mut prev = NONE;
-                let mut i = self.heads[class];
+                let mut i = self.nodes.heads[class];
                 assert_ne!(i, NONE, "class {class} is marked but empty");
-                while let Some(n) = self.node(i) {
+                while let Some(n) = self.nodes.node(i) {
                     assert_eq!(n.state, State::Free);
                     assert_eq!(n.free_prev, prev);
                     assert_eq!(class_of(n.size / q), class);
@@ -192,12 +197,12 @@ impl Carver {
                 }
             }
         }
-        assert_eq!(self.first >> FL_COUNT, 0);
+        assert_eq!(self.nodes.first >> FL_COUNT, 0);
         assert_eq!(in_classes, expect.free_ranges);
         // Heads outside the bitmaps: compared a level at a time (a slice compare is a memcmp).
         let mut heads = 0;
-        for (fl, level) in self.heads.chunks_exact(SL_COUNT).enumerate() {
-            if self.second[fl] == 0 {
+        for (fl, level) in self.nodes.heads.chunks_exact(SL_COUNT).enumerate() {
+            if self.nodes.second[fl] == 0 {
                 assert_eq!(level, [NONE; SL_COUNT], "a list head outside the bitmaps");
             } else {
                 heads += level.iter().filter(|&&h| h != NONE).count();
@@ -209,8 +214,8 @@ impl Carver {
         let mut idle = 0;
         let mut prev = NONE;
         let mut stamp = 0;
-        let mut i = self.idle_head;
-        while let Some(n) = self.node(i) {
+        let mut i = self.nodes.idle_head;
+        while let Some(n) = self.nodes.node(i) {
             assert!(n.state == State::Free && n.idle());
             assert_eq!(n.idle_prev, prev);
             assert!(n.stamp >= stamp, "idle list out of order");
@@ -220,9 +225,10 @@ impl Carver {
             prev = i;
             i = n.idle_next;
         }
-        assert_eq!(self.idle_tail, prev);
+        assert_eq!(self.nodes.idle_tail, prev);
         let dirty_free = self
             .nodes
+            .slots
             .iter()
             .filter(|n| n.state == State::Free && n.idle())
             .count();

@@ -14,15 +14,9 @@
 //! nodes (`add_region`, a split in `carve` or `shrink_in_place`) reserve them with
 //! `try_reserve` before anything changes, and fail with [`NoRoom`] with nothing changed.
 //!
-//! **Search: TLSF** (two-level segregated fit). Free ranges sit in one list per size class:
-//! the first level is the power of two of the size in quanta, the second splits each power of
-//! two in 32 (below 64 quanta every size has a class of its own), and two levels of bitmaps
-//! find the first non-empty class at or above a class in O(1). A request of `size` at `align`
-//! needs at most `align - quantum` bytes of padding (free ranges start at multiples of the
-//! quantum); it is rounded up to the next class boundary, so the head of any class found fits
-//! (good fit). Only when that finds nothing are the lists below it scanned for a range that
-//! fits anyway (exactly, or thanks to its alignment): `carve` fails only when nothing fits.
-//! A split leaves `[padding free][used][tail free]`.
+//! **Search: TLSF** (two-level segregated fit, `table.rs`): free ranges sit in one list per
+//! size class, found in O(1) by two levels of bitmaps; `carve` fails only when no free range
+//! fits. A split leaves `[padding free][used][tail free]`.
 //!
 //! **Idle tracking.** Every free range has a stamp (when it last became free or grew by a
 //! merge) and a dirty flag: its memory may be resident. Fresh regions may be added clean, and a
@@ -36,18 +30,20 @@
 //! another range (something was freed beside it); the pieces a carve leaves of it stay as they
 //! were.
 
-use std::mem;
-
 #[cfg(test)]
 mod check;
 #[cfg(test)]
 mod fuzz;
-mod report;
+mod regions;
 mod table;
 #[cfg(test)]
 mod tests;
 
-use table::{class_at_least, class_of, Idle, Node, State, CLASSES, FL_COUNT, NONE, SL_COUNT};
+use regions::Regions;
+use table::{Idle, Node, Nodes, State};
+
+/// "No node", "no region": the end of every list and chain.
+const NONE: u32 = u32::MAX;
 
 /// A node index: names a used range, and stays valid while the range is used.
 pub(crate) type Handle = u32;
@@ -95,43 +91,15 @@ enum Back {
     Unpurged,
 }
 
-enum RegionSlot {
-    Live {
-        base: usize,
-        len: usize,
-        /// The node at `base`.
-        first: u32,
-    },
-    Vacant {
-        next: RegionId,
-    },
-}
-
 /// The range allocator of one arena (see the module docs).
 pub(crate) struct Carver {
     quantum: usize,
-    shift: u32,
-    nodes: Vec<Node>,
-    vacant_node: u32,
-    vacant_nodes: usize,
-    regions: Vec<RegionSlot>,
-    vacant_region: RegionId,
-    /// Live region ids by base address, for finding the region holding an address.
-    by_base: Vec<RegionId>,
-    /// Bit `f`: some class of first level `f` is non-empty; `second[f]` bit `s`: class `(f, s)` is.
-    first: u64,
-    second: [u32; FL_COUNT],
-    heads: [u32; CLASSES],
-    idle_head: u32,
-    idle_tail: u32,
+    /// Every range, and the lists threaded through them (`table.rs`).
+    nodes: Nodes,
+    /// The regions, by id and by base address (`regions.rs`).
+    regions: Regions,
     /// Kept as ranges change; `largest_free` is found when asked.
     stats: CarverStats,
-}
-
-/// The padding before `size` bytes at a multiple of `align` in `node`, if they fit.
-fn fit(node: &Node, size: usize, align: usize) -> Option<usize> {
-    let pad = node.start.checked_next_multiple_of(align)? - node.start;
-    (pad.checked_add(size)? <= node.size).then_some(pad)
 }
 
 impl Carver {
@@ -144,18 +112,8 @@ impl Carver {
         };
         Carver {
             quantum,
-            shift: quantum.trailing_zeros(),
-            nodes: Vec::new(),
-            vacant_node: NONE,
-            vacant_nodes: 0,
-            regions: Vec::new(),
-            vacant_region: NONE,
-            by_base: Vec::new(),
-            first: 0,
-            second: [0; FL_COUNT],
-            heads: [NONE; CLASSES],
-            idle_head: NONE,
-            idle_tail: NONE,
+            nodes: Nodes::new(quantum.trailing_zeros()),
+            regions: Regions::new(),
             stats: CarverStats {
                 regions: 0,
                 region_bytes: 0,
@@ -183,42 +141,13 @@ impl Carver {
     ) -> Result<RegionId, NoRoom> {
         debug_assert!(base.is_multiple_of(self.quantum) && len.is_multiple_of(self.quantum));
         debug_assert!(len > 0 && base.checked_add(len).is_some());
-        self.reserve_nodes(1)?;
-        let new_slot = self.vacant_region == NONE;
-        if new_slot && self.regions.len() >= NONE as usize {
-            return Err(NoRoom);
-        }
-        if new_slot {
-            self.regions.try_reserve(1).map_err(|_| NoRoom)?;
-        }
-        self.by_base.try_reserve(1).map_err(|_| NoRoom)?;
-
-        let id = if new_slot {
-            self.regions.len() as RegionId
-        } else {
-            self.vacant_region
-        };
-        let node = self.new_node(Node::free(base, len, id, !clean, now));
-        let slot = RegionSlot::Live {
-            base,
-            len,
-            first: node,
-        };
-        if new_slot {
-            self.regions.push(slot);
-        } else if let Some(vacant) = self.regions.get_mut(id as usize) {
-            if let RegionSlot::Vacant { next } = mem::replace(vacant, slot) {
-                self.vacant_region = next;
-            }
-        }
-        let at = self.by_base.partition_point(|&r| self.base_of(r) < base);
-        debug_assert!(self
-            .regions()
-            .all(|(_, b, l)| b + l <= base || base + len <= b));
-        self.by_base.insert(at, id);
+        self.nodes.reserve(1)?;
+        let id = self.regions.reserve()?;
+        let node = self.nodes.add(Node::free(base, len, id, !clean, now));
+        self.regions.insert(id, base, len, node);
         self.stats.regions += 1;
         self.stats.region_bytes += len;
-        self.enlist(node, Idle::Sorted);
+        self.nodes.enlist(node, Idle::Sorted, &mut self.stats);
         Ok(id)
     }
 
@@ -235,14 +164,15 @@ impl Carver {
         if !align.is_power_of_two() {
             return Ok(None);
         }
-        let Some((i, pad)) = self.find(size, align) else {
+        let Some((i, pad)) = self.nodes.find(size, align) else {
             return Ok(None);
         };
-        let Some(&n) = self.node(i) else {
+        let Some(&n) = self.nodes.node(i) else {
             return Ok(None);
         };
         let tail = n.size - pad - size;
-        self.reserve_nodes(usize::from(pad > 0) + usize::from(tail > 0))?;
+        self.nodes
+            .reserve(usize::from(pad > 0) + usize::from(tail > 0))?;
 
         // Padding and tail take the source's place in the idle list: they have its stamp (and
         // stay unpurgeable if it was: their memory is the same).
@@ -250,18 +180,18 @@ impl Carver {
             unpurgeable: n.unpurgeable,
             ..Node::free(start, size, n.region, n.dirty, n.stamp)
         };
-        let mut after = self.delist(i);
+        let mut after = self.nodes.delist(i, &mut self.stats);
         if pad > 0 {
-            let p = self.new_node(piece(n.start, pad));
-            self.phys_link_before(i, p);
-            self.enlist(p, Idle::After(after));
+            let p = self.nodes.add(piece(n.start, pad));
+            self.nodes.phys_link_before(i, p, &mut self.regions);
+            self.nodes.enlist(p, Idle::After(after), &mut self.stats);
             after = p;
         }
         if tail > 0 {
             let start = n.start + pad + size;
-            let t = self.new_node(piece(start, tail));
-            self.phys_link_after(i, t);
-            self.enlist(t, Idle::After(after));
+            let t = self.nodes.add(piece(start, tail));
+            self.nodes.phys_link_after(i, t);
+            self.nodes.enlist(t, Idle::After(after), &mut self.stats);
         }
         let range = self.make_used(i, n.start + pad, size);
         Ok(range)
@@ -300,31 +230,35 @@ impl Carver {
     /// `new_size` is rounded up to the quantum; true means the range's size is now that (also
     /// when it already was).
     pub(crate) fn grow_in_place(&mut self, handle: Handle, addr: usize, new_size: usize) -> bool {
-        let (Some(n), Some(new)) = (self.used(handle, addr), self.round(new_size)) else {
+        let (Some(n), Some(new)) = (self.nodes.used(handle, addr), self.round(new_size)) else {
             return false;
         };
         if new <= n.size {
             return new == n.size;
         }
         let delta = new - n.size;
-        let Some(&r) = self.node(n.phys_next).filter(|r| r.state == State::Free) else {
+        let Some(&r) = self
+            .nodes
+            .node(n.phys_next)
+            .filter(|r| r.state == State::Free)
+        else {
             return false;
         };
         if r.size < delta {
             return false;
         }
         let next = n.phys_next;
-        let after = self.delist(next);
+        let after = self.nodes.delist(next, &mut self.stats);
         if r.size == delta {
-            self.phys_unlink(next);
-            self.vacate(next);
-        } else if let Some(rest) = self.node_mut(next) {
+            self.nodes.phys_unlink(next, &mut self.regions);
+            self.nodes.vacate(next);
+        } else if let Some(rest) = self.nodes.node_mut(next) {
             // The rest keeps its stamp, so its place in the idle list too.
             rest.start += delta;
             rest.size -= delta;
-            self.enlist(next, Idle::After(after));
+            self.nodes.enlist(next, Idle::After(after), &mut self.stats);
         }
-        if let Some(used) = self.node_mut(handle) {
+        if let Some(used) = self.nodes.node_mut(handle) {
             used.size = new;
         }
         self.stats.used_bytes += delta;
@@ -344,7 +278,7 @@ impl Carver {
         new_size: usize,
         now: u64,
     ) -> Result<bool, NoRoom> {
-        let (Some(n), Some(new)) = (self.used(handle, addr), self.round(new_size)) else {
+        let (Some(n), Some(new)) = (self.nodes.used(handle, addr), self.round(new_size)) else {
             return Ok(false);
         };
         if new_size == 0 || new > n.size {
@@ -354,33 +288,39 @@ impl Carver {
         if delta == 0 {
             return Ok(true);
         }
-        match self.node(n.phys_next).filter(|r| r.state == State::Free) {
+        match self
+            .nodes
+            .node(n.phys_next)
+            .filter(|r| r.state == State::Free)
+        {
             Some(&r) => {
                 let next = n.phys_next;
-                let after = self.delist(next);
+                let after = self.nodes.delist(next, &mut self.stats);
                 let stamp = r.stamp.max(now);
                 let place = if r.idle() && r.stamp == stamp {
                     Idle::After(after)
                 } else {
                     Idle::Sorted
                 };
-                if let Some(grown) = self.node_mut(next) {
+                if let Some(grown) = self.nodes.node_mut(next) {
                     grown.start -= delta;
                     grown.size += delta;
                     grown.dirty = true;
                     grown.unpurgeable = false;
                     grown.stamp = stamp;
                 }
-                self.enlist(next, place);
+                self.nodes.enlist(next, place, &mut self.stats);
             }
             None => {
-                self.reserve_nodes(1)?;
-                let t = self.new_node(Node::free(addr + new, delta, n.region, true, now));
-                self.phys_link_after(handle, t);
-                self.enlist(t, Idle::Sorted);
+                self.nodes.reserve(1)?;
+                let t = self
+                    .nodes
+                    .add(Node::free(addr + new, delta, n.region, true, now));
+                self.nodes.phys_link_after(handle, t);
+                self.nodes.enlist(t, Idle::Sorted, &mut self.stats);
             }
         }
-        if let Some(used) = self.node_mut(handle) {
+        if let Some(used) = self.nodes.node_mut(handle) {
             used.size = new;
         }
         self.stats.used_bytes -= delta;
@@ -392,9 +332,9 @@ impl Carver {
     /// arena lock; the caller then calls give_back_clean). None when there is none. NEVER
     /// ALLOCATES.
     pub(crate) fn take_idle(&mut self, idle_since: u64) -> Option<Range> {
-        let i = self.idle_head;
-        let n = *self.node(i).filter(|n| n.stamp <= idle_since)?;
-        self.delist(i);
+        let i = self.nodes.idle_head;
+        let n = *self.nodes.node(i).filter(|n| n.stamp <= idle_since)?;
+        self.nodes.delist(i, &mut self.stats);
         self.make_used(i, n.start, n.size)
     }
 
@@ -403,52 +343,9 @@ impl Carver {
         size.checked_next_multiple_of(self.quantum)
     }
 
-    /// The node `handle` if it is the used range at `addr`: a stale pair names a node released
-    /// (or reused) since, whose state or start differ.
-    fn used(&self, handle: Handle, addr: usize) -> Option<Node> {
-        self.node(handle)
-            .filter(|n| n.state == State::Used && n.start == addr)
-            .copied()
-    }
-
-    fn base_of(&self, region: RegionId) -> usize {
-        match self.regions.get(region as usize) {
-            Some(RegionSlot::Live { base, .. }) => *base,
-            _ => 0,
-        }
-    }
-
-    /// A free node, and the padding before `size` bytes at `align` in it.
-    fn find(&self, size: usize, align: usize) -> Option<(u32, usize)> {
-        let slack = align - self.quantum;
-        let good = size
-            .checked_add(slack)
-            .and_then(|want| class_at_least(want >> self.shift))
-            .and_then(|class| self.first_listed(class));
-        if let Some(class) = good {
-            let i = self.head(class);
-            if let Some(pad) = self.node(i).and_then(|n| fit(n, size, align)) {
-                return Some((i, pad));
-            }
-        }
-        // Nothing in a class that surely fits: look for one that fits anyway, smallest first.
-        let mut class = class_of(size >> self.shift);
-        while let Some(listed) = self.first_listed(class) {
-            let mut i = self.head(listed);
-            while let Some(n) = self.node(i) {
-                if let Some(pad) = fit(n, size, align) {
-                    return Some((i, pad));
-                }
-                i = n.free_next;
-            }
-            class = listed + 1;
-        }
-        None
-    }
-
     /// Turns the node into the used range [start, start+size).
     fn make_used(&mut self, i: u32, start: usize, size: usize) -> Option<Range> {
-        let n = self.node_mut(i)?;
+        let n = self.nodes.node_mut(i)?;
         n.state = State::Used;
         n.start = start;
         n.size = size;
@@ -467,7 +364,7 @@ impl Carver {
     /// [`Self::free`], [`Self::give_back_clean`] and [`Self::give_back_unpurged`] for the
     /// stamps).
     fn release(&mut self, handle: Handle, addr: usize, back: Back) -> Option<Range> {
-        let n = self.used(handle, addr)?;
+        let n = self.nodes.used(handle, addr)?;
         let range = Range {
             addr,
             size: n.size,
@@ -475,7 +372,8 @@ impl Carver {
             handle,
         };
         let free_at = |i: u32| {
-            self.node(i)
+            self.nodes
+                .node(i)
                 .filter(|x| x.state == State::Free)
                 .map(|x| (i, *x))
         };
@@ -505,16 +403,16 @@ impl Carver {
         };
         let (mut start, mut size, mut place) = (n.start, n.size, Idle::Sorted);
         for (i, x) in order.into_iter().flatten() {
-            let after = self.delist(i);
+            let after = self.nodes.delist(i, &mut self.stats);
             if Some(i) == anchor {
                 place = Idle::After(after);
             }
-            self.phys_unlink(i);
-            self.vacate(i);
+            self.nodes.phys_unlink(i, &mut self.regions);
+            self.nodes.vacate(i);
             start = start.min(x.start);
             size += x.size;
         }
-        let merged = self.node_mut(handle)?;
+        let merged = self.nodes.node_mut(handle)?;
         merged.state = State::Free;
         merged.start = start;
         merged.size = size;
@@ -523,7 +421,75 @@ impl Carver {
         merged.stamp = stamp;
         self.stats.used_bytes -= range.size;
         self.stats.used_ranges -= 1;
-        self.enlist(handle, place);
+        self.nodes.enlist(handle, place, &mut self.stats);
         Some(range)
+    }
+
+    /// The Used range containing addr (anywhere inside), if any: O(log regions + ranges of that region).
+    pub(crate) fn used_containing(&self, addr: usize) -> Option<Range> {
+        let (region, first) = self.regions.at_or_below(addr)?;
+        let mut i = first;
+        while let Some(n) = self.nodes.node(i) {
+            if addr < n.start {
+                return None;
+            }
+            if addr - n.start < n.size {
+                return (n.state == State::Used).then_some(Range {
+                    addr: n.start,
+                    size: n.size,
+                    region,
+                    handle: i,
+                });
+            }
+            i = n.phys_next;
+        }
+        None
+    }
+
+    /// Whether the region is one free range, and its stamp.
+    pub(crate) fn wholly_free(&self, region: RegionId) -> Option<u64> {
+        let n = self.nodes.node(self.regions.first(region)?)?;
+        (n.state == State::Free && n.phys_next == NONE).then_some(n.stamp)
+    }
+
+    /// The live regions in address order: (id, base, len).
+    pub(crate) fn regions(&self) -> impl Iterator<Item = (RegionId, usize, usize)> + '_ {
+        self.regions.iter()
+    }
+
+    /// Removes a wholly free region, returning (base, len); None (nothing changed) otherwise. NEVER ALLOCATES.
+    pub(crate) fn remove_region(&mut self, region: RegionId) -> Option<(usize, usize)> {
+        self.wholly_free(region)?;
+        let (base, len, first) = self.regions.remove(region)?;
+        self.nodes.delist(first, &mut self.stats);
+        self.nodes.vacate(first);
+        self.stats.regions -= 1;
+        self.stats.region_bytes -= len;
+        Some((base, len))
+    }
+
+    /// Bytes of the unpurgeable free ranges that are not a whole region (releasing a region
+    /// gives its memory back anyway): O(regions).
+    pub(crate) fn unpurgeable_bytes(&self) -> usize {
+        let whole: usize = self
+            .regions()
+            .filter_map(|(region, _, len)| {
+                let n = self.nodes.node(self.regions.first(region)?)?;
+                (n.state == State::Free && n.phys_next == NONE && n.unpurgeable).then_some(len)
+            })
+            .sum();
+        self.stats.unpurgeable_bytes.saturating_sub(whole)
+    }
+
+    /// Bytes of used ranges: O(1).
+    pub(crate) fn used_bytes(&self) -> usize {
+        self.stats.used_bytes
+    }
+
+    /// The totals: O(1), except `largest_free`, found in the top non-empty class's list.
+    pub(crate) fn stats(&self) -> CarverStats {
+        let mut stats = self.stats;
+        stats.largest_free = stats.largest_free.max(self.nodes.largest_free());
+        stats
     }
 }

@@ -2,13 +2,21 @@
 //! list (address order), one list per size class with its bitmaps, the idle list (oldest stamp
 //! first), and the chain of vacant slots. Links are u32 indices with `NONE` for none, and every
 //! access goes through `get`, so a bad index ends a walk instead of panicking.
+//!
+//! **Search: TLSF** (two-level segregated fit). Free ranges sit in one list per size class:
+//! the first level is the power of two of the size in quanta, the second splits each power of
+//! two in 32 (below 64 quanta every size has a class of its own), and two levels of bitmaps
+//! find the first non-empty class at or above a class in O(1). A request of `size` at `align`
+//! needs at most `align - quantum` bytes of padding (free ranges start at multiples of the
+//! quantum); it is rounded up to the next class boundary, so the head of any class found fits
+//! (good fit). Only when that finds nothing are the lists below it scanned for a range that
+//! fits anyway (exactly, or thanks to its alignment): a carve fails only when nothing fits.
 
 use std::mem;
 
-use super::{Carver, NoRoom, RegionId, RegionSlot};
+use super::regions::Regions;
+use super::{CarverStats, Handle, NoRoom, RegionId, NONE};
 
-/// "No node": the end of every list.
-pub(super) const NONE: u32 = u32::MAX;
 /// 32 second-level classes per power of two: a class's ranges differ by at most 1/32.
 const SL_LOG2: u32 = 5;
 pub(super) const SL_COUNT: usize = 1 << SL_LOG2;
@@ -112,40 +120,91 @@ pub(super) fn class_at_least(units: usize) -> Option<usize> {
     units.checked_add(step - 1).map(class_of)
 }
 
-impl Carver {
+/// The padding before `size` bytes at a multiple of `align` in `node`, if they fit.
+fn fit(node: &Node, size: usize, align: usize) -> Option<usize> {
+    let pad = node.start.checked_next_multiple_of(align)? - node.start;
+    (pad.checked_add(size)? <= node.size).then_some(pad)
+}
+
+/// The carver's ranges: the side table, and the lists threaded through it.
+pub(super) struct Nodes {
+    /// Released slots are chained from `vacant_node` through `free_next`, and reused.
+    pub(super) slots: Vec<Node>,
+    pub(super) vacant_node: u32,
+    pub(super) vacant_nodes: usize,
+    /// Sizes are classed in quanta: `size >> shift`.
+    pub(super) shift: u32,
+    /// Bit `f`: some class of first level `f` is non-empty; `second[f]` bit `s`: class `(f, s)` is.
+    pub(super) first: u64,
+    pub(super) second: [u32; FL_COUNT],
+    pub(super) heads: [u32; CLASSES],
+    pub(super) idle_head: u32,
+    pub(super) idle_tail: u32,
+}
+
+impl Nodes {
+    /// An empty table for ranges in quanta of `1 << shift` bytes. Allocates nothing.
+    pub(super) const fn new(shift: u32) -> Nodes {
+        Nodes {
+            slots: Vec::new(),
+            vacant_node: NONE,
+            vacant_nodes: 0,
+            shift,
+            first: 0,
+            second: [0; FL_COUNT],
+            heads: [NONE; CLASSES],
+            idle_head: NONE,
+            idle_tail: NONE,
+        }
+    }
+
     pub(super) fn node(&self, i: u32) -> Option<&Node> {
-        self.nodes.get(i as usize)
+        self.slots.get(i as usize)
     }
 
     pub(super) fn node_mut(&mut self, i: u32) -> Option<&mut Node> {
-        self.nodes.get_mut(i as usize)
+        self.slots.get_mut(i as usize)
+    }
+
+    /// Slots in the table, vacant ones too.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The node `handle` if it is the used range at `addr`: a stale pair names a node released
+    /// (or reused) since, whose state or start differ.
+    pub(super) fn used(&self, handle: Handle, addr: usize) -> Option<Node> {
+        self.node(handle)
+            .filter(|n| n.state == State::Used && n.start == addr)
+            .copied()
     }
 
     /// Makes sure `count` nodes can be had without allocating.
-    pub(super) fn reserve_nodes(&mut self, count: usize) -> Result<(), NoRoom> {
+    pub(super) fn reserve(&mut self, count: usize) -> Result<(), NoRoom> {
         let more = count.saturating_sub(self.vacant_nodes);
         if more == 0 {
             return Ok(());
         }
         // Indices stay below the NONE sentinel.
-        if self.nodes.len() + more > NONE as usize {
+        if self.slots.len() + more > NONE as usize {
             return Err(NoRoom);
         }
-        self.nodes.try_reserve(more).map_err(|_| NoRoom)
+        self.slots.try_reserve(more).map_err(|_| NoRoom)
     }
 
     /// A vacant slot or a new one (reserved before: never allocates).
-    pub(super) fn new_node(&mut self, node: Node) -> u32 {
-        if let Some(slot) = self.nodes.get_mut(self.vacant_node as usize) {
+    pub(super) fn add(&mut self, node: Node) -> u32 {
+        if let Some(slot) = self.slots.get_mut(self.vacant_node as usize) {
             let i = self.vacant_node;
             self.vacant_node = slot.free_next;
             self.vacant_nodes -= 1;
             *slot = node;
             return i;
         }
-        debug_assert!(self.nodes.len() < self.nodes.capacity());
-        self.nodes.push(node);
-        (self.nodes.len() - 1) as u32
+        debug_assert!(self.slots.len() < self.slots.capacity());
+        self.slots.push(node);
+        (self.slots.len() - 1) as u32
     }
 
     pub(super) fn vacate(&mut self, i: u32) {
@@ -172,7 +231,7 @@ impl Carver {
         }
     }
 
-    pub(super) fn phys_link_before(&mut self, at: u32, i: u32) {
+    pub(super) fn phys_link_before(&mut self, at: u32, i: u32, regions: &mut Regions) {
         let (prev, region) = self
             .node(at)
             .map_or((NONE, NONE), |n| (n.phys_prev, n.region));
@@ -183,32 +242,32 @@ impl Carver {
         if let Some(n) = self.node_mut(at) {
             n.phys_prev = i;
         }
-        self.set_phys_next(prev, region, i);
+        self.set_phys_next(prev, region, i, regions);
     }
 
-    pub(super) fn phys_unlink(&mut self, i: u32) {
+    pub(super) fn phys_unlink(&mut self, i: u32, regions: &mut Regions) {
         let Some(&n) = self.node(i) else { return };
-        self.set_phys_next(n.phys_prev, n.region, n.phys_next);
+        self.set_phys_next(n.phys_prev, n.region, n.phys_next, regions);
         if let Some(next) = self.node_mut(n.phys_next) {
             next.phys_prev = n.phys_prev;
         }
     }
 
     /// Links `prev` to `next`, or makes `next` the region's first node when `prev` is NONE.
-    pub(super) fn set_phys_next(&mut self, prev: u32, region: RegionId, next: u32) {
+    fn set_phys_next(&mut self, prev: u32, region: RegionId, next: u32, regions: &mut Regions) {
         if let Some(p) = self.node_mut(prev) {
             p.phys_next = next;
-        } else if let Some(RegionSlot::Live { first, .. }) = self.regions.get_mut(region as usize) {
-            *first = next;
+        } else {
+            regions.set_first(region, next);
         }
     }
 
-    pub(super) fn head(&self, class: usize) -> u32 {
+    fn head(&self, class: usize) -> u32 {
         self.heads.get(class).copied().unwrap_or(NONE)
     }
 
     /// The first non-empty class at or above `class`.
-    pub(super) fn first_listed(&self, class: usize) -> Option<usize> {
+    fn first_listed(&self, class: usize) -> Option<usize> {
         let (fl, sl) = (class / SL_COUNT, class % SL_COUNT);
         let here = self.second.get(fl)? & (u32::MAX << sl);
         if here != 0 {
@@ -220,9 +279,53 @@ impl Carver {
         Some(fl * SL_COUNT + second.trailing_zeros() as usize)
     }
 
+    /// A free node, and the padding before `size` bytes at `align` in it (see the module docs).
+    pub(super) fn find(&self, size: usize, align: usize) -> Option<(u32, usize)> {
+        let slack = align - (1 << self.shift);
+        let good = size
+            .checked_add(slack)
+            .and_then(|want| class_at_least(want >> self.shift))
+            .and_then(|class| self.first_listed(class));
+        if let Some(class) = good {
+            let i = self.head(class);
+            if let Some(pad) = self.node(i).and_then(|n| fit(n, size, align)) {
+                return Some((i, pad));
+            }
+        }
+        // Nothing in a class that surely fits: look for one that fits anyway, smallest first.
+        let mut class = class_of(size >> self.shift);
+        while let Some(listed) = self.first_listed(class) {
+            let mut i = self.head(listed);
+            while let Some(n) = self.node(i) {
+                if let Some(pad) = fit(n, size, align) {
+                    return Some((i, pad));
+                }
+                i = n.free_next;
+            }
+            class = listed + 1;
+        }
+        None
+    }
+
+    /// The largest free range's size, found in the top non-empty class's list.
+    pub(super) fn largest_free(&self) -> usize {
+        let mut largest = 0;
+        if let Some(top) = u64::BITS.checked_sub(1 + self.first.leading_zeros()) {
+            let second = self.second.get(top as usize).copied().unwrap_or(0);
+            if let Some(sl) = u32::BITS.checked_sub(1 + second.leading_zeros()) {
+                let mut i = self.head(top as usize * SL_COUNT + sl as usize);
+                while let Some(n) = self.node(i) {
+                    largest = largest.max(n.size);
+                    i = n.free_next;
+                }
+            }
+        }
+        largest
+    }
+
     /// Puts a free node in its class's list and, when dirty and not unpurgeable, in the idle
     /// list, and counts it.
-    pub(super) fn enlist(&mut self, i: u32, place: Idle) {
+    pub(super) fn enlist(&mut self, i: u32, place: Idle, stats: &mut CarverStats) {
         let Some(&n) = self.node(i) else { return };
         let class = class_of(n.size >> self.shift);
         let Some(head) = self.heads.get_mut(class) else {
@@ -241,13 +344,13 @@ impl Carver {
             *second |= 1 << sl;
             self.first |= 1 << fl;
         }
-        self.stats.free_bytes += n.size;
-        self.stats.free_ranges += 1;
+        stats.free_bytes += n.size;
+        stats.free_ranges += 1;
         if n.dirty {
-            self.stats.dirty_free_bytes += n.size;
+            stats.dirty_free_bytes += n.size;
         }
         if n.unpurgeable {
-            self.stats.unpurgeable_bytes += n.size;
+            stats.unpurgeable_bytes += n.size;
         }
         if n.idle() {
             let after = match place {
@@ -260,7 +363,7 @@ impl Carver {
 
     /// Takes a free node out of its lists and its counts; returns its predecessor in the idle
     /// list (NONE if it was the head or is not in it).
-    pub(super) fn delist(&mut self, i: u32) -> u32 {
+    pub(super) fn delist(&mut self, i: u32, stats: &mut CarverStats) -> u32 {
         let Some(&n) = self.node(i) else { return NONE };
         let class = class_of(n.size >> self.shift);
         if let Some(p) = self.node_mut(n.free_prev) {
@@ -280,13 +383,13 @@ impl Carver {
                 }
             }
         }
-        self.stats.free_bytes -= n.size;
-        self.stats.free_ranges -= 1;
+        stats.free_bytes -= n.size;
+        stats.free_ranges -= 1;
         if n.dirty {
-            self.stats.dirty_free_bytes -= n.size;
+            stats.dirty_free_bytes -= n.size;
         }
         if n.unpurgeable {
-            self.stats.unpurgeable_bytes -= n.size;
+            stats.unpurgeable_bytes -= n.size;
         }
         if !n.idle() {
             return NONE;
@@ -303,7 +406,7 @@ impl Carver {
     }
 
     /// The idle node a range stamped `stamp` goes after: the last one not newer.
-    pub(super) fn idle_place(&self, stamp: u64) -> u32 {
+    fn idle_place(&self, stamp: u64) -> u32 {
         let mut at = self.idle_tail;
         while let Some(n) = self.node(at).filter(|n| n.stamp > stamp) {
             at = n.idle_prev;
@@ -311,7 +414,7 @@ impl Carver {
         at
     }
 
-    pub(super) fn idle_link_after(&mut self, after: u32, i: u32) {
+    fn idle_link_after(&mut self, after: u32, i: u32) {
         let next = match self.node(after) {
             Some(a) => a.idle_next,
             None => self.idle_head,

@@ -9,7 +9,7 @@ fn arena_that_held(peak: usize) -> Arena {
     let mut arena = arena();
     arena.peak_in_use = peak;
     // The room live dedicated blocks would have reserved.
-    assert!(arena.cached.reserve(8));
+    assert!(arena.dedicated.cached.reserve(8));
     arena
 }
 
@@ -33,7 +33,7 @@ fn the_dedicated_cache_limit_evicts_oldest_first() {
     for i in 1..=3 {
         let d = dedicated(i << 30, 640 * MIB, true);
         made.push(d.block);
-        arena.note_created(&d.block);
+        arena.dedicated.note_created(&d.block);
         arena.cache(d, 1280 * MIB, &mut out);
     }
     assert_eq!(released_blocks(&mut out), [made[0]]);
@@ -44,7 +44,7 @@ fn the_dedicated_cache_limit_evicts_oldest_first() {
     );
     let big = dedicated(4 << 30, 2000 * MIB, true);
     let big_block = big.block;
-    arena.note_created(&big_block);
+    arena.dedicated.note_created(&big_block);
     arena.cache(big, 1280 * MIB, &mut out);
     assert_eq!(
         released_blocks(&mut out),
@@ -80,10 +80,10 @@ fn the_dedicated_cache_never_grows_the_footprint_beyond_the_live_peak_and_an_eig
             .iter()
             .map(|b| b.capacity)
             .sum::<usize>();
-        let footprint = arena.live_bytes() + arena.cached.bytes();
+        let footprint = arena.live.bytes() + arena.dedicated.cached.bytes();
         assert!(footprint <= arena.peak_in_use * 9 / 8, "{mib} MiB step");
     }
-    assert_eq!(arena.cached.bytes(), 2048 * MIB);
+    assert_eq!(arena.dedicated.cached.bytes(), 2048 * MIB);
     assert_eq!(released, (512 + 1024) * MIB);
 }
 
@@ -97,7 +97,7 @@ fn a_forked_child_releases_page_locked_dedicated_blocks() {
     );
     let (pinned_block, plain_block) = (pinned.block, plain.block);
     for d in [pinned, plain] {
-        arena.note_created(&d.block);
+        arena.dedicated.note_created(&d.block);
         arena.cache(d, usize::MAX, &mut out);
     }
     arena.enter_child();
@@ -149,5 +149,5 @@ fn a_new_block_first_evicts_what_it_would_leave_beyond_the_live_peak() {
     // cache, so both old blocks go before it is mapped, oldest first.
     arena.make_room(144 * MIB, usize::MAX, &mut out);
     assert_eq!(released_blocks(&mut out), phases);
-    assert_eq!(arena.cached.bytes(), 0);
+    assert_eq!(arena.dedicated.cached.bytes(), 0);
 }

@@ -11,6 +11,7 @@ use super::pending::double::Flag;
 use super::*;
 use crate::chunk::{Mapping, Span};
 use crate::stats::NodeStats;
+use crate::sys::MemPolicy;
 
 mod dedicated_cache;
 mod planned;
@@ -328,7 +329,7 @@ fn live_blocks_are_counted_per_node_and_gpu() {
 /// Decay with age 0 that really purges what it hands out (the chunk's memory is real).
 fn purge_now(arena: &mut Arena) {
     let mut out = Released::default();
-    arena.next_decay = 0;
+    arena.clock.next_decay = 0;
     arena.decay(0, &mut out);
     let done: Vec<bool> = out
         .purges
@@ -519,13 +520,13 @@ fn ranges_whose_purge_failed_are_not_offered_again() {
         32 * MIB - 20 * (64 << 10)
     );
     let mut out = Released::default();
-    arena.next_decay = 0;
+    arena.clock.next_decay = 0;
     arena.decay(0, &mut out);
     assert!(out.is_empty(), "decay leaves them alone too");
     // A block freed beside two of them: the merged range is worth a purge again.
     let _ = free(&mut arena, blocks[1].addr, usize::MAX);
     assert_eq!(arena.releasable(Shortage::Memory), 3 * (64 << 10));
-    arena.next_decay = 0;
+    arena.clock.next_decay = 0;
     arena.decay(0, &mut out);
     let spans: Vec<usize> = out.purges.iter().map(|p| p.span.len).collect();
     assert_eq!(spans, [3 * (64 << 10)]);
