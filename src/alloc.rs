@@ -1,8 +1,13 @@
-//! [`NumaGpuAlloc`]: the allocator value, its const builder, and the large/small dispatch shared
-//! by both front ends (`GlobalAlloc` in `global.rs`, allocator-api2 in `api2.rs`).
+//! [`NumaGpuAlloc`]: the allocator value, its large/small dispatch, and the traits over it:
+//! allocator-api2's `Allocator` (for 0.4 and — because hashbrown uses it — 0.2: the two traits
+//! have the same shape, one macro implements both), `Default`, `Debug`, `Drop`; `GlobalAlloc` is
+//! `global.rs`'s. Its public methods (constructors, the const builder, settings, stats,
+//! reservations, `record_stream`) are in `alloc/methods.rs`, each a thin call into the runtime
+//! or the job's module (`reserving.rs`, `record.rs`); resizing without a copy is `resize.rs`'s.
 //!
 //! Unsafe code here relies on the front ends' contracts (a pointer freed with the layout it was
-//! allocated with) and the runtime box `process::initialise` made.
+//! allocated with; allocator-api2's, forwarded to the dispatch) and the runtime box
+//! `process::initialise` made.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -14,8 +19,7 @@ use crate::config::Config;
 use crate::guard::Inside;
 use crate::process;
 use crate::runtime::route;
-use crate::runtime::{Placement, Runtime};
-use crate::stats::Stats;
+use crate::runtime::Runtime;
 
 /// A NUMA- and GPU-aware allocator.
 ///
@@ -122,115 +126,7 @@ const fn clamp_threshold(bytes: usize) -> usize {
     }
 }
 
-impl NumaGpuAlloc {
-    /// An allocator with the default [`Config`] over the system allocator.
-    pub const fn new() -> Self {
-        Self::with_config(Config::DEFAULT)
-    }
-
-    /// An allocator with the given settings over the system allocator (a threshold outside
-    /// 4 KiB..=64 GiB is clamped).
-    pub const fn with_config(config: Config) -> Self {
-        Self::with_inner_config(System, config)
-    }
-}
-
 impl<A> NumaGpuAlloc<A> {
-    /// An allocator with the default [`Config`] whose small requests go to `inner`.
-    pub const fn with_inner(inner: A) -> Self {
-        Self::with_inner_config(inner, Config::DEFAULT)
-    }
-
-    /// An allocator with the given settings whose small requests go to `inner` (a threshold
-    /// outside 4 KiB..=64 GiB is clamped).
-    pub const fn with_inner_config(inner: A, mut config: Config) -> Self {
-        config.threshold = clamp_threshold(config.threshold);
-        NumaGpuAlloc {
-            threshold: Threshold(AtomicUsize::new(config.threshold)),
-            config,
-            runtime: AtomicPtr::new(ptr::null_mut()),
-            inner,
-        }
-    }
-
-    /// The allocator that serves everything but the large path's blocks.
-    pub const fn inner(&self) -> &A {
-        &self.inner
-    }
-
-    /// The builder's settings (before the `NUMA_GPU_ALLOC` override).
-    pub const fn builder_config(&self) -> &Config {
-        &self.config
-    }
-
-    /// The settings in force: after initialisation, the builder's with `NUMA_GPU_ALLOC` applied.
-    pub fn config(&self) -> Config {
-        self.initialised().map_or(self.config, |rt| rt.config)
-    }
-
-    /// Initialises the large path now (it otherwise happens on the first large request) and
-    /// tells where blocks go.
-    pub fn placement(&self) -> Placement {
-        let _inside = Inside::enter();
-        self.runtime().placement()
-    }
-
-    /// A snapshot of this value's counters, and of the process's per-node arenas (shared by every
-    /// value: their rows count every value's blocks). Before initialisation only `threshold` is
-    /// filled in.
-    pub fn stats(&self) -> Stats {
-        let _inside = Inside::enter();
-        match self.initialised() {
-            Some(rt) => rt.stats(),
-            None => Stats {
-                threshold: self.threshold.0.load(Relaxed),
-                ..Stats::default()
-            },
-        }
-    }
-
-    /// Starts the peaks over, as PyTorch's `reset_peak_host_memory_stats` does: each node's (and
-    /// each GPU's row of each node; the arenas are the process's)
-    /// [`peak_live_bytes`](crate::NodeStats::peak_live_bytes) becomes its live bytes now, and the
-    /// longest populate and pin times become zero. Totals and counts are kept.
-    pub fn reset_peaks(&self) {
-        let _inside = Inside::enter();
-        if let Some(rt) = self.initialised() {
-            rt.blocks.stats().reset_peaks();
-        }
-    }
-
-    /// Releases every cached block of every node's arena, whichever value cached it
-    /// (unregistering and unmapping it). Live blocks are untouched,
-    /// and so are freed blocks that GPU work recorded against them may still use: those stay
-    /// pending (`trim` never waits, and never unmaps memory a DMA may still read).
-    pub fn trim(&self) {
-        let _inside = Inside::enter();
-        if let Some(rt) = self.initialised() {
-            rt.blocks.trim();
-        }
-    }
-
-    /// Attaches `work` to the live large block containing `ptr` (anywhere inside it): when the
-    /// block is freed before `work` completed, it waits in the pending list instead of the cache.
-    /// Gives `work` back when no live large block contains `ptr`, so that the caller can wait on
-    /// it itself.
-    // Only the pinned front end records work. Without it this is allowed, not compiled out: the
-    // arena's seam behind it (the pending list's bookkeeping) is built the same in every
-    // configuration, and compiling this out would leave that dead instead.
-    #[cfg_attr(not(feature = "pinned-buffer"), allow(dead_code))]
-    pub(crate) fn record_in_flight(
-        &self,
-        ptr: *const u8,
-        work: Box<dyn crate::arena::InFlight>,
-    ) -> Result<(), Box<dyn crate::arena::InFlight>> {
-        let (Some(rt), Some(_inside)) = (self.initialised(), Inside::enter()) else {
-            return Err(work);
-        };
-        rt.blocks
-            .record_in_flight(ptr as usize, work, route::likely_node(rt))
-    }
-
     /// The runtime, once the large path has initialised.
     fn initialised(&self) -> Option<&Runtime> {
         // SAFETY: a non-null pointer is a live runtime boxed by `process::initialise`, freed only
@@ -370,13 +266,13 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     unsafe fn reallocate_large_path(&self, ptr: *mut u8, old: Layout, new: Layout) -> *mut u8 {
         let (old_large, new_large) = (self.is_large(old.size()), self.is_large(new.size()));
         if old_large {
-            self.reallocating(ptr);
+            resize::reallocating(self.initialised(), ptr);
         }
-        if old_large && new_large && self.resize_in_place(ptr, new) {
+        if old_large && new_large && resize::in_place(self.initialised(), ptr, new) {
             return ptr;
         }
         if old_large && new_large && new.size() > old.size() {
-            if let Some(grown) = self.grow_without_copy(ptr, new) {
+            if let Some(grown) = resize::grow_without_copy(self.initialised(), ptr, new) {
                 return grown.as_ptr();
             }
         }
@@ -405,6 +301,51 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             } else {
                 self.inner.alloc(layout)
             }
+        }
+    }
+
+    /// Allocates `layout`; zero-size requests get a dangling, aligned pointer.
+    #[inline]
+    fn allocate_slice(&self, layout: Layout, zeroed: bool) -> Option<NonNull<[u8]>> {
+        let ptr = if layout.size() == 0 {
+            dangling(layout)
+        } else {
+            NonNull::new(self.allocate(layout, zeroed))?
+        };
+        Some(NonNull::slice_from_raw_parts(ptr, layout.size()))
+    }
+
+    /// Moves or resizes an allocation to `new`, handling zero sizes.
+    ///
+    /// # Safety
+    /// `ptr` is live in this allocator with layout `old`.
+    #[inline]
+    unsafe fn resize_slice(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+    ) -> Option<NonNull<[u8]>> {
+        if old.size() == 0 {
+            return self.allocate_slice(new, false);
+        }
+        if new.size() == 0 {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.deallocate(ptr.as_ptr(), old) };
+            return Some(NonNull::slice_from_raw_parts(dangling(new), 0));
+        }
+        // SAFETY: forwarded from the caller; both sizes are non-zero.
+        let moved = NonNull::new(unsafe { self.reallocate(ptr.as_ptr(), old, new) })?;
+        Some(NonNull::slice_from_raw_parts(moved, new.size()))
+    }
+
+    /// # Safety
+    /// `ptr` is live in this allocator with `layout`.
+    #[inline]
+    unsafe fn deallocate_nonzero(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() != 0 {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.deallocate(ptr.as_ptr(), layout) }
         }
     }
 }
@@ -440,9 +381,80 @@ impl<A> Drop for NumaGpuAlloc<A> {
     }
 }
 
-mod builder;
+#[inline]
+fn dangling(layout: Layout) -> NonNull<u8> {
+    // An aligned, non-null address that is never dereferenced (as `Layout::dangling` does).
+    NonNull::new(layout.align() as *mut u8).unwrap_or(NonNull::dangling())
+}
+
+macro_rules! impl_allocator {
+    ($api:path) => {
+        use $api as api;
+
+        // SAFETY: blocks returned are valid for their layout until deallocated through this
+        // allocator (or its references, or another value of the same threshold and inner
+        // allocator: blocks live in the process's arenas), so
+        // moving the value keeps them valid; resizing preserves contents; nothing unwinds.
+        unsafe impl<A: GlobalAlloc> api::Allocator for NumaGpuAlloc<A> {
+            #[inline]
+            fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, api::AllocError> {
+                self.allocate_slice(layout, false).ok_or(api::AllocError)
+            }
+
+            #[inline]
+            fn allocate_zeroed(&self, layout: Layout) -> Result<NonNull<[u8]>, api::AllocError> {
+                self.allocate_slice(layout, true).ok_or(api::AllocError)
+            }
+
+            #[inline]
+            unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+                // SAFETY: the trait's contract: `ptr` is live here with `layout`.
+                unsafe { self.deallocate_nonzero(ptr, layout) }
+            }
+
+            #[inline]
+            unsafe fn grow(
+                &self,
+                ptr: NonNull<u8>,
+                old: Layout,
+                new: Layout,
+            ) -> Result<NonNull<[u8]>, api::AllocError> {
+                // SAFETY: the trait's contract: `ptr` is live here with `old`.
+                unsafe { self.resize_slice(ptr, old, new) }.ok_or(api::AllocError)
+            }
+
+            #[inline]
+            unsafe fn shrink(
+                &self,
+                ptr: NonNull<u8>,
+                old: Layout,
+                new: Layout,
+            ) -> Result<NonNull<[u8]>, api::AllocError> {
+                // SAFETY: the trait's contract: `ptr` is live here with `old`.
+                unsafe { self.resize_slice(ptr, old, new) }.ok_or(api::AllocError)
+            }
+        }
+    };
+}
+
+mod v04 {
+    use super::*;
+    impl_allocator!(allocator_api2::alloc);
+}
+
+#[cfg(feature = "allocator-api2-02")]
+mod v02 {
+    use super::*;
+    impl_allocator!(allocator_api2_02::alloc);
+}
+
+mod methods;
+#[cfg(feature = "pinned-buffer")]
+mod record;
 mod reserving;
 mod resize;
+#[cfg(feature = "pinned-buffer")]
+pub(crate) use record::RecordedEvent;
 #[cfg(test)]
 #[allow(unsafe_code)]
 pub(crate) mod tests;

@@ -21,8 +21,8 @@
 //   what a shared pool keeps in its file (header, carving state) and its placement;
 // - layer 8, runtime: one allocator value's state: settings, targets, routes; owns its blocks;
 // - layer 9, stats_exit: the report at exit;
-// - layer 10, alloc, api2, global, pinned, reservation, shared and unstable: the front ends,
-//   and the unstable tools.
+// - layer 10, alloc, global, pinned, reservation, shared and unstable: the front ends, and the
+//   unstable tools.
 // The numbered groups below gather the declarations by job; they are not the layers.
 
 // 1. The error type (with its CUDA error names) and the only raw system calls.
@@ -63,7 +63,6 @@ pub use stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats
 
 // 6. The front ends: GlobalAlloc, allocator-api2, the const builder.
 mod alloc;
-mod api2;
 mod reservation;
 pub use reservation::{Reservation, ReserveProgress};
 mod global;

@@ -23,9 +23,13 @@
 //! state, a locker checks it before use and rebuilds it when it does not hold together: no
 //! panic, no block handed out twice from a table read past its end.
 //!
-//! `build.rs` makes a pool (the file, its size against the node, the header, then each chunk
-//! placed, populated and checked by `pool/chunks.rs`); `register.rs` registers this process's
-//! mapping in the background, chunk by chunk, through the same step function.
+//! [`SharedPool`]'s methods, `Drop` and `Debug` are here (its `Allocator` is beside the block that
+//! frees itself, `block.rs`); the work of making, attaching and registering is its helpers'
+//! ([`SharedPoolBuilder`], [`PoolAttach`], [`PoolRegistration`]). `build.rs` makes a pool (the
+//! file, its size against the node, the header, then each chunk placed, populated and checked by
+//! `pool/chunks.rs`); `attach.rs` checks a file before attaching (its owner and mode when at a
+//! path, then that it is a ready pool of this build on its node); `register.rs` registers this
+//! process's mapping in the background, chunk by chunk, through the same step function.
 //!
 //! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
 //! a block is live in the pool until freed, and lies inside the mapping the pool owns.
@@ -33,22 +37,19 @@
 
 use std::alloc::Layout;
 use std::fmt;
-use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::pool::extents::MAX_ALIGN;
-use crate::pool::{self, Pool, DATA_START};
+use crate::pool::{Pool, DATA_START};
 use crate::process::job::Job;
 use crate::stats::Counters;
 use crate::sys::{self, lock::Lock};
-use crate::Error;
+use crate::{Error, GpuSelector};
 
 mod attach;
 mod block;
@@ -64,10 +65,6 @@ use inner::Inner;
 pub use register::{PoolRegistration, RegisterProgress};
 pub use stats::PoolStats;
 
-/// How long attaching waits for a live creator to finish populating (only a pool of an older
-/// layout, or one whose header was changed, is ever seen unfinished: a pool is linked into its
-/// path once it is ready).
-const READY_WAIT: Duration = Duration::from_secs(60);
 /// How long a process waits for a pool's lock another process holds, by default.
 const LOCK_WAIT: Duration = Duration::from_secs(30);
 /// The permission bits an attached file may have by default: none letting others write it.
@@ -134,6 +131,12 @@ impl SharedPool {
         }
     }
 
+    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, its first 2 MiB included:
+    /// the header, about 160 KiB, then blocks from 2 MiB on).
+    pub fn builder(size: usize) -> SharedPoolBuilder {
+        SharedPoolBuilder::new(size)
+    }
+
     /// How to attach with other than the defaults: more owners or modes trusted, another lock
     /// wait.
     pub fn attacher() -> PoolAttach {
@@ -185,67 +188,6 @@ impl SharedPool {
     /// As [`SharedPool::attach`], or the socket's.
     pub fn receive(socket: &UnixStream) -> Result<SharedPool, Error> {
         SharedPool::attach_fd(sys::recv_fd(socket.as_fd())?)
-    }
-
-    fn attach_file(
-        file: File,
-        path: Option<PathBuf>,
-        lock_wait: Duration,
-    ) -> Result<SharedPool, Error> {
-        let shown_path = path.clone().unwrap_or_else(|| shown(None, &file.as_fd()));
-        // Before reading it: a descriptor that cannot be read would look like no pool.
-        pool::check_access(file.as_fd(), &shown_path)?;
-        let len = file
-            .metadata()
-            .map_err(|e| io_error(path.as_deref(), &e))?
-            .len() as usize;
-        let mut magic = [0; 8];
-        // At offset 0 whatever the file's position: an inherited descriptor shares its
-        // position with every process holding it.
-        // A file shorter than that is not a pool: its zeros are no magic.
-        let _ = file.read_exact_at(&mut magic, 0);
-        // In this machine's byte order, as the creator's atomic store wrote it.
-        pool::check_magic(u64::from_ne_bytes(magic), &shown_path)?;
-        if len < DATA_START + MAX_ALIGN as usize {
-            return Err(Error::PoolCorrupt {
-                path: shown_path,
-                reason: "the file is shorter than a pool's header and one block (truncated)",
-            });
-        }
-        if !len.is_multiple_of(MAX_ALIGN as usize) {
-            return Err(Error::PoolCorrupt {
-                path: shown_path,
-                reason: "its file's length is not a multiple of 2 MiB, as every pool's is \
-                         (truncated, or written past its end)",
-            });
-        }
-        let fd = OwnedFd::from(file);
-        let (mapping, file) = pool::map(fd, len, &shown_path)?;
-        let pool = Pool::check(mapping, file, shown_path.clone())?;
-        let header = pool.header();
-        let start = Instant::now();
-        while !pool.ready() {
-            if !sys::process_alive(header.creator) {
-                return Err(Error::PoolStale {
-                    path: shown_path,
-                    pid: header.creator,
-                });
-            }
-            if start.elapsed() > READY_WAIT {
-                return Err(Error::PoolCorrupt {
-                    path: shown_path,
-                    reason: "its creator has not finished making it in 60 s",
-                });
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        // Admits the extent table (rebuilt if it does not hold together), or names the
-        // process that holds the lock past the wait.
-        drop(pool.lock(lock_wait)?);
-        pool.map_in_pages();
-        pool.check_node(DATA_START, len - DATA_START, header.node as usize, false)?;
-        header.attached.fetch_add(1, Ordering::AcqRel);
-        Ok(SharedPool::new(pool, path, lock_wait, Counters::default()))
     }
 
     /// The pool's file descriptor: a child inherits it across `fork`, and attaches with
@@ -491,6 +433,44 @@ impl SharedPool {
             stats.rebuilds = table.rebuilds;
         }
         stats
+    }
+
+    /// Registers this process's mapping of the pool with `gpu`'s CUDA context on a thread of
+    /// its own, chunk by chunk (each chunk one `cuMemHostRegister`, holding the pool's
+    /// registration lock, which lives in the pool, so that two of its processes do not register
+    /// at the same moment), within `pin_limit` bytes page-locked by this process through the
+    /// crate. Blocks are usable meanwhile (unpinned until their chunk is registered); the
+    /// returned [`PoolRegistration`] reports progress, waits, cancels. Chunks registered already are skipped. A
+    /// process without a driver, or that does not pin, just does not call this: the pool works
+    /// unpinned.
+    ///
+    /// # What it costs each process
+    /// Page-locking is charged per process, not per pool: the kernel counts the registered
+    /// bytes against this process (its locked memory), and the driver keeps a page table for
+    /// this process's registration (16 bytes per 4 KiB page, about 0.4 %). Every process that
+    /// registers the pool pays that again, though the memory is there once: plan a host's
+    /// headroom for the number of registering processes ([`PoolStats::registered_bytes`](super::PoolStats::registered_bytes) is
+    /// this process's share, [`PoolStats::registrations`](super::PoolStats::registrations) every process's chunks).
+    ///
+    /// A wait for the registration lock stops when the registration is cancelled (or the pool
+    /// dropped), and fails with [`Error::PoolLockHeld`], naming the holder, after the pool's
+    /// lock wait ([`SharedPoolBuilder::lock_wait`](crate::SharedPoolBuilder::lock_wait),
+    /// [`PoolAttach::lock_wait`](crate::PoolAttach::lock_wait)).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] without a usable driver (or in a forked child, for a pool it
+    /// inherited), [`Error::GpuNotFound`]; a failure to
+    /// start the thread. Later errors (a chunk refused, [`Error::PinLimit`]) come from the
+    /// handle; the chunks registered before stay so until detach.
+    pub fn register_in_background(
+        &self,
+        gpu: GpuSelector,
+        pin_limit: usize,
+    ) -> Result<PoolRegistration, Error> {
+        let (registration, job) = PoolRegistration::start(&self.inner, gpu, pin_limit)?;
+        // Cancelled at detach.
+        *self.background.lock() = Some(job);
+        Ok(registration)
     }
 
     /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill

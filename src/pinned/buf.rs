@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaEvent, CudaStream, DeviceRepr, HostSlice, SyncOnDrop, ValidAsZeroBits};
 
-use super::record::RecordedEvent;
+use crate::alloc::RecordedEvent;
 use crate::cuda::{event, FORKED_REASON};
 use crate::{fork, Error, NumaGpuAlloc, Result};
 

@@ -1,13 +1,12 @@
 //! The CUDA front end: whether the driver is there to page-lock ([`cuda_driver_present`],
 //! [`cuda_unavailable_reason`]) and, with the feature `pinned-buffer`, pinned memory that cudarc's
-//! copies use asynchronously and safely: [`PinnedBuf`] (`buf.rs`) and
-//! [`NumaGpuAlloc::record_stream`](crate::NumaGpuAlloc::record_stream) with the record the arena
-//! keeps for a freed block (`record.rs`). The driver calls themselves are `cuda/`'s.
+//! copies use asynchronously and safely: [`PinnedBuf`] (`buf.rs`). It and
+//! [`NumaGpuAlloc::record_stream`](crate::NumaGpuAlloc::record_stream) leave the arena a record
+//! of a freed block's GPU work (`alloc/record.rs`, with the allocator value). The driver calls
+//! themselves are `cuda/`'s.
 
 #[cfg(feature = "pinned-buffer")]
 mod buf;
-#[cfg(feature = "pinned-buffer")]
-mod record;
 
 #[cfg(feature = "pinned-buffer")]
 pub use buf::{PinnedBuf, PinnedSliceMut};

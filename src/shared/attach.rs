@@ -1,13 +1,25 @@
-//! Attaching with other than the defaults: the owners and modes trusted, the lock wait.
+//! Attaching to a pool: with other than the defaults (the owners and modes trusted, the lock
+//! wait), the trust check of a file at a path, and the checks of the file that make it this
+//! process's [`SharedPool`].
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
-use std::time::Duration;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
-use super::{io_error, SharedPool};
+use super::{io_error, shown, SharedPool};
+use crate::pool::extents::MAX_ALIGN;
+use crate::pool::{self, Pool, DATA_START};
+use crate::stats::Counters;
 use crate::sys;
 use crate::Error;
+
+/// How long attaching waits for a live creator to finish populating (only a pool of an older
+/// layout, or one whose header was changed, is ever seen unfinished: a pool is linked into its
+/// path once it is ready).
+const READY_WAIT: Duration = Duration::from_secs(60);
 
 /// How to attach to a [`SharedPool`] by path or descriptor ([`SharedPool::attacher`]): whom to
 /// trust beyond this process's user and root, and how long to wait for the pool's locks.
@@ -86,7 +98,7 @@ impl PoolAttach {
                 open_mode,
             });
         }
-        SharedPool::attach_file(file, Some(path.to_path_buf()), self.lock_wait)
+        self.attach_file(file, Some(path.to_path_buf()))
     }
 
     /// Attaches to the pool whose file `fd` is (inherited, or from [`SharedPool::receive`]).
@@ -95,6 +107,71 @@ impl PoolAttach {
     /// # Errors
     /// As [`SharedPool::attach_fd`].
     pub fn attach_fd(&self, fd: OwnedFd) -> Result<SharedPool, Error> {
-        SharedPool::attach_file(File::from(fd), None, self.lock_wait)
+        self.attach_file(File::from(fd), None)
+    }
+
+    /// Attaches to the pool whose file `file` is (at `path`, if it has one), once trusted: checks
+    /// it is a whole, ready pool of this build with its pages on its node, and counts this
+    /// process in.
+    fn attach_file(&self, file: File, path: Option<PathBuf>) -> Result<SharedPool, Error> {
+        let shown_path = path.clone().unwrap_or_else(|| shown(None, &file.as_fd()));
+        // Before reading it: a descriptor that cannot be read would look like no pool.
+        pool::check_access(file.as_fd(), &shown_path)?;
+        let len = file
+            .metadata()
+            .map_err(|e| io_error(path.as_deref(), &e))?
+            .len() as usize;
+        let mut magic = [0; 8];
+        // At offset 0 whatever the file's position: an inherited descriptor shares its
+        // position with every process holding it.
+        // A file shorter than that is not a pool: its zeros are no magic.
+        let _ = file.read_exact_at(&mut magic, 0);
+        // In this machine's byte order, as the creator's atomic store wrote it.
+        pool::check_magic(u64::from_ne_bytes(magic), &shown_path)?;
+        if len < DATA_START + MAX_ALIGN as usize {
+            return Err(Error::PoolCorrupt {
+                path: shown_path,
+                reason: "the file is shorter than a pool's header and one block (truncated)",
+            });
+        }
+        if !len.is_multiple_of(MAX_ALIGN as usize) {
+            return Err(Error::PoolCorrupt {
+                path: shown_path,
+                reason: "its file's length is not a multiple of 2 MiB, as every pool's is \
+                         (truncated, or written past its end)",
+            });
+        }
+        let fd = OwnedFd::from(file);
+        let (mapping, file) = pool::map(fd, len, &shown_path)?;
+        let pool = Pool::check(mapping, file, shown_path.clone())?;
+        let header = pool.header();
+        let start = Instant::now();
+        while !pool.ready() {
+            if !sys::process_alive(header.creator) {
+                return Err(Error::PoolStale {
+                    path: shown_path,
+                    pid: header.creator,
+                });
+            }
+            if start.elapsed() > READY_WAIT {
+                return Err(Error::PoolCorrupt {
+                    path: shown_path,
+                    reason: "its creator has not finished making it in 60 s",
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Admits the extent table (rebuilt if it does not hold together), or names the
+        // process that holds the lock past the wait.
+        drop(pool.lock(self.lock_wait)?);
+        pool.map_in_pages();
+        pool.check_node(DATA_START, len - DATA_START, header.node as usize, false)?;
+        header.attached.fetch_add(1, Ordering::AcqRel);
+        Ok(SharedPool::new(
+            pool,
+            path,
+            self.lock_wait,
+            Counters::default(),
+        ))
     }
 }

@@ -45,6 +45,21 @@ pub struct SharedPoolBuilder {
 }
 
 impl SharedPoolBuilder {
+    /// The defaults for a pool of `size` bytes ([`SharedPool::builder`]).
+    pub(super) fn new(size: usize) -> SharedPoolBuilder {
+        SharedPoolBuilder {
+            size,
+            node: None,
+            huge_pages: false,
+            path: None,
+            chunk: None,
+            populate_threads: 4,
+            mode: 0o600,
+            inherit: false,
+            lock_wait: LOCK_WAIT,
+        }
+    }
+
     /// The node its pages go on (default: the node of the calling thread's CPU).
     pub fn node(mut self, node: usize) -> Self {
         self.node = Some(node);
@@ -266,24 +281,6 @@ impl SharedPoolBuilder {
         pool.header().attached.fetch_add(1, Ordering::AcqRel);
         pool.set_ready();
         Ok(pool)
-    }
-}
-
-impl SharedPool {
-    /// A builder for a pool of `size` bytes (rounded up to 2 MiB, its first 2 MiB included:
-    /// the header, about 160 KiB, then blocks from 2 MiB on).
-    pub fn builder(size: usize) -> SharedPoolBuilder {
-        SharedPoolBuilder {
-            size,
-            node: None,
-            huge_pages: false,
-            path: None,
-            chunk: None,
-            populate_threads: 4,
-            mode: 0o600,
-            inherit: false,
-            lock_wait: LOCK_WAIT,
-        }
     }
 }
 

@@ -6,7 +6,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{build, SharedPool};
+use super::build;
+use super::inner::Inner;
+#[cfg(doc)]
+use super::SharedPool;
 use crate::chunk::{Numa, PinFlags, Placer};
 use crate::cuda::{Device, Gpu, RegisterFlags, FORKED_REASON};
 use crate::pool::chunks::{self, PoolSeams};
@@ -14,40 +17,26 @@ use crate::pool::DATA_START;
 use crate::process::job::{Background, Job, Tail};
 use crate::{Error, GpuSelector};
 
-impl SharedPool {
-    /// Registers this process's mapping of the pool with `gpu`'s CUDA context on a thread of
-    /// its own, chunk by chunk (each chunk one `cuMemHostRegister`, holding the pool's
-    /// registration lock, which lives in the pool, so that two of its processes do not register
-    /// at the same moment), within `pin_limit` bytes page-locked by this process through the
-    /// crate. Blocks are usable meanwhile (unpinned until their chunk is registered); the
-    /// returned [`PoolRegistration`] reports progress, waits, cancels. Chunks registered already are skipped. A
-    /// process without a driver, or that does not pin, just does not call this: the pool works
-    /// unpinned.
-    ///
-    /// # What it costs each process
-    /// Page-locking is charged per process, not per pool: the kernel counts the registered
-    /// bytes against this process (its locked memory), and the driver keeps a page table for
-    /// this process's registration (16 bytes per 4 KiB page, about 0.4 %). Every process that
-    /// registers the pool pays that again, though the memory is there once: plan a host's
-    /// headroom for the number of registering processes ([`PoolStats::registered_bytes`](super::PoolStats::registered_bytes) is
-    /// this process's share, [`PoolStats::registrations`](super::PoolStats::registrations) every process's chunks).
-    ///
-    /// A wait for the registration lock stops when the registration is cancelled (or the pool
-    /// dropped), and fails with [`Error::PoolLockHeld`], naming the holder, after the pool's
-    /// lock wait ([`SharedPoolBuilder::lock_wait`](crate::SharedPoolBuilder::lock_wait),
-    /// [`PoolAttach::lock_wait`](crate::PoolAttach::lock_wait)).
-    ///
-    /// # Errors
-    /// [`Error::CudaUnavailable`] without a usable driver (or in a forked child, for a pool it
-    /// inherited), [`Error::GpuNotFound`]; a failure to
-    /// start the thread. Later errors (a chunk refused, [`Error::PinLimit`]) come from the
-    /// handle; the chunks registered before stay so until detach.
-    pub fn register_in_background(
-        &self,
+/// A registration of a [`SharedPool`]'s chunks under way in the background
+/// ([`SharedPool::register_in_background`]).
+///
+/// Dropping the handle lets the registration go on to its end (or until the pool is dropped);
+/// [`cancel`](Self::cancel) stops it after the chunk in progress, or its wait for the pool's
+/// registration lock.
+pub struct PoolRegistration {
+    job: Background<Job>,
+}
+
+impl PoolRegistration {
+    /// Starts registering `inner`'s mapping with `gpu`'s context on a thread of its own, within
+    /// `pin_limit` ([`SharedPool::register_in_background`]); the handle, and the job the pool
+    /// cancels at detach.
+    pub(super) fn start(
+        inner: &Arc<Inner>,
         gpu: GpuSelector,
         pin_limit: usize,
-    ) -> Result<PoolRegistration, Error> {
-        if self.inner.inherited() {
+    ) -> Result<(PoolRegistration, Arc<Job>), Error> {
+        if inner.inherited() {
             return Err(Error::CudaUnavailable {
                 reason: FORKED_REASON,
             });
@@ -58,10 +47,10 @@ impl SharedPool {
             limit: pin_limit,
         };
         let (config, large) = build::process_settings();
-        let hugetlb = self.inner.pool.header().huge != 0;
+        let hugetlb = inner.pool.header().huge != 0;
         let rules = chunks::rules(hugetlb, 1, flags, config.register_max);
-        let job = Arc::new(Job::new(self.inner.pool.len() - DATA_START));
-        let inner = Arc::clone(&self.inner);
+        let job = Arc::new(Job::new(inner.pool.len() - DATA_START));
+        let inner = Arc::clone(inner);
         let background = Background::spawn(
             "numa-pool-pin",
             "registration thread",
@@ -77,22 +66,9 @@ impl SharedPool {
                 chunks::register_all(&inner.pool, placer, gpu, inner.lock_wait, job)
             },
         )?;
-        *self.background.lock() = Some(job);
-        Ok(PoolRegistration { job: background })
+        Ok((PoolRegistration { job: background }, job))
     }
-}
 
-/// A registration of a [`SharedPool`]'s chunks under way in the background
-/// ([`SharedPool::register_in_background`]).
-///
-/// Dropping the handle lets the registration go on to its end (or until the pool is dropped);
-/// [`cancel`](Self::cancel) stops it after the chunk in progress, or its wait for the pool's
-/// registration lock.
-pub struct PoolRegistration {
-    job: Background<Job>,
-}
-
-impl PoolRegistration {
     /// What it has done so far.
     pub fn progress(&self) -> RegisterProgress {
         let job = self.job.state();

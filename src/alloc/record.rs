@@ -1,15 +1,16 @@
 //! [`RecordedEvent`], the record the arena keeps for a freed block until the GPU work that uses
-//! it has completed, and [`NumaGpuAlloc::record_stream`], which attaches one to a block.
+//! it has completed; [`PinnedBuf`](crate::PinnedBuf) and
+//! [`NumaGpuAlloc::record_stream`](crate::NumaGpuAlloc::record_stream) attach one to a block.
 
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::CudaEvent;
 
 use crate::arena::InFlight;
 use crate::cuda::event;
-use crate::{fork, NumaGpuAlloc, Result};
+use crate::fork;
 
 /// An event recorded on a stream after the copies that use a block: the block is reused only
 /// once it completed.
-pub(super) struct RecordedEvent {
+pub(crate) struct RecordedEvent {
     /// `None` once completed (the event went back to the pool).
     event: Option<CudaEvent>,
     /// The fork generation that recorded it: in a child forked since, the GPU works on the
@@ -19,7 +20,7 @@ pub(super) struct RecordedEvent {
 
 impl RecordedEvent {
     /// Wraps an event that is already recorded.
-    pub(super) fn new(event: CudaEvent) -> RecordedEvent {
+    pub(crate) fn new(event: CudaEvent) -> RecordedEvent {
         RecordedEvent {
             event: Some(event),
             generation: fork::generation(),
@@ -70,24 +71,5 @@ impl Drop for RecordedEvent {
         } else if let Some(recorded) = self.event.take() {
             event::destroy(recorded);
         }
-    }
-}
-
-impl<A> NumaGpuAlloc<A> {
-    /// Marks the large block that holds `ptr` as used by the work queued on `stream` so far (a
-    /// copy from or to a plain `Vec` or slice of this allocator, with pinning on): once freed,
-    /// the block is reused only after that work has completed. `Ok(false)` when `ptr` is not in
-    /// a large block of this allocator (small allocations are pageable: copies with them are
-    /// synchronous).
-    ///
-    /// This protects reuse only: reading a device-to-host destination still needs the stream
-    /// synchronised first. [`PinnedBuf`](crate::PinnedBuf) does both by itself.
-    #[cfg_attr(docsrs, doc(cfg(feature = "pinned-buffer")))]
-    pub fn record_stream<T>(&self, ptr: *const T, stream: &CudaStream) -> Result<bool> {
-        let recorded = RecordedEvent::new(event::record(stream)?);
-        // Not ours: dropping the record destroys its event, which CUDA allows while it runs.
-        Ok(self
-            .record_in_flight(ptr.cast(), Box::new(recorded))
-            .is_ok())
     }
 }
