@@ -1,12 +1,12 @@
 //! [`NumaGpuAlloc`]: the allocator value, its large/small dispatch, and the traits over it:
-//! allocator-api2's `Allocator` (for 0.4 and — because hashbrown uses it — 0.2: the two traits
-//! have the same shape, one macro implements both), `Default`, `Debug`, `Drop`; `GlobalAlloc` is
-//! `global.rs`'s. Its public methods (constructors, the const builder, settings, stats,
+//! `GlobalAlloc` (the `#[global_allocator]` front end), allocator-api2's `Allocator` (for 0.4
+//! and — because hashbrown uses it — 0.2: the two traits have the same shape, one macro
+//! implements both), `Default`, `Debug`, `Drop`. Its public methods (constructors, the const builder, settings, stats,
 //! reservations, `record_stream`) are in `alloc/methods.rs`, each a thin call into the runtime
 //! or the job's module (`reserving.rs`, `record.rs`); resizing without a copy is `resize.rs`'s.
 //!
 //! Unsafe code here relies on the front ends' contracts (a pointer freed with the layout it was
-//! allocated with; allocator-api2's, forwarded to the dispatch) and the runtime box
+//! allocated with; `GlobalAlloc`'s and allocator-api2's, forwarded to the dispatch) and the runtime box
 //! `process::initialise` made.
 #![allow(unsafe_code)]
 
@@ -347,6 +347,37 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
             // SAFETY: forwarded from the caller.
             unsafe { self.deallocate(ptr.as_ptr(), layout) }
         }
+    }
+}
+
+// SAFETY: every method forwards to the large/small dispatch above, which returns memory valid
+// for the layout (the inner allocator below the threshold, our own mappings above it), frees by
+// the same rule, and never unwinds (the inner allocator is a `GlobalAlloc`, which must not
+// unwind).
+unsafe impl<A: GlobalAlloc> GlobalAlloc for NumaGpuAlloc<A> {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        self.allocate(layout, false)
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        self.allocate(layout, true)
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: GlobalAlloc's contract: `ptr` came from this allocator with `layout`.
+        unsafe { self.deallocate(ptr, layout) }
+    }
+
+    #[inline]
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: GlobalAlloc's contract: new_size rounded to the alignment does not overflow.
+        let new = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // SAFETY: GlobalAlloc's contract: `ptr` came from this allocator with `layout`, and both
+        // sizes are non-zero.
+        unsafe { self.reallocate(ptr, layout, new) }
     }
 }
 

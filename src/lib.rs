@@ -21,7 +21,7 @@
 //   what a shared pool keeps in its file (header, carving state) and its placement;
 // - layer 8, runtime: one allocator value's state: settings, targets, routes; owns its blocks;
 // - layer 9, stats_exit: the report at exit;
-// - layer 10, alloc, global, pinned, reservation, shared and unstable: the front ends, and the
+// - layer 10, alloc, pinned, reservation, shared and unstable: the front ends, and the
 //   unstable tools.
 // The numbered groups below gather the declarations by job; they are not the layers.
 
@@ -64,9 +64,8 @@ pub use stats::{CudaErrorCount, Fallbacks, GpuStats, HeapStats, NodeStats, Stats
 // 6. The front ends: GlobalAlloc, allocator-api2, the const builder.
 mod alloc;
 mod reservation;
-pub use reservation::{Reservation, ReserveProgress};
-mod global;
 pub use alloc::NumaGpuAlloc;
+pub use reservation::{Reservation, ReserveProgress};
 #[cfg(target_os = "linux")]
 mod shared;
 #[cfg(target_os = "linux")]

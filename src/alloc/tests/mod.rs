@@ -8,6 +8,8 @@ use crate::arena::class_size;
 use crate::arena::pending_double::Flag;
 use crate::{Error, GpuSelector, PinMode};
 
+mod inside;
+
 const BLOCK: usize = 256 << 10;
 
 /// Serialises the unit tests that allocate large blocks (here, in `blocks/reserve.rs` and `blocks/tests.rs`), which
