@@ -11,6 +11,7 @@ use numa_gpu_alloc::NumaGpuAlloc;
 
 mod common {
     pub mod child;
+    pub mod fill;
 }
 
 #[global_allocator]
@@ -177,7 +178,7 @@ fn cache_child() {
     set_address_space_limit(vm_size() + 1000 * MIB);
     let mut first: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(&local);
     first.try_reserve_exact(900 * MIB).expect("900 MiB fit");
-    first.resize(900 * MIB, 1);
+    common::fill::resize(&mut first, 900 * MIB, 1);
     drop(first);
     assert_eq!(local.stats().cached_bytes(), 960 * MIB);
 
@@ -185,7 +186,7 @@ fn cache_child() {
     second
         .try_reserve_exact(100 * MIB)
         .expect("the cached 960 MiB were given back");
-    second.resize(100 * MIB, 2);
+    common::fill::resize(&mut second, 100 * MIB, 2);
     assert!(second.iter().step_by(4096).all(|&b| b == 2));
     let s = local.stats();
     println!("{s}");

@@ -11,6 +11,7 @@ use allocator_api2::vec::Vec as VecIn;
 use numa_gpu_alloc::NumaGpuAlloc;
 
 mod common {
+    pub mod fill;
     pub mod pattern;
 }
 
@@ -140,7 +141,7 @@ fn fork_while_another_thread_initialises_an_allocator() {
         let fork_at = started.elapsed();
         children.fork(|| {
             let mut v: VecIn<u8, _> = VecIn::with_capacity_in(5 * MIB, &*alloc);
-            v.resize(5 * MIB, 0);
+            common::fill::resize(&mut v, 5 * MIB, 0);
             common::pattern::fill(&mut v, 3);
             common::pattern::check(&v, 3);
             allocate_in_child()
