@@ -115,6 +115,25 @@ fn sample_index(i: usize, pages: usize, samples: usize) -> usize {
     (2 * i + 1) * pages / (2 * samples)
 }
 
+/// The page size, and the first byte of each of `samples` pages spread evenly over
+/// `ptr..ptr+len` (no more than the range has); `None` for a range without a whole page.
+fn sampled_pages(
+    ptr: NonNull<u8>,
+    len: usize,
+    samples: usize,
+) -> Option<(usize, impl Iterator<Item = *mut u8>)> {
+    let page = page_size();
+    let pages = len / page;
+    let samples = samples.min(pages);
+    (samples > 0).then(|| {
+        let at = move |i| {
+            ptr.as_ptr()
+                .wrapping_add(sample_index(i, pages, samples) * page)
+        };
+        (page, (0..samples).map(at))
+    })
+}
+
 /// How many of `samples` pages spread evenly over `ptr..ptr+len` are resident (`mincore`), and
 /// how many were asked about: what the range's last user touched, seen without touching it.
 /// `None` when the kernel refused (a range not mapped, an empty one). Allocates nothing: one
@@ -124,21 +143,16 @@ pub(crate) fn resident_sample(
     len: usize,
     samples: usize,
 ) -> Option<(usize, usize)> {
-    let page = page_size();
-    let pages = len / page;
-    let samples = samples.min(pages);
-    if samples == 0 {
-        return None;
-    }
+    let (page, pages) = sampled_pages(ptr, len, samples)?;
+    let mut asked = 0;
     let mut resident = 0;
-    for i in 0..samples {
-        let index = sample_index(i, pages, samples);
+    for at in pages {
         let mut vec = 0u8;
         // SAFETY: the address is page-aligned and inside the caller's range; `vec` holds the
         // one byte `mincore` writes for one page. It reads page tables only.
         let rc = unsafe {
             libc::mincore(
-                ptr.as_ptr().wrapping_add(index * page).cast(),
+                at.cast(),
                 page,
                 // `unsigned char *` on Linux, `char *` elsewhere.
                 std::ptr::addr_of_mut!(vec).cast(),
@@ -147,9 +161,10 @@ pub(crate) fn resident_sample(
         if rc != 0 {
             return None;
         }
+        asked += 1;
         resident += usize::from(vec & 1);
     }
-    Some((resident, samples))
+    Some((resident, asked))
 }
 
 /// How many of `samples` pages spread evenly over `ptr..ptr+len` were written (a page of their
@@ -162,26 +177,19 @@ pub(crate) fn written_sample(
     len: usize,
     samples: usize,
 ) -> Option<(usize, usize)> {
-    let page = page_size();
-    let pages = len / page;
-    let samples = samples.min(pages);
-    if samples == 0 {
-        return None;
-    }
+    let (page, pages) = sampled_pages(ptr, len, samples)?;
+    let mut asked = 0;
     let mut written = 0;
-    for i in 0..samples {
-        let at = NonNull::new(
-            ptr.as_ptr()
-                .wrapping_add(sample_index(i, pages, samples) * page),
-        )?;
+    for at in pages {
         let mut node = -1;
         // SAFETY: one page-aligned page inside the caller's range; `move_pages` without target
         // nodes reads page tables only.
-        match unsafe { super::page_nodes(at, page, |_, n| node = n) } {
+        match unsafe { super::page_nodes(NonNull::new(at)?, page, |_, n| node = n) } {
             Ok(()) => written += usize::from(node >= 0),
             Err(Error::NumaUnavailable { .. }) => return resident_sample(ptr, len, samples),
             Err(_) => return None,
         }
+        asked += 1;
     }
-    Some((written, samples))
+    Some((written, asked))
 }
