@@ -28,6 +28,7 @@ enum Owner {
     Process(&'static dyn ChunkSource),
     /// A source the mapping holds a share of (a shared pool's file): it lives until its last
     /// mapping is given back.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     Held(Arc<dyn ChunkSource + Send>),
 }
 
@@ -70,6 +71,7 @@ impl Mapping {
 
     /// Maps `len` fresh bytes from `source`, which the mapping holds a share of until it is
     /// given back (a shared pool's file: see [`SharedFile`](super::SharedFile)).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn held(
         source: Arc<dyn ChunkSource + Send>,
         len: usize,
@@ -370,6 +372,7 @@ impl Memory {
     /// # Errors
     /// [`Error::InvalidRange`] for a `step` of 0 or a `first` past the mapping; the failure to
     /// allocate a slot per range.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn ranged(mapping: Mapping, first: usize, step: usize) -> Result<Memory, Error> {
         Ok(Memory {
             registrations: Registrations::grid(mapping.len(), first, step)?,
@@ -425,16 +428,19 @@ impl Memory {
     }
 
     /// Range `index`: its offset in the mapping and its length.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn range(&self, index: usize) -> Option<(usize, usize)> {
         self.registrations.range(index)
     }
 
     /// Whether range `index` is registered now.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn range_registered(&self, index: usize) -> bool {
         self.registrations.is_registered(index)
     }
 
     /// Ranges registered now, and their bytes.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn registered(&self) -> (usize, usize) {
         self.registrations.registered()
     }
@@ -484,6 +490,7 @@ impl Memory {
     /// Forgets the registrations without a driver call: they are another process's (a forked
     /// child's copy of memory its parent registered; CUDA is unusable in the child). Dropped
     /// afterwards, the memory is unmapped in this process alone.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn disown(&mut self) {
         self.registrations.disown();
     }

@@ -488,6 +488,7 @@ impl Placer<'_> {
     /// Registers range `index` of `memory` (a shared pool's chunk, populated) through `gpu`
     /// (none: an error), through [`Self::registering`]; the time it took, or `None` when the
     /// range is registered already (or another thread is registering it now).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn register_range(
         &self,
         gpu: Option<&'static Gpu>,

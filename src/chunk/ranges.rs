@@ -11,6 +11,8 @@
 //! Unsafe code here relies on the caller's promise that the ranges lie in a mapping that stays
 //! mapped until they are unregistered.
 #![allow(unsafe_code)]
+// Off Linux there are no shared pools: only whole-mapping registrations.
+#![cfg_attr(not(target_os = "linux"), allow(dead_code))]
 
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};

@@ -87,6 +87,7 @@ impl Job {
     }
 
     /// The flag [`Self::cancel`] sets (for a wait that stops when it is set).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // a shared pool's (Linux only)
     pub(crate) fn cancel_flag(&self) -> &AtomicBool {
         &self.cancel
     }
