@@ -92,10 +92,19 @@ mod tests {
     use crate::chunk::{Mapping, ANONYMOUS};
 
     /// The `VmFlags` line of the mapping starting at `addr`, from `/proc/self/smaps`.
+    /// The flags of the mapping that holds `addr` (the kernel may have merged it with a
+    /// neighbour of the same flags, so it need not start there).
     fn vm_flags(addr: usize) -> String {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
-        let head = format!("{addr:x}-");
-        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+        let holds = |line: &str| {
+            let range = line.split_whitespace().next().unwrap_or_default();
+            let Some((start, end)) = range.split_once('-') else {
+                return false;
+            };
+            let bound = |hex| usize::from_str_radix(hex, 16).ok();
+            matches!((bound(start), bound(end)), (Some(s), Some(e)) if s <= addr && addr < e)
+        };
+        let mut lines = smaps.lines().skip_while(|l| !holds(l));
         lines
             .find_map(|l| l.strip_prefix("VmFlags:"))
             .unwrap_or_default()
