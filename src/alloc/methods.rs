@@ -236,7 +236,7 @@ impl<A> NumaGpuAlloc<A> {
 
     /// The most bytes the process keeps page-locked through the allocator (`pin_limit=`):
     /// past it `pin=on` serves blocks unpinned (counted) after giving idle page-locked memory
-    /// back, `pin=strict` fails them with [`Error::PinLimit`](crate::Error::PinLimit), and a
+    /// back, `pin=strict` fails them with [`Error::PinLimit`], and a
     /// reservation stops there.
     pub const fn pin_limit(mut self, bytes: usize) -> Self {
         self.config.pin_limit = bytes;

@@ -140,7 +140,7 @@ impl Blocks {
     /// [`DedicatedPath::grow_block`]), so a growing `Vec` leaves no smaller blocks behind and is never
     /// copied. Only for unpinned dedicated blocks without GPU work recorded (a registration is
     /// tied to the address), in `target`'s arena. `None`: move by copying instead (also when a
-    /// cached block it could grow into fits, [`Fit::for_growth`]: reuse comes first).
+    /// cached block it could grow into fits, [`Fit::for_growth`](crate::arena::Fit::for_growth): reuse comes first).
     pub(crate) fn grow_without_copy(
         &self,
         addr: usize,
