@@ -115,13 +115,14 @@ fn sample_index(i: usize, pages: usize, samples: usize) -> usize {
     (2 * i + 1) * pages / (2 * samples)
 }
 
-/// The page size, and the first byte of each of `samples` pages spread evenly over
-/// `ptr..ptr+len` (no more than the range has); `None` for a range without a whole page.
+/// The page size, how many pages are sampled (`samples`, no more than the range has), and the
+/// first byte of each, spread evenly over `ptr..ptr+len`; `None` for a range without a whole
+/// page.
 fn sampled_pages(
     ptr: NonNull<u8>,
     len: usize,
     samples: usize,
-) -> Option<(usize, impl Iterator<Item = *mut u8>)> {
+) -> Option<(usize, usize, impl Iterator<Item = *mut u8>)> {
     let page = page_size();
     let pages = len / page;
     let samples = samples.min(pages);
@@ -130,7 +131,7 @@ fn sampled_pages(
             ptr.as_ptr()
                 .wrapping_add(sample_index(i, pages, samples) * page)
         };
-        (page, (0..samples).map(at))
+        (page, samples, (0..samples).map(at))
     })
 }
 
@@ -143,8 +144,7 @@ pub(crate) fn resident_sample(
     len: usize,
     samples: usize,
 ) -> Option<(usize, usize)> {
-    let (page, pages) = sampled_pages(ptr, len, samples)?;
-    let mut asked = 0;
+    let (page, asked, pages) = sampled_pages(ptr, len, samples)?;
     let mut resident = 0;
     for at in pages {
         let mut vec = 0u8;
@@ -161,7 +161,6 @@ pub(crate) fn resident_sample(
         if rc != 0 {
             return None;
         }
-        asked += 1;
         resident += usize::from(vec & 1);
     }
     Some((resident, asked))
@@ -177,8 +176,7 @@ pub(crate) fn written_sample(
     len: usize,
     samples: usize,
 ) -> Option<(usize, usize)> {
-    let (page, pages) = sampled_pages(ptr, len, samples)?;
-    let mut asked = 0;
+    let (page, asked, pages) = sampled_pages(ptr, len, samples)?;
     let mut written = 0;
     for at in pages {
         let mut node = -1;
@@ -189,7 +187,6 @@ pub(crate) fn written_sample(
             Err(Error::NumaUnavailable { .. }) => return resident_sample(ptr, len, samples),
             Err(_) => return None,
         }
-        asked += 1;
     }
     Some((written, asked))
 }
