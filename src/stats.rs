@@ -258,6 +258,10 @@ snapshot! {
             /// Reallocations that grew an unpinned block by moving its pages into a larger mapping
             /// (`mremap`, no copy; also counted as a miss and a free).
             grown_without_copy: "grown without copy",
+            /// New blocks made of a cached block of another size (also counted as a miss): a
+            /// larger one shrunk in place, or a smaller one whose pages moved to the new block's
+            /// head (`mremap`, no copy; only its tail was mapped fresh).
+            resized_from_cache: "resized from cache",
             /// GPU uses (events) recorded against live blocks.
             in_flight_recorded,
             /// Cache misses while a pending block would have fitted: reuse deferred by GPU work.

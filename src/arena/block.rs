@@ -8,9 +8,10 @@ use crate::chunk::{Memory, Part, Span};
 use crate::cuda::RegisterFlags;
 use crate::sys::MemPolicy;
 
-/// How many times its size a cached block handed to a growing block may be ([`Fit::for_growth`]):
+/// How many times its size a cached block handed to a growing block may be ([`Fit::for_growth`]),
+/// and a new block the cached one it grows out of (`Arena::take_cached_to_grow`):
 /// four covers two doublings, which a dedicated block makes in place.
-const GROWTH_ROOM: usize = 4;
+pub(crate) const GROWTH_ROOM: usize = 4;
 
 /// What a block was made with, beyond its node and size: a block serves only requests that ask
 /// for the same. The GPU whose context registered a block is not part of it: blocks are

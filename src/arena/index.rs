@@ -63,6 +63,41 @@ impl CacheIndex {
             .map(|(at, _)| at)
     }
 
+    /// Takes a block of `fit`'s kind that `fit` does not admit but a new block for it can be
+    /// made of, within `least..=most` bytes, and that `resizable` admits (whose mapping can move
+    /// or shrink: [`Memory::movable`]): the smallest of those larger than `fit` (it shrinks in place, so
+    /// its address must suit `fit`), else the largest smaller (its pages move to the head of a
+    /// larger mapping); the newest of equals.
+    ///
+    /// [`Memory::movable`]: crate::chunk::Memory::movable
+    pub(crate) fn take_to_resize(
+        &mut self,
+        fit: Fit,
+        (least, most): (usize, usize),
+        resizable: impl Fn(&Dedicated) -> bool,
+    ) -> Option<Dedicated> {
+        let at = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, _, d))| {
+                let block = &d.block;
+                let larger = block.capacity > fit.most;
+                block.kind == fit.kind
+                    && (least..=most).contains(&block.capacity)
+                    && (larger || block.capacity < fit.least)
+                    && (!larger || block.addr.is_multiple_of(fit.align))
+                    && resizable(d)
+            })
+            .min_by_key(|(_, (seq, _, d))| {
+                let capacity = d.block.capacity;
+                let smaller = capacity < fit.least;
+                (smaller, capacity.abs_diff(fit.least), u64::MAX - seq)
+            })
+            .map(|(at, _)| at)?;
+        Some(self.remove(at))
+    }
+
     /// Removes the block cached longest ago.
     pub(crate) fn pop_oldest(&mut self) -> Option<Dedicated> {
         self.pop_cached_by(u64::MAX)
@@ -167,6 +202,56 @@ mod tests {
         let fits = fit(4 * MIB, 5 * MIB, 2 * MIB);
         assert_eq!(at(index.take(fits)), Some(0x40_0000));
         assert!(index.take(fits).is_none());
+    }
+
+    #[test]
+    fn a_block_to_resize_is_the_nearest_larger_else_the_largest_smaller() {
+        let mut index = CacheIndex::default();
+        assert!(index.reserve(5));
+        for (addr, mib) in [
+            (0x100_0000, 64),
+            (0x200_0000, 96),
+            (0x300_0000, 160),
+            (0x400_0000, 200),
+            (0x500_1000, 150),
+        ] {
+            index.insert(block(addr, mib * MIB), 0).unwrap();
+        }
+        let wanted = fit(128 * MIB, 144 * MIB, 2 * MIB);
+        let sizes = (32 * MIB, 512 * MIB);
+        let any = |_: &Dedicated| true;
+        assert!(
+            index.take_to_resize(wanted, sizes, |_| false).is_none(),
+            "none that cannot move"
+        );
+        // 150 MiB is nearer but misaligned for shrinking in place.
+        assert_eq!(
+            at(index.take_to_resize(wanted, sizes, any)),
+            Some(0x300_0000)
+        );
+        assert_eq!(
+            at(index.take_to_resize(wanted, sizes, any)),
+            Some(0x400_0000)
+        );
+        assert_eq!(
+            at(index.take_to_resize(wanted, sizes, any)),
+            Some(0x200_0000)
+        );
+        assert_eq!(
+            at(index.take_to_resize(wanted, (80 * MIB, sizes.1), any)),
+            None,
+            "64 MiB is below the least"
+        );
+        assert_eq!(
+            at(index.take_to_resize(wanted, sizes, any)),
+            Some(0x100_0000)
+        );
+        assert!(
+            index
+                .take_to_resize(fit(128 * MIB, 160 * MIB, 4096), sizes, any)
+                .is_none(),
+            "150 MiB fits: take() serves it"
+        );
     }
 
     #[test]

@@ -26,7 +26,7 @@ mod live;
 mod pending;
 mod released;
 
-use block::Backing;
+use block::{Backing, GROWTH_ROOM};
 pub(crate) use block::{Block, Carving, Dedicated, Fit, HeapKey, Kind, Shortage};
 use clock::Clock;
 use dedicated::DedicatedBlocks;
@@ -309,6 +309,25 @@ impl Arena {
     /// [`CacheIndex::take`](index::CacheIndex::take)).
     pub(crate) fn take_cached(&mut self, fit: Fit) -> Option<Dedicated> {
         self.dedicated.cached.take(fit)
+    }
+
+    /// Takes a cached dedicated block a new block for `fit` can be made of without faulting in
+    /// all of its pages afresh ([`CacheIndex::take_to_resize`](index::CacheIndex::take_to_resize)):
+    /// one of the same kind up to [`GROWTH_ROOM`] times larger (it shrinks in place) or smaller
+    /// (its pages move to the head of the new block, `mremap`); never a page-locked one (a
+    /// registration is tied to the address and length) nor one whose pages were checked (a
+    /// grown tail is not).
+    pub(crate) fn take_cached_to_resize(&mut self, fit: Fit) -> Option<Dedicated> {
+        if fit.kind.pinned || fit.kind.verified {
+            return None;
+        }
+        let sizes = (
+            fit.least / GROWTH_ROOM,
+            fit.least.saturating_mul(GROWTH_ROOM),
+        );
+        self.dedicated
+            .cached
+            .take_to_resize(fit, sizes, |d| d.memory.movable())
     }
 
     /// Whether a cached dedicated block would serve this request.

@@ -38,7 +38,7 @@ impl DedicatedPath<'_> {
         let zero = zeroed.then_some(layout.size());
         // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
         self.take_cached(fit, zero, target)
-            .or_else(|| self.create(capacity, fit.align, target, kind, zeroed))
+            .or_else(|| self.create(capacity, fit, target, zeroed))
     }
 
     /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
@@ -98,29 +98,72 @@ impl DedicatedPath<'_> {
         Some(block)
     }
 
-    /// A new live dedicated block of `kind` for `target` (a cache miss), populated as
-    /// [`Blocks::populates_new_block`] says; a very large one handed out lazily is watched.
-    fn create(
-        &self,
-        capacity: usize,
-        align: usize,
-        target: &Resolved,
-        kind: Kind,
-        zeroed: bool,
-    ) -> Option<Block> {
+    /// A new live dedicated block of `fit`'s kind for `target` (a cache miss), populated as
+    /// [`Blocks::populates_new_block`] says; a very large one handed out lazily is watched. One
+    /// populated for a request not asked zeroed (written whole) is first made of a
+    /// cached block of another size ([`Self::resize_cached`]).
+    fn create(&self, capacity: usize, fit: Fit, target: &Resolved, zeroed: bool) -> Option<Block> {
         let blocks = self.blocks;
         blocks.counters.cache_misses.incr();
+        let populate = blocks.populates_new_block(fit.kind, zeroed, capacity);
+        if populate && !zeroed {
+            if let Some(block) = self.resize_cached(capacity, fit, target) {
+                return Some(block);
+            }
+        }
         let limit = blocks.settings.cache_limit;
         blocks.with_arena(target.host_node, |arena, out| {
             arena.make_room(capacity, limit, out);
         });
-        let populate = blocks.populates_new_block(kind, zeroed, capacity);
-        let made = self.create_block(capacity, align, target, populate).ok()?;
+        let made = self
+            .create_block(capacity, fit.align, target, populate)
+            .ok()?;
         let block = self.record_created(made)?;
         if !zeroed && !populate && capacity > written::SURE_MAX {
             written::watch(block.addr, block.capacity);
         }
         Some(block)
+    }
+
+    /// A new block of `capacity` bytes made of a cached block that does not fit it as it is
+    /// ([`Arena::take_cached_to_resize`] says which may): a larger one shrinks in place (its
+    /// tail unmapped), a smaller one's pages move to the head of a new mapping (`mremap`,
+    /// [`Self::grow_block`]) whose tail alone is fresh and populated. A phase of a program that
+    /// asks for a buffer of another size than the last one so takes the resident pages the last
+    /// one left instead of faulting in as many fresh ones while those are evicted. `None` when
+    /// none may or it failed (the block goes back to the cache).
+    fn resize_cached(&self, capacity: usize, fit: Fit, target: &Resolved) -> Option<Block> {
+        let blocks = self.blocks;
+        let limit = blocks.settings.cache_limit;
+        let node = target.host_node;
+        let old = blocks.with_arena(node, |arena, out| {
+            let old = arena.take_cached_to_resize(fit)?;
+            arena.make_room(capacity, limit, out);
+            Some(old)
+        })??;
+        let resized = if old.block.capacity > capacity {
+            let mut old = old;
+            if old.memory.truncate(capacity) {
+                old.block.capacity = capacity;
+                Ok(old)
+            } else {
+                Err(old)
+            }
+        } else {
+            self.grow_block(old, capacity, fit.align, &target.nodes)
+        };
+        match resized {
+            Ok(mut made) => {
+                made.block.routed_for = target.ordinal;
+                let block = self.record_created(made)?;
+                blocks.counters.resized_from_cache.incr();
+                Some(block)
+            }
+            Err(old) => {
+                blocks.with_arena(node, |arena, out| arena.cache(old, limit, out));
+                None
+            }
+        }
     }
 
     /// Creates a block of `capacity` bytes for `target`, placed, populated and (when configured)

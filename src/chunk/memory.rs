@@ -192,6 +192,22 @@ impl Mapping {
         }
     }
 
+    /// Gives back the pages past `len` (a whole number of pages, shorter than now): the head
+    /// keeps its address and pages. Only for memory whose pages `mremap` moves (private
+    /// anonymous: its ranges are plain kernel mappings); `false`, unchanged, otherwise or when
+    /// the kernel refuses.
+    pub(crate) fn truncate(&mut self, len: usize) -> bool {
+        if !self.source.get().moves_by_remap() {
+            return false;
+        }
+        // SAFETY: the guard owns the mapping alone and its owner gives up the tail.
+        let truncated = unsafe { sys::truncate_mapping(self.ptr, self.len, len) }.is_ok();
+        if truncated {
+            self.len = len;
+        }
+        truncated
+    }
+
     /// Gives up the mapping without unmapping it: the driver may still hold it (a failed
     /// unregistration), or its range moved elsewhere. A held source (a pool's file) then stays
     /// open with it.
@@ -514,6 +530,20 @@ impl Memory {
             self.mapping = Some(from);
             self
         })
+    }
+
+    /// Gives back the pages past `len` (see [`Mapping::truncate`]); only unregistered memory
+    /// registered whole if at all (so its one range becomes the shorter mapping).
+    pub(crate) fn truncate(&mut self, len: usize) -> bool {
+        let whole = matches!(self.registrations, Registrations::Whole(..));
+        if !whole || self.registrations.any() {
+            return false;
+        }
+        let truncated = self.mapping.as_mut().is_some_and(|m| m.truncate(len));
+        if truncated {
+            self.registrations = Registrations::whole(len);
+        }
+        truncated
     }
 
     /// Moves this memory's pages to `dest` and grows it to `dest`'s length (see

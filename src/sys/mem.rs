@@ -160,6 +160,33 @@ pub(crate) unsafe fn move_and_grow(
     Ok(())
 }
 
+/// Unmaps the tail of the mapping `ptr..ptr+len` past `new_len` (a whole number of pages, less
+/// than `len`); its head stays where it is, pages and all. Fails with [`Error::InvalidRange`]
+/// for a misaligned range or length, [`Error::Syscall`] (`call: "munmap"`) if the kernel
+/// refuses (then nothing changed).
+///
+/// # Safety
+///
+/// `ptr..ptr+len` must be a mapping this crate created (anonymous or a file's), and nothing may
+/// use its tail any more.
+pub(crate) unsafe fn truncate_mapping(ptr: NonNull<u8>, len: usize, new_len: usize) -> Result<()> {
+    check_range(ptr, len)?;
+    if new_len == 0 || new_len >= len || !new_len.is_multiple_of(super::page_size()) {
+        return Err(Error::InvalidRange {
+            addr: ptr.as_ptr() as usize + new_len,
+            len: len.saturating_sub(new_len),
+        });
+    }
+    // SAFETY: the tail lies inside the caller's mapping, which nothing uses there.
+    if unsafe { libc::munmap(ptr.as_ptr().add(new_len).cast(), len - new_len) } != 0 {
+        return Err(Error::Syscall {
+            call: "munmap",
+            errno: errno(),
+        });
+    }
+    Ok(())
+}
+
 /// The size of a transparent huge page on x86-64 and of the arena's huge-page granule.
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
 

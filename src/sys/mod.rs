@@ -96,7 +96,7 @@ pub(crate) use lock::{futex_wait, futex_wake};
 pub use mem::{
     advise_dontneed, advise_hugepage, advise_nohugepage, map_anonymous, move_mapping, unmap,
 };
-pub(crate) use mem::{move_and_grow, moves_several_mappings, HUGE_PAGE};
+pub(crate) use mem::{move_and_grow, moves_several_mappings, truncate_mapping, HUGE_PAGE};
 pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,

@@ -8,6 +8,7 @@ use crate::arena::class_size;
 use crate::arena::pending_double::Flag;
 use crate::{Error, GpuSelector, PinMode};
 
+mod from_cache;
 mod inside;
 
 const BLOCK: usize = 256 << 10;
