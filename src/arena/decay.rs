@@ -7,7 +7,10 @@
 //! (see the carver), so that none of these loops offers it again and again, and its bytes count
 //! as nothing to give back.
 
-use super::{Arena, Dedicated, Purge, PurgeFailures, Released, Shortage, CLASSES_PER_DOUBLING};
+use super::{
+    Arena, Dedicated, Fit, Purge, PurgeFailures, Released, Shortage, CLASSES_PER_DOUBLING,
+    GROWTH_ROOM,
+};
 
 /// Wholly free pinned chunks decay this many times more slowly than unpinned memory: making one
 /// again costs a populate and a registration.
@@ -47,6 +50,38 @@ impl Arena {
     /// budget stay for reuse: together with what is live they fit in what was in use at once.
     pub(crate) fn make_room(&mut self, capacity: usize, limit: usize, out: &mut Released) {
         self.evict_to(self.budget(limit, capacity), out);
+    }
+
+    /// [`Self::make_room`], taking out first, for a new block of `fit` (when given; `capacity`
+    /// bytes), a cached block it can be made of that making room would evict anyway: a block
+    /// of `fit`'s kind up to [`GROWTH_ROOM`] times larger (it shrinks in place) or smaller (its
+    /// pages move to the head of the new block, `mremap`), one the budget evicts
+    /// ([`CacheIndex::take_to_resize`](super::index::CacheIndex::take_to_resize)), so no block
+    /// the budget keeps for reuse is resized. Never a page-locked one (a registration is
+    /// tied to the address and length) nor one whose pages were checked (a grown tail is not).
+    pub(crate) fn make_room_from_cache(
+        &mut self,
+        fit: Option<Fit>,
+        capacity: usize,
+        limit: usize,
+        out: &mut Released,
+    ) -> Option<Dedicated> {
+        let over = (self.dedicated.cached.bytes() + self.pending.bytes())
+            .saturating_sub(self.budget(limit, capacity));
+        let taken = fit
+            .filter(|f| over > 0 && !f.kind.pinned && !f.kind.verified)
+            .and_then(|fit| {
+                let sizes = (
+                    fit.least / GROWTH_ROOM,
+                    fit.least.saturating_mul(GROWTH_ROOM),
+                );
+                let resizable = |d: &Dedicated| d.memory.movable();
+                self.dedicated
+                    .cached
+                    .take_to_resize(fit, sizes, over, resizable)
+            });
+        self.make_room(capacity, limit, out);
+        taken
     }
 
     pub(super) fn evict_beyond(&mut self, limit: usize, out: &mut Released) {

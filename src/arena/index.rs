@@ -64,23 +64,30 @@ impl CacheIndex {
     }
 
     /// Takes a block of `fit`'s kind that `fit` does not admit but a new block for it can be
-    /// made of, within `least..=most` bytes, and that `resizable` admits (whose mapping can move
-    /// or shrink: [`Memory::movable`]): the smallest of those larger than `fit` (it shrinks in place, so
-    /// its address must suit `fit`), else the largest smaller (its pages move to the head of a
-    /// larger mapping); the newest of equals.
+    /// made of: within `least..=most` bytes, one that evicting the oldest blocks until `over`
+    /// bytes left would evict, and that `resizable` admits (its mapping can move or shrink:
+    /// [`Memory::movable`]). The smallest of those larger than `fit` (it shrinks in place, so its
+    /// address must suit `fit`), else the largest smaller (its pages move to the head of a larger
+    /// mapping); the newest of equals.
     ///
     /// [`Memory::movable`]: crate::chunk::Memory::movable
     pub(crate) fn take_to_resize(
         &mut self,
         fit: Fit,
         (least, most): (usize, usize),
+        over: usize,
         resizable: impl Fn(&Dedicated) -> bool,
     ) -> Option<Dedicated> {
+        // Oldest first, a block is evicted while the bytes evicted before it are short of `over`.
+        let evicted = |seq: u64| {
+            let older = self.blocks.iter().filter(|(s, _, _)| *s < seq);
+            older.map(|(_, _, d)| d.block.capacity).sum::<usize>() < over
+        };
         let at = self
             .blocks
             .iter()
             .enumerate()
-            .filter(|(_, (_, _, d))| {
+            .filter(|(_, (seq, _, d))| {
                 let block = &d.block;
                 let larger = block.capacity > fit.most;
                 block.kind == fit.kind
@@ -88,6 +95,7 @@ impl CacheIndex {
                     && (larger || block.capacity < fit.least)
                     && (!larger || block.addr.is_multiple_of(fit.align))
                     && resizable(d)
+                    && evicted(*seq)
             })
             .min_by_key(|(_, (seq, _, d))| {
                 let capacity = d.block.capacity;
@@ -204,6 +212,9 @@ mod tests {
         assert!(index.take(fits).is_none());
     }
 
+    /// Bytes over the budget that evict every cached block.
+    const ALL: usize = usize::MAX;
+
     #[test]
     fn a_block_to_resize_is_the_nearest_larger_else_the_largest_smaller() {
         let mut index = CacheIndex::default();
@@ -220,35 +231,43 @@ mod tests {
         let wanted = fit(128 * MIB, 144 * MIB, 2 * MIB);
         let sizes = (32 * MIB, 512 * MIB);
         let any = |_: &Dedicated| true;
+        // The two oldest (64 and 96 MiB) are what evicting 100 MiB would evict.
+        assert_eq!(
+            at(index.take_to_resize(wanted, sizes, 100 * MIB, any)),
+            Some(0x200_0000)
+        );
+        index.insert(block(0x200_0000, 96 * MIB), 0).unwrap();
         assert!(
-            index.take_to_resize(wanted, sizes, |_| false).is_none(),
+            index
+                .take_to_resize(wanted, sizes, ALL, |_| false)
+                .is_none(),
             "none that cannot move"
         );
         // 150 MiB is nearer but misaligned for shrinking in place.
         assert_eq!(
-            at(index.take_to_resize(wanted, sizes, any)),
+            at(index.take_to_resize(wanted, sizes, ALL, any)),
             Some(0x300_0000)
         );
         assert_eq!(
-            at(index.take_to_resize(wanted, sizes, any)),
+            at(index.take_to_resize(wanted, sizes, ALL, any)),
             Some(0x400_0000)
         );
         assert_eq!(
-            at(index.take_to_resize(wanted, sizes, any)),
+            at(index.take_to_resize(wanted, sizes, ALL, any)),
             Some(0x200_0000)
         );
         assert_eq!(
-            at(index.take_to_resize(wanted, (80 * MIB, sizes.1), any)),
+            at(index.take_to_resize(wanted, (80 * MIB, sizes.1), ALL, any)),
             None,
             "64 MiB is below the least"
         );
         assert_eq!(
-            at(index.take_to_resize(wanted, sizes, any)),
+            at(index.take_to_resize(wanted, sizes, ALL, any)),
             Some(0x100_0000)
         );
         assert!(
             index
-                .take_to_resize(fit(128 * MIB, 160 * MIB, 4096), sizes, any)
+                .take_to_resize(fit(128 * MIB, 160 * MIB, 4096), sizes, ALL, any)
                 .is_none(),
             "150 MiB fits: take() serves it"
         );

@@ -311,25 +311,6 @@ impl Arena {
         self.dedicated.cached.take(fit)
     }
 
-    /// Takes a cached dedicated block a new block for `fit` can be made of without faulting in
-    /// all of its pages afresh ([`CacheIndex::take_to_resize`](index::CacheIndex::take_to_resize)):
-    /// one of the same kind up to [`GROWTH_ROOM`] times larger (it shrinks in place) or smaller
-    /// (its pages move to the head of the new block, `mremap`); never a page-locked one (a
-    /// registration is tied to the address and length) nor one whose pages were checked (a
-    /// grown tail is not).
-    pub(crate) fn take_cached_to_resize(&mut self, fit: Fit) -> Option<Dedicated> {
-        if fit.kind.pinned || fit.kind.verified {
-            return None;
-        }
-        let sizes = (
-            fit.least / GROWTH_ROOM,
-            fit.least.saturating_mul(GROWTH_ROOM),
-        );
-        self.dedicated
-            .cached
-            .take_to_resize(fit, sizes, |d| d.memory.movable())
-    }
-
     /// Whether a cached dedicated block would serve this request.
     pub(crate) fn holds_fit(&self, fit: Fit) -> bool {
         self.dedicated.cached.holds(fit)

@@ -100,21 +100,22 @@ impl DedicatedPath<'_> {
 
     /// A new live dedicated block of `fit`'s kind for `target` (a cache miss), populated as
     /// [`Blocks::populates_new_block`] says; a very large one handed out lazily is watched. One
-    /// populated for a request not asked zeroed (written whole) is first made of a
-    /// cached block of another size ([`Self::resize_cached`]).
+    /// populated for a request not asked zeroed (written whole) is first made of a cached block
+    /// of another size that making room would evict ([`Self::resize_cached`]).
     fn create(&self, capacity: usize, fit: Fit, target: &Resolved, zeroed: bool) -> Option<Block> {
         let blocks = self.blocks;
         blocks.counters.cache_misses.incr();
         let populate = blocks.populates_new_block(fit.kind, zeroed, capacity);
-        if populate && !zeroed {
-            if let Some(block) = self.resize_cached(capacity, fit, target) {
+        let limit = blocks.settings.cache_limit;
+        let resizable = (populate && !zeroed).then_some(fit);
+        let old = blocks.with_arena(target.host_node, |arena, out| {
+            arena.make_room_from_cache(resizable, capacity, limit, out)
+        });
+        if let Some(old) = old.flatten() {
+            if let Some(block) = self.resize_cached(old, capacity, fit, target) {
                 return Some(block);
             }
         }
-        let limit = blocks.settings.cache_limit;
-        blocks.with_arena(target.host_node, |arena, out| {
-            arena.make_room(capacity, limit, out);
-        });
         let made = self
             .create_block(capacity, fit.align, target, populate)
             .ok()?;
@@ -125,22 +126,21 @@ impl DedicatedPath<'_> {
         Some(block)
     }
 
-    /// A new block of `capacity` bytes made of a cached block that does not fit it as it is
-    /// ([`Arena::take_cached_to_resize`] says which may): a larger one shrinks in place (its
-    /// tail unmapped), a smaller one's pages move to the head of a new mapping (`mremap`,
+    /// A new block of `capacity` bytes for `fit` made of `old`, a cached block of another size
+    /// ([`Arena::make_room_from_cache`] says which): a larger one shrinks in place (its tail
+    /// unmapped), a smaller one's pages move to the head of a new mapping (`mremap`,
     /// [`Self::grow_block`]) whose tail alone is fresh and populated. A phase of a program that
     /// asks for a buffer of another size than the last one so takes the resident pages the last
     /// one left instead of faulting in as many fresh ones while those are evicted. `None` when
-    /// none may or it failed (the block goes back to the cache).
-    fn resize_cached(&self, capacity: usize, fit: Fit, target: &Resolved) -> Option<Block> {
+    /// it failed: `old` goes back to the cache, and the room is made again.
+    fn resize_cached(
+        &self,
+        old: Dedicated,
+        capacity: usize,
+        fit: Fit,
+        target: &Resolved,
+    ) -> Option<Block> {
         let blocks = self.blocks;
-        let limit = blocks.settings.cache_limit;
-        let node = target.host_node;
-        let old = blocks.with_arena(node, |arena, out| {
-            let old = arena.take_cached_to_resize(fit)?;
-            arena.make_room(capacity, limit, out);
-            Some(old)
-        })??;
         let resized = if old.block.capacity > capacity {
             let mut old = old;
             if old.memory.truncate(capacity) {
@@ -160,7 +160,11 @@ impl DedicatedPath<'_> {
                 Some(block)
             }
             Err(old) => {
-                blocks.with_arena(node, |arena, out| arena.cache(old, limit, out));
+                let limit = blocks.settings.cache_limit;
+                blocks.with_arena(target.host_node, |arena, out| {
+                    arena.cache(old, limit, out);
+                    arena.make_room(capacity, limit, out);
+                });
                 None
             }
         }
