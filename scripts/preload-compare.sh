@@ -5,8 +5,8 @@
 #
 # usage: scripts/preload-compare.sh [SIZE_MIB]   (default 1024: sort and gzip on a 1 GiB file,
 #        xz on a quarter of it; CI runs it with 16)
-# Needs: cargo, cc, /usr/bin/time; libjemalloc2 and libmimalloc2.0 (apt-get install), skipped
-# with a note when missing.
+# Needs: cargo, cc, /usr/bin/time; libjemalloc2, libmimalloc2.0 and ripgrep (apt-get install),
+# skipped with a note when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
@@ -49,6 +49,14 @@ jobs=(
     "python3 $work/buffers.py"
     "$work/lifecycle 2 $((size_mib / 2 + 100)) portable"
 )
+# ripgrep, when installed, over lines of size_mib/16 MiB: without mmap its line buffer grows to
+# hold one.
+if command -v rg > /dev/null; then
+    tr -d '\n' < "$work/in.txt" | fold -b -w $((size_mib * 65536)) > "$work/long.txt"
+    jobs+=("rg --no-mmap -c 0 $work/long.txt")
+else
+    echo "note: ripgrep not installed, its row left out"
+fi
 differ=0
 printf '%-34s %-15s %9s %14s  %s\n' program allocator "wall s" "peak RSS MiB" output
 for job in "${jobs[@]}"; do

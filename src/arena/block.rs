@@ -9,7 +9,8 @@ use crate::cuda::RegisterFlags;
 use crate::sys::MemPolicy;
 
 /// How many times its size a cached block handed to a growing block may be ([`Fit::for_growth`]),
-/// and a new block the cached one it grows out of (`Arena::take_cached_to_grow`):
+/// and a cached block a new block is made of
+/// ([`Arena::make_room_from_cache`](super::Arena::make_room_from_cache)):
 /// four covers two doublings, which a dedicated block makes in place.
 pub(crate) const GROWTH_ROOM: usize = 4;
 
