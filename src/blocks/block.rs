@@ -38,7 +38,7 @@ impl DedicatedPath<'_> {
         let zero = zeroed.then_some(layout.size());
         // Fresh anonymous memory is already zero: `zeroed` costs nothing for a new block.
         self.take_cached(fit, zero, target)
-            .or_else(|| self.create(capacity, fit, target, zeroed))
+            .or_else(|| self.create(layout.size(), capacity, fit, target, zeroed))
     }
 
     /// The capacity a dedicated request gets, and the cached blocks of `kind` that may serve it.
@@ -102,7 +102,14 @@ impl DedicatedPath<'_> {
     /// [`Blocks::populates_new_block`] says; a very large one handed out lazily is watched. One
     /// populated for a request not asked zeroed (written whole) is first made of a cached block
     /// of another size that making room would evict ([`Self::resize_cached`]).
-    fn create(&self, capacity: usize, fit: Fit, target: &Resolved, zeroed: bool) -> Option<Block> {
+    fn create(
+        &self,
+        size: usize,
+        capacity: usize,
+        fit: Fit,
+        target: &Resolved,
+        zeroed: bool,
+    ) -> Option<Block> {
         let blocks = self.blocks;
         blocks.counters.cache_misses.incr();
         let populate = blocks.populates_new_block(fit.kind, zeroed, capacity);
@@ -112,12 +119,21 @@ impl DedicatedPath<'_> {
             arena.make_room_from_cache(resizable, capacity, limit, out)
         });
         if let Some(old) = old.flatten() {
-            if let Some(block) = self.resize_cached(old, capacity, fit, target) {
+            if let Some(block) = self.resize_cached(old, (size, capacity), fit, target) {
                 return Some(block);
             }
         }
+        // The rounding up to the class is faulted in if ever written, unless the whole block must
+        // be resident (pinned) or checked.
+        let populated = if !populate {
+            0
+        } else if fit.kind.pinned || fit.kind.verified {
+            capacity
+        } else {
+            size.next_multiple_of(blocks.page_size()).min(capacity)
+        };
         let made = self
-            .create_block(capacity, fit.align, target, populate)
+            .create_block(capacity, fit.align, target, populated)
             .ok()?;
         let block = self.record_created(made)?;
         if !zeroed && !populate && capacity > written::SURE_MAX {
@@ -126,7 +142,8 @@ impl DedicatedPath<'_> {
         Some(block)
     }
 
-    /// A new block of `capacity` bytes for `fit` made of `old`, a cached block of another size
+    /// A new block of `capacity` bytes (`size` asked for) for `fit` made of `old`, a cached block
+    /// of another size
     /// ([`Arena::make_room_from_cache`] says which): a larger one shrinks in place (its tail
     /// unmapped), a smaller one's pages move to the head of a new mapping (`mremap`,
     /// [`Self::grow_block`]) whose tail alone is fresh and populated. A phase of a program that
@@ -136,7 +153,7 @@ impl DedicatedPath<'_> {
     fn resize_cached(
         &self,
         old: Dedicated,
-        capacity: usize,
+        (size, capacity): (usize, usize),
         fit: Fit,
         target: &Resolved,
     ) -> Option<Block> {
@@ -150,7 +167,7 @@ impl DedicatedPath<'_> {
                 Err(old)
             }
         } else {
-            self.grow_block(old, capacity, fit.align, &target.nodes)
+            self.grow_block(old, (size, capacity), fit.align, &target.nodes)
         };
         match resized {
             Ok(mut made) => {
@@ -170,8 +187,8 @@ impl DedicatedPath<'_> {
         }
     }
 
-    /// Creates a block of `capacity` bytes for `target`, placed, populated and (when configured)
-    /// pinned, whose address is a multiple of `align`. When that fails for want of memory, gives
+    /// Creates a block of `capacity` bytes for `target`, placed, its first `populate` bytes
+    /// populated and (when configured) pinned, whose address is a multiple of `align`. When that fails for want of memory, gives
     /// the target node's cached blocks back and retries: first the oldest ones, only as many
     /// bytes as the block needs, then, if it fails again, all of them. Blocks pending on GPU work
     /// stay.
@@ -180,7 +197,7 @@ impl DedicatedPath<'_> {
         capacity: usize,
         align: usize,
         target: &Resolved,
-        populate: bool,
+        populate: usize,
     ) -> Result<Dedicated, Error> {
         let blocks = self.blocks;
         let mut created = self.try_create_block(capacity, align, target, populate);
@@ -203,7 +220,7 @@ impl DedicatedPath<'_> {
         capacity: usize,
         align: usize,
         target: &Resolved,
-        populate: bool,
+        populate: usize,
     ) -> Result<Dedicated, (Cause, Error)> {
         let blocks = self.blocks;
         let pin = PinPolicy::decide(blocks.settings.pin, target.gpu.is_some());
@@ -248,12 +265,13 @@ impl DedicatedPath<'_> {
     /// is left behind to cache, and only the tail is populated. A lazy block instead moves and
     /// grows in one `mremap` into the new mapping's place (one kernel mapping still, so it can
     /// grow so again on kernels that move only one at a time), and then its tail is populated
-    /// too: a growing block is written whole ([`Blocks::populates_request`]). When it cannot grow
+    /// too, up to the `size` asked for: a growing block is written whole
+    /// ([`Blocks::populates_request`]), but not the rounding up to its class. When it cannot grow
     /// so, the block is given back untouched (the caller then moves it by copying).
     pub(crate) fn grow_block(
         &self,
         dedicated: Dedicated,
-        capacity: usize,
+        (size, capacity): (usize, usize),
         align: usize,
         nodes: &NodeMask,
     ) -> Result<Dedicated, Dedicated> {
@@ -275,7 +293,11 @@ impl DedicatedPath<'_> {
             };
             return match dedicated.memory.grow_into(place) {
                 Ok(mut memory) => {
-                    if let Some(mut tail) = memory.part(old.capacity, tail_len) {
+                    let page = self.blocks.page_size();
+                    let written = size.next_multiple_of(page).min(capacity);
+                    let populated = written.saturating_sub(old.capacity);
+                    let tail = (populated > 0).then(|| memory.part(old.capacity, populated));
+                    if let Some(mut tail) = tail.flatten() {
                         // A failure leaves the tail to be faulted in where written, as before
                         // populating it: the block has grown either way.
                         let _ = placer.populate(&mut tail, nodes);
@@ -297,7 +319,7 @@ impl DedicatedPath<'_> {
             // Block capacities are whole pages, so the tail starts on a page.
             let mut tail = mapping.part(old.capacity, tail_len)?;
             placer
-                .place_and_populate(&mut tail, nodes, true)
+                .place_and_populate(&mut tail, nodes, tail_len)
                 .map_err(|(_, e)| e)?;
             Ok(Memory::new(mapping))
         }) {

@@ -158,7 +158,8 @@ impl Blocks {
             }
             arena.take_growable(addr, fit.kind, capacity)?
         };
-        let grown = dedicated_path.grow_block(old, capacity, fit.align, &target.nodes);
+        let sizes = (new.size(), capacity);
+        let grown = dedicated_path.grow_block(old, sizes, fit.align, &target.nodes);
         let (moved, dedicated) = match grown {
             Ok(grown) => (true, grown),
             // Still where it was: a failed grow moves nothing.

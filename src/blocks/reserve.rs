@@ -79,7 +79,7 @@ impl Reserver<'_> {
             let dedicated = DedicatedPath {
                 blocks: self.blocks,
             };
-            let made = dedicated.create_block(capacity, page, target, true)?;
+            let made = dedicated.create_block(capacity, page, target, capacity)?;
             // Kept whatever the cache limit (checked above against the node and pinned limit);
             // once used and freed again they are cached blocks like any other.
             self.blocks.with_arena(made.block.node, |arena, out| {

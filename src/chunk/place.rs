@@ -25,7 +25,9 @@ mod pin;
 pub(crate) use numa::Numa;
 pub(crate) use pin::PinPolicy;
 
-use super::{page_locked_bytes, Chunk, ChunkSource, Mapping, Memory, Part, PinFlags, ANONYMOUS};
+use super::{
+    page_locked_bytes, Chunk, ChunkSource, Mapping, Memory, Part, PinFlags, Span, ANONYMOUS,
+};
 use crate::config::{MAX_REGISTER_MAX, MIN_REGISTER_MAX};
 use crate::cuda::Gpu;
 use crate::stats::Counters;
@@ -163,15 +165,15 @@ pub(crate) struct Placer<'a> {
 
 impl Placer<'_> {
     /// A dedicated block of `capacity` bytes at a multiple of `align`, through every step:
-    /// checked against the cgroup limit, mapped, placed, populated and checked when `populate`,
-    /// registered as `pin` decides. Returns its memory and whether it is pinned. A failure
+    /// checked against the cgroup limit, mapped, placed, its first `populate` bytes populated
+    /// and checked (none: a lazy block), registered as `pin` decides. Returns its memory and whether it is pinned. A failure
     /// unmaps what was mapped (its guard), counted as a released block, and says at which step.
     pub(crate) fn block(
         &self,
         capacity: usize,
         align: usize,
         place: &Place,
-        populate: bool,
+        populate: usize,
         pin: PinPolicy,
     ) -> Result<(Memory, bool), (Cause, Error)> {
         // Populating beyond a cgroup's limit would summon the OOM killer: fail before mapping.
@@ -180,7 +182,7 @@ impl Placer<'_> {
             .check(capacity)
             .map_err(|e| (Cause::MemoryLimit, e))?;
         let mut mapping = self.map(capacity, align).map_err(|e| (Cause::Mmap, e))?;
-        if !populate && self.rules.huge_pages && capacity >= HUGE_PAGE {
+        if populate == 0 && self.rules.huge_pages && capacity >= HUGE_PAGE {
             self.seams.advise_lazy(&mut mapping.whole());
         }
         let placed = self.place_and_populate(&mut mapping.whole(), &place.nodes, populate);
@@ -310,22 +312,27 @@ impl Placer<'_> {
         Ok(mapping)
     }
 
-    /// Places on `nodes`, populates and checks a part never written (steps 2–4); without
-    /// `populate` (a lazy kind) only places it: its pages are faulted in where touched.
+    /// Places on `nodes` a part never written, then populates and checks its first `populate`
+    /// bytes (steps 2–4; the whole part for its length or more); the rest (all of it for 0, a
+    /// lazy kind) is faulted in where touched.
     pub(crate) fn place_and_populate(
         &self,
         part: &mut Part<'_>,
         nodes: &NodeMask,
-        populate: bool,
+        populate: usize,
     ) -> Result<(), (Cause, Error)> {
         let placed = self.place(part, nodes).map_err(|e| (Cause::Other, e))?;
-        if !populate {
+        let head = Span {
+            addr: part.ptr().as_ptr() as usize,
+            len: populate.min(part.len()),
+        };
+        let Some(mut head) = part.sub(head).filter(|_| head.len > 0) else {
             return Ok(());
-        }
-        self.populate(part, nodes)
+        };
+        self.populate(&mut head, nodes)
             .map_err(|e| (Cause::Populate, e))?;
         if placed {
-            self.check_placement(part, nodes).map_err(|e| {
+            self.check_placement(&mut head, nodes).map_err(|e| {
                 let cause = if e == bind_exhausted() {
                     Cause::BindExhausted
                 } else {

@@ -143,8 +143,9 @@ pub(crate) fn prepare(pool: &Pool, index: usize, steps: &Steps<'_>) -> Result<Pr
             part.advise_huge(true);
         }
         let nodes = NodeMask::single(placement.node)?;
+        let whole = part.len();
         placer
-            .place_and_populate(&mut part, &nodes, true)
+            .place_and_populate(&mut part, &nodes, whole)
             .map_err(|(cause, e)| {
                 cause.count(placer.counters);
                 if cause != Cause::BindExhausted {

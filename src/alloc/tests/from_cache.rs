@@ -1,4 +1,5 @@
-//! A new dedicated block that no cached block fits is made of a cached block of another size.
+//! A new dedicated block that no cached block fits is made of a cached block of another size,
+//! and what a grown block populates.
 
 use std::ptr;
 
@@ -88,4 +89,55 @@ fn a_new_block_is_made_of_a_cached_block_of_another_size() {
     );
     // SAFETY: live with this layout.
     unsafe { alloc.deallocate(zeroed, layout(3 * size)) };
+}
+
+/// A new block and a block grown by moving its pages (`realloc`) are populated up to the size
+/// asked for, not the rounding up to their class: those pages stay unfaulted until written.
+#[test]
+fn blocks_are_populated_up_to_the_size_asked_for() {
+    let _serial = serial();
+    let alloc = allocator();
+    let size = DEDICATED_MIN;
+    let asked = 2 * size + (3 << 20) + 1;
+    let capacity = class_size(asked, PAGE).unwrap();
+    let written = asked.next_multiple_of(PAGE);
+    // A huge page covers the last bytes asked for: the rest of it is resident too.
+    let unwritten = written.next_multiple_of(crate::sys::HUGE_PAGE);
+    assert!(
+        capacity >= unwritten + (8 << 20),
+        "a class well above the request"
+    );
+    let resident = |block: *mut u8, from: usize, to: usize| {
+        let ptr = std::ptr::NonNull::new(block.wrapping_add(from)).unwrap();
+        crate::sys::resident_sample(ptr, to - from, 16).unwrap()
+    };
+
+    let new = alloc.allocate(layout(asked), false);
+    assert!(!new.is_null());
+    let (head, sampled) = resident(new, 0, written);
+    assert_eq!(head, sampled, "populated up to the request");
+    assert_eq!(
+        resident(new, unwritten, capacity).0,
+        0,
+        "the rounding is not"
+    );
+    // SAFETY: live with this layout.
+    unsafe { alloc.deallocate(new, layout(asked)) };
+    alloc.trim();
+
+    let first = alloc.allocate(layout(size), false);
+    assert!(!first.is_null());
+    // SAFETY: `first` is live with this layout.
+    let grown = unsafe { alloc.reallocate(first, layout(size), layout(asked)) };
+    assert!(!grown.is_null());
+    assert_eq!(alloc.stats().grown_without_copy, 1);
+    let (tail, sampled) = resident(grown, size, written);
+    assert_eq!(tail, sampled, "the tail up to the request is populated");
+    assert_eq!(
+        resident(grown, unwritten, capacity).0,
+        0,
+        "the rounding is not"
+    );
+    // SAFETY: live with this layout.
+    unsafe { alloc.deallocate(grown, layout(asked)) };
 }
