@@ -10,6 +10,7 @@ use allocator_api2::alloc::Allocator;
 use numa_gpu_alloc::NumaGpuAlloc;
 
 mod common {
+    pub mod bytes;
     pub mod child;
     pub mod fill;
 }
@@ -152,7 +153,7 @@ fn child() {
     }
     ALLOC.trim();
     let again = vec![3u8; 32 * MIB];
-    assert!(again.iter().all(|&b| b == 3));
+    assert!(common::bytes::all_bytes_are(&again, 3));
     drop(again);
 
     for (name, s) in [("global", &global_stats), ("local", &local_stats)] {

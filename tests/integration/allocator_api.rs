@@ -12,6 +12,9 @@ use allocator_api2::boxed::Box;
 use allocator_api2::vec::Vec;
 use numa_gpu_alloc::{MemPolicy, NumaGpuAlloc};
 
+use crate::common::bytes::all_bytes_are;
+use crate::common::fill::resize;
+
 const MIB: usize = 1 << 20;
 
 /// Runs the tests one at a time, each starting with empty caches and peaks at what is live.
@@ -53,7 +56,7 @@ fn boxes_zero_sizes_and_huge_alignment() {
     let zeroed = Box::<[u8], _>::new_zeroed_slice_in(16 * MIB, &alloc);
     // SAFETY: zeroed bytes are valid u8s.
     let zeroed = unsafe { zeroed.assume_init() };
-    assert!(zeroed.iter().all(|&b| b == 0));
+    assert!(all_bytes_are(&zeroed, 0));
 
     let empty = Layout::from_size_align(0, 64).unwrap();
     let p = alloc.allocate(empty).unwrap();
@@ -88,7 +91,7 @@ fn zeroed_reuse_of_a_dirty_cached_block_is_zero() {
         assert_eq!(alloc.stats().cache_hits, hits + 1);
         // SAFETY: the block is ours and `size` long.
         let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), size) };
-        assert!(bytes.iter().all(|&b| b == 0), "{size} bytes");
+        assert!(all_bytes_are(bytes, 0), "{size} bytes");
         // SAFETY: allocated above with this layout.
         unsafe { alloc.deallocate(q, layout) };
     }
@@ -127,7 +130,7 @@ fn unpinned_blocks_not_asked_zeroed_are_populated_and_zeroed_ones_take_memory_wh
             let all_zero = |q: NonNull<u8>| {
                 // SAFETY: the block is ours and `size` long.
                 let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), size) };
-                assert!(bytes.iter().all(|&b| b == 0), "{size} bytes, eager {eager}");
+                assert!(all_bytes_are(bytes, 0), "{size} bytes, eager {eager}");
                 // SAFETY: allocated with this layout.
                 unsafe { alloc.deallocate(q, layout) };
             };
@@ -222,7 +225,7 @@ fn zeroed_reuse_of_reserved_room_keeps_it_resident() {
     assert_eq!(resident(q, 16 * MIB), 16 * MIB, "still resident");
     // SAFETY: the block is ours and 16 MiB long.
     let bytes = unsafe { std::slice::from_raw_parts(q.as_ptr(), 16 * MIB) };
-    assert!(bytes.iter().all(|&b| b == 0));
+    assert!(all_bytes_are(bytes, 0));
     // SAFETY: allocated above with this layout.
     unsafe { alloc.deallocate(q, layout) };
 }
@@ -318,7 +321,7 @@ fn verify_and_bind_on_node_zero() {
     for policy in [MemPolicy::Preferred, MemPolicy::Bind, MemPolicy::Interleave] {
         let alloc = NumaGpuAlloc::new().node(0).verify(true).policy(policy);
         let mut v: Vec<u8, _> = Vec::with_capacity_in(8 * MIB, &alloc);
-        v.resize(8 * MIB, 3);
+        resize(&mut v, 8 * MIB, 3);
         let stats = alloc.stats();
         assert!(stats.pages_checked >= (8 * MIB / 4096) as u64, "{policy:?}");
         assert_eq!(stats.pages_misplaced, 0, "{policy:?}");
@@ -392,9 +395,8 @@ fn growing_a_block_shrunk_in_place_to_a_stricter_alignment() {
         .cast::<u8>();
     assert_eq!(q.as_ptr() as usize % (1 << 30), 0);
     // SAFETY: the first 33 MiB were copied from the old block.
-    assert!(unsafe { std::slice::from_raw_parts(q.as_ptr(), 33 * MIB) }
-        .iter()
-        .all(|&b| b == 7));
+    let copied = unsafe { std::slice::from_raw_parts(q.as_ptr(), 33 * MIB) };
+    assert!(all_bytes_are(copied, 7));
     // SAFETY: `q` is live with layout `grown`.
     unsafe { alloc.deallocate(q, grown) };
 }

@@ -17,11 +17,17 @@ pub mod child_support;
 #[macro_use]
 #[path = "../common/require.rs"]
 pub mod require_support;
+#[path = "../common/bytes.rs"]
+pub mod bytes_support;
+#[path = "../common/fill.rs"]
+pub mod fill_support;
 #[macro_use]
 #[path = "../common/sim.rs"]
 pub mod sim_support;
 mod common {
+    pub use super::bytes_support as bytes;
     pub use super::child_support as child;
+    pub use super::fill_support as fill;
     pub use super::require_support as require;
     pub use super::sim_support as sim;
 }
