@@ -20,6 +20,7 @@
 #   NUMA_GUESTS_CACHE     where the downloaded kernel is kept (default /var/cache/numa-guests
 #                         when writable, else guest/build/cache)
 #   NUMA_GUESTS_ACCEL     QEMU accelerator (default tcg)
+#   NUMA_GUESTS_JOBS      guests booted side by side (default: the number of cores)
 #
 # What it needs (installed with apt-get when missing, Debian 12 or later): qemu-system-x86,
 # busybox-static, cpio, numactl, python3-numpy (with Debian's /usr/bin/python3, of which the
@@ -381,9 +382,10 @@ if [ ${#SELECT[@]} -gt 0 ]; then
     TOPOS=("${chosen[@]}")
 fi
 
-FAILED=0
-SUMMARY=()
-for f in "${TOPOS[@]}"; do
+# Boots topology file $1 and compares its output; its summary line goes to file $2. Runs in a
+# subshell of its own (load_topology sets globals).
+boot_guest() {
+    local f=$1 summary=$2
     name=$(basename "$f" .topo)
     load_topology "$f" "$name"
     logf="$BUILD/$name.log"
@@ -440,7 +442,6 @@ for f in "${TOPOS[@]}"; do
         diff -u "$expected" "$actual" | tail -n +3 || true
     fi
     if [ "$status" != ok ]; then
-        FAILED=$((FAILED + 1))
         echo "--- $name: $status (serial log: ${logf#"$ROOT"/})"
         if ! grep -q '^NUMA-GUEST-END ' "$actual"; then
             echo "--- last lines of ${logf#"$ROOT"/}:"
@@ -448,10 +449,47 @@ for f in "${TOPOS[@]}"; do
         fi
     fi
     if [ "$status" = ok ]; then
-        SUMMARY+=("$(printf '%-26s %6s s  ok    %s' "$name" "$secs" "$line${retried:+ (booted twice: qemu aborted once)}")")
+        printf '%-26s %6s s  ok    %s\n' "$name" "$secs" "$line${retried:+ (booted twice: qemu aborted once)}" >"$summary"
     else
-        SUMMARY+=("$(printf '%-26s %6s s  FAIL  %s' "$name" "$secs" "${line:+$line; }$status")")
+        printf '%-26s %6s s  FAIL  %s\n' "$name" "$secs" "${line:+$line; }$status" >"$summary"
+        return 1
     fi
+}
+
+# The Python archive is made once, before guests boot side by side.
+if grep -q '^PYTHON_MIB=' "${TOPOS[@]}"; then
+    python_initrd
+fi
+# A guest under TCG keeps about one host core busy, whatever its vCPUs: one guest per core at a
+# time. Each guest's output is printed whole once every guest ended.
+# The guests that run the most (Python's buffers, the cpuset's client) boot first, so that no
+# long one is left running alone at the end.
+JOBS=${NUMA_GUESTS_JOBS:-$(nproc)}
+mapfile -t ORDER < <(grep -l -E '^(PYTHON_MIB|CPUSET_NODE)=' "${TOPOS[@]}" || true
+    grep -L -E '^(PYTHON_MIB|CPUSET_NODE)=' "${TOPOS[@]}" || true)
+[ ${#ORDER[@]} = ${#TOPOS[@]} ] || die "ordering the guests lost some: ${ORDER[*]}"
+for f in "${TOPOS[@]}"; do
+    rm -f "$BUILD/$(basename "$f" .topo)".{out,summary}
+done
+for f in "${ORDER[@]}"; do
+    while (($(jobs -pr | wc -l) >= JOBS)); do
+        wait -n || true
+    done
+    name=$(basename "$f" .topo)
+    (boot_guest "$f" "$BUILD/$name.summary" >"$BUILD/$name.out" 2>&1) &
+done
+wait
+FAILED=0
+SUMMARY=()
+for f in "${TOPOS[@]}"; do
+    name=$(basename "$f" .topo)
+    [ ! -f "$BUILD/$name.out" ] || cat "$BUILD/$name.out"
+    if [ -s "$BUILD/$name.summary" ]; then
+        SUMMARY+=("$(cat "$BUILD/$name.summary")")
+    else
+        SUMMARY+=("$(printf '%-26s %8s  FAIL  %s' "$name" "" "no summary (see above)")")
+    fi
+    grep -q '  ok  ' "$BUILD/$name.summary" 2>/dev/null || FAILED=$((FAILED + 1))
 done
 
 echo
