@@ -16,9 +16,10 @@ if ! command -v valgrind >/dev/null; then
     exit 1
 fi
 
-# Build once; map each test target to its binary from cargo's "Executable" lines.
-# The features of CI's fault-injection step, so that its build is reused.
-build_log=$(cargo test --no-run --features fault-injection,serde 2>&1) || {
+# Map each test target to its binary from cargo's "Executable" lines: the builds of CI's test
+# step (default features) and of its fault-injection step (the injected faults' binary).
+build_log=$(cargo test --no-run 2>&1 &&
+    cargo test --no-run --features fault-injection,serde --test faults 2>&1) || {
     echo "$build_log" >&2
     exit 1
 }
