@@ -16,10 +16,11 @@ if ! command -v valgrind >/dev/null; then
     exit 1
 fi
 
-# Map each test target to its binary from cargo's "Executable" lines: the builds of CI's test
-# step (default features) and of its fault-injection step (the injected faults' binary).
-build_log=$(cargo test --no-run 2>&1 &&
-    cargo test --no-run --features fault-injection,serde --test faults 2>&1) || {
+# Map each test target to its binary from cargo's "Executable" lines (the first match): the
+# builds of CI's fault-injection step (the unit tests and the placement calls with every fault
+# injected, serde's JSON) and of its test step (default features, the rest).
+build_log=$(cargo test --no-run --features fault-injection,serde --lib --test faults \
+    --test sys_placement --test pinned_sim 2>&1 && cargo test --no-run 2>&1) || {
     echo "$build_log" >&2
     exit 1
 }
@@ -50,6 +51,10 @@ runs=(
 # Valgrind runs one thread of a process at a time: one process per core. Each writes its own
 # log, printed whole once every run ended; the longest runs come first in `runs`.
 jobs=${LEAK_CHECK_JOBS:-$(nproc)}
+[[ "$jobs" =~ ^[1-9][0-9]*$ ]] || {
+    echo "leak-check: LEAK_CHECK_JOBS=$jobs: give a number of runs at a time, 1 or more" >&2
+    exit 2
+}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 check() { # target binary args...
@@ -80,13 +85,13 @@ for i in "${!runs[@]}"; do
         wait -n || true
     done
     # shellcheck disable=SC2086 # args are test filters, split on purpose
-    { check "$target" "$bin" $args >"$logs/$i" 2>&1; echo $? >"$logs/$i.status"; } &
+    { if check "$target" "$bin" $args >"$logs/$i" 2>&1; then echo 0; else echo 1; fi >"$logs/$i.status"; } &
 done
 wait
 for i in "${!runs[@]}"; do
     [[ -f "$logs/$i" ]] || continue
     cat "$logs/$i"
-    [[ "$(cat "$logs/$i.status")" == 0 ]] || failed=1
+    [[ "$(cat "$logs/$i.status" 2>/dev/null)" == 0 ]] || failed=1
 done
 
 if [[ $failed -ne 0 ]]; then
