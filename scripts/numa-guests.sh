@@ -465,31 +465,34 @@ fi
 # The guests that run the most (Python's buffers, the cpuset's client) boot first, so that no
 # long one is left running alone at the end.
 JOBS=${NUMA_GUESTS_JOBS:-$(nproc)}
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die "NUMA_GUESTS_JOBS=$JOBS: give a number of guests at a time, 1 or more"
+# This run's outputs are named by its process id: a guest left running by an interrupted run
+# writes only its own.
+RUN=$$
 mapfile -t ORDER < <(grep -l -E '^(PYTHON_MIB|CPUSET_NODE)=' "${TOPOS[@]}" || true
     grep -L -E '^(PYTHON_MIB|CPUSET_NODE)=' "${TOPOS[@]}" || true)
 [ ${#ORDER[@]} = ${#TOPOS[@]} ] || die "ordering the guests lost some: ${ORDER[*]}"
-for f in "${TOPOS[@]}"; do
-    rm -f "$BUILD/$(basename "$f" .topo)".{out,summary}
-done
 for f in "${ORDER[@]}"; do
     while (($(jobs -pr | wc -l) >= JOBS)); do
         wait -n || true
     done
     name=$(basename "$f" .topo)
-    (boot_guest "$f" "$BUILD/$name.summary" >"$BUILD/$name.out" 2>&1) &
+    (boot_guest "$f" "$BUILD/$name.$RUN.summary" >"$BUILD/$name.$RUN.out" 2>&1) &
 done
 wait
 FAILED=0
 SUMMARY=()
 for f in "${TOPOS[@]}"; do
     name=$(basename "$f" .topo)
-    [ ! -f "$BUILD/$name.out" ] || cat "$BUILD/$name.out"
-    if [ -s "$BUILD/$name.summary" ]; then
-        SUMMARY+=("$(cat "$BUILD/$name.summary")")
+    out="$BUILD/$name.$RUN.out" summary="$BUILD/$name.$RUN.summary"
+    [ ! -f "$out" ] || cat "$out"
+    if [ -s "$summary" ]; then
+        SUMMARY+=("$(cat "$summary")")
     else
         SUMMARY+=("$(printf '%-26s %8s  FAIL  %s' "$name" "" "no summary (see above)")")
     fi
-    grep -q '  ok  ' "$BUILD/$name.summary" 2>/dev/null || FAILED=$((FAILED + 1))
+    grep -q '  ok  ' "$summary" 2>/dev/null || FAILED=$((FAILED + 1))
+    rm -f "$out" "$summary"
 done
 
 echo
