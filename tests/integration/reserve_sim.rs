@@ -194,7 +194,7 @@ sim_test!(
     env: [("CUDA_SIM_REGISTER_US_PER_GIB", "200000"), ("CUDA_SIM_TEARDOWN_US", "2000000")],
     {
         static ALLOC: NumaGpuAlloc = NumaGpuAlloc::new().pin(PinMode::On);
-        let reservation = ALLOC.reserve_in_background(2 * GIB).expect("start");
+        let reservation = ALLOC.reserve_in_background(8 * GIB).expect("start");
         while reservation.progress().chunks < 2 {
             std::thread::sleep(Duration::from_millis(1));
         }
