@@ -462,13 +462,13 @@ if grep -q '^PYTHON_MIB=' "${TOPOS[@]}"; then
 fi
 # A guest under TCG keeps about one host core busy, whatever its vCPUs: one guest per core at a
 # time. Each guest's output is printed whole once every guest ended.
-# The guests that run the most (Python's buffers, the cpuset's client) boot first, so that no
-# long one is left running alone at the end.
 JOBS=${NUMA_GUESTS_JOBS:-$(nproc)}
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die "NUMA_GUESTS_JOBS=$JOBS: give a number of guests at a time, 1 or more"
 # This run's outputs are named by its process id: a guest left running by an interrupted run
 # writes only its own.
 RUN=$$
+# The guests that run the most (Python's buffers, the cpuset's client) boot first, so that no
+# long one is left running alone at the end.
 mapfile -t ORDER < <(grep -l -E '^(PYTHON_MIB|CPUSET_NODE)=' "${TOPOS[@]}" || true
     grep -L -E '^(PYTHON_MIB|CPUSET_NODE)=' "${TOPOS[@]}" || true)
 [ ${#ORDER[@]} = ${#TOPOS[@]} ] || die "ordering the guests lost some: ${ORDER[*]}"
