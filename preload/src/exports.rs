@@ -38,6 +38,17 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
     }
 }
 
+/// `cfree(3)`: `free` under its old name. glibc no longer links new programs to it, but old
+/// binaries call it, on blocks of ours too.
+///
+/// # Safety
+/// As `free`.
+#[no_mangle]
+pub unsafe extern "C" fn cfree(ptr: *mut c_void) {
+    // SAFETY: the same contract.
+    unsafe { free(ptr) }
+}
+
 /// `calloc(3)`.
 ///
 /// # Safety
@@ -175,7 +186,6 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
     if let Some(record) = owned::get(ptr as usize) {
         return record.size;
     }
-    // SAFETY: glibc's. Before the constructor ran (nothing looked glibc's function up yet) the
-    // size is unknown: 0 promises nothing, which is safe.
+    // SAFETY: glibc's. Without glibc's function the size is unknown: 0 promises nothing.
     unsafe { glibc::usable_size(ptr) }.unwrap_or(0)
 }

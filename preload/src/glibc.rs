@@ -23,19 +23,25 @@ pub(crate) const MALLOC_ALIGN: usize = 16;
 /// `dlsym(RTLD_NEXT)` by the library's constructor, outside any allocation (0 until then).
 static USABLE_SIZE: AtomicUsize = AtomicUsize::new(0);
 
-/// Looks glibc's `malloc_usable_size` up. Called by the constructor only: `dlsym` allocates.
+/// Looks glibc's `malloc_usable_size` up. Never inside an allocation: `dlsym` allocates.
 pub(crate) fn resolve_usable_size() {
     // SAFETY: a NUL-terminated name; RTLD_NEXT finds the definition after this library's.
     let found = unsafe { libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr()) };
     USABLE_SIZE.store(found as usize, Relaxed);
 }
 
-/// glibc's usable size of `ptr` (one of glibc's), or `None` before the constructor ran.
+/// glibc's usable size of `ptr` (one of glibc's). Before the constructor ran (a constructor of a
+/// library loaded earlier asks) it is looked up now: `malloc_usable_size` is no allocation, and
+/// glibc never calls it holding a lock. `None` if glibc has none.
 ///
 /// # Safety
 /// `ptr` is null or a live allocation of glibc's.
 pub(crate) unsafe fn usable_size(ptr: *mut c_void) -> Option<usize> {
-    let found = USABLE_SIZE.load(Relaxed);
+    let mut found = USABLE_SIZE.load(Relaxed);
+    if found == 0 {
+        resolve_usable_size();
+        found = USABLE_SIZE.load(Relaxed);
+    }
     if found == 0 {
         return None;
     }

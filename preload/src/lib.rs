@@ -21,9 +21,13 @@
 //!   `cache=4G` turns the cache back on where no such library runs;
 //! - no background thread (`decay_thread=off`): with no cache it would have nothing to do.
 //!
-//! Fork, threads and allocations before `main` work: the large path's state is made at the
-//! first large request, the record's locks are taken across `fork`, and thread-local state is
-//! the crate's re-entrancy flag only (global-dynamic TLS, so the library can also be `dlopen`ed).
+//! Nothing that could take a lock of glibc's runs inside an allocation: the large path is made
+//! ready by the library's constructor (its settings, topology, cgroup limits and the driver
+//! probe), and requests made before it ran (by the constructors of libraries loaded earlier) are
+//! glibc's. Fork handlers may allocate (the record's and the arenas' locks let the forking
+//! thread in while they are held for the fork); the library's threads take no signal;
+//! thread-local state is the crate's flags only (global-dynamic TLS, so the library can also be
+//! `dlopen`ed).
 
 // Linux only (glibc's entry points, ELF constructors); elsewhere the library is empty, so that
 // the workspace still checks for other targets.
@@ -37,11 +41,11 @@ mod owned;
 mod sys;
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use numa::{Config, NumaGpuAlloc, ENV_VAR};
+use numa::{Config, NumaGpuAlloc};
 
 use glibc::{Glibc, MALLOC_ALIGN};
 use owned::Record;
@@ -62,46 +66,19 @@ const PRELOAD_CONFIG: Config = {
 /// The large path, over glibc.
 static ALLOC: NumaGpuAlloc<Glibc> = NumaGpuAlloc::with_inner_config(Glibc, PRELOAD_CONFIG);
 
-/// The threshold in force; 0 until the first request of at least [`MIN_LARGE`] reads it.
-static THRESHOLD: AtomicUsize = AtomicUsize::new(0);
-/// Whether the large path was initialised (its settings read, its nodes found).
-static STARTED: AtomicBool = AtomicBool::new(false);
+/// The threshold in force. Every request is glibc's until the library's constructor has made
+/// the large path ready and stored the threshold its settings give: nothing the large path needs
+/// (the driver probe, topology, cgroup and sysfs reads) is then left for inside an allocation,
+/// where the caller may hold a lock of glibc's (`setlocale` holds the locale lock while stdio
+/// allocates; `dlopen`, `dlerror` and gettext would take it again).
+static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// No threshold is smaller (the crate's minimum): smaller requests need no load.
 const MIN_LARGE: usize = 4 << 10;
 
 /// Whether a request of `size` bytes is a large block.
 #[inline(always)]
 fn large(size: usize) -> bool {
-    size >= MIN_LARGE && size >= threshold()
-}
-
-#[inline(always)]
-fn threshold() -> usize {
-    match THRESHOLD.load(Relaxed) {
-        0 => read_threshold(),
-        known => known,
-    }
-}
-
-/// The threshold `NUMA_GPU_ALLOC` sets over the preload's defaults, read with `getenv` (no lock,
-/// no allocation but glibc's). Invalid settings are reported when the large path starts.
-#[cold]
-#[inline(never)]
-fn read_threshold() -> usize {
-    let mut config = PRELOAD_CONFIG;
-    let name = c"NUMA_GPU_ALLOC";
-    debug_assert_eq!(name.to_bytes(), ENV_VAR.as_bytes());
-    // SAFETY: a NUL-terminated name; the value is read before anything could change it.
-    let value = unsafe { libc::getenv(name.as_ptr()) };
-    if !value.is_null() {
-        // SAFETY: getenv returns a NUL-terminated string.
-        if let Ok(text) = unsafe { CStr::from_ptr(value) }.to_str() {
-            let _ = config.apply_settings(text);
-        }
-    }
-    let threshold = config.threshold.max(MIN_LARGE);
-    THRESHOLD.store(threshold, Relaxed);
-    threshold
+    size >= MIN_LARGE && size >= THRESHOLD.load(Relaxed)
 }
 
 /// Allocates a large block of `size` bytes at `align` (a power of two): the crate's, recorded as
@@ -113,12 +90,8 @@ fn allocate_large(size: usize, align: usize, zeroed: bool) -> *mut c_void {
         sys::set_errno(libc::ENOMEM);
         return ptr::null_mut();
     };
-    // Once: reads `NUMA_GPU_ALLOC` into the crate's settings now, so that its threshold is ours.
-    // Set before, so that a large malloc made while it runs (libcuda's, say) goes straight to
-    // the crate, which serves it from glibc: re-entering the initialisation would deadlock.
-    if !STARTED.swap(true, Relaxed) {
-        let _ = ALLOC.placement();
-    }
+    // A successful call leaves errno as it was, whatever the calls below set it to.
+    let errno = sys::errno();
     // SAFETY: a non-zero size (at least MIN_LARGE).
     let ptr = unsafe {
         if zeroed {
@@ -141,6 +114,7 @@ fn allocate_large(size: usize, align: usize, zeroed: bool) -> *mut c_void {
         sys::set_errno(libc::ENOMEM);
         return ptr::null_mut();
     }
+    sys::set_errno(errno);
     ptr.cast()
 }
 
@@ -168,11 +142,26 @@ unsafe fn free_maybe_ours(ptr: *mut c_void) {
 }
 
 /// `realloc` of a block of ours: resized by the crate while it stays large, moved to glibc
-/// below the threshold.
+/// below the threshold. `errno` is kept unless it fails (`ENOMEM`).
 ///
 /// # Safety
 /// `ptr` is the live block `record` describes, taken out of the record by the caller.
 unsafe fn realloc_ours(ptr: *mut c_void, record: Record, size: usize) -> *mut c_void {
+    let errno = sys::errno();
+    // SAFETY: forwarded from the caller.
+    let moved = unsafe { resize_ours(ptr, record, size) };
+    if !moved.is_null() || size == 0 {
+        sys::set_errno(errno);
+    }
+    moved
+}
+
+/// [`realloc_ours`]'s work; null with `ENOMEM` when it fails (the old block is then the
+/// caller's still), null when `size` is 0 (freed).
+///
+/// # Safety
+/// As [`realloc_ours`].
+unsafe fn resize_ours(ptr: *mut c_void, record: Record, size: usize) -> *mut c_void {
     let old = layout_of(record);
     if size == 0 {
         // glibc frees and returns null.
@@ -242,11 +231,18 @@ unsafe fn realloc_into_large(ptr: *mut c_void, size: usize) -> Option<*mut c_voi
     Some(new)
 }
 
-/// Sets up what must not be done inside an allocation: glibc's `malloc_usable_size` looked up
-/// (`dlsym` allocates), the fork handlers registered.
+/// Does what must not be done inside an allocation: glibc's `malloc_usable_size` looked up
+/// (`dlsym` allocates), the fork handlers registered, and the large path made ready (settings,
+/// topology, cgroup limits, the driver probe: `dlopen`, sysfs reads), after which large requests
+/// are the library's. Requests made before (by the constructors of libraries loaded earlier)
+/// are glibc's. `errno` is left as it was.
 extern "C" fn construct() {
+    let errno = sys::errno();
     glibc::resolve_usable_size();
     sys::at_fork(owned::before_fork, owned::after_fork, owned::after_fork);
+    let _ = ALLOC.placement();
+    THRESHOLD.store(ALLOC.config().threshold.max(MIN_LARGE), Relaxed);
+    sys::set_errno(errno);
 }
 
 /// Runs [`construct`] when the library is loaded, preloaded or `dlopen`ed.

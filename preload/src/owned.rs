@@ -14,7 +14,7 @@
 //! GiB, mapped when a block first lands in its GiB and never unmapped. Addresses past 2^48 (five-
 //! level page tables, only for mappings that ask for them) always go to the record.
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr;
@@ -175,10 +175,19 @@ impl Shard {
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Table) -> T) -> T {
-        self.acquire();
-        // SAFETY: the lock is held, so this is the only reference.
+        // The forking thread holds every shard between the fork handlers; fork handlers that
+        // libraries loaded earlier registered run in between and may allocate: it is alone in
+        // the tables then, as glibc's forking thread is in its arenas.
+        let forking = FORKING.with(Cell::get);
+        if !forking {
+            self.acquire();
+        }
+        // SAFETY: the lock is held (by this call, or by this thread for the fork), so this is
+        // the only reference.
         let out = f(unsafe { &mut *self.table.get() });
-        self.release();
+        if !forking {
+            self.release();
+        }
         out
     }
 }
@@ -211,13 +220,20 @@ pub(crate) fn remove(addr: usize) -> Option<Record> {
     Some(record)
 }
 
+thread_local! {
+    /// Whether this thread holds every shard for a fork (between the fork handlers).
+    static FORKING: Cell<bool> = const { Cell::new(false) };
+}
+
 /// Fork handlers: the child inherits the shards unlocked and consistent.
 pub(crate) extern "C" fn before_fork() {
     RECORD.iter().for_each(Shard::acquire);
+    FORKING.with(|f| f.set(true));
 }
 
 /// Releases what [`before_fork`] took, in the parent and in the child.
 pub(crate) extern "C" fn after_fork() {
+    FORKING.with(|f| f.set(false));
     RECORD.iter().rev().for_each(Shard::release);
 }
 

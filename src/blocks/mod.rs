@@ -386,7 +386,7 @@ impl Seams for Blocks {
     }
 
     fn advise_lazy(&self, part: &mut Part<'_>) {
-        faults::advise_lazy(part, self.settings.sysfs_root.as_ref());
+        faults::advise_lazy(part);
     }
 }
 

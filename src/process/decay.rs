@@ -44,6 +44,9 @@ pub(crate) fn counters() -> Option<&'static Counters> {
     unsafe { COUNTERS.load(Ordering::Acquire).as_ref() }
 }
 
+/// The decay thread reads sysfs and gives memory back: std's default stack is ample.
+const DECAY_STACK: usize = 2 << 20;
+
 /// Starts the thread unless it runs, for a value whose idle memory decays after `decay_ms` and
 /// whose sysfs is at `sysfs_root`. Called inside the re-entrancy guard (starting a thread
 /// allocates).
@@ -55,10 +58,9 @@ pub(crate) fn ensure_running(decay_ms: u64, sysfs_root: &'static str) {
     if RUNNING.swap(true, Ordering::AcqRel) {
         return;
     }
-    let spawned = super::spawn_started(
-        std::thread::Builder::new().name("numa-gpu-alloc-decay".to_owned()),
-        move || run(Path::new(sysfs_root)),
-    );
+    let spawned = super::spawn_started("numa-gpu-alloc-decay", DECAY_STACK, move || {
+        run(Path::new(sysfs_root))
+    });
     if spawned.is_err() {
         // No thread to be had now: the next chunk tries again.
         RUNNING.store(false, Ordering::Release);

@@ -20,11 +20,13 @@
 //! their huge pages: the populate workers fault them in off the user's path, and they serve every
 //! later use with fewer TLB misses.
 //!
-//! It allocates only inside the re-entrancy guard (the sysfs read). Two threads meeting the first
-//! lazy block at once: one decides, the other keeps huge pages meanwhile. A probe that fails (no
+//! Whether the host takes free memory back is read from sysfs by the process's initialisation
+//! ([`learn_host`]), not inside the allocation that meets the first lazy block: the probe there
+//! makes system calls only (`mmap`, `madvise`, page faults). Two threads meeting the first lazy
+//! block at once: one decides, the other keeps huge pages meanwhile. A probe that fails (no
 //! transparent huge pages) leaves huge pages as they were.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use std::path::Path;
 
@@ -42,6 +44,14 @@ const HUGE_PAY: u8 = 2;
 const HUGE_COST_MORE: u8 = 3;
 
 static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+/// Whether the host takes the guest's free memory back, as [`learn_host`] read it.
+static HOST_TAKES_FREE_MEMORY: AtomicBool = AtomicBool::new(false);
+
+/// Reads whether the host takes free memory back (sysfs under `root`), for the decision the
+/// first lazy block makes. Called by the process's initialisation, outside any allocation.
+pub(crate) fn learn_host(root: &Path) {
+    HOST_TAKES_FREE_MEMORY.store(topology::host::free_page_reporting(root), Ordering::Relaxed);
+}
 
 /// Whether huge pages fault in at no more than the cost of the same bytes in small pages: the
 /// rule the probe's figures are read by. A tie keeps huge pages (they save TLB misses after).
@@ -50,24 +60,24 @@ pub(crate) fn huge_pages_pay(costs: FaultCosts) -> bool {
 }
 
 /// Whether a lazy block should keep its huge pages (see the module's docs), decided on first
-/// use with `root` as sysfs; `true` while another thread decides.
-pub(crate) fn lazy_blocks_keep_huge_pages(root: &Path) -> bool {
+/// use; `true` while another thread decides.
+pub(crate) fn lazy_blocks_keep_huge_pages() -> bool {
     match STATE.load(Ordering::Acquire) {
         HUGE_COST_MORE => false,
-        UNKNOWN => decide(root),
+        UNKNOWN => decide(),
         _ => true,
     }
 }
 
 /// Decides unless another thread claimed it, records and returns the answer.
-fn decide(root: &Path) -> bool {
+fn decide() -> bool {
     if STATE
         .compare_exchange(UNKNOWN, PROBING, Ordering::AcqRel, Ordering::Acquire)
         .is_err()
     {
         return STATE.load(Ordering::Acquire) != HUGE_COST_MORE;
     }
-    let pay = !topology::host::free_page_reporting(root)
+    let pay = !HOST_TAKES_FREE_MEMORY.load(Ordering::Relaxed)
         && sys::fault_costs(PROBE_GROUPS).map_or(true, huge_pages_pay);
     STATE.store(
         if pay { HUGE_PAY } else { HUGE_COST_MORE },
@@ -78,8 +88,8 @@ fn decide(root: &Path) -> bool {
 
 /// Advises a fresh lazy block's whole `part` (mapped, nothing faulted in yet) `MADV_NOHUGEPAGE`
 /// where huge pages cost more to fault in than small ones ([`lazy_blocks_keep_huge_pages`]).
-pub(crate) fn advise_lazy(part: &mut Part<'_>, root: &Path) {
-    if !lazy_blocks_keep_huge_pages(root) {
+pub(crate) fn advise_lazy(part: &mut Part<'_>) {
+    if !lazy_blocks_keep_huge_pages() {
         part.advise_huge(false);
     }
 }
@@ -119,7 +129,7 @@ mod tests {
         let addr = mapping.ptr().as_ptr() as usize;
         // What the probe would record on the VM whose host took its free huge blocks back.
         let before = STATE.swap(HUGE_COST_MORE, Ordering::AcqRel);
-        advise_lazy(&mut mapping.whole(), Path::new("/sys"));
+        advise_lazy(&mut mapping.whole());
         STATE.store(before, Ordering::Release);
         let flags = vm_flags(addr);
         assert!(

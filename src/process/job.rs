@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::sys;
 use crate::sys::lock::Lock;
 use crate::Error;
 
@@ -168,18 +169,21 @@ impl<T: AsRef<Job> + Send + Sync + 'static> Background<T> {
         body: impl FnOnce(&T) -> Result<(), Error> + Send + 'static,
     ) -> Result<Background<T>, Error> {
         let shared = Arc::clone(&state);
-        let thread = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || {
-                let job: &Job = (*shared).as_ref();
-                let ended = EndOnUnwind(job);
-                job.finish(body(&shared));
-                drop(ended);
-            })
-            .map_err(|e| Error::Syscall {
-                call,
-                errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
-            })?;
+        // Signals blocked: the program's own threads take them (see `sys::with_signals_blocked`).
+        let thread = sys::with_signals_blocked(|| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || {
+                    let job: &Job = (*shared).as_ref();
+                    let ended = EndOnUnwind(job);
+                    job.finish(body(&shared));
+                    drop(ended);
+                })
+        })
+        .map_err(|e| Error::Syscall {
+            call,
+            errno: e.raw_os_error().unwrap_or(libc::EAGAIN),
+        })?;
         Ok(Background {
             state,
             thread: Some(thread),

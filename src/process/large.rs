@@ -81,6 +81,10 @@ impl LargePath {
     /// Read from `sysfs_root` (a single node when it cannot be read).
     fn of_this_process(sysfs_root: &'static str) -> LargePath {
         let (topology, topology_error) = read_topology(sysfs_root);
+        // What allocations read of the kernel later, opened or read now: inside an allocation a
+        // file's `open` could take a lock of glibc's and is a cancellation point.
+        crate::topology::sysfs::open_counters(Path::new(sysfs_root));
+        super::faults::learn_host(Path::new(sysfs_root));
         let own_kernel = sysfs_root == Config::DEFAULT.sysfs_root;
         LargePath {
             sysfs_root,

@@ -84,28 +84,33 @@ pub(crate) fn initialise<T>(slot: &AtomicPtr<T>, make: impl FnOnce(&mut Setup) -
 
 /// Takes every lock, in the fixed order. Allocates nothing.
 unsafe extern "C" fn prepare() {
-    INIT.acquire();
+    INIT.hold_for_fork();
     for arena in NODES.arenas() {
-        arena.acquire();
+        arena.hold_for_fork();
     }
     #[cfg(feature = "pinned-buffer")]
-    EVENT_POOL.acquire();
+    EVENT_POOL.hold_for_fork();
+    // The earlier-registered handlers that run from here to the parent or child handler below
+    // may allocate (see `sys/lock.rs`).
+    sys::lock::set_forking(true);
 }
 
 /// Releases what [`prepare`] took, in reverse order.
 unsafe extern "C" fn parent() {
+    sys::lock::set_forking(false);
     #[cfg(feature = "pinned-buffer")]
-    // SAFETY: `prepare` took it on this thread.
+    // SAFETY: `prepare` took it on this thread, and handlers hold no guard across calls.
     unsafe {
-        EVENT_POOL.release()
+        EVENT_POOL.release_after_fork()
     };
     for arena in NODES.arenas().rev() {
         // SAFETY: `prepare` took this arena lock on this thread (no arena is made meanwhile:
-        // that takes INIT, which `prepare` holds).
-        unsafe { arena.release() };
+        // that takes INIT, which `prepare` holds, and a handler that allocated made it inside
+        // that hold, under this thread's own way in).
+        unsafe { arena.release_after_fork() };
     }
     // SAFETY: `prepare` took it on this thread.
-    unsafe { INIT.release() };
+    unsafe { INIT.release_after_fork() };
 }
 
 /// Whether this process is a child forked from one that loaded this crate (CUDA is not called
@@ -117,6 +122,7 @@ pub(crate) fn in_child() -> bool {
 /// Resets what [`prepare`] took (the parent's other threads do not exist here) and tells each
 /// arena it now lives in a child.
 unsafe extern "C" fn child() {
+    sys::lock::set_forking(false);
     crate::fork::count_fork_in_child();
     crate::cuda::forget_calls_in_child();
     decay::forget_in_child();
@@ -136,21 +142,27 @@ unsafe extern "C" fn child() {
     unsafe { INIT.reset_in_child() };
 }
 
-/// Spawns `body` on a thread of its own and returns once it runs: the thread's own start-up
-/// (its signal stack and guard page: memory) happens now, while the request that needed the
-/// thread can still fail cleanly, and not later, when the process may have run out of memory.
+/// Spawns `body` on a thread of its own, named `name`, with a stack of `stack` bytes and every
+/// signal blocked, and returns once it runs: the thread's own start-up (its signal stack and
+/// guard page: memory) happens now, while the request that needed the thread can still fail
+/// cleanly, and not later, when the process may have run out of memory.
 pub(crate) fn spawn_started(
-    builder: std::thread::Builder,
+    name: &str,
+    stack: usize,
     body: impl FnOnce() + Send + 'static,
-) -> std::io::Result<()> {
+) -> crate::Result<()> {
     let started = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let flag = std::sync::Arc::clone(&started);
-    builder.spawn(move || {
-        flag.store(1, Ordering::Release);
-        sys::futex_wake(&flag, 1);
-        drop(flag);
-        body();
-    })?;
+    sys::spawn_detached(
+        name,
+        stack,
+        Box::new(move || {
+            flag.store(1, Ordering::Release);
+            sys::futex_wake(&flag, 1);
+            drop(flag);
+            body();
+        }),
+    )?;
     while started.load(Ordering::Acquire) == 0 {
         sys::futex_wait(&started, 0);
     }

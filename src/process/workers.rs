@@ -165,13 +165,11 @@ impl Pool {
         }
         let _growing = self.grow.lock();
         while self.workers.load(Ordering::Acquire) < count {
-            let builder = std::thread::Builder::new()
-                .name(match self.node {
-                    Some(node) => format!("numa-populate-{node}"),
-                    None => "numa-populate".into(),
-                })
-                .stack_size(WORKER_STACK);
-            let started = super::spawn_started(builder, move || self.serve());
+            let name = match self.node {
+                Some(node) => format!("numa-populate-{node}"),
+                None => "numa-populate".into(),
+            };
+            let started = super::spawn_started(&name, WORKER_STACK, move || self.serve());
             if started.is_err() {
                 return;
             }

@@ -10,6 +10,7 @@ use crate::blocks::reserve::Tally;
 use crate::blocks::Resolved;
 use crate::config::Reserve;
 use crate::guard::Inside;
+use crate::sys;
 use crate::Error;
 
 impl Runtime {
@@ -32,31 +33,33 @@ impl Runtime {
     pub(crate) fn reserve_configured_in_background(&'static self) {
         // The initialising thread's target (its route), not the new thread's.
         let target = route::target(self);
-        let started = std::thread::Builder::new()
-            .name("numa-reserve".into())
-            .spawn(move || {
-                let _inside = Inside::enter();
-                let tally = Tally::new(self.configured_bytes());
-                let outcome = self.reserve_as_configured(&target, &tally);
-                let mib = |bytes: usize| bytes >> 20;
-                let (usable, chunks) = (tally.job.bytes(), tally.job.chunks());
-                let _ = match outcome {
-                    Ok(()) => writeln!(
-                        std::io::stderr(),
-                        "numa-gpu-alloc: reserve in the background: {} MiB usable in {chunks} \
+        let started = sys::with_signals_blocked(|| {
+            std::thread::Builder::new()
+                .name("numa-reserve".into())
+                .spawn(move || {
+                    let _inside = Inside::enter();
+                    let tally = Tally::new(self.configured_bytes());
+                    let outcome = self.reserve_as_configured(&target, &tally);
+                    let mib = |bytes: usize| bytes >> 20;
+                    let (usable, chunks) = (tally.job.bytes(), tally.job.chunks());
+                    let _ = match outcome {
+                        Ok(()) => writeln!(
+                            std::io::stderr(),
+                            "numa-gpu-alloc: reserve in the background: {} MiB usable in {chunks} \
                          chunks after {:.2} s",
-                        mib(usable),
-                        tally.job.elapsed().as_secs_f64()
-                    ),
-                    Err(e) => writeln!(
-                        std::io::stderr(),
-                        "numa-gpu-alloc: reserve in the background stopped with {} of {} MiB \
+                            mib(usable),
+                            tally.job.elapsed().as_secs_f64()
+                        ),
+                        Err(e) => writeln!(
+                            std::io::stderr(),
+                            "numa-gpu-alloc: reserve in the background stopped with {} of {} MiB \
                          usable in {chunks} chunks: {e}",
-                        mib(usable),
-                        mib(tally.job.requested())
-                    ),
-                };
-            });
+                            mib(usable),
+                            mib(tally.job.requested())
+                        ),
+                    };
+                })
+        });
         if let Err(e) = started {
             let _ = writeln!(
                 std::io::stderr(),

@@ -12,11 +12,14 @@
 //! - `affinity.rs`: which CPUs a thread runs on (`sched_setaffinity`, `sched_getaffinity`);
 //! - `lock.rs`: the allocator's fork-safe lock (`futex`); `once.rs`: one-time state a fork cannot
 //!   catch half-done;
-//! - `process.rs`: fork handlers (`pthread_atfork`); `exit.rs`: the exit handler, its stderr
+//! - `process.rs`: fork handlers (`pthread_atfork`), the crate's threads, started with every
+//!   signal blocked (`pthread_create`, `pthread_sigmask`); `exit.rs`: the exit handler, its stderr
 //!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
 //! - `shm.rs` (Linux): memory several processes map — memory files (`memfd_create`), shared
 //!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`), and the
 //!   lock of a shared pool that a holder's death does not wedge (plain numbers in the shared memory, no pointers);
+//! - `counters.rs`: kernel counters an allocation reads, from descriptors opened at
+//!   initialisation (`pread64`);
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
 //!
 //! Everything here runs inside a memory allocator, so nothing allocates on the heap, nothing
@@ -72,6 +75,7 @@ mod affinity {
         })
     }
 }
+pub(crate) mod counters;
 mod exit;
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
@@ -101,7 +105,7 @@ pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
-pub(crate) use process::at_fork;
+pub(crate) use process::{at_fork, spawn_detached, with_signals_blocked};
 pub use resident::{populate, PopulateMethod};
 pub(crate) use resident::{resident_sample, written_sample};
 #[cfg(target_os = "linux")]

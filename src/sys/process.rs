@@ -23,3 +23,83 @@ pub(crate) fn at_fork(
         }),
     }
 }
+
+/// Runs `spawn` with every signal blocked on the calling thread, and restores its mask after: a
+/// thread inherits the mask of the thread that makes it, so the threads `spawn` starts take no
+/// signal from their first instruction. A program that blocks a signal in all its threads and
+/// waits for it with `sigwait` or `signalfd` would otherwise lose it to one of ours, and die of
+/// it where its default action kills.
+pub(crate) fn with_signals_blocked<T>(spawn: impl FnOnce() -> T) -> T {
+    let mut all = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    let mut old = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: `sigfillset` initialises `all`; `pthread_sigmask` reads it and writes the old mask
+    // into `old`, both valid sigsets on this stack.
+    let blocked = unsafe {
+        libc::sigfillset(all.as_mut_ptr());
+        libc::pthread_sigmask(libc::SIG_SETMASK, all.as_ptr(), old.as_mut_ptr()) == 0
+    };
+    let spawned = spawn();
+    if blocked {
+        // SAFETY: `old` was written by the successful call above.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, old.as_ptr(), std::ptr::null_mut()) };
+    }
+    spawned
+}
+
+/// Starts `body` on a detached thread of `stack` bytes that takes no signal
+/// ([`with_signals_blocked`]), named `name` (at most 15 bytes are kept). `pthread_create` itself,
+/// not `std::thread`: std looks `__pthread_get_minstack` up with `dlsym` at its first spawn,
+/// which inside an allocation would take the loader's lock and clear the program's pending
+/// `dlerror()`. Fails with [`Error::Syscall`] naming `pthread_create` and its error.
+pub(crate) fn spawn_detached(
+    name: &str,
+    stack: usize,
+    body: Box<dyn FnOnce() + Send>,
+) -> Result<()> {
+    struct Start {
+        /// NUL-terminated.
+        name: [u8; 16],
+        body: Box<dyn FnOnce() + Send>,
+    }
+    extern "C" fn start(arg: *mut libc::c_void) -> *mut libc::c_void {
+        // SAFETY: `arg` is the `Start` boxed below, handed to this thread alone.
+        let start = unsafe { Box::from_raw(arg.cast::<Start>()) };
+        #[cfg(target_os = "linux")]
+        // SAFETY: PR_SET_NAME reads a NUL-terminated name of at most 16 bytes.
+        unsafe {
+            libc::prctl(libc::PR_SET_NAME, start.name.as_ptr())
+        };
+        (start.body)();
+        std::ptr::null_mut()
+    }
+    let mut comm = [0u8; 16];
+    let len = name.len().min(15);
+    comm[..len].copy_from_slice(&name.as_bytes()[..len]);
+    let arg = Box::into_raw(Box::new(Start { name: comm, body }));
+    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
+    let mut thread = std::mem::MaybeUninit::<libc::pthread_t>::uninit();
+    let rc = with_signals_blocked(|| {
+        // SAFETY: `attr` is initialised by `pthread_attr_init` before use and destroyed after;
+        // `start` takes ownership of `arg` only when `pthread_create` succeeds.
+        unsafe {
+            if libc::pthread_attr_init(attr.as_mut_ptr()) != 0 {
+                return libc::ENOMEM;
+            }
+            let stack = stack.max(libc::PTHREAD_STACK_MIN);
+            libc::pthread_attr_setstacksize(attr.as_mut_ptr(), stack);
+            libc::pthread_attr_setdetachstate(attr.as_mut_ptr(), libc::PTHREAD_CREATE_DETACHED);
+            let rc = libc::pthread_create(thread.as_mut_ptr(), attr.as_ptr(), start, arg.cast());
+            libc::pthread_attr_destroy(attr.as_mut_ptr());
+            rc
+        }
+    });
+    if rc != 0 {
+        // SAFETY: the thread was not made, so `arg` is still ours.
+        drop(unsafe { Box::from_raw(arg) });
+        return Err(Error::Syscall {
+            call: "pthread_create",
+            errno: rc,
+        });
+    }
+    Ok(())
+}

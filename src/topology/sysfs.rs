@@ -11,6 +11,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use crate::sys::counters::CounterFile;
 use crate::{Error, Result};
 
 /// The largest id [`parse_list`] accepts (2²⁰ − 1).
@@ -70,10 +71,42 @@ fn io_error(path: &Path, err: &std::io::Error) -> Error {
 /// `root`, the kernel's per-node counters): then idle memory of the node is given back before
 /// more is populated there, and by the decay thread. `false` when the file cannot be read.
 ///
-/// Allocates nothing (the path and the text are on the stack): the decay thread reads it while
-/// the process may have run out of memory.
+/// Under the root [`open_counters`] opened, the file is read from the descriptor it opened: no
+/// lock, no allocation, no cancellation point, as inside an allocation. Under another root (a
+/// fixture tree's value) it is opened now; that allocates nothing either (the path and the text
+/// are on the stack).
 pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
-    use std::io::{Read as _, Write as _};
+    let mut text = [0u8; 2048];
+    let counted = COUNTED_ROOT.get().is_some_and(|counted| counted == root);
+    let text = match MEMINFO.get(node).filter(|_| counted) {
+        Some(file) => file.read(&mut text),
+        None => read_node_meminfo(root, node, &mut text),
+    };
+    text.is_some_and(memory_low)
+}
+
+/// Opens the counters [`node_memory_low`] and [`compaction_stalls`] read inside allocations:
+/// the meminfo files of the nodes under `root` (those there are of the first 64), and
+/// `/proc/vmstat`. Called once, by the process's initialisation; later calls change nothing.
+pub(crate) fn open_counters(root: &Path) {
+    if COUNTED_ROOT.set(root.to_path_buf()).is_err() {
+        return;
+    }
+    for (node, file) in MEMINFO.iter().enumerate() {
+        file.open(&root.join(format!("devices/system/node/node{node}/meminfo")));
+    }
+    VMSTAT.open(Path::new("/proc/vmstat"));
+}
+
+/// The root [`open_counters`] opened the nodes' files under.
+static COUNTED_ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+/// The nodes' meminfo files (nodes beyond the 64th are read by path).
+static MEMINFO: [CounterFile; 64] = [const { CounterFile::new() }; 64];
+static VMSTAT: CounterFile = CounterFile::new();
+
+/// Node `node`'s meminfo under `root`, read into `text` by path (allocates nothing).
+fn read_node_meminfo<'a>(root: &Path, node: usize, text: &'a mut [u8]) -> Option<&'a [u8]> {
+    use std::io::Write as _;
     use std::os::unix::ffi::OsStrExt as _;
     let mut path = [0u8; 512];
     let len = {
@@ -81,16 +114,13 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
         let written = out.write_all(root.as_os_str().as_bytes()).is_ok()
             && write!(out, "/devices/system/node/node{node}/meminfo").is_ok();
         if !written {
-            return false;
+            return None;
         }
         512 - out.len()
     };
     let path = Path::new(std::ffi::OsStr::from_bytes(&path[..len]));
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return false;
-    };
+    let mut file = std::fs::File::open(path).ok()?;
     // MemTotal and MemFree are the first lines; the rest may be cut off.
-    let mut text = [0u8; 2048];
     let mut filled = 0;
     while filled < text.len() {
         match file.read(&mut text[filled..]) {
@@ -98,8 +128,13 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
             Ok(n) => filled += n,
         }
     }
+    Some(&text[..filled])
+}
+
+/// Whether a node's meminfo `text` says its free memory is below 1/8 of its total.
+fn memory_low(text: &[u8]) -> bool {
     let kib = |key: &[u8]| {
-        text[..filled].split(|&b| b == b'\n').find_map(|line| {
+        text.split(|&b| b == b'\n').find_map(|line| {
             let at = line.windows(key.len()).position(|w| w == key)?;
             let mut digits = line[at + key.len()..]
                 .iter()
@@ -132,11 +167,15 @@ pub(crate) fn free_huge_pages(root: &Path, node: usize, page_bytes: usize) -> us
 
 /// The kernel's count of direct compaction stalls so far (`compact_stall` in `/proc/vmstat`):
 /// allocations that waited for memory to be compacted. `None` when it cannot be read.
+/// Read from the descriptor [`open_counters`] opened (`None` before): no lock, no allocation.
 pub(crate) fn compaction_stalls() -> Option<u64> {
-    let text = read_text(Path::new("/proc/vmstat")).ok()?;
-    text.lines()
-        .find_map(|line| line.strip_prefix("compact_stall "))
-        .and_then(|count| count.trim().parse().ok())
+    // /proc/vmstat is about 6 KiB; `compact_stall` lies in its second half.
+    let mut text = [0u8; 16 << 10];
+    let text = VMSTAT.read(&mut text)?;
+    text.split(|&b| b == b'\n').find_map(|line| {
+        let count = line.strip_prefix(b"compact_stall ")?;
+        std::str::from_utf8(count).ok()?.trim().parse().ok()
+    })
 }
 
 pub(crate) fn read_text(path: &Path) -> Result<String> {
