@@ -84,14 +84,7 @@ fn simulator() -> &'static Path {
 /// Runs `cmd` with the library preloaded (or not) and `env` set; `NUMA_GPU_ALLOC` is the
 /// test's alone.
 fn run(cmd: &mut Command, preload: bool, env: &[(&str, &str)]) -> Output {
-    cmd.env_remove("NUMA_GPU_ALLOC").env_remove("LD_PRELOAD");
-    if preload {
-        cmd.env("LD_PRELOAD", library());
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("running the test program")
+    run_within(cmd, preload, env, 600)
 }
 
 fn text(out: &Output) -> String {
@@ -304,5 +297,132 @@ fn real_programs_give_identical_outputs() {
             "{program}'s output changed under the library"
         );
         eprintln!("{program}: {} bytes out, identical", with.len());
+    }
+}
+
+/// Runs `cmd` as [`run`] says, killed after `seconds`: a hang fails the test, not CI.
+fn run_within(cmd: &mut Command, preload: bool, env: &[(&str, &str)], seconds: u64) -> Output {
+    cmd.env_remove("NUMA_GPU_ALLOC").env_remove("LD_PRELOAD");
+    if preload {
+        cmd.env("LD_PRELOAD", library());
+    }
+    cmd.envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("running the test program");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    while child.try_wait().expect("waiting for the program").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("collecting its output");
+            panic!("{cmd:?} hung for {seconds} s: {}", text(&out));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collecting its output")
+}
+
+/// The thresholds the cases below run at: every request from 4 KiB up is the library's, and
+/// the default.
+const THRESHOLDS: [&str; 2] = ["threshold=4K", "stats=off"];
+
+/// Programs whose first large request comes from inside glibc (stdio's buffer while
+/// `setlocale` holds the locale lock) start under the user's locale: nothing inside the
+/// allocation takes that lock again (a `dlopen` probe there broke it for good, and the next
+/// `mbstowcs` waited forever).
+#[test]
+fn programs_start_under_the_users_locale_at_any_threshold() {
+    let locale = program("inside_glibc", &[]);
+    let programs: [(&str, &[&str]); 5] = [
+        ("bash", &["-c", "true"]),
+        ("python3", &["-c", "pass"]),
+        ("grep", &["-q", "x", "/dev/null"]),
+        ("sed", &["-n", "1p", "/dev/null"]),
+        (locale.to_str().unwrap(), &["locale"]),
+    ];
+    for settings in THRESHOLDS {
+        for (exe, args) in programs {
+            let env = [("LANG", "C.UTF-8"), ("NUMA_GPU_ALLOC", settings)];
+            let out = run_within(Command::new(exe).args(args), true, &env, 20);
+            // grep finds nothing in an empty file: status 1.
+            let code = out.status.code();
+            assert!(
+                matches!(code, Some(0 | 1)),
+                "{exe} {settings}: {}",
+                text(&out)
+            );
+        }
+    }
+}
+
+/// Successful large requests leave `errno` and a pending `dlerror()` as they were, and contain
+/// no cancellation point (the per-block reads of a node's free memory were two `openat`s).
+#[test]
+fn errno_dlerror_and_cancellation_are_as_with_glibc() {
+    let exe = program("inside_glibc", &[]);
+    for settings in THRESHOLDS {
+        for case in ["errno", "cancel"] {
+            let env = [("NUMA_GPU_ALLOC", settings)];
+            let out = run_within(Command::new(&exe).arg(case), true, &env, 30);
+            assert!(out.status.success(), "{case} {settings}: {}", text(&out));
+        }
+    }
+}
+
+/// The library's threads block every signal: a daemon that blocks SIGTERM after setting up its
+/// buffers (populated by the library's workers) and takes it with `sigwait` gets it, where a
+/// worker would have died of it. Asked for no workers (`threads=1`), the process stays
+/// single-threaded: `unshare(CLONE_NEWUSER)` works after its large requests.
+#[test]
+fn the_librarys_threads_take_no_signals_and_can_be_done_without() {
+    let exe = program("sigwait", &[]);
+    for settings in THRESHOLDS {
+        let workers = format!("{settings},threads=4");
+        let out = run_within(
+            &mut Command::new(&exe),
+            true,
+            &[("NUMA_GPU_ALLOC", &workers)],
+            30,
+        );
+        assert!(out.status.success(), "{workers}: {}", text(&out));
+        assert!(
+            text(&out).contains("sigwait took SIGTERM"),
+            "{}",
+            text(&out)
+        );
+        let single = format!("{settings},threads=1");
+        let out = run_within(
+            Command::new(&exe).arg("single"),
+            true,
+            &[("NUMA_GPU_ALLOC", &single)],
+            30,
+        );
+        assert!(out.status.success(), "{single}: {}", text(&out));
+    }
+}
+
+/// Fork handlers that a library loaded before this one registered (its constructor runs first)
+/// allocate large blocks in prepare, parent and child, while two threads allocate: 20 forks
+/// end, where the library's locks, taken by its own earlier-running prepare handler, made the
+/// handlers wait on the forking thread itself.
+#[test]
+fn fork_handlers_registered_before_the_library_may_allocate() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let early = dir.join("libpreload-early-atfork.so");
+    cc(
+        &manifest_dir().join("tests/c/early_atfork.c"),
+        &early,
+        &["-shared", "-fPIC"],
+    );
+    let exe = program("forks", &[]);
+    // Preloaded after the library, so initialised before it.
+    let preload = format!("{}:{}", library().display(), early.display());
+    for settings in THRESHOLDS {
+        let env = [
+            ("LD_PRELOAD", preload.as_str()),
+            ("NUMA_GPU_ALLOC", settings),
+        ];
+        let out = run_within(&mut Command::new(&exe), false, &env, 60);
+        assert!(out.status.success(), "{settings}: {}", text(&out));
     }
 }

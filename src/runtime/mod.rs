@@ -59,6 +59,9 @@ const _: () = {
     shared_between_threads::<Runtime>()
 };
 
+/// Setup problems printed one per line; the rest are counted in one line.
+const PRINTED_PROBLEMS: usize = 8;
+
 pub(crate) struct Runtime {
     /// Tells runtimes apart in threads' caches of resolved routes (an address may be reused).
     pub(crate) id: u64,
@@ -178,9 +181,11 @@ impl Runtime {
     }
 
     /// Setup problems, printed once by the allocator after initialisation (not during it:
-    /// stderr's lock may be held by a thread waiting for this initialisation).
+    /// stderr's lock may be held by a thread waiting for this initialisation): the first
+    /// [`PRINTED_PROBLEMS`], then a line that counts the rest (a value of thousands of bad keys
+    /// prints a screenful, not thousands of lines; the stats list them all).
     pub(crate) fn report_setup_errors(&self) {
-        for e in &self.unprinted {
+        for e in self.unprinted.iter().take(PRINTED_PROBLEMS) {
             // One line each (a key may hold a newline), marked as the crate's as every line it
             // prints.
             let _ = writeln!(
@@ -188,6 +193,15 @@ impl Runtime {
                 "numa-gpu-alloc: {}",
                 one_line(&e.to_string())
             );
+        }
+        if let Some(more) = self.unprinted.len().checked_sub(PRINTED_PROBLEMS) {
+            if more > 0 {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "numa-gpu-alloc: and {more} more setup problems (stats().config_errors \
+                     lists them)"
+                );
+            }
         }
     }
 
