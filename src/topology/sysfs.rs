@@ -86,14 +86,16 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
 }
 
 /// Opens the counters [`node_memory_low`] and [`compaction_stalls`] read inside allocations:
-/// the meminfo files of the nodes under `root` (those there are of the first 64), and
-/// `/proc/vmstat`. Called once, by the process's initialisation; later calls change nothing.
-pub(crate) fn open_counters(root: &Path) {
+/// the meminfo files of `nodes` under `root` (those of ids below 64), and `/proc/vmstat`.
+/// Called once, by the process's initialisation; later calls change nothing.
+pub(crate) fn open_counters(root: &Path, nodes: &[usize]) {
     if COUNTED_ROOT.set(root.to_path_buf()).is_err() {
         return;
     }
-    for (node, file) in MEMINFO.iter().enumerate() {
-        file.open(&root.join(format!("devices/system/node/node{node}/meminfo")));
+    for &node in nodes {
+        if let Some(file) = MEMINFO.get(node) {
+            file.open(&root.join(format!("devices/system/node/node{node}/meminfo")));
+        }
     }
     VMSTAT.open(Path::new("/proc/vmstat"));
 }
