@@ -447,7 +447,7 @@ fn bad_cases_are_refused_with_their_errors() {
         matches!(e, Error::PoolVersion { found: (1, 99), .. }),
         "{e}"
     );
-    patch(&path, VERSION_AT, &5u32.to_le_bytes());
+    patch(&path, VERSION_AT, &6u32.to_le_bytes());
 
     // Made by a build of another layout: another libc's mutex, another byte order.
     let mut mutex_size = [0; 4];

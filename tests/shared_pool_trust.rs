@@ -485,7 +485,7 @@ fn an_attach_waits_for_the_pools_lock_no_longer_than_asked_and_names_the_holder(
         println!("{e} ({took:?})");
         assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(5));
         assert!(
-            matches!(e, Error::PoolLockHeld { lock: "carving", pid, .. } if pid == std::process::id()),
+            matches!(e, Error::PoolLockHeld { lock: "carving", pid: Some(pid), .. } if pid == std::process::id()),
             "{e}"
         );
     });

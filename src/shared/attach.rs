@@ -163,7 +163,7 @@ impl PoolAttach {
         }
         // Admits the extent table (rebuilt if it does not hold together), or names the
         // process that holds the lock past the wait.
-        drop(pool.lock(self.lock_wait)?);
+        drop(pool.lock(self.lock_wait, sys::process_id())?);
         pool.map_in_pages();
         pool.check_node(DATA_START, len - DATA_START, header.node as usize, false)?;
         header.attached.fetch_add(1, Ordering::AcqRel);

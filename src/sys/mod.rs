@@ -15,8 +15,10 @@
 //! - `process.rs`: fork handlers (`pthread_atfork`); `exit.rs`: the exit handler, its stderr
 //!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
 //! - `shm.rs` (Linux): memory several processes map — memory files (`memfd_create`), shared
-//!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`), and the
-//!   lock of a shared pool that a holder's death does not wedge (plain numbers in the shared memory, no pointers);
+//!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`);
+//!   `pool_lock.rs` (Linux): a shared pool's locks, passed on from a holder once the kernel
+//!   says it is gone (`fcntl(F_OFD_SETLK)` locks on the pool's file; plain numbers in the
+//!   shared memory, no pointers);
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
 //!
 //! Everything here runs inside a memory allocator, so nothing allocates on the heap, nothing
@@ -84,6 +86,8 @@ mod mem;
 pub(crate) mod once;
 mod pages;
 mod policy;
+#[cfg(target_os = "linux")]
+mod pool_lock;
 mod process;
 mod resident;
 #[cfg(target_os = "linux")]
@@ -101,6 +105,8 @@ pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
+#[cfg(target_os = "linux")]
+pub(crate) use pool_lock::{Gate, Held, LockKey, Locked, SharedMutex};
 pub(crate) use process::at_fork;
 pub use resident::{populate, PopulateMethod};
 pub(crate) use resident::{resident_sample, written_sample};
@@ -108,7 +114,7 @@ pub(crate) use resident::{resident_sample, written_sample};
 pub(crate) use shm::{
     access_mode, effective_uid, file_owner, free_bytes, map_in, map_shared, memfd, on_hugetlbfs,
     process_alive, process_id, random_u32, recv_fd, remove_pages, seal_size, send_fd, set_cloexec,
-    Access, Locked, RobustMutex,
+    Access,
 };
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.
