@@ -111,7 +111,8 @@ const TRUSTED_MODE: u32 = 0o755;
 /// Every wait for a lock of the pool that a live process holds ends after the pool's lock
 /// wait (30 s unless [`SharedPoolBuilder::lock_wait`] or [`PoolAttach::lock_wait`] say
 /// otherwise): [`Error::PoolLockHeld`] names the holder; [`allocate`](Self::allocate) returns
-/// `None`, [`stats`](Self::stats) leaves the carving counts at zero.
+/// `None`, [`stats`](Self::stats) leaves the carving counts at zero, and the calls that return
+/// a `Result` return that error.
 ///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
@@ -274,7 +275,8 @@ impl SharedPool {
     /// # Errors
     /// [`Error::PoolHandle`] when the handle is another pool's, or no live block of its length
     /// and serial starts at its offset (freed already, even if another block was carved there
-    /// since).
+    /// since); the pool's lock's error when it could not be taken ([`Error::PoolLockHeld`],
+    /// [`Error::PoolCorrupt`]), the block left as it was.
     ///
     /// # Safety
     /// Nothing in any process uses the block afterwards (a GPU copy still in flight included),
@@ -282,8 +284,13 @@ impl SharedPool {
     /// frees its block itself): its range may be handed out again at once.
     pub unsafe fn free(&self, handle: PoolHandle) -> Result<(), Error> {
         self.mine(handle)?;
-        self.free_block(handle.offset, Some((handle.len, handle.serial)))
-            .map_err(|()| self.bad_handle(handle, "it was freed already, or never carved"))
+        let pid = sys::process_id();
+        let mut guard = self.lock(pid)?;
+        let expect = Some((handle.len, handle.serial));
+        match guard.extents().free(handle.offset, expect, pid) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(self.bad_handle(handle, "it was freed already, or never carved")),
+        }
     }
 
     /// The pool's carving lock, for process `pid` (this one's), within the lock wait.
@@ -310,18 +317,6 @@ impl SharedPool {
             len: handle.len,
             reason,
         }
-    }
-
-    /// Frees the live block at `offset`, of the length and serial when given; `Err` when there
-    /// is none, or the pool's lock failed.
-    fn free_block(&self, offset: u64, expect: Option<(u64, u32)>) -> Result<(), ()> {
-        let pid = sys::process_id();
-        let mut guard = self.lock(pid).map_err(drop)?;
-        guard
-            .extents()
-            .free(offset, expect, pid)
-            .map(drop)
-            .map_err(drop)
     }
 
     /// Frees the block at `offset` that a value of this process owned and dropped (a
@@ -361,13 +356,17 @@ impl SharedPool {
     }
 
     /// Whether `handle` is this pool's, and names a live block (its offset, length and serial).
-    pub fn is_live(&self, handle: PoolHandle) -> bool {
-        self.mine(handle).is_ok()
-            && self.lock(sys::process_id()).is_ok_and(|mut guard| {
-                guard.extents().find(handle.offset).is_some_and(|live| {
-                    (live.block.len, live.serial) == (handle.len, handle.serial)
-                })
-            })
+    ///
+    /// # Errors
+    /// The pool's lock's, when it could not be taken ([`Error::PoolLockHeld`],
+    /// [`Error::PoolCorrupt`]): whether the block is live is not known then.
+    pub fn is_live(&self, handle: PoolHandle) -> Result<bool, Error> {
+        if self.mine(handle).is_err() {
+            return Ok(false);
+        }
+        let mut guard = self.lock(sys::process_id())?;
+        let live = guard.extents().find(handle.offset);
+        Ok(live.is_some_and(|live| (live.block.len, live.serial) == (handle.len, handle.serial)))
     }
 
     /// This process's pointer to the block `handle` names (`None` when it is another pool's
@@ -385,15 +384,19 @@ impl SharedPool {
         NonNull::new(self.inner.pool.base().wrapping_add(handle.offset as usize) as *mut u8)
     }
 
-    /// The handle of the live block starting at `ptr`, a pointer of this process.
-    pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
-        let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.pool.base())?;
-        let live = self
-            .lock(sys::process_id())
-            .ok()?
-            .extents()
-            .find(offset as u64)?;
-        Some(self.handle(live.block.offset, live.block.len, live.serial))
+    /// The handle of the live block starting at `ptr`, a pointer of this process; `None` when
+    /// no live block starts there.
+    ///
+    /// # Errors
+    /// The pool's lock's, when it could not be taken ([`Error::PoolLockHeld`],
+    /// [`Error::PoolCorrupt`]).
+    pub fn handle_of(&self, ptr: NonNull<u8>) -> Result<Option<PoolHandle>, Error> {
+        let Some(offset) = (ptr.as_ptr() as usize).checked_sub(self.inner.pool.base()) else {
+            return Ok(None);
+        };
+        let mut guard = self.lock(sys::process_id())?;
+        let live = guard.extents().find(offset as u64);
+        Ok(live.map(|live| self.handle(live.block.offset, live.block.len, live.serial)))
     }
 
     /// Checks where the pool's pages are now (`move_pages`, each page this process maps).

@@ -2,7 +2,7 @@
 //! another PID namespace keeps its lock; one killed and not reaped (a zombie), one whose thread
 //! id a live process got since, one whose child (which used the pool) lives on, and the holder
 //! recorded in a copy of the pool's file all give it up at once. Stray values in the lock's
-//! words never fence the pool.
+//! words never fence the pool. A call that cannot take the lock says so (not "freed already").
 //!
 //! The PID namespaces need root (`unshare(CLONE_NEWPID)`); elsewhere those tests end as
 //! `common/require.rs` says.
@@ -27,7 +27,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::pools::{pool_path, small_pool_at};
-use numa_gpu_alloc::{PoolHandle, SharedPool};
+use numa_gpu_alloc::{Error, PoolHandle, SharedPool};
 
 const MIB: usize = 1 << 20;
 /// Set in a child: `MODE,PATH[,handle]`, what it does.
@@ -426,6 +426,66 @@ fn a_copy_of_a_pool_made_while_it_was_locked_attaches_at_once() {
     assert!(took < Duration::from_secs(1), "{took:?}");
     assert_eq!(attached.stats().rebuilds, 1, "its state checked once");
     assert_eq!(pool.stats().rebuilds, 0, "the original is left as it was");
+}
+
+#[test]
+fn calls_that_cannot_take_the_lock_say_so() {
+    let path = pool_path("busy");
+    let _ = std::fs::remove_file(&path);
+    let pool = SharedPool::builder(8 * MIB)
+        .node(0)
+        .path(&path)
+        .lock_wait(Duration::from_millis(200))
+        .create()
+        .unwrap();
+    let other = SharedPool::attacher()
+        .lock_wait(Duration::from_millis(200))
+        .attach(&path)
+        .unwrap();
+    let handle = pool
+        .allocate_handle(Layout::from_size_align(4096, 64).unwrap())
+        .unwrap();
+    let (held, holding) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let mut told = Vec::new();
+    std::thread::scope(|s| {
+        let pool = &pool;
+        s.spawn(move || {
+            numa_gpu_alloc::unstable::hold_pool_lock(pool, || {
+                held.send(()).unwrap();
+                released.recv().unwrap();
+            })
+            .unwrap();
+        });
+        holding.recv().unwrap();
+        // By another thread of this attachment, and by another attachment.
+        for who in [pool, &other] {
+            // SAFETY: the test's block, used by nobody; refused while the lock is held.
+            told.push(unsafe { who.free(handle) }.map(|()| "freed".to_owned()));
+            told.push(who.is_live(handle).map(|live| format!("live {live}")));
+            let ptr = who.ptr(handle).unwrap();
+            told.push(who.handle_of(ptr).map(|h| format!("handle {h:?}")));
+        }
+        release.send(()).unwrap();
+    });
+    for said in &told {
+        println!("{said:?}");
+        let e = said.as_ref().expect_err("the lock is held");
+        assert!(
+            matches!(e, Error::PoolLockHeld { lock: "carving", pid: Some(pid), .. } if *pid == std::process::id()),
+            "{e}"
+        );
+        assert!(e.to_string().contains("alive"), "{e}");
+    }
+    assert!(pool.is_live(handle).unwrap());
+    assert_eq!(
+        other.handle_of(other.ptr(handle).unwrap()).unwrap(),
+        Some(handle)
+    );
+    // SAFETY: the test's block, used by nobody.
+    unsafe { other.free(handle) }.unwrap();
+    assert!(!pool.is_live(handle).unwrap());
+    std::fs::remove_file(&path).unwrap();
 }
 
 #[test]
