@@ -3,6 +3,7 @@
 //! id a live process got since, one whose child (which used the pool) lives on, and the holder
 //! recorded in a copy of the pool's file all give it up at once. Stray values in the lock's
 //! words never fence the pool. A call that cannot take the lock says so (not "freed already").
+//! And the edges: a size that overflows.
 //!
 //! The PID namespaces need root (`unshare(CLONE_NEWPID)`); elsewhere those tests end as
 //! `common/require.rs` says.
@@ -524,4 +525,14 @@ fn stray_values_in_the_lock_words_never_fence_the_pool() {
     println!("40 stray values in {took:?}: {stats:?}");
     assert!(took < WAIT, "no wait ran to its deadline");
     assert_eq!(stats.live_blocks, 0);
+}
+
+#[test]
+fn a_pool_of_usize_max_bytes_is_too_large_not_a_panic() {
+    let e = SharedPool::builder(usize::MAX)
+        .node(0)
+        .create()
+        .unwrap_err();
+    println!("{e}");
+    assert!(matches!(e, Error::PoolTooLarge { node: 0, .. }), "{e}");
 }
