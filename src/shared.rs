@@ -161,10 +161,12 @@ impl SharedPool {
     }
 
     /// Attaches to the pool at `path`: a file owned by this process's effective user or root,
-    /// which no other user may write (see [`SharedPool::attacher`] to trust more).
+    /// which no other user may write (see [`SharedPool::attacher`] to trust more). A symbolic
+    /// link at `path` is not followed (`O_NOFOLLOW`; the folders above it are).
     ///
     /// # Errors
     /// [`Error::PoolUntrusted`] for a file of another owner, or that others may write;
+    /// [`Error::PoolSymlink`] for a symbolic link;
     /// [`Error::PoolPermission`] for one this process may not open for reading and writing;
     /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
     /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]

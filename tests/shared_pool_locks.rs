@@ -3,7 +3,7 @@
 //! id a live process got since, one whose child (which used the pool) lives on, and the holder
 //! recorded in a copy of the pool's file all give it up at once. Stray values in the lock's
 //! words never fence the pool. A call that cannot take the lock says so (not "freed already").
-//! And the edges: a size that overflows.
+//! And the edges: a size that overflows, a symbolic link at the path.
 //!
 //! The PID namespaces need root (`unshare(CLONE_NEWPID)`); elsewhere those tests end as
 //! `common/require.rs` says.
@@ -535,4 +535,20 @@ fn a_pool_of_usize_max_bytes_is_too_large_not_a_panic() {
         .unwrap_err();
     println!("{e}");
     assert!(matches!(e, Error::PoolTooLarge { node: 0, .. }), "{e}");
+}
+
+#[test]
+fn attach_refuses_a_symbolic_link() {
+    let path = pool_path("target");
+    let link = pool_path("link");
+    let _pool = small_pool_at(&path);
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&path, &link).unwrap();
+    let attached = SharedPool::attach(&link).map(drop);
+    std::fs::remove_file(&link).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let e = attached.expect_err("attached through a symbolic link");
+    println!("{e}");
+    assert!(matches!(e, Error::PoolSymlink { .. }), "{e}");
+    assert!(e.to_string().contains("symbolic link"), "{e}");
 }

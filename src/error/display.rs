@@ -263,6 +263,12 @@ impl fmt::Display for Error {
                     path.display()
                 )
             }
+            Error::PoolSymlink { path } => write!(
+                f,
+                "refusing to attach shared pool {}: it is a symbolic link, which attach does \
+                 not follow (another user may have planted it); attach the pool's own path",
+                path.display()
+            ),
             Error::PoolLockHeld {
                 path,
                 lock,

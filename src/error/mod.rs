@@ -256,6 +256,12 @@ pub enum Error {
         /// Bytes free there (`None`: unknown, the filesystem ran out while the pages were made).
         free: Option<u64>,
     },
+    /// A shared pool's path that is a symbolic link: attaching does not follow one
+    /// (`O_NOFOLLOW`).
+    PoolSymlink {
+        /// The path.
+        path: PathBuf,
+    },
     /// A shared pool's lock held by a live process for longer than this process waits (the
     /// kernel still holds the lock it took on the pool's file: a holder that is gone, in any
     /// PID namespace, passes its lock on at once).

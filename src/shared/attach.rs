@@ -1,10 +1,11 @@
 //! Attaching to a pool: with other than the defaults (the owners and modes trusted, the lock
-//! wait), the trust check of a file at a path, and the checks of the file that make it this
-//! process's [`SharedPool`].
+//! wait), the trust check of a file at a path (no symbolic link followed, its owner and mode),
+//! and the checks of the file that make it this process's [`SharedPool`] (its length, its
+//! header, its pages on its node).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -53,7 +54,9 @@ impl PoolAttach {
         self
     }
 
-    /// Attaches to the pool at `path`, once its file passed the trust check.
+    /// Attaches to the pool at `path`, once its file passed the trust check. A symbolic link
+    /// at `path` is refused, not followed (`O_NOFOLLOW`): another user may have planted it
+    /// where the sticky bit does not protect links (`fs.protected_symlinks`).
     ///
     /// # Errors
     /// As [`SharedPool::attach`].
@@ -63,8 +66,15 @@ impl PoolAttach {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP)
+                    if std::fs::symlink_metadata(path)
+                        .is_ok_and(|m| m.file_type().is_symlink()) =>
+                {
+                    Error::PoolSymlink { path: path.into() }
+                }
                 Some(libc::EACCES | libc::EPERM) => {
                     let meta = std::fs::metadata(path).ok();
                     Error::PoolPermission {
