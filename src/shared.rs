@@ -29,7 +29,7 @@
 //! ([`SharedPoolBuilder`], [`PoolAttach`], [`PoolRegistration`]). `build.rs` makes a pool (the
 //! file, its size against the node, the header, then each chunk placed, populated and checked by
 //! `pool/chunks.rs`); `attach.rs` checks a file before attaching (its owner and mode when at a
-//! path, then that it is a ready pool of this build on its node); `register.rs` registers this
+//! path, then that it is a whole, ready pool of this build on its node); `register.rs` registers this
 //! process's mapping in the background, chunk by chunk, through the same step function.
 //!
 //! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
@@ -169,7 +169,9 @@ impl SharedPool {
     /// [`Error::PoolSymlink`] for a symbolic link;
     /// [`Error::PoolPermission`] for one this process may not open for reading and writing;
     /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
-    /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
+    /// [`Error::PoolCorrupt`] for a file that is not a pool of this build, [`Error::PoolSparse`]
+    /// for one whose pages are not all there (nothing of it is allocated by the attach);
+    /// [`Error::PoolStale`]
     /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
     /// pages are not on its node; [`Error::PoolReadOnly`] for a file or descriptor this process
     /// may not map for writing, [`Error::PoolDescriptor`] for a descriptor open write-only or

@@ -523,6 +523,12 @@ fn bad_cases_are_refused_with_their_errors() {
         assert!(e.to_string().contains("truncated"), "{e}");
     }
     file.set_len(8 * MIB as u64).unwrap();
+    // Its length back, its pages are not: sparse, damaged.
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(matches!(e, Error::PoolSparse { .. }), "{e}");
+    // SAFETY: fallocate on a descriptor of the test's file touches no memory of ours.
+    let filled = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, 8 * MIB as i64) };
+    assert_eq!(filled, 0, "{}", std::io::Error::last_os_error());
 
     // A descriptor opened read-only: refused, naming it, before anything is mapped.
     let read_only = std::fs::File::open(&path).unwrap();

@@ -3,7 +3,7 @@
 //! id a live process got since, one whose child (which used the pool) lives on, and the holder
 //! recorded in a copy of the pool's file all give it up at once. Stray values in the lock's
 //! words never fence the pool. A call that cannot take the lock says so (not "freed already").
-//! And the edges: a size that overflows, a symbolic link at the path.
+//! And the edges: a size that overflows, a symbolic link at the path, a sparse pool file.
 //!
 //! The PID namespaces need root (`unshare(CLONE_NEWPID)`); elsewhere those tests end as
 //! `common/require.rs` says.
@@ -19,8 +19,8 @@ mod common {
 use std::alloc::Layout;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::FromRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -551,4 +551,32 @@ fn attach_refuses_a_symbolic_link() {
     println!("{e}");
     assert!(matches!(e, Error::PoolSymlink { .. }), "{e}");
     assert!(e.to_string().contains("symbolic link"), "{e}");
+}
+
+#[test]
+fn a_sparse_pool_file_is_refused_as_damaged_and_not_filled() {
+    let path = pool_path("sparse");
+    let _pool = small_pool_at(&path);
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    // Its blocks' pages dropped: the header says 8 MiB, 2 are there.
+    // SAFETY: fallocate on a descriptor of the test's file touches no memory of ours.
+    let punched = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            2 * MIB as i64,
+            6 * MIB as i64,
+        )
+    };
+    assert_eq!(punched, 0, "{}", std::io::Error::last_os_error());
+    let blocks = || std::fs::metadata(&path).unwrap().blocks();
+    let before = blocks();
+    let attached = SharedPool::attach(&path).map(drop);
+    let after = blocks();
+    std::fs::remove_file(&path).unwrap();
+    let e = attached.expect_err("a sparse pool attached");
+    println!("{e}");
+    assert!(matches!(e, Error::PoolSparse { .. }), "{e}");
+    assert!(e.to_string().contains("damaged"), "{e}");
+    assert_eq!(before, after, "the attach allocated pages of the file");
 }

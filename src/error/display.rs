@@ -269,6 +269,18 @@ impl fmt::Display for Error {
                  not follow (another user may have planted it); attach the pool's own path",
                 path.display()
             ),
+            Error::PoolSparse {
+                path,
+                allocated,
+                needed,
+            } => write!(
+                f,
+                "shared pool {} is damaged: {allocated} bytes of its file are allocated, and \
+                 its blocks alone are {needed} (a sparse file, or one whose pages were dropped: \
+                 its creator allocates every page); create a new pool once no process uses \
+                 this one",
+                path.display()
+            ),
             Error::PoolLockHeld {
                 path,
                 lock,

@@ -262,6 +262,16 @@ pub enum Error {
         /// The path.
         path: PathBuf,
     },
+    /// A shared pool's file whose pages are not all there (a sparse file): a pool's creator
+    /// allocates every page before anyone attaches, and attaching would allocate the rest.
+    PoolSparse {
+        /// The file.
+        path: PathBuf,
+        /// Bytes of the file allocated (`st_blocks`).
+        allocated: u64,
+        /// Bytes of its pool's blocks, which a whole pool has allocated.
+        needed: u64,
+    },
     /// A shared pool's lock held by a live process for longer than this process waits (the
     /// kernel still holds the lock it took on the pool's file: a holder that is gone, in any
     /// PID namespace, passes its lock on at once).
