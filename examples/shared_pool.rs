@@ -1,7 +1,8 @@
 //! One shared pool, several processes: each attaches by an inherited descriptor, allocates and
 //! frees at random, fills its blocks with a tag of its own, and reads the others' blocks at the
 //! handles they publish; a tag found wrong is two live blocks overlapping. Then a process is
-//! killed with SIGKILL while it holds the pool's lock, and the others must finish.
+//! killed with SIGKILL while it holds the pool's lock, and the others must finish. Last, what
+//! an allocate and free pair costs, in one process and in two at once (the pool's lock).
 //!
 //! Run: `cargo run --release --example shared_pool -- --processes 8 [--ops 2000]` (Linux).
 
@@ -14,7 +15,8 @@ mod shared_workload;
 const USAGE: &str = "usage: shared_pool [--processes N] [--ops N]
   --processes N  processes attached to one pool (default 8)
   --ops N        allocate/free steps per process (default 2000)
-Prints `processes N: ... overlaps 0`, then the run with a process killed holding the lock.";
+Prints `processes N: ... overlaps 0`, the run with a process killed holding the lock, then
+the time of an allocate and free pair in one process and in two at once.";
 
 #[cfg(target_os = "linux")]
 fn main() {
@@ -48,6 +50,12 @@ fn main() {
         "killed 1 process holding the pool's lock: {}/{} others finished, {} operations, state rebuilt {} time(s), overlaps {}: {}",
         k.finished, processes, k.operations, k.rebuilds, k.overlaps,
         if ok { "ok" } else { "FAILED" }
+    );
+    let pairs = (ops * 100).max(1000);
+    let one = shared_workload::pair_cost(1, pairs, command);
+    let two = shared_workload::pair_cost(2, pairs, command);
+    println!(
+        "allocate+free pairs ({pairs} each): 1 process {one:.0} ns/pair, 2 processes at once {two:.0} ns/pair each"
     );
     if s.overlaps != 0 || s.finished != processes || !ok {
         std::process::exit(1);

@@ -9,8 +9,9 @@
 //! by path ([`SharedPool::attach`]). Blocks are named across processes by a [`PoolHandle`] (an
 //! offset into the pool, the pool's id and the block's serial), which each process turns into
 //! its own pointer; the extent table
-//! lives in the pool, under a lock that a holder's death does not wedge, so a block freed by any process
-//! returns to the pool, and a process killed while holding the lock does not wedge the others.
+//! lives in the pool, under a lock that passes on once the kernel says its holder is gone (in
+//! any PID namespace, zombie or not), so a block freed by any process returns to the pool, and a
+//! process killed while holding the lock does not wedge the others.
 //!
 //! # Trust
 //! A pool at a path is made under a private name (`O_EXCL`, mode 0600 or the one the creator
@@ -28,7 +29,7 @@
 //! ([`SharedPoolBuilder`], [`PoolAttach`], [`PoolRegistration`]). `build.rs` makes a pool (the
 //! file, its size against the node, the header, then each chunk placed, populated and checked by
 //! `pool/chunks.rs`); `attach.rs` checks a file before attaching (its owner and mode when at a
-//! path, then that it is a ready pool of this build on its node); `register.rs` registers this
+//! path, then that it is a whole, ready pool of this build on its node); `register.rs` registers this
 //! process's mapping in the background, chunk by chunk, through the same step function.
 //!
 //! Unsafe code here relies on allocator-api2's contract for the `Allocator` implementations:
@@ -45,7 +46,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::pool::{Pool, DATA_START};
+use crate::pool::{Pool, PoolGuard, DATA_START};
 use crate::process::job::Job;
 use crate::stats::Counters;
 use crate::sys::{self, lock::Lock};
@@ -96,10 +97,22 @@ const TRUSTED_MODE: u32 = 0o755;
 /// while holding the pool's lock does not wedge the others (the next locker rebuilds the
 /// extent table), and [`reclaim`](Self::reclaim) frees the blocks a process that is gone left.
 ///
-/// Every wait for a lock of the pool that another process holds ends after the pool's lock
+/// # Locks
+/// Each attached process holds a lock of the kernel's on the pool's file (an open file
+/// description's, on a byte past its end) for as long as it is attached, and a lock of the
+/// pool passes from its holder to a waiter only once the kernel has dropped the holder's: a
+/// holder that died (even if not yet reaped), in this PID namespace or another, gives the lock
+/// up within 10 ms; a live one keeps it however its process ids look from elsewhere. A forked
+/// child takes keys of its own at its first lock of an inherited pool; until then (or until it
+/// drops the pool, execs or exits) it keeps its parent's, and a parent that dies holding a
+/// lock then holds it until the child lets go of them. Each attachment opens the pool's file
+/// once more for this (through `/proc/self/fd`): a process must be one that may open the file.
+///
+/// Every wait for a lock of the pool that a live process holds ends after the pool's lock
 /// wait (30 s unless [`SharedPoolBuilder::lock_wait`] or [`PoolAttach::lock_wait`] say
 /// otherwise): [`Error::PoolLockHeld`] names the holder; [`allocate`](Self::allocate) returns
-/// `None`, [`stats`](Self::stats) leaves the carving counts at zero.
+/// `None`, [`stats`](Self::stats) leaves the carving counts at zero, and the calls that return
+/// a `Result` return that error.
 ///
 /// Once registered ([`register_in_background`](Self::register_in_background)) its memory is
 /// page-locked: a copy queued from or to a block returns before the DMA ends, and cudarc's safe
@@ -148,17 +161,21 @@ impl SharedPool {
     }
 
     /// Attaches to the pool at `path`: a file owned by this process's effective user or root,
-    /// which no other user may write (see [`SharedPool::attacher`] to trust more).
+    /// which no other user may write (see [`SharedPool::attacher`] to trust more). A symbolic
+    /// link at `path` is not followed (`O_NOFOLLOW`; the folders above it are).
     ///
     /// # Errors
     /// [`Error::PoolUntrusted`] for a file of another owner, or that others may write;
+    /// [`Error::PoolSymlink`] for a symbolic link;
     /// [`Error::PoolPermission`] for one this process may not open for reading and writing;
     /// [`Error::PoolForeign`], [`Error::PoolVersion`], [`Error::PoolLayout`],
-    /// [`Error::PoolCorrupt`] for a file that is not a pool of this build; [`Error::PoolStale`]
+    /// [`Error::PoolCorrupt`] for a file that is not a pool of this build, [`Error::PoolSparse`]
+    /// for one whose pages are not all there (nothing of it is allocated by the attach);
+    /// [`Error::PoolStale`]
     /// for one left half made by a creator that is gone; [`Error::PoolWrongNode`] for one whose
     /// pages are not on its node; [`Error::PoolReadOnly`] for a file or descriptor this process
     /// may not map for writing, [`Error::PoolDescriptor`] for a descriptor open write-only or
-    /// as a path only; [`Error::PoolLockHeld`] when another process holds the pool's lock for
+    /// as a path only; [`Error::PoolLockHeld`] when a live process holds the pool's lock for
     /// all of the lock wait. A refused attach changes nothing in the file, but for one thing:
     /// finding the pool's lock left by a process that died holding it, or its extent table
     /// not holding together, it repairs the extent table (as any locker would) before it
@@ -204,7 +221,8 @@ impl SharedPool {
     }
 
     /// Carves a block of `layout` (alignment up to 2 MiB, no larger than a chunk), freed when
-    /// the returned value drops; `None` when the pool has no room for it.
+    /// the returned value drops; `None` when the pool has no room for it, or its lock could not
+    /// be taken (a live process held it for all of the lock wait).
     /// [`SharedBlock::into_handle`] hands it to another process, which adopts it with
     /// [`from_handle`](Self::from_handle).
     pub fn allocate(&self, layout: Layout) -> Option<SharedBlock<'_>> {
@@ -224,10 +242,11 @@ impl SharedPool {
     /// another handle or adoption, nor uses it after the value dropped.
     pub unsafe fn from_handle(&self, handle: PoolHandle) -> Result<SharedBlock<'_>, Error> {
         self.mine(handle)?;
-        let mut guard = self.inner.pool.lock(self.inner.lock_wait)?;
+        let pid = sys::process_id();
+        let mut guard = self.lock(pid)?;
         if !guard
             .extents()
-            .adopt(handle.offset, handle.len, handle.serial, sys::process_id())
+            .adopt(handle.offset, handle.len, handle.serial, pid)
         {
             return Err(self.bad_handle(handle, "it was freed already, or never carved"));
         }
@@ -238,13 +257,10 @@ impl SharedPool {
     /// block stays live until some process [`free`](Self::free)s it or adopts it
     /// ([`from_handle`](Self::from_handle)).
     pub fn allocate_handle(&self, layout: Layout) -> Option<PoolHandle> {
-        let mut guard = self.inner.pool.lock(self.inner.lock_wait).ok()?;
+        let pid = sys::process_id();
+        let mut guard = self.lock(pid).ok()?;
         let table = guard.extents();
-        let block = table.allocate(
-            layout.size() as u64,
-            layout.align() as u64,
-            sys::process_id(),
-        )?;
+        let block = table.allocate(layout.size() as u64, layout.align() as u64, pid)?;
         let serial = table.find(block.offset)?.serial;
         Some(self.handle(block.offset, block.len, serial))
     }
@@ -263,7 +279,8 @@ impl SharedPool {
     /// # Errors
     /// [`Error::PoolHandle`] when the handle is another pool's, or no live block of its length
     /// and serial starts at its offset (freed already, even if another block was carved there
-    /// since).
+    /// since); the pool's lock's error when it could not be taken ([`Error::PoolLockHeld`],
+    /// [`Error::PoolCorrupt`]), the block left as it was.
     ///
     /// # Safety
     /// Nothing in any process uses the block afterwards (a GPU copy still in flight included),
@@ -271,8 +288,18 @@ impl SharedPool {
     /// frees its block itself): its range may be handed out again at once.
     pub unsafe fn free(&self, handle: PoolHandle) -> Result<(), Error> {
         self.mine(handle)?;
-        self.free_block(handle.offset, Some((handle.len, handle.serial)))
-            .map_err(|()| self.bad_handle(handle, "it was freed already, or never carved"))
+        let pid = sys::process_id();
+        let mut guard = self.lock(pid)?;
+        let expect = Some((handle.len, handle.serial));
+        match guard.extents().free(handle.offset, expect, pid) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(self.bad_handle(handle, "it was freed already, or never carved")),
+        }
+    }
+
+    /// The pool's carving lock, for process `pid` (this one's), within the lock wait.
+    fn lock(&self, pid: u32) -> Result<PoolGuard<'_>, Error> {
+        self.inner.pool.lock(self.inner.lock_wait, pid)
     }
 
     /// Refuses a handle of another pool.
@@ -296,32 +323,17 @@ impl SharedPool {
         }
     }
 
-    /// Frees the live block at `offset`, of the length and serial when given; `Err` when there
-    /// is none, or the pool's lock failed.
-    fn free_block(&self, offset: u64, expect: Option<(u64, u32)>) -> Result<(), ()> {
-        let mut guard = self.inner.pool.lock(self.inner.lock_wait).map_err(drop)?;
-        guard
-            .extents()
-            .free(offset, expect, sys::process_id())
-            .map(drop)
-            .map_err(drop)
-    }
-
     /// Frees the block at `offset` that a value of this process owned and dropped (a
     /// [`SharedBlock`], a collection in the pool). In a forked child the value is a copy of the
     /// parent's, which still owns the block: there only a block the child carved itself is freed.
     fn free_owned(&self, offset: u64, expect: Option<(u64, u32)>) {
-        if !self.inner.inherited() {
-            let _ = self.free_block(offset, expect);
-            return;
-        }
-        let Ok(mut guard) = self.inner.pool.lock(self.inner.lock_wait) else {
+        let pid = sys::process_id();
+        let Ok(mut guard) = self.lock(pid) else {
             return;
         };
         let table = guard.extents();
-        let me = sys::process_id();
-        if table.find(offset).is_some_and(|live| live.pid == me) {
-            let _ = table.free(offset, expect, me);
+        if !self.inner.inherited_by(pid) || table.find(offset).is_some_and(|live| live.pid == pid) {
+            let _ = table.free(offset, expect, pid);
         }
     }
 
@@ -339,25 +351,26 @@ impl SharedPool {
     /// No process uses any of those blocks afterwards: a block `pid` carved and handed to a
     /// process still running (by its handle) is freed too, and may be handed out again at once.
     pub unsafe fn reclaim(&self, pid: u32) -> Result<(usize, u64), Error> {
-        let mut guard = self.inner.pool.lock(self.inner.lock_wait)?;
+        let me = sys::process_id();
+        let mut guard = self.lock(me)?;
         if sys::process_alive(pid) {
             return Err(Error::PoolOwnerAlive { pid });
         }
-        Ok(guard.extents().reclaim(pid, sys::process_id()))
+        Ok(guard.extents().reclaim(pid, me))
     }
 
     /// Whether `handle` is this pool's, and names a live block (its offset, length and serial).
-    pub fn is_live(&self, handle: PoolHandle) -> bool {
-        self.mine(handle).is_ok()
-            && self
-                .inner
-                .pool
-                .lock(self.inner.lock_wait)
-                .is_ok_and(|mut guard| {
-                    guard.extents().find(handle.offset).is_some_and(|live| {
-                        (live.block.len, live.serial) == (handle.len, handle.serial)
-                    })
-                })
+    ///
+    /// # Errors
+    /// The pool's lock's, when it could not be taken ([`Error::PoolLockHeld`],
+    /// [`Error::PoolCorrupt`]): whether the block is live is not known then.
+    pub fn is_live(&self, handle: PoolHandle) -> Result<bool, Error> {
+        if self.mine(handle).is_err() {
+            return Ok(false);
+        }
+        let mut guard = self.lock(sys::process_id())?;
+        let live = guard.extents().find(handle.offset);
+        Ok(live.is_some_and(|live| (live.block.len, live.serial) == (handle.len, handle.serial)))
     }
 
     /// This process's pointer to the block `handle` names (`None` when it is another pool's
@@ -375,17 +388,19 @@ impl SharedPool {
         NonNull::new(self.inner.pool.base().wrapping_add(handle.offset as usize) as *mut u8)
     }
 
-    /// The handle of the live block starting at `ptr`, a pointer of this process.
-    pub fn handle_of(&self, ptr: NonNull<u8>) -> Option<PoolHandle> {
-        let offset = (ptr.as_ptr() as usize).checked_sub(self.inner.pool.base())?;
-        let live = self
-            .inner
-            .pool
-            .lock(self.inner.lock_wait)
-            .ok()?
-            .extents()
-            .find(offset as u64)?;
-        Some(self.handle(live.block.offset, live.block.len, live.serial))
+    /// The handle of the live block starting at `ptr`, a pointer of this process; `None` when
+    /// no live block starts there.
+    ///
+    /// # Errors
+    /// The pool's lock's, when it could not be taken ([`Error::PoolLockHeld`],
+    /// [`Error::PoolCorrupt`]).
+    pub fn handle_of(&self, ptr: NonNull<u8>) -> Result<Option<PoolHandle>, Error> {
+        let Some(offset) = (ptr.as_ptr() as usize).checked_sub(self.inner.pool.base()) else {
+            return Ok(None);
+        };
+        let mut guard = self.lock(sys::process_id())?;
+        let live = guard.extents().find(offset as u64);
+        Ok(live.map(|live| self.handle(live.block.offset, live.block.len, live.serial)))
     }
 
     /// Checks where the pool's pages are now (`move_pages`, each page this process maps).
@@ -424,7 +439,7 @@ impl SharedPool {
             huge_pages: header.huge != 0,
             pages_checked: self.inner.counters.pages_checked.get(),
         };
-        if let Ok(mut guard) = self.inner.pool.lock(self.inner.lock_wait) {
+        if let Ok(mut guard) = self.lock(sys::process_id()) {
             let table = guard.extents();
             stats.live_bytes = table.live_bytes as usize;
             stats.live_blocks = table.live().len();
@@ -476,7 +491,7 @@ impl SharedPool {
     /// Holds the pool's lock for `f` (`unstable::hold_pool_lock`: for test programs that kill
     /// a process holding it).
     pub(crate) fn with_lock_held<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
-        let guard = self.inner.pool.lock(self.inner.lock_wait)?;
+        let guard = self.lock(sys::process_id())?;
         let outcome = f();
         drop(guard);
         Ok(outcome)

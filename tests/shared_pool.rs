@@ -256,7 +256,7 @@ fn the_blocks_of_a_process_gone_are_reclaimed() {
     assert_eq!(unsafe { pool.reclaim(pid) }.unwrap(), (3, 3 * 4096));
     let stats = pool.stats();
     assert_eq!((stats.live_blocks, stats.frees), (1, 3), "{stats:?}");
-    assert!(pool.is_live(mine));
+    assert!(pool.is_live(mine).unwrap());
 }
 
 #[test]
@@ -286,11 +286,11 @@ fn attach_by_path_and_free_from_the_other_process() {
         unsafe { a.free(handle) },
         Err(Error::PoolHandle { .. })
     ));
-    assert!(a.is_live(kept));
+    assert!(a.is_live(kept).unwrap());
     // Creating again at the path is refused, and the pool is untouched.
     let again = SharedPool::builder(8 * MIB).node(0).path(&path).create();
     assert!(matches!(again, Err(Error::PoolExists { .. })), "{again:?}");
-    assert!(b.is_live(kept));
+    assert!(b.is_live(kept).unwrap());
     drop(b);
     assert_eq!(a.stats().attached, 1);
     std::fs::remove_file(&path).unwrap();
@@ -313,7 +313,7 @@ fn a_pool_at_a_path_outlives_its_creator() {
     };
     drop(creator);
     let later = SharedPool::attach(&path).expect("the pool is still there");
-    assert!(later.is_live(handle));
+    assert!(later.is_live(handle).unwrap());
     // SAFETY: as above.
     let kept = unsafe { *later.ptr(handle).unwrap().as_ptr().add(100) };
     assert_eq!(kept, 0x3c);
@@ -333,6 +333,7 @@ fn attach_by_descriptor_over_a_unix_socket() {
     v.extend(0..10_000u32);
     let handle = other
         .handle_of(std::ptr::NonNull::from(&v[0]).cast())
+        .unwrap()
         .unwrap();
     // SAFETY: the vector's block, not written while read here.
     let first = unsafe { *pool.ptr(handle).unwrap().as_ptr().cast::<u32>().add(9_999) };
@@ -447,7 +448,7 @@ fn bad_cases_are_refused_with_their_errors() {
         matches!(e, Error::PoolVersion { found: (1, 99), .. }),
         "{e}"
     );
-    patch(&path, VERSION_AT, &5u32.to_le_bytes());
+    patch(&path, VERSION_AT, &6u32.to_le_bytes());
 
     // Made by a build of another layout: another libc's mutex, another byte order.
     let mut mutex_size = [0; 4];
@@ -522,6 +523,12 @@ fn bad_cases_are_refused_with_their_errors() {
         assert!(e.to_string().contains("truncated"), "{e}");
     }
     file.set_len(8 * MIB as u64).unwrap();
+    // Its length back, its pages are not: sparse, damaged.
+    let e = SharedPool::attach(&path).unwrap_err();
+    assert!(matches!(e, Error::PoolSparse { .. }), "{e}");
+    // SAFETY: fallocate on a descriptor of the test's file touches no memory of ours.
+    let filled = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, 8 * MIB as i64) };
+    assert_eq!(filled, 0, "{}", std::io::Error::last_os_error());
 
     // A descriptor opened read-only: refused, naming it, before anything is mapped.
     let read_only = std::fs::File::open(&path).unwrap();
@@ -532,7 +539,7 @@ fn bad_cases_are_refused_with_their_errors() {
     );
     assert!(e.to_string().contains("read-write access"), "{e}");
 
-    assert!(pool.is_live(block));
+    assert!(pool.is_live(block).unwrap());
     assert_eq!(pool.stats().attached, 1, "no refused attach counted");
     SharedPool::attach(&path).expect("the pool is whole again");
     std::fs::remove_file(&path).unwrap();
@@ -568,19 +575,19 @@ fn a_block_frees_itself_and_is_handed_over_by_its_handle() {
     let handle = block.handle();
     // SAFETY: the block is this test's alone.
     unsafe { block.as_ptr().as_ptr().write_bytes(0x3c, block.len()) };
-    assert!(b.is_live(handle));
+    assert!(b.is_live(handle).unwrap());
     drop(block);
-    assert!(!b.is_live(handle), "dropping the block frees it");
+    assert!(!b.is_live(handle).unwrap(), "dropping the block frees it");
     assert_eq!(a.stats().live_blocks, 0);
 
     // Handed over: the block outlives its first owner and is adopted through the other mapping.
     let handle = a.allocate(layout).expect("room").into_handle();
-    assert!(a.is_live(handle), "into_handle does not free");
+    assert!(a.is_live(handle).unwrap(), "into_handle does not free");
     // SAFETY: the adopted value is the block's only owner from here on.
     let adopted = unsafe { b.from_handle(handle) }.expect("adopting a live block");
     assert_eq!(adopted.as_ptr(), b.ptr(handle).unwrap());
     drop(adopted);
-    assert!(!a.is_live(handle), "the adopter's drop frees it");
+    assert!(!a.is_live(handle).unwrap(), "the adopter's drop frees it");
 
     // Adopting a freed block, or another pool's, is refused.
     // SAFETY: refused: nothing is adopted.
@@ -594,7 +601,10 @@ fn a_block_frees_itself_and_is_handed_over_by_its_handle() {
         matches!(foreign, Err(Error::PoolHandle { .. })),
         "{foreign:?}"
     );
-    assert!(other.is_live(theirs), "a refused adoption frees nothing");
+    assert!(
+        other.is_live(theirs).unwrap(),
+        "a refused adoption frees nothing"
+    );
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -614,7 +624,7 @@ fn a_forked_childs_copy_of_a_block_frees_nothing() {
             let freed = own.is_some_and(|h| {
                 // SAFETY: adopted back at once, the child's own block.
                 drop(unsafe { pool.from_handle(h) });
-                !pool.is_live(h)
+                !pool.is_live(h).unwrap()
             });
             // SAFETY: ends the child without running the parent's destructors again.
             unsafe { libc::_exit(if freed { 0 } else { 3 }) }
@@ -631,13 +641,16 @@ fn a_forked_childs_copy_of_a_block_frees_nothing() {
         }
     }
     assert!(
-        pool.is_live(parents),
+        pool.is_live(parents).unwrap(),
         "the child's drop freed the parent's block"
     );
     let next = pool.allocate(layout).expect("room");
     assert_ne!(next.handle().offset, parents.offset);
     drop(block);
-    assert!(!pool.is_live(parents), "the parent's drop frees it");
+    assert!(
+        !pool.is_live(parents).unwrap(),
+        "the parent's drop frees it"
+    );
 }
 
 /// A block handed over is the adopter's: reclaiming the blocks of the process that carved it,
@@ -682,7 +695,7 @@ fn an_adopted_block_is_not_reclaimed_with_its_carver() {
         (0, 0),
         "the adopted block was reclaimed with its carver"
     );
-    assert!(pool.is_live(handle));
+    assert!(pool.is_live(handle).unwrap());
     drop(adopted);
-    assert!(!pool.is_live(handle));
+    assert!(!pool.is_live(handle).unwrap());
 }

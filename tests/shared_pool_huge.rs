@@ -128,7 +128,10 @@ fn a_pool_of_huge_pages_is_shared_by_two_processes_and_given_back() {
             })
         })
         .unwrap_or_else(|| panic!("no handle in the child's output: {stdout}"));
-    assert!(pool.is_live(handle), "the child's block outlives the child");
+    assert!(
+        pool.is_live(handle).unwrap(),
+        "the child's block outlives the child"
+    );
     // SAFETY: a live block; its writer has exited.
     let block = unsafe {
         std::slice::from_raw_parts(pool.ptr(handle).unwrap().as_ptr(), handle.len as usize)

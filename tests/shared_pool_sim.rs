@@ -450,7 +450,7 @@ sim_test!(
                 .unwrap_err();
             println!("{e}");
             assert!(
-                matches!(e, Error::PoolLockHeld { lock: "registration", pid, .. } if pid == holder.id()),
+                matches!(e, Error::PoolLockHeld { lock: "registration", pid: Some(pid), .. } if pid == holder.id()),
                 "{e}"
             );
         }));

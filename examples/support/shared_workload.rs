@@ -3,7 +3,8 @@
 //! inherited descriptor, allocate and free at random, fill their blocks with a tag of their own,
 //! and read the others' blocks at the handles the others publish in a directory block. A tag
 //! found wrong in a block its owner still holds is an overlap (two live blocks sharing bytes).
-//! One run also kills, with SIGKILL, a process holding the pool's lock.
+//! One run also kills, with SIGKILL, a process holding the pool's lock. [`pair_cost`] times
+//! allocate and free pairs, what the pool's lock costs each.
 #![allow(dead_code)]
 
 use std::alloc::Layout;
@@ -175,6 +176,11 @@ pub fn child() -> bool {
         pool: num(7) as u32,
         serial: num(8) as u32,
     };
+    if f[0] == "pairs" {
+        let ns = time_pairs(&pool, dir, ops);
+        println!("child {index}: pairs {ops} ns {ns:.1}");
+        return true;
+    }
     if f[0] == "hold" {
         numa_gpu_alloc::unstable::hold_pool_lock(&pool, || {
             println!("holding the pool's lock");
@@ -189,6 +195,77 @@ pub fn child() -> bool {
         report.0, report.1, report.2
     );
     true
+}
+
+/// Makes a pool, and times `pairs` allocate and free pairs (4 KiB blocks) in each of
+/// `processes` children of `command` at once: nanoseconds per pair, averaged over them.
+pub fn pair_cost(processes: usize, pairs: u64, command: impl Fn() -> Command) -> f64 {
+    let pool = SharedPool::builder(POOL_BYTES)
+        .node(0)
+        .chunk(CHUNK)
+        .inherit(true)
+        .create()
+        .expect("making the shared pool");
+    let flag = pool
+        .allocate_handle(Layout::from_size_align(64, 64).unwrap())
+        .expect("the start flag's block");
+    words(&pool, flag)[0].store(0, Ordering::Release);
+    let spec = |index: usize| {
+        format!(
+            "pairs,{index},{processes},{pairs},{},{},{},{},{}",
+            pool.fd().as_raw_fd(),
+            flag.offset,
+            flag.len,
+            flag.pool,
+            flag.serial
+        )
+    };
+    let children: Vec<Child> = (0..processes)
+        .map(|i| {
+            command()
+                .env(CHILD_ENV, spec(i))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("starting a child")
+        })
+        .collect();
+    // Attached by now, or soon: each waits for the flag, so that their loops overlap.
+    std::thread::sleep(Duration::from_millis(100));
+    words(&pool, flag)[0].store(1, Ordering::Release);
+    let mut total = 0.0;
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "a timing child failed: {}",
+            out.status
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let ns = text
+            .split_whitespace()
+            .skip_while(|w| *w != "ns")
+            .nth(1)
+            .and_then(|w| w.parse::<f64>().ok())
+            .expect("a child's time");
+        total += ns;
+    }
+    total / processes as f64
+}
+
+/// `pairs` allocate and free pairs once `flag`'s first word is set: nanoseconds per pair.
+fn time_pairs(pool: &SharedPool, flag: PoolHandle, pairs: u64) -> f64 {
+    while words(pool, flag)[0].load(Ordering::Acquire) == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let layout = Layout::from_size_align(4096, 64).unwrap();
+    let start = Instant::now();
+    for _ in 0..pairs {
+        let handle = pool.allocate_handle(layout).expect("a block");
+        // SAFETY: the block just carved, never used.
+        unsafe { pool.free(handle) }.expect("freeing it");
+    }
+    start.elapsed().as_nanos() as f64 / pairs.max(1) as f64
 }
 
 fn words(pool: &SharedPool, handle: PoolHandle) -> &[AtomicU64] {

@@ -263,19 +263,44 @@ impl fmt::Display for Error {
                     path.display()
                 )
             }
+            Error::PoolSymlink { path } => write!(
+                f,
+                "refusing to attach shared pool {}: it is a symbolic link, which attach does \
+                 not follow (another user may have planted it); attach the pool's own path",
+                path.display()
+            ),
+            Error::PoolSparse {
+                path,
+                allocated,
+                needed,
+            } => write!(
+                f,
+                "shared pool {} is damaged: {allocated} bytes of its file are allocated, and \
+                 its blocks alone are {needed} (a sparse file, or one whose pages were dropped: \
+                 its creator allocates every page); create a new pool once no process uses \
+                 this one",
+                path.display()
+            ),
             Error::PoolLockHeld {
                 path,
                 lock,
                 pid,
                 waited_ms,
-            } => write!(
-                f,
-                "shared pool {}: its {lock} lock has been held by process {pid} for at least \
-                 {waited_ms} ms; that process is stopped or stuck (a debugger, SIGSTOP): let it \
-                 go on or end it (a process killed holding the lock leaves it to the next), or \
-                 wait longer (lock_wait)",
-                path.display()
-            ),
+            } => {
+                let holder = pid.map_or_else(
+                    || "a process that has not recorded its id".to_owned(),
+                    |pid| format!("process {pid} (as its own PID namespace numbers it)"),
+                );
+                write!(
+                    f,
+                    "shared pool {}: its {lock} lock has been held for at least {waited_ms} ms \
+                     by {holder}, which is alive: the kernel still holds its lock on the \
+                     pool's file (a holder that dies passes the lock on at once); it is stopped \
+                     or stuck (a debugger, SIGSTOP) or holds the lock long: let it go on or end \
+                     it, or wait longer (lock_wait)",
+                    path.display()
+                )
+            }
             Error::PoolHandle {
                 path,
                 offset,

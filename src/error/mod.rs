@@ -256,14 +256,33 @@ pub enum Error {
         /// Bytes free there (`None`: unknown, the filesystem ran out while the pages were made).
         free: Option<u64>,
     },
-    /// A shared pool's lock held by another process for longer than this process waits.
+    /// A shared pool's path that is a symbolic link: attaching does not follow one
+    /// (`O_NOFOLLOW`).
+    PoolSymlink {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A shared pool's file whose pages are not all there (a sparse file): a pool's creator
+    /// allocates every page before anyone attaches, and attaching would allocate the rest.
+    PoolSparse {
+        /// The file.
+        path: PathBuf,
+        /// Bytes of the file allocated (`st_blocks`).
+        allocated: u64,
+        /// Bytes of its pool's blocks, which a whole pool has allocated.
+        needed: u64,
+    },
+    /// A shared pool's lock held by a live process for longer than this process waits (the
+    /// kernel still holds the lock it took on the pool's file: a holder that is gone, in any
+    /// PID namespace, passes its lock on at once).
     PoolLockHeld {
         /// The file.
         path: PathBuf,
         /// Which lock: `"carving"` (allocate, free, attach) or `"registration"`.
         lock: &'static str,
-        /// The process that holds it, as the pool records it (0: not recorded).
-        pid: u32,
+        /// The process that holds it, as its own PID namespace numbers it, when it recorded
+        /// itself.
+        pid: Option<u32>,
         /// Milliseconds waited.
         waited_ms: u64,
     },

@@ -2,12 +2,12 @@
 //! populated once, carved by every process that maps it. This module holds what lives in the
 //! file: the header at its start ([`Header`]: magic, kind, layout version, layout tag, size, node,
 //! chunk size, who made it and whether it is ready, how many processes are attached and how many
-//! registrations they hold) and the extent table (`extents/`) under the header's robust
-//! process-shared mutex; this process's view of the file ([`Pool`]: its [`Memory`], mapped
-//! through the file's [`SharedFile`] source, which also holds this process's registrations of
-//! its chunks); and the steps that make each chunk ready (`chunks.rs`, through the one placer:
-//! place, populate, check, register). The front end (`shared.rs`) opens the files and runs the
-//! registrations in the background.
+//! registrations they hold) and the extent table (`extents/`) under the header's carving lock;
+//! this process's view of the file ([`Pool`]: its [`Memory`], mapped through the file's
+//! [`SharedFile`] source, which also holds this process's registrations of its chunks, and its
+//! keys to the pool's locks, `locks.rs`); and the steps that make each chunk ready (`chunks.rs`,
+//! through the one placer: place, populate, check, register). The front end (`shared.rs`)
+//! opens the files and runs the registrations in the background.
 //!
 //! Unsafe code here relies on the header being at the start of the mapping of the pool's file
 //! that the [`Pool`]'s memory owns: its fields are written once, by the creator, before the
@@ -19,23 +19,25 @@ use std::mem::{align_of, size_of};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 pub(crate) mod chunks;
 pub(crate) mod extents;
+mod locks;
 
 use crate::chunk::{Mapping, Memory, SharedFile};
-use crate::sys::{self, Locked, RobustMutex};
+use crate::sys::{self, SharedMutex};
 use crate::Error;
-use extents::{Admit, ExtentTable, MAX_ALIGN};
+use extents::{ExtentTable, MAX_ALIGN};
+pub(crate) use locks::PoolGuard;
+use locks::PoolKeys;
 
 /// The first eight bytes of a pool's file.
 const MAGIC: u64 = u64::from_le_bytes(*b"NGApool\0");
 /// What the file holds (a pool carved in extents), and the layout of its header.
 pub(crate) const KIND: u32 = 1;
-pub(crate) const VERSION: u32 = 5;
+pub(crate) const VERSION: u32 = 6;
 /// Where blocks start: after the header, on a huge page boundary.
 pub(crate) const DATA_START: usize = size_of::<Header>().next_multiple_of(MAX_ALIGN as usize);
 
@@ -60,8 +62,8 @@ const LAYOUT_FIELDS: [&str; 9] = [
 const LAYOUT: [u32; 9] = [
     size_of::<Header>() as u32,
     align_of::<Header>() as u32,
-    size_of::<RobustMutex>() as u32,
-    align_of::<RobustMutex>() as u32,
+    size_of::<SharedMutex>() as u32,
+    align_of::<SharedMutex>() as u32,
     size_of::<ExtentTable>() as u32,
     align_of::<ExtentTable>() as u32,
     usize::BITS,
@@ -110,22 +112,14 @@ pub(crate) struct Header {
     pub(crate) registrations: AtomicU64,
     /// The pool's id, random, set when it is made: a handle carries it ([`Pool::id`]).
     id: u32,
-    /// The process holding `mutex` (0: none; a killed holder's stays until the next locker).
-    holder: AtomicU32,
-    /// The process holding `register` (as for `holder`).
-    register_holder: AtomicU32,
     /// Serialises the chunk registrations of every process attached, so that two never hold
     /// the driver's lock for this pool at once; reachable only by the pool's own users (no
     /// file another user can open and hold).
-    register: RobustMutex,
-    mutex: RobustMutex,
+    register: SharedMutex,
+    /// The carving lock: the extent table is its holder's.
+    mutex: SharedMutex,
     extents: UnsafeCell<ExtentTable>,
 }
-
-/// What a lock of the pool is called in errors, and the slice of a cancellable wait.
-const CARVING: &str = "carving";
-const REGISTRATION: &str = "registration";
-const WAIT_SLICE: Duration = Duration::from_millis(20);
 
 /// Refuses a file whose first eight bytes, read in this machine's byte order, are not the
 /// pool's magic: byte-swapped, it is a pool of another byte order (a layout mismatch, said so);
@@ -150,8 +144,9 @@ pub(crate) fn check_magic(found: u64, path: &Path) -> Result<(), Error> {
 
 /// A pool's file as this process maps it: its [`Memory`] (the whole file mapped through its
 /// [`SharedFile`] source, and this process's registrations of its chunks, one range each,
-/// unregistered before the mapping goes), and this process's copy of the header's chunk and
-/// id, which another process's stray write to the header cannot change.
+/// unregistered before the mapping goes), this process's copy of the header's chunk and id,
+/// which another process's stray write to the header cannot change, and its keys to the
+/// pool's locks.
 #[derive(Debug)]
 pub(crate) struct Pool {
     memory: Memory,
@@ -160,6 +155,7 @@ pub(crate) struct Pool {
     name: PathBuf,
     chunk: u64,
     id: u32,
+    keys: PoolKeys,
 }
 
 /// Maps bytes `0..len` of `fd` (the whole file, `name` in errors) through its source, aligned
@@ -216,20 +212,23 @@ impl Pool {
             (*header).chunk = chunk;
             (*header).creator = sys::process_id();
             (*header).id = id;
-            RobustMutex::init(std::ptr::addr_of_mut!((*header).mutex))?;
-            RobustMutex::init(std::ptr::addr_of_mut!((*header).register))?;
+            SharedMutex::init(std::ptr::addr_of_mut!((*header).mutex));
+            SharedMutex::init(std::ptr::addr_of_mut!((*header).register));
             (*UnsafeCell::raw_get(std::ptr::addr_of!((*header).extents))).init(
                 DATA_START as u64,
                 len as u64,
                 chunk,
             );
         }
+        // SAFETY: written above, in the mapping `mapping` keeps.
+        let keys = PoolKeys::new(file.fd(), unsafe { &*header }, &name)?;
         let pool = Pool {
             memory: Memory::ranged(mapping, DATA_START, chunk as usize)?,
             file,
             name,
             chunk,
             id,
+            keys,
         };
         pool.header().magic.store(MAGIC, Ordering::Release);
         Ok(pool)
@@ -292,12 +291,14 @@ impl Pool {
             ));
         }
         let (chunk, id) = (header.chunk, header.id);
+        let keys = PoolKeys::new(file.fd(), header, &name)?;
         Ok(Pool {
             memory: Memory::ranged(mapping, DATA_START, chunk as usize)?,
             file,
             name,
             chunk,
             id,
+            keys,
         })
     }
 
@@ -410,112 +411,6 @@ impl Pool {
             found,
         })
     }
-
-    /// Takes the pool's lock (waiting at most `wait`), then admits
-    /// the extent table ([`ExtentTable::admit`]): whole, or rebuilt when its holder died or it does
-    /// not hold together (a stray write), so that no operation reads a count, index or extent
-    /// past its table.
-    ///
-    /// # Errors
-    /// [`Error::PoolLockHeld`] when another process held it all of `wait`, naming it;
-    /// [`Error::PoolCorrupt`] when the lock is unrecoverable (`ENOTRECOVERABLE`: a holder died
-    /// and the next one released it without repairing the state), or the state could not be
-    /// made whole.
-    pub(crate) fn lock(&self, wait: Duration) -> Result<PoolGuard<'_>, Error> {
-        let header = self.header();
-        let locked = header.mutex.lock_for(wait);
-        let locked = self.locked(locked, CARVING, &header.holder, wait)?;
-        let mut guard = PoolGuard { header };
-        let admitted = guard.extents().admit(
-            DATA_START as u64,
-            self.len() as u64,
-            self.chunk,
-            locked == Locked::OwnerDied,
-        );
-        if locked == Locked::OwnerDied && admitted != Admit::Broken {
-            // SAFETY: held after its owner died, and the state is rebuilt. A broken one is
-            // left unmarked: the next locker finds the lock unrecoverable, the pool fenced.
-            unsafe { header.mutex.mark_consistent() }?;
-        }
-        if admitted == Admit::Broken {
-            return Err(Error::PoolCorrupt {
-                path: self.name.clone(),
-                reason: "its extent table does not hold together even after a rebuild",
-            });
-        }
-        Ok(guard)
-    }
-
-    /// Takes the lock every process's chunk registrations of this pool are serialised by,
-    /// waiting in slices so that `cancel` stops the wait, and at most `wait`; `None` when
-    /// cancelled. A holder that died leaves nothing to repair.
-    ///
-    /// # Errors
-    /// [`Error::PoolLockHeld`] when another process held it all of `wait`, naming it.
-    pub(crate) fn lock_registration(
-        &self,
-        cancel: &AtomicBool,
-        wait: Duration,
-    ) -> Result<Option<RegistrationGuard<'_>>, Error> {
-        let header = self.header();
-        let start = Instant::now();
-        loop {
-            if cancel.load(Ordering::Acquire) {
-                return Ok(None);
-            }
-            let slice = WAIT_SLICE.min(wait.saturating_sub(start.elapsed()));
-            match header.register.lock_for(slice)? {
-                Some(locked) => {
-                    if locked == Locked::OwnerDied {
-                        // SAFETY: held after its owner died; it guards no state.
-                        unsafe { header.register.mark_consistent() }?;
-                    }
-                    header
-                        .register_holder
-                        .store(sys::process_id(), Ordering::Release);
-                    return Ok(Some(RegistrationGuard { header }));
-                }
-                None if start.elapsed() >= wait => {
-                    return Err(self.held(REGISTRATION, &header.register_holder, wait));
-                }
-                None => {}
-            }
-        }
-    }
-
-    /// Maps a lock's outcome to this pool's errors, recording this process as its holder.
-    fn locked(
-        &self,
-        locked: Result<Option<Locked>, Error>,
-        lock: &'static str,
-        holder: &AtomicU32,
-        wait: Duration,
-    ) -> Result<Locked, Error> {
-        let locked = locked.map_err(|e| match e {
-            Error::Syscall {
-                errno: libc::ENOTRECOVERABLE,
-                ..
-            } => Error::PoolCorrupt {
-                path: self.name.clone(),
-                reason: "its lock is unrecoverable (a process died holding it, and the state it \
-                         guards was not repaired after)",
-            },
-            e => e,
-        })?;
-        let locked = locked.ok_or_else(|| self.held(lock, holder, wait))?;
-        holder.store(sys::process_id(), Ordering::Release);
-        Ok(locked)
-    }
-
-    /// The error for a lock another process held all of `wait`.
-    fn held(&self, lock: &'static str, holder: &AtomicU32, wait: Duration) -> Error {
-        Error::PoolLockHeld {
-            path: self.name.clone(),
-            lock,
-            pid: holder.load(Ordering::Acquire),
-            waited_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
-        }
-    }
 }
 
 /// Refuses a descriptor a writable shared mapping cannot be made of.
@@ -530,39 +425,6 @@ pub(crate) fn check_access(fd: BorrowedFd<'_>, name: &Path) -> Result<(), Error>
         path: name.into(),
         access,
     })
-}
-
-/// The pool's lock, held: the extent table is the holder's.
-pub(crate) struct PoolGuard<'a> {
-    header: &'a Header,
-}
-
-impl PoolGuard<'_> {
-    pub(crate) fn extents(&mut self) -> &mut ExtentTable {
-        // SAFETY: the mutex is held while the guard lives, and the guard is borrowed mutably.
-        unsafe { &mut *self.header.extents.get() }
-    }
-}
-
-impl Drop for PoolGuard<'_> {
-    fn drop(&mut self) {
-        self.header.holder.store(0, Ordering::Release);
-        // SAFETY: this thread took the lock when it made the guard.
-        unsafe { self.header.mutex.unlock() };
-    }
-}
-
-/// The pool's registration lock, held.
-pub(crate) struct RegistrationGuard<'a> {
-    header: &'a Header,
-}
-
-impl Drop for RegistrationGuard<'_> {
-    fn drop(&mut self) {
-        self.header.register_holder.store(0, Ordering::Release);
-        // SAFETY: this thread took the lock when it made the guard.
-        unsafe { self.header.register.unlock() };
-    }
 }
 
 #[cfg(test)]

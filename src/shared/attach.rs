@@ -1,10 +1,11 @@
 //! Attaching to a pool: with other than the defaults (the owners and modes trusted, the lock
-//! wait), the trust check of a file at a path, and the checks of the file that make it this
-//! process's [`SharedPool`].
+//! wait), the trust check of a file at a path (no symbolic link followed, its owner and mode),
+//! and the checks of the file that make it this process's [`SharedPool`] (its length, its pages
+//! all there, its header, its pages on its node).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -53,7 +54,9 @@ impl PoolAttach {
         self
     }
 
-    /// Attaches to the pool at `path`, once its file passed the trust check.
+    /// Attaches to the pool at `path`, once its file passed the trust check. A symbolic link
+    /// at `path` is refused, not followed (`O_NOFOLLOW`): another user may have planted it
+    /// where the sticky bit does not protect links (`fs.protected_symlinks`).
     ///
     /// # Errors
     /// As [`SharedPool::attach`].
@@ -63,8 +66,15 @@ impl PoolAttach {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP)
+                    if std::fs::symlink_metadata(path)
+                        .is_ok_and(|m| m.file_type().is_symlink()) =>
+                {
+                    Error::PoolSymlink { path: path.into() }
+                }
                 Some(libc::EACCES | libc::EPERM) => {
                     let meta = std::fs::metadata(path).ok();
                     Error::PoolPermission {
@@ -112,15 +122,14 @@ impl PoolAttach {
 
     /// Attaches to the pool whose file `file` is (at `path`, if it has one), once trusted: checks
     /// it is a whole, ready pool of this build with its pages on its node, and counts this
-    /// process in.
+    /// process in. A file whose pages are not all there is refused before it is mapped: the
+    /// page check would allocate them (a sparse file of any size fills its filesystem).
     fn attach_file(&self, file: File, path: Option<PathBuf>) -> Result<SharedPool, Error> {
         let shown_path = path.clone().unwrap_or_else(|| shown(None, &file.as_fd()));
         // Before reading it: a descriptor that cannot be read would look like no pool.
         pool::check_access(file.as_fd(), &shown_path)?;
-        let len = file
-            .metadata()
-            .map_err(|e| io_error(path.as_deref(), &e))?
-            .len() as usize;
+        let meta = file.metadata().map_err(|e| io_error(path.as_deref(), &e))?;
+        let len = meta.len() as usize;
         let mut magic = [0; 8];
         // At offset 0 whatever the file's position: an inherited descriptor shares its
         // position with every process holding it.
@@ -139,6 +148,16 @@ impl PoolAttach {
                 path: shown_path,
                 reason: "its file's length is not a multiple of 2 MiB, as every pool's is \
                          (truncated, or written past its end)",
+            });
+        }
+        // `st_blocks` counts 512-byte units allocated; the header's chunk is allocated only
+        // where written.
+        let (allocated, needed) = (meta.blocks().saturating_mul(512), (len - DATA_START) as u64);
+        if allocated < needed {
+            return Err(Error::PoolSparse {
+                path: shown_path,
+                allocated,
+                needed,
             });
         }
         let fd = OwnedFd::from(file);
@@ -163,7 +182,7 @@ impl PoolAttach {
         }
         // Admits the extent table (rebuilt if it does not hold together), or names the
         // process that holds the lock past the wait.
-        drop(pool.lock(self.lock_wait)?);
+        drop(pool.lock(self.lock_wait, sys::process_id())?);
         pool.map_in_pages();
         pool.check_node(DATA_START, len - DATA_START, header.node as usize, false)?;
         header.attached.fetch_add(1, Ordering::AcqRel);

@@ -148,7 +148,16 @@ impl SharedPoolBuilder {
             node,
             node_count: topology.node_count(),
         })?;
-        let size = self.size.next_multiple_of(MAX_ALIGN as usize);
+        let too_large = || Error::PoolTooLarge {
+            bytes: self.size,
+            node,
+            node_bytes: info.memory_bytes,
+        };
+        // No rounding past the address space: that is too large, not too small.
+        let size = self
+            .size
+            .checked_next_multiple_of(MAX_ALIGN as usize)
+            .ok_or_else(too_large)?;
         let min = DATA_START + MAX_ALIGN as usize;
         if size < min {
             return Err(Error::PoolTooSmall {
@@ -156,12 +165,8 @@ impl SharedPoolBuilder {
                 min,
             });
         }
-        if size > info.memory_bytes as usize {
-            return Err(Error::PoolTooLarge {
-                bytes: self.size,
-                node,
-                node_bytes: info.memory_bytes,
-            });
+        if size as u64 > info.memory_bytes {
+            return Err(too_large());
         }
         if self.huge_pages {
             check_huge_pages(sysfs_root, node, size, self.path.as_deref())?;

@@ -29,7 +29,12 @@ impl Inner {
     /// The fork generation tells a child even where the pid of a gone ancestor was reused; the
     /// pid, even where the crate's fork handlers were not linked in.
     pub(super) fn inherited(&self) -> bool {
-        self.attached_by != (sys::process_id(), crate::fork::generation())
+        self.inherited_by(sys::process_id())
+    }
+
+    /// [`Self::inherited`] in process `pid` (this process's id, which the caller has at hand).
+    pub(super) fn inherited_by(&self, pid: u32) -> bool {
+        self.attached_by != (pid, crate::fork::generation())
     }
 }
 

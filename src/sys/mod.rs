@@ -16,8 +16,10 @@
 //!   signal blocked (`pthread_create`, `pthread_sigmask`); `exit.rs`: the exit handler, its stderr
 //!   writes and the loaded-image check (`atexit`, `write`, `dladdr`);
 //! - `shm.rs` (Linux): memory several processes map — memory files (`memfd_create`), shared
-//!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`), and the
-//!   lock of a shared pool that a holder's death does not wedge (plain numbers in the shared memory, no pointers);
+//!   file mappings, `fstatfs`, `flock`, descriptors over a Unix socket (`SCM_RIGHTS`);
+//!   `pool_lock.rs` (Linux): a shared pool's locks, passed on from a holder once the kernel
+//!   says it is gone (`fcntl(F_OFD_SETLK)` locks on the pool's file; plain numbers in the
+//!   shared memory, no pointers);
 //! - `counters.rs`: kernel counters an allocation reads, from descriptors opened at
 //!   initialisation (`pread64`);
 //! - `fault.rs`: fault injection for tests (feature `fault-injection`).
@@ -88,6 +90,8 @@ mod mem;
 pub(crate) mod once;
 mod pages;
 mod policy;
+#[cfg(target_os = "linux")]
+mod pool_lock;
 mod process;
 mod resident;
 #[cfg(target_os = "linux")]
@@ -105,6 +109,8 @@ pub use pages::{census, page_nodes, PageCensus};
 pub use policy::{
     allowed_memory_nodes, bind, current_node, MbindFlags, MemPolicy, NodeMask, MAX_NODES,
 };
+#[cfg(target_os = "linux")]
+pub(crate) use pool_lock::{Gate, Held, LockKey, Locked, SharedMutex};
 pub(crate) use process::{at_fork, spawn_detached, with_signals_blocked};
 pub use resident::{populate, PopulateMethod};
 pub(crate) use resident::{resident_sample, written_sample};
@@ -112,7 +118,7 @@ pub(crate) use resident::{resident_sample, written_sample};
 pub(crate) use shm::{
     access_mode, effective_uid, file_owner, free_bytes, map_in, map_shared, memfd, on_hugetlbfs,
     process_alive, process_id, random_u32, recv_fd, remove_pages, seal_size, send_fd, set_cloexec,
-    Access, Locked, RobustMutex,
+    Access,
 };
 
 /// The system page size, from `sysconf(_SC_PAGESIZE)` on first use, then cached.

@@ -3,8 +3,7 @@
 //! descriptors passed over a Unix socket ([`send_fd`], [`recv_fd`], `SCM_RIGHTS`), whether a
 //! process still exists ([`process_alive`]), who owns a file and who may use it
 //! ([`file_owner`], [`access_mode`], [`effective_uid`]), free space ([`free_bytes`]), close-on-exec
-//! ([`set_cloexec`]), random ids ([`random_u32`]), and the lock a shared pool's state lives
-//! under, which a holder's death does not wedge ([`RobustMutex`]).
+//! ([`set_cloexec`]) and random ids ([`random_u32`]). A shared pool's locks are `pool_lock.rs`'s.
 //!
 //! Unsafe code here relies on the raw calls themselves: each wrapper checks what it is given,
 //! owns the descriptors it makes, and the callers of the `unsafe fn`s own the memory they pass.
@@ -14,7 +13,6 @@ use std::ffi::CStr;
 use std::mem::{size_of, MaybeUninit};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::{errno, page_size};
 use crate::{Error, Result};
@@ -392,181 +390,4 @@ pub fn process_alive(pid: u32) -> bool {
 /// This process's id.
 pub fn process_id() -> u32 {
     std::process::id()
-}
-
-/// A lock shared between processes that a holder's death does not wedge: the next locker gets
-/// it with [`Locked::OwnerDied`], checks or rebuilds what it guards, and calls
-/// [`RobustMutex::mark_consistent`].
-///
-/// Its words are plain numbers in the shared memory, never pointers: a process that may write
-/// that memory can make the lock look held or free, never make another process write anywhere
-/// else. (A `PTHREAD_MUTEX_ROBUST` mutex keeps its robust-list links inside the mutex, and
-/// every unlock writes through them.) The holder is named by its thread id; a waiter that finds
-/// no such thread any more (`kill(tid, 0)`: `ESRCH`) takes the lock over. All processes using
-/// one lock must share a PID namespace.
-#[repr(C)]
-pub struct RobustMutex {
-    /// The holder's thread id, 0 when free: the futex word.
-    owner: AtomicU32,
-    /// 1 from a lock to its unlock: found set by a locker, the previous holder died holding it.
-    held: AtomicU32,
-    /// [`CONSISTENT`], [`REPAIRING`] (a holder died; the new one has not marked it consistent)
-    /// or [`NOT_RECOVERABLE`].
-    state: AtomicU32,
-    /// Threads sleeping on `owner`: an unlock wakes one only when there are some.
-    waiters: AtomicU32,
-}
-
-const CONSISTENT: u32 = 0;
-const REPAIRING: u32 = 1;
-const NOT_RECOVERABLE: u32 = 2;
-/// How long a waiter sleeps before it checks again whether the holder still lives.
-const CHECK_HOLDER_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
-
-/// How [`RobustMutex::lock_for`] got the lock.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Locked {
-    /// From an unlock.
-    Clean,
-    /// From a holder that died holding it: what it guards may be half changed.
-    OwnerDied,
-}
-
-impl RobustMutex {
-    /// Initialises the lock at `this`: free, consistent.
-    ///
-    /// # Safety
-    /// `this` points at writable memory for a `RobustMutex` (shared memory, for other processes
-    /// to use), not in use by anyone.
-    pub unsafe fn init(this: *mut RobustMutex) -> Result<()> {
-        // SAFETY: the caller's memory, for a `RobustMutex`, used by nobody yet.
-        unsafe {
-            this.write(RobustMutex {
-                owner: AtomicU32::new(0),
-                held: AtomicU32::new(0),
-                state: AtomicU32::new(CONSISTENT),
-                waiters: AtomicU32::new(0),
-            });
-        }
-        Ok(())
-    }
-
-    /// Takes the lock, waiting at most `wait`; `None` when a live holder kept it all that time.
-    ///
-    /// # Errors
-    /// `ENOTRECOVERABLE` when a holder died and the next one unlocked without marking it
-    /// consistent: the state it guards is lost.
-    pub fn lock_for(&self, wait: std::time::Duration) -> Result<Option<Locked>> {
-        let not_recoverable = || Error::Syscall {
-            call: "taking a shared pool's lock",
-            errno: libc::ENOTRECOVERABLE,
-        };
-        // SAFETY: gettid has no preconditions.
-        let me = unsafe { libc::gettid() } as u32;
-        let deadline = std::time::Instant::now() + wait;
-        loop {
-            if self.state.load(Ordering::Acquire) == NOT_RECOVERABLE {
-                return Err(not_recoverable());
-            }
-            let holder =
-                match self
-                    .owner
-                    .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
-                {
-                    Ok(_) => break,
-                    Err(holder) => holder,
-                };
-            if !thread_alive(holder)
-                && self
-                    .owner
-                    .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-            {
-                break;
-            }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Ok(None);
-            }
-            // Counted before the kernel compares `owner` (both sequentially consistent, as the
-            // unlock's store and load): either the unlock sees this waiter, or the kernel sees
-            // the lock free. A wake missed all the same costs one slice, not the deadline.
-            self.waiters.fetch_add(1, Ordering::SeqCst);
-            shared_futex_wait(&self.owner, holder, left.min(CHECK_HOLDER_EVERY));
-            self.waiters.fetch_sub(1, Ordering::SeqCst);
-        }
-        // `held` still set: the previous holder took the lock and never released it.
-        if self.held.swap(1, Ordering::AcqRel) == 0 {
-            return Ok(Some(Locked::Clean));
-        }
-        if self.state.load(Ordering::Acquire) == NOT_RECOVERABLE {
-            // SAFETY: this thread holds the lock.
-            unsafe { self.unlock() };
-            return Err(not_recoverable());
-        }
-        self.state.store(REPAIRING, Ordering::Release);
-        Ok(Some(Locked::OwnerDied))
-    }
-
-    /// Marks the state consistent again after [`Locked::OwnerDied`].
-    ///
-    /// # Safety
-    /// The caller holds the lock, got with [`Locked::OwnerDied`], and checked or rebuilt what it
-    /// guards.
-    pub unsafe fn mark_consistent(&self) -> Result<()> {
-        self.state.store(CONSISTENT, Ordering::Release);
-        Ok(())
-    }
-
-    /// Releases the lock; a lock got with [`Locked::OwnerDied`] and not marked consistent is not
-    /// recoverable from now on.
-    ///
-    /// # Safety
-    /// The calling thread holds it (from [`Self::lock_for`]).
-    pub unsafe fn unlock(&self) {
-        if self.state.load(Ordering::Acquire) == REPAIRING {
-            self.state.store(NOT_RECOVERABLE, Ordering::Release);
-        }
-        self.held.store(0, Ordering::Release);
-        self.owner.store(0, Ordering::SeqCst);
-        if self.waiters.load(Ordering::SeqCst) != 0 {
-            shared_futex_wake(&self.owner);
-        }
-    }
-}
-
-/// Whether thread `tid` exists (in this PID namespace): `kill(tid, 0)` answers `ESRCH` only
-/// for no such thread (`EPERM`: another user's, alive).
-fn thread_alive(tid: u32) -> bool {
-    let Ok(tid) = libc::pid_t::try_from(tid) else {
-        return false;
-    };
-    // SAFETY: signal 0 sends nothing; it only checks that the target exists.
-    tid > 0 && (unsafe { libc::kill(tid, 0) } == 0 || errno() != libc::ESRCH)
-}
-
-/// Sleeps while `word` holds `expected`, at most `wait` (`FUTEX_WAIT`, shared between
-/// processes: no private flag).
-fn shared_futex_wait(word: &AtomicU32, expected: u32, wait: std::time::Duration) {
-    let timeout = libc::timespec {
-        tv_sec: wait.as_secs() as libc::time_t,
-        tv_nsec: wait.subsec_nanos() as _,
-    };
-    // SAFETY: the kernel reads the aligned u32 behind `word`, which outlives the call, and the
-    // timespec on this stack frame.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &timeout as *const libc::timespec,
-        )
-    };
-}
-
-/// Wakes one thread of any process sleeping in [`shared_futex_wait`] on `word`.
-fn shared_futex_wake(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live, aligned u32.
-    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1) };
 }

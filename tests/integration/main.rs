@@ -9,7 +9,7 @@
 //! feature (`faults`); the fuzz corpus, not packaged (`fuzz_corpus`); a real GPU or its
 //! simulator, run by name on GPU machines (`gpu`, `host_numa_sim`, `driver_lifecycle`); shared
 //! pools, whose children attach across processes, some as a second user (`shared_pool`,
-//! `shared_pool_huge`, `shared_pool_sim`, `shared_pool_trust`).
+//! `shared_pool_huge`, `shared_pool_locks`, `shared_pool_sim`, `shared_pool_trust`).
 
 // The shared test modules live in tests/common/, beside this folder.
 #[path = "../common/child.rs"]

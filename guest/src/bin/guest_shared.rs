@@ -154,12 +154,14 @@ fn check_node(report: &mut Report, node: usize) {
     let ok = second.wait().is_ok_and(|s| s.success());
     report.eq(&format!("node{node}.second_process"), true, ok);
     report.eq(&format!("node{node}.attached_pages"), all, seen);
-    let read = handle.filter(|&h| pool.is_live(h)).and_then(|h| {
-        let ptr = pool.ptr(h)?;
-        // SAFETY: a live block of the pool, no longer written by its (exited) maker.
-        let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), MIB) };
-        Some(bytes.iter().all(|&b| b == 0x5a))
-    });
+    let read = handle
+        .filter(|&h| pool.is_live(h) == Ok(true))
+        .and_then(|h| {
+            let ptr = pool.ptr(h)?;
+            // SAFETY: a live block of the pool, no longer written by its (exited) maker.
+            let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), MIB) };
+            Some(bytes.iter().all(|&b| b == 0x5a))
+        });
     report.eq(
         &format!("node{node}.block_from_other_process"),
         Some(true),
