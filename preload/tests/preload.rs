@@ -310,16 +310,41 @@ fn run_within(cmd: &mut Command, preload: bool, env: &[(&str, &str)], seconds: u
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     let mut child = cmd.spawn().expect("running the test program");
+    // Drained while it runs: a program that writes more than a pipe holds would wait forever.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
-    while child.try_wait().expect("waiting for the program").is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the program") {
+            break Some(status);
+        }
         if std::time::Instant::now() > deadline {
             let _ = child.kill();
-            let out = child.wait_with_output().expect("collecting its output");
-            panic!("{cmd:?} hung for {seconds} s: {}", text(&out));
+            let _ = child.wait();
+            break None;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("collecting its output")
+    };
+    let out = Output {
+        status: status.unwrap_or_else(|| child.wait().expect("the killed program")),
+        stdout: stdout.join().expect("stdout"),
+        stderr: stderr.join().expect("stderr"),
+    };
+    assert!(
+        status.is_some(),
+        "{cmd:?} hung for {seconds} s: {}",
+        text(&out)
+    );
+    out
 }
 
 /// The thresholds the cases below run at: every request from 4 KiB up is the library's, and
