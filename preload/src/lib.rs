@@ -56,6 +56,8 @@ const PRELOAD_CONFIG: Config = {
     let mut config = Config::DEFAULT;
     config.cache_limit = 0;
     config.decay_thread = false;
+    // A `malloc` may be a table barely touched: populated in bulk only once seen written whole.
+    config.bulk_max = 0;
     config
 };
 
