@@ -38,9 +38,14 @@ impl CarvedPath<'_> {
         if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
             return Some(block);
         }
+        // A block that may be barely touched takes small pages, so that each touch makes a page
+        // resident, not 2 MiB (a dedicated one follows the fault-cost rule: `process/faults.rs`).
+        let huge = self.blocks.settings.huge_pages
+            && size >= HUGE_PAGE
+            && !self.blocks.suspects_barely_touched(kind, zeroed, size);
         let key = HeapKey {
             kind,
-            huge: self.blocks.settings.huge_pages && size >= HUGE_PAGE,
+            huge,
             reserved: false,
         };
         self.carve_from(key, size, align, zeroed, target, true)

@@ -259,6 +259,20 @@ impl Blocks {
         written::LEARNT.plan(self.settings.bulk_max, capacity, (start, len), unit)
     }
 
+    /// Whether a new block of `capacity` bytes for a request of a lazy kind not asked zeroed is
+    /// to be handed out lazily because blocks of its size were not seen written whole (see
+    /// `written.rs`): its user may touch little of it.
+    pub(crate) fn suspects_barely_touched(
+        &self,
+        kind: Kind,
+        zeroed: bool,
+        capacity: usize,
+    ) -> bool {
+        kind.lazy
+            && self.populates_request(kind, zeroed)
+            && !written::LEARNT.trusted(self.settings.bulk_max, capacity)
+    }
+
     /// Whether the part of a block of `kind` at `ptr..ptr+len` that held data is made zero by
     /// giving its pages back (they come back zero where touched), rather than by writing zeros:
     /// for a lazy kind, when its last user left fewer than half of [`CLEAR_SAMPLES`] pages spread

@@ -234,6 +234,25 @@ impl Learnt {
         }
     }
 
+    /// Whether a block of `capacity` bytes for a request not asked zeroed is populated in bulk,
+    /// whole or nearly: up to `bulk_max`, or while its class is trusted (a look, not a plan:
+    /// another thread may change it before [`Self::plan`]).
+    pub(crate) fn trusted(&self, bulk_max: usize, capacity: usize) -> bool {
+        capacity <= bulk_max
+            || self.classes[class_of(capacity)]
+                .trust
+                .load(Ordering::Relaxed)
+                > 0
+    }
+
+    /// Forgets what was learnt of the class of `capacity` (for tests of the process's).
+    #[cfg(test)]
+    pub(crate) fn reset(&self, capacity: usize) {
+        let class = &self.classes[class_of(capacity)];
+        class.trust.store(0, Ordering::Relaxed);
+        class.addr.store(0, Ordering::Relaxed);
+    }
+
     /// Called with a block just freed (its address and capacity; still mapped, held in its
     /// arena or about to be released by the caller): when it is its class's watched block,
     /// looks at how much of it its user wrote and sets the class's trust. Every free passes
