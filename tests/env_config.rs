@@ -53,8 +53,8 @@ fn environment_overrides_builder_and_reports_bad_entries() {
             key: "colour".into(),
             value: "blue".into(),
             expected: "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                       readonly, pin_limit, register_max, threads, populate, stats, reserve, \
-                       reserve_background, decay, decay_thread",
+                       readonly, pin_limit, register_max, threads, populate, bulk_max, stats, \
+                       reserve, reserve_background, decay, decay_thread",
         }]
     );
 

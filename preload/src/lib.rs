@@ -10,7 +10,7 @@
 //! entry points (`__libc_malloc` and the rest), as does every pointer that is not a block of
 //! ours (`owned.rs` tells which, with no lock for glibc's).
 //!
-//! The defaults differ from the crate's in three ways, for programs that did not ask for it:
+//! The defaults differ from the crate's in four ways, for programs that did not ask for it:
 //! - no page-locking (`pin=off`, the crate's default too): PyTorch and SGLang register their
 //!   `malloc`ed memory themselves, and a second registration fails (error 712);
 //! - no cache (`cache=0`): a freed block's pages are given back at once (`madvise(MADV_DONTNEED)`
@@ -19,7 +19,10 @@
 //!   keep registrations until the memory goes away (UCX's memory hooks watch `munmap` and
 //!   `madvise(MADV_DONTNEED)`) see it go at `free`, as with glibc's `munmap` of a large chunk.
 //!   `cache=4G` turns the cache back on where no such library runs;
-//! - no background thread (`decay_thread=off`): with no cache it would have nothing to do.
+//! - no background thread (`decay_thread=off`): with no cache it would have nothing to do;
+//! - overcommit kept (`bulk_max=0`): a request is populated in bulk only once blocks of its size
+//!   were seen written whole, so a table sized for the worst case and barely touched stays as
+//!   small as under glibc (the launcher, for GPU programs, sets `bulk_max=256MiB`).
 //!
 //! Nothing that could take a lock of glibc's runs inside an allocation: the large path is made
 //! ready by the library's constructor (its settings, topology, cgroup limits and the driver
@@ -60,6 +63,8 @@ const PRELOAD_CONFIG: Config = {
     let mut config = Config::DEFAULT;
     config.cache_limit = 0;
     config.decay_thread = false;
+    // A `malloc` may be a table barely touched: populated in bulk only once seen written whole.
+    config.bulk_max = 0;
     config
 };
 

@@ -9,7 +9,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use super::pressure::{shortage_bytes, Pressure};
-use super::{written, Blocks, Resolved};
+use super::{Blocks, Resolved};
 use crate::arena::{class_size, count_release, Arena, Block, Dedicated, Fit, Kind, Released};
 use crate::chunk::{Cause, Memory, PinPolicy};
 #[cfg(doc)]
@@ -99,9 +99,9 @@ impl DedicatedPath<'_> {
     }
 
     /// A new live dedicated block of `fit`'s kind for `target` (a cache miss), populated as
-    /// [`Blocks::populates_new_block`] says; a very large one handed out lazily is watched. One
-    /// populated for a request not asked zeroed (written whole) is first made of a cached block
-    /// of another size that making room would evict ([`Self::resize_cached`]).
+    /// [`Blocks::populate_plan`] says, and watched when it says so. One populated for a request
+    /// not asked zeroed (written whole) is first made of a cached block of another size that
+    /// making room would evict ([`Self::resize_cached`]).
     fn create(
         &self,
         size: usize,
@@ -112,9 +112,17 @@ impl DedicatedPath<'_> {
     ) -> Option<Block> {
         let blocks = self.blocks;
         blocks.counters.cache_misses.incr();
-        let populate = blocks.populates_new_block(fit.kind, zeroed, capacity);
+        // The rounding up to the class is faulted in if ever written, unless the whole block must
+        // be resident (pinned) or checked.
+        let region = if fit.kind.pinned || fit.kind.verified {
+            capacity
+        } else {
+            size.next_multiple_of(blocks.page_size()).min(capacity)
+        };
+        // The mapping is aligned to its huge pages (if any): its start is 0 modulo them.
+        let plan = blocks.populate_plan(fit.kind, zeroed, capacity, (0, region));
         let limit = blocks.settings.cache_limit;
-        let resizable = (populate && !zeroed).then_some(fit);
+        let resizable = (plan.head > 0 && !zeroed).then_some(fit);
         let old = blocks.with_arena(target.host_node, |arena, out| {
             arena.make_room_from_cache(resizable, capacity, limit, out)
         });
@@ -123,21 +131,12 @@ impl DedicatedPath<'_> {
                 return Some(block);
             }
         }
-        // The rounding up to the class is faulted in if ever written, unless the whole block must
-        // be resident (pinned) or checked.
-        let populated = if !populate {
-            0
-        } else if fit.kind.pinned || fit.kind.verified {
-            capacity
-        } else {
-            size.next_multiple_of(blocks.page_size()).min(capacity)
-        };
         let made = self
-            .create_block(capacity, fit.align, target, populated)
+            .create_block(capacity, fit.align, target, plan.head)
             .ok()?;
         let block = self.record_created(made)?;
-        if !zeroed && !populate && capacity > written::SURE_MAX {
-            written::watch(block.addr, block.capacity);
+        if let Some(watch) = plan.watch {
+            watch.set(block.addr, block.capacity, block.addr);
         }
         Some(block)
     }

@@ -38,9 +38,14 @@ impl CarvedPath<'_> {
         if let Some(block) = self.carve_reserved(size, align, zeroed, target, kind) {
             return Some(block);
         }
+        // A block that may be barely touched takes small pages, so that each touch makes a page
+        // resident, not 2 MiB (a dedicated one follows the fault-cost rule: `process/faults.rs`).
+        let huge = self.blocks.settings.huge_pages
+            && size >= HUGE_PAGE
+            && !self.blocks.suspects_barely_touched(kind, zeroed, size);
         let key = HeapKey {
             kind,
-            huge: self.blocks.settings.huge_pages && size >= HUGE_PAGE,
+            huge,
             reserved: false,
         };
         self.carve_from(key, size, align, zeroed, target, true)
@@ -157,9 +162,26 @@ impl CarvedPath<'_> {
                 }
                 .give_back_for(block.node, len, Shortage::Memory);
             }
-            let populate = self.blocks.populates_request(block.kind, zeroed);
+            let start = unpopulated.ptr().as_ptr() as usize;
+            let plan = self
+                .blocks
+                .populate_plan(block.kind, zeroed, block.capacity, (start, len));
             let placer = self.blocks.placer();
-            let mut populated = placer.populate_part(&mut unpopulated, &target.nodes, populate);
+            let populate = |part: &mut Part<'_>| {
+                if plan.head == 0 || plan.head >= len {
+                    return placer.populate_part(part, &target.nodes, plan.head > 0);
+                }
+                // Its head: the cgroup's room for all of it, then the head populated.
+                placer.populate_part(part, &target.nodes, false)?;
+                let head = Span {
+                    addr: start,
+                    len: plan.head,
+                };
+                part.sub(head).map_or(Ok(()), |mut head| {
+                    placer.populate_part(&mut head, &target.nodes, true)
+                })
+            };
+            let mut populated = populate(&mut unpopulated);
             if let Err(e) = &populated {
                 // Idle memory of the node may make room (the block itself is live: it stays).
                 if (Pressure {
@@ -167,7 +189,7 @@ impl CarvedPath<'_> {
                 })
                 .relieves(block.node, len, e)
                 {
-                    populated = placer.populate_part(&mut unpopulated, &target.nodes, populate);
+                    populated = populate(&mut unpopulated);
                 }
             }
             if let Err(e) = populated {
@@ -176,6 +198,9 @@ impl CarvedPath<'_> {
                     arena.populate_failed(block);
                 }
                 return None;
+            }
+            if let Some(watch) = plan.watch {
+                watch.set(block.addr, block.capacity, start);
             }
         }
         Some(self.cleared(block, part, dirty, zeroed))

@@ -37,6 +37,7 @@ use std::ptr::NonNull;
 use block::DedicatedPath;
 use chunks::CarvedPath;
 use pressure::Pressure;
+use written::Plan;
 
 use crate::arena::{count_release, Arena, HeapKey, Kind, PurgeFailures, Released, CHUNK_MAX};
 use crate::chunk::{Chunk, Numa, Part, PinFlags, PinPolicy, Place, Placer, Rules, Seams};
@@ -87,6 +88,8 @@ pub(crate) struct Settings {
     pub(crate) huge_pages: bool,
     /// Populate unpinned, unchecked blocks too when handed out (`populate=eager`).
     pub(crate) populate_eager: bool,
+    /// Requests not asked zeroed up to this size are populated in bulk (`bulk_max=`).
+    pub(crate) bulk_max: usize,
     pub(crate) pin: PinMode,
     pub(crate) pin_limit: usize,
     pub(crate) cache_limit: usize,
@@ -104,6 +107,7 @@ impl Settings {
             verify: config.verify,
             huge_pages: config.huge_pages,
             populate_eager: config.populate_eager,
+            bulk_max: config.bulk_max,
             pin: config.pin,
             pin_limit: config.pin_limit,
             cache_limit: config.cache_limit,
@@ -229,12 +233,44 @@ impl Blocks {
         !kind.lazy || !zeroed
     }
 
-    /// Whether a new dedicated block of `capacity` bytes is populated when handed out: as
-    /// [`Self::populates_request`] says, except that a lazy kind's request larger than 256 MiB
-    /// is populated in bulk only while the process was seen writing such blocks whole (see
-    /// `written.rs`).
-    pub(crate) fn populates_new_block(&self, kind: Kind, zeroed: bool, capacity: usize) -> bool {
-        self.populates_request(kind, zeroed) && (!kind.lazy || written::populate_in_bulk(capacity))
+    /// How much of a new block's never-populated region (`len` bytes at `start`, of a block of
+    /// `capacity` bytes) is populated when handed out: as [`Self::populates_request`] says,
+    /// except that a lazy kind's request larger than `bulk_max=` is populated in bulk only while
+    /// the process was seen writing blocks of its size whole (see `written.rs`).
+    pub(crate) fn populate_plan(
+        &self,
+        kind: Kind,
+        zeroed: bool,
+        capacity: usize,
+        (start, len): (usize, usize),
+    ) -> Plan<'static> {
+        if !self.populates_request(kind, zeroed) {
+            return Plan::lazy();
+        }
+        if !kind.lazy {
+            return Plan::whole(len);
+        }
+        // Huge pages are advised for such blocks and chunks (`Placer::map`, `CarvedPath::carve`).
+        let unit = if self.settings.huge_pages && capacity >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            self.page_size()
+        };
+        written::LEARNT.plan(self.settings.bulk_max, capacity, (start, len), unit)
+    }
+
+    /// Whether a new block of `capacity` bytes for a request of a lazy kind not asked zeroed is
+    /// to be handed out lazily because blocks of its size were not seen written whole (see
+    /// `written.rs`): its user may touch little of it.
+    pub(crate) fn suspects_barely_touched(
+        &self,
+        kind: Kind,
+        zeroed: bool,
+        capacity: usize,
+    ) -> bool {
+        kind.lazy
+            && self.populates_request(kind, zeroed)
+            && !written::LEARNT.trusted(self.settings.bulk_max, capacity)
     }
 
     /// Whether the part of a block of `kind` at `ptr..ptr+len` that held data is made zero by

@@ -74,11 +74,16 @@ static LARGE_PATHS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::ne
 /// A value's large path on node 0 with chunks from `source`: unpinned, no decay (so that only
 /// `trim` gives back), no decay thread.
 fn blocks(source: &'static CountingSource) -> (Blocks, Resolved) {
+    blocks_with(source, Config::DEFAULT)
+}
+
+/// [`blocks`] over `config`.
+fn blocks_with(source: &'static CountingSource, config: Config) -> (Blocks, Resolved) {
     let config = Config {
         pin: PinMode::Off,
         decay_ms: u64::MAX,
         decay_thread: false,
-        ..Config::DEFAULT
+        ..config
     };
     let process = Box::leak(Box::new(LargePath::new(
         NumaTopology::single_node(),
@@ -245,5 +250,46 @@ fn a_zeroed_reuse_writes_over_what_its_last_user_wrote_and_drops_what_it_left() 
     assert!(resident(again, len) <= 1, "the edges' huge pages at most");
     all_zero(again);
     assert!(blocks.free(again.as_ptr() as usize, 0));
+    blocks.trim();
+}
+
+/// Under `bulk_max=0` (the preload library's default) a request not asked zeroed, carved or with
+/// a mapping of its own, is handed out lazily until blocks of its size were seen written whole,
+/// then populated in bulk; a carved one handed out lazily takes small pages, so that a byte
+/// written makes a page resident, not a huge one.
+#[test]
+fn under_bulk_max_0_a_block_is_populated_once_blocks_of_its_size_were_written_whole() {
+    static SOURCE: CountingSource = CountingSource::new();
+    let _serial = serial();
+    let config = Config {
+        bulk_max: 0,
+        ..Config::DEFAULT
+    };
+    let (blocks, target) = blocks_with(&SOURCE, config);
+    for size in [8 * MIB, 80 * MIB] {
+        super::written::LEARNT.reset(size);
+        let layout = Layout::from_size_align(size, 4096).unwrap();
+        let first = blocks.allocate(layout, false, false, &target).unwrap();
+        // SAFETY: ours, `size` bytes.
+        unsafe { first.as_ptr().write(1) };
+        assert_eq!(resident(first, size), 0, "{size}: lazily, a page touched");
+        assert!(blocks.free(first.as_ptr() as usize, 0));
+        let second = blocks.allocate(layout, false, false, &target).unwrap();
+        assert_eq!(
+            resident(second, size),
+            0,
+            "{size}: barely touched, still lazily"
+        );
+        // SAFETY: ours, `size` bytes.
+        unsafe { second.as_ptr().write_bytes(2, size) };
+        assert!(blocks.free(second.as_ptr() as usize, 0));
+        let third = blocks.allocate(layout, false, false, &target).unwrap();
+        assert_eq!(
+            resident(third, size),
+            8,
+            "{size}: written whole, then in bulk"
+        );
+        assert!(blocks.free(third.as_ptr() as usize, 0));
+    }
     blocks.trim();
 }

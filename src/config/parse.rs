@@ -25,6 +25,7 @@ pub(crate) enum Setting {
     PinLimit(usize),
     PopulateThreads(usize),
     PopulateEager(bool),
+    BulkMax(usize),
     StatsAtExit(StatsAtExit),
     Reserve(Reserve),
     ReserveBackground(bool),
@@ -141,6 +142,9 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
         ),
         "threads" => Setting::PopulateThreads(parse_threads(value)?),
         "populate" => Setting::PopulateEager(parse_populate(value)?),
+        "bulk_max" => Setting::BulkMax(
+            parse_size(value).ok_or_else(|| config_error(key, value, SIZE_FORMAT))?,
+        ),
         "stats" => Setting::StatsAtExit(parse_stats(value)?),
         "reserve" => Setting::Reserve(parse_reserve(value)?),
         "reserve_background" => Setting::ReserveBackground(parse_switch(key, value)?),
@@ -152,8 +156,8 @@ pub(super) fn parse_setting(key: &str, value: &str) -> Result<Setting, Error> {
                 key,
                 value,
                 "one of threshold, node, gpu, policy, cache, huge, verify, pin, devicemap, \
-                 readonly, pin_limit, register_max, threads, populate, stats, reserve, reserve_background, \
-                 decay, decay_thread",
+                 readonly, pin_limit, register_max, threads, populate, bulk_max, stats, reserve, \
+                 reserve_background, decay, decay_thread",
             ))
         }
     })

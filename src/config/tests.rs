@@ -201,3 +201,23 @@ fn values_that_switch_something_off_are_said() {
         .apply_settings("cache=1MiB,decay=1,pin_limit=1MiB")
         .is_empty());
 }
+
+#[test]
+fn bulk_max_values() {
+    let mut c = Config::DEFAULT;
+    assert_eq!(c.bulk_max, DEFAULT_BULK_MAX);
+    assert_eq!(DEFAULT_BULK_MAX, 256 << 20);
+    assert!(
+        c.apply_settings("bulk_max=0").is_empty(),
+        "0 is no switch-off"
+    );
+    assert_eq!(c.bulk_max, 0);
+    assert!(c.apply_settings("bulk_max=1GiB").is_empty());
+    assert_eq!(c.bulk_max, 1 << 30);
+    for bad in ["", "all", "-1", "1PiB"] {
+        let errors = c.apply_settings(&format!("bulk_max={bad}"));
+        assert_eq!(errors.iter().map(key_of).collect::<Vec<_>>(), ["bulk_max"]);
+        assert!(errors[0].to_string().contains("512KiB"), "{}", errors[0]);
+    }
+    assert_eq!(c.bulk_max, 1 << 30, "a rejected value changes nothing");
+}

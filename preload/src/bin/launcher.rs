@@ -4,7 +4,10 @@
 //! It sets, keeping what the caller already set:
 //! - `LD_PRELOAD`: the library (next to this program, or `NUMA_GPU_ALLOC_LIBRARY`) first, then
 //!   the caller's entries;
-//! - `NUMA_GPU_ALLOC`: the caller's settings, then `gpu=N` for `--gpu N` (later entries win);
+//! - `NUMA_GPU_ALLOC`: `bulk_max=256MiB` (a GPU program's pinned buffers are populated in bulk
+//!   by the node's workers before the framework registers them, as the crate does, instead of
+//!   faulted in by the registration on one thread), then the caller's settings, then `gpu=N`
+//!   for `--gpu N` (later entries win);
 //! - `PYTORCH_CUDA_ALLOC_CONF`: the caller's value, with `pinned_use_cuda_host_register:True`
 //!   added unless it names that key: PyTorch then takes pinned memory from `malloc` (placed by
 //!   the library) and registers it itself, instead of `cudaHostAlloc`, which no preload sees.
@@ -28,7 +31,8 @@ const USAGE: &str = "usage: numa-gpu-alloc run [--gpu N] -- CMD [ARGS...]
 
 Runs CMD with libnuma_gpu_alloc.so (next to this program, or NUMA_GPU_ALLOC_LIBRARY) preloaded: its malloc/posix_memalign/aligned_alloc requests of
 at least the threshold (2 MiB) are placed on the NUMA node nearest the GPU. Settings come from
-NUMA_GPU_ALLOC (see the crate's README); --gpu N adds gpu=N. PyTorch is told to register the
+NUMA_GPU_ALLOC (see the crate's README), over bulk_max=256MiB (buffers populated in bulk, as a
+GPU program's pinned memory wants); --gpu N adds gpu=N. PyTorch is told to register the
 pinned memory it takes from malloc (PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,
 merged with the caller's value).";
 
@@ -87,13 +91,17 @@ fn preload(library: &Path, existing: Option<&str>) -> OsString {
     value
 }
 
-/// `NUMA_GPU_ALLOC`: the caller's settings, then the launcher's (which win).
-fn settings(existing: Option<&str>, gpu: Option<u32>) -> Option<String> {
-    let ours = gpu.map(|n| format!("gpu={n}"));
-    match (existing.filter(|s| !s.is_empty()), ours) {
-        (Some(theirs), Some(ours)) => Some(format!("{theirs},{ours}")),
-        (theirs, ours) => ours.or(theirs.map(str::to_owned)),
-    }
+/// The launcher's default under the caller's settings: the crate's bulk populate bound, where the
+/// library alone keeps overcommit (`bulk_max=0`). PyTorch's pinned blocks, taken from `malloc`
+/// and registered once, are never freed for the library to learn they were written whole.
+const GPU_DEFAULTS: &str = "bulk_max=256MiB";
+
+/// `NUMA_GPU_ALLOC`: the launcher's defaults, the caller's settings, then `gpu=N` (which wins).
+fn settings(existing: Option<&str>, gpu: Option<u32>) -> String {
+    let mut all = vec![GPU_DEFAULTS.to_owned()];
+    all.extend(existing.filter(|s| !s.is_empty()).map(str::to_owned));
+    all.extend(gpu.map(|n| format!("gpu={n}")));
+    all.join(",")
 }
 
 /// `PYTORCH_CUDA_ALLOC_CONF` with the register flag added, unless the caller set that key.
@@ -167,9 +175,10 @@ fn main() -> ExitCode {
         "LD_PRELOAD",
         preload(&library, env_str("LD_PRELOAD").as_deref()),
     );
-    if let Some(value) = settings(env_str(numa::ENV_VAR).as_deref(), run.gpu) {
-        command.env(numa::ENV_VAR, value);
-    }
+    command.env(
+        numa::ENV_VAR,
+        settings(env_str(numa::ENV_VAR).as_deref(), run.gpu),
+    );
     command.env(PYTORCH_VAR, pytorch_conf(env_str(PYTORCH_VAR).as_deref()));
     let error = command.exec();
     eprintln!(
@@ -205,14 +214,14 @@ mod tests {
             preload(lib, Some("/a.so /opt/libnuma_gpu_alloc.so:/b.so")),
             "/opt/libnuma_gpu_alloc.so:/a.so:/b.so"
         );
-        assert_eq!(settings(None, None), None);
+        assert_eq!(settings(None, None), "bulk_max=256MiB");
         assert_eq!(
-            settings(Some("stats=exit"), None).as_deref(),
-            Some("stats=exit")
+            settings(Some("stats=exit,bulk_max=0"), None),
+            "bulk_max=256MiB,stats=exit,bulk_max=0"
         );
         assert_eq!(
-            settings(Some("stats=exit,gpu=0"), Some(1)).as_deref(),
-            Some("stats=exit,gpu=0,gpu=1")
+            settings(Some("stats=exit,gpu=0"), Some(1)),
+            "bulk_max=256MiB,stats=exit,gpu=0,gpu=1"
         );
         assert_eq!(pytorch_conf(None), "pinned_use_cuda_host_register:True");
         assert_eq!(
