@@ -193,7 +193,11 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
     #[cold]
     #[inline(never)]
     fn allocate_large_path(&self, layout: Layout, zeroed: bool, growing: bool) -> *mut u8 {
-        let Some(_inside) = Inside::enter() else {
+        // Inside fork handlers too: between the crate's prepare handler and its parent or child
+        // handler, a request (of another library's handler) must make nothing new, neither an
+        // arena the handlers did not lock, nor a populate worker, a thread or a driver call,
+        // all of which the child would inherit half-made or refer to the parent's.
+        let (Some(_inside), false) = (Inside::enter(), crate::sys::lock::forking()) else {
             return self.inner_alloc(layout, zeroed);
         };
         let rt = self.runtime();
@@ -268,10 +272,12 @@ impl<A: GlobalAlloc> NumaGpuAlloc<A> {
         if old_large {
             resize::reallocating(self.initialised(), ptr);
         }
-        if old_large && new_large && resize::in_place(self.initialised(), ptr, new) {
+        // In fork handlers a block moves to the inner allocator (see `allocate_large_path`).
+        let resizes = old_large && new_large && !crate::sys::lock::forking();
+        if resizes && resize::in_place(self.initialised(), ptr, new) {
             return ptr;
         }
-        if old_large && new_large && new.size() > old.size() {
+        if resizes && new.size() > old.size() {
             if let Some(grown) = resize::grow_without_copy(self.initialised(), ptr, new) {
                 return grown.as_ptr();
             }

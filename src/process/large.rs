@@ -51,6 +51,9 @@ pub(crate) struct LargePath {
     /// Memory nodes this process's cpuset allows (`None`: all, or unknown).
     allowed: Option<NodeMask>,
     memory_limits: MemoryLimits,
+    /// The CPUs this process may use (see [`process_allowed_cpus`]), read at initialisation: the
+    /// cgroup's files are not opened inside an allocation.
+    allowed_cpus: Vec<usize>,
     page_size: usize,
     source: &'static dyn ChunkSource,
 }
@@ -73,6 +76,7 @@ impl LargePath {
             // another.
             allowed: sys::allowed_memory_nodes().ok(),
             memory_limits: MemoryLimits::of_this_process(),
+            allowed_cpus: process_allowed_cpus(),
             page_size: sys::page_size(),
             source,
         }
@@ -85,6 +89,7 @@ impl LargePath {
         // file's `open` could take a lock of glibc's and is a cancellation point.
         crate::topology::sysfs::open_counters(Path::new(sysfs_root), topology.node_ids());
         super::faults::learn_host(Path::new(sysfs_root));
+        sys::find_thread_overhead();
         let own_kernel = sysfs_root == Config::DEFAULT.sysfs_root;
         LargePath {
             sysfs_root,
@@ -160,7 +165,7 @@ impl LargePath {
             _ => None,
         };
         // Workers for several nodes' pages run on any CPU the process may use.
-        let cpus = || node.map_or_else(process_allowed_cpus, |node| self.node_cpus(node));
+        let cpus = || node.map_or_else(|| self.allowed_cpus.clone(), |node| self.node_cpus(node));
         workers::populate(node, cpus, part, threads, huge)
     }
 
@@ -168,7 +173,7 @@ impl LargePath {
     /// thread's affinity: never the calling thread's, which may be pinned to one core); all it
     /// may run on when the node has none (a CPU-less memory node).
     fn node_cpus(&self, node: usize) -> Vec<usize> {
-        let allowed = process_allowed_cpus();
+        let allowed = &self.allowed_cpus;
         let on_node: Vec<usize> = self
             .topology
             .node(node)
@@ -181,7 +186,7 @@ impl LargePath {
             })
             .unwrap_or_default();
         if on_node.is_empty() {
-            allowed
+            allowed.clone()
         } else {
             on_node
         }

@@ -51,8 +51,12 @@ pub(crate) static INIT: Lock<Setup> = Lock::new(Setup::NEW);
 /// registration, and the child would inherit the lock taken. The exit gate's handler is
 /// registered here too: a program that loaded libcuda itself before the crate's first probe
 /// would otherwise have the driver's teardown run before it.
+///
+/// Of priority 101, the first a program may use: it runs before the object's constructors of no
+/// priority, so in the preload library before its own, which loads libcuda and makes the large
+/// path ready.
 #[used]
-#[link_section = ".init_array"]
+#[link_section = ".init_array.00101"]
 static REGISTER_AT_LOAD: extern "C" fn() = register_fork_handlers;
 
 extern "C" fn register_fork_handlers() {

@@ -198,8 +198,8 @@ impl Runtime {
             if more > 0 {
                 let _ = writeln!(
                     std::io::stderr(),
-                    "numa-gpu-alloc: and {more} more setup problems (stats().config_errors \
-                     lists them)"
+                    "numa-gpu-alloc: and {more} more setup problems (the stats list them all: \
+                     `stats=exit`, `stats().config_errors`)"
                 );
             }
         }

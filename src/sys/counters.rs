@@ -17,6 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// A counter file's descriptor; -1 until opened.
+#[derive(Debug)]
 pub(crate) struct CounterFile(AtomicI32);
 
 impl CounterFile {
@@ -75,6 +76,16 @@ impl CounterFile {
             }
         }
         Some(&buf[..filled])
+    }
+}
+
+impl Drop for CounterFile {
+    fn drop(&mut self) {
+        let fd = *self.0.get_mut();
+        if fd >= 0 {
+            // SAFETY: the descriptor was opened by `open` and is this value's alone.
+            unsafe { libc::close(fd) };
+        }
     }
 }
 

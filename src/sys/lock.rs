@@ -43,6 +43,11 @@ thread_local! {
     static FORKING: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Whether the calling thread holds the fork's locks (it runs fork handlers).
+pub(crate) fn forking() -> bool {
+    FORKING.with(Cell::get)
+}
+
 /// Marks (or unmarks) the calling thread as the one holding the fork's locks.
 pub(crate) fn set_forking(forking: bool) {
     FORKING.with(|f| f.set(forking));
@@ -112,7 +117,7 @@ impl<T> Lock<T> {
     /// read a stale value, but never has `FORKING` set.
     #[cold]
     fn held_by_this_fork(&self) -> bool {
-        self.fork_held.load(Ordering::Relaxed) && FORKING.with(Cell::get)
+        self.fork_held.load(Ordering::Relaxed) && forking()
     }
 
     /// Takes the lock for a fork (the prepare handler): until [`Self::release_after_fork`] or

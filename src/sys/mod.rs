@@ -111,7 +111,7 @@ pub use policy::{
 };
 #[cfg(target_os = "linux")]
 pub(crate) use pool_lock::{Gate, Held, LockKey, Locked, SharedMutex};
-pub(crate) use process::{at_fork, spawn_detached, with_signals_blocked};
+pub(crate) use process::{at_fork, find_thread_overhead, spawn_detached, with_signals_blocked};
 pub use resident::{populate, PopulateMethod};
 pub(crate) use resident::{resident_sample, written_sample};
 #[cfg(target_os = "linux")]

@@ -8,18 +8,46 @@
 //! cached blocks back and retry, and otherwise fail cleanly.
 //!
 //! Which cgroups are limited is found once, at initialisation (the process's cgroup and its
-//! ancestors below the cgroup2 mount); their `memory.max` and `memory.current` are read on every
-//! check. cgroup v1's memory controller is not read.
+//! ancestors below the cgroup2 mount), and their `memory.max`, `memory.current` and
+//! `memory.stat` opened then; they are read on every check from those descriptors (a check runs
+//! inside an allocation: no `open`, no lock, no cancellation point there). cgroup v1's memory
+//! controller is not read.
 
 use std::path::{Path, PathBuf};
 
 use super::sysfs::read_text;
+use crate::sys::counters::CounterFile;
 use crate::Error;
 
 /// The limited cgroups of this process (none: no check).
 #[derive(Debug, Default)]
 pub(crate) struct MemoryLimits {
-    cgroups: Vec<PathBuf>,
+    cgroups: Vec<Limited>,
+}
+
+/// A limited cgroup: its folder (named in errors) and its counters, opened at initialisation.
+#[derive(Debug)]
+struct Limited {
+    dir: PathBuf,
+    max: CounterFile,
+    current: CounterFile,
+    stat: CounterFile,
+}
+
+impl Limited {
+    fn open(dir: PathBuf) -> Limited {
+        let file = |name: &str| {
+            let file = CounterFile::new();
+            file.open(&dir.join(name));
+            file
+        };
+        Limited {
+            max: file("memory.max"),
+            current: file("memory.current"),
+            stat: file("memory.stat"),
+            dir,
+        }
+    }
 }
 
 impl MemoryLimits {
@@ -50,7 +78,7 @@ impl MemoryLimits {
         // The root cgroup has no memory.max.
         while dir.starts_with(mount) && dir != mount {
             if limit(&dir).is_some() {
-                cgroups.push(dir.clone());
+                cgroups.push(Limited::open(dir.clone()));
             }
             if !dir.pop() {
                 break;
@@ -63,18 +91,18 @@ impl MemoryLimits {
     /// [`Error::MemoryLimit`] for the tightest one. A file that cannot be read (the cgroup was
     /// removed or moved) counts as no limit.
     pub(crate) fn check(&self, bytes: usize) -> Result<(), Error> {
-        for dir in &self.cgroups {
-            let (Some(max), Some(current)) = (limit(dir), number(&dir.join("memory.current")))
+        for cgroup in &self.cgroups {
+            let (Some(max), Some(current)) = (counter(&cgroup.max), counter(&cgroup.current))
             else {
                 continue;
             };
             let mut available = max.saturating_sub(current);
             if available < bytes {
-                available = available.saturating_add(reclaimable(dir));
+                available = available.saturating_add(reclaimable(&cgroup.stat));
             }
             if available < bytes {
                 return Err(Error::MemoryLimit {
-                    cgroup: dir.clone(),
+                    cgroup: cgroup.dir.clone(),
                     limit: max,
                     available,
                     requested: bytes,
@@ -116,13 +144,26 @@ fn number(path: &Path) -> Option<usize> {
     read_text(path).ok()?.trim().parse().ok()
 }
 
-/// File pages of the cgroup, which the kernel reclaims before it runs out of memory.
-fn reclaimable(dir: &Path) -> usize {
-    let Ok(stat) = read_text(&dir.join("memory.stat")) else {
+/// The number a counter file holds (`None` for `max`, or when it cannot be read).
+fn counter(file: &CounterFile) -> Option<usize> {
+    let mut text = [0u8; 64];
+    std::str::from_utf8(file.read(&mut text)?)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// File pages of the cgroup (its `memory.stat`), which the kernel reclaims before it runs out of
+/// memory.
+fn reclaimable(stat: &CounterFile) -> usize {
+    // memory.stat is about 1.5 KiB; the file counts are in its first lines.
+    let mut text = [0u8; 8 << 10];
+    let Some(stat) = stat.read(&mut text) else {
         return 0;
     };
-    stat.lines()
-        .filter_map(|line| line.split_once(' '))
+    stat.split(|&b| b == b'\n')
+        .filter_map(|line| std::str::from_utf8(line).ok()?.split_once(' '))
         .filter(|(key, _)| matches!(*key, "active_file" | "inactive_file"))
         .filter_map(|(_, value)| value.trim().parse::<usize>().ok())
         .sum()
@@ -133,6 +174,13 @@ mod tests {
     use std::fs;
 
     use super::*;
+
+    impl MemoryLimits {
+        /// The limited cgroups' folders.
+        fn dirs(&self) -> Vec<PathBuf> {
+            self.cgroups.iter().map(|c| c.dir.clone()).collect()
+        }
+    }
 
     const MIB: usize = 1 << 20;
 
@@ -181,7 +229,7 @@ mod tests {
     fn checks_the_limited_ancestor_counting_file_pages() {
         let root = tree("ancestor");
         let limits = MemoryLimits::under(&root, "4:memory:/x\n0::/a/b\n");
-        assert_eq!(limits.cgroups, [root.join("a")]);
+        assert_eq!(limits.dirs(), [root.join("a")]);
         assert!(limits.check(40 * MIB).is_ok());
         assert!(
             limits.check(70 * MIB).is_ok(),
@@ -213,7 +261,7 @@ mod tests {
             .is_empty());
         assert!(MemoryLimits::under(&root, "0::/\n").cgroups.is_empty());
         assert_eq!(
-            MemoryLimits::under(&root, "0::/a\n").cgroups,
+            MemoryLimits::under(&root, "0::/a\n").dirs(),
             [root.join("a")]
         );
         fs::remove_dir_all(root).unwrap();

@@ -86,7 +86,7 @@ pub(crate) fn node_memory_low(root: &Path, node: usize) -> bool {
 }
 
 /// Opens the counters [`node_memory_low`] and [`compaction_stalls`] read inside allocations:
-/// the meminfo files of `nodes` under `root` (those of ids below 64), and `/proc/vmstat`.
+/// the meminfo files of `nodes` under `root`, and `/proc/vmstat`.
 /// Called once, by the process's initialisation; later calls change nothing.
 pub(crate) fn open_counters(root: &Path, nodes: &[usize]) {
     if COUNTED_ROOT.set(root.to_path_buf()).is_err() {
@@ -102,8 +102,9 @@ pub(crate) fn open_counters(root: &Path, nodes: &[usize]) {
 
 /// The root [`open_counters`] opened the nodes' files under.
 static COUNTED_ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-/// The nodes' meminfo files (nodes beyond the 64th are read by path).
-static MEMINFO: [CounterFile; 64] = [const { CounterFile::new() }; 64];
+/// The nodes' meminfo files, by node id.
+static MEMINFO: [CounterFile; crate::sys::MAX_NODES] =
+    [const { CounterFile::new() }; crate::sys::MAX_NODES];
 static VMSTAT: CounterFile = CounterFile::new();
 
 /// Node `node`'s meminfo under `root`, read into `text` by path (allocates nothing).

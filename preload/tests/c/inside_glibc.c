@@ -53,8 +53,10 @@ static volatile int returned;
 static void *cancelled(void *arg) {
     (void)arg;
     pthread_cancel(pthread_self());
-    for (int i = 0; i < 8; i++) {
-        size_t len = (size_t)(i + 1) * 4 * MIB;
+    /* 4 to 128 MiB: carved and dedicated blocks, the first populated by a node's workers
+     * (the pool is made then). */
+    for (int i = 0; i < 6; i++) {
+        size_t len = ((size_t)4 << i) * MIB;
         char *p = malloc(len);
         CHECK(p != NULL, "malloc");
         memset(p, 3, len);
