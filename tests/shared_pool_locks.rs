@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::pools::{pool_path, small_pool_at};
+use common::pools::{pool_path, small_pool_at, with_pool_lock_held};
 use numa_gpu_alloc::{Error, PoolHandle, SharedPool};
 
 const MIB: usize = 1 << 20;
@@ -446,28 +446,17 @@ fn calls_that_cannot_take_the_lock_say_so() {
     let handle = pool
         .allocate_handle(Layout::from_size_align(4096, 64).unwrap())
         .unwrap();
-    let (held, holding) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    let mut told = Vec::new();
-    std::thread::scope(|s| {
-        let pool = &pool;
-        s.spawn(move || {
-            numa_gpu_alloc::unstable::hold_pool_lock(pool, || {
-                held.send(()).unwrap();
-                released.recv().unwrap();
-            })
-            .unwrap();
-        });
-        holding.recv().unwrap();
+    let told = with_pool_lock_held(&pool, || {
+        let mut told = Vec::new();
         // By another thread of this attachment, and by another attachment.
-        for who in [pool, &other] {
+        for who in [&pool, &other] {
             // SAFETY: the test's block, used by nobody; refused while the lock is held.
             told.push(unsafe { who.free(handle) }.map(|()| "freed".to_owned()));
             told.push(who.is_live(handle).map(|live| format!("live {live}")));
             let ptr = who.ptr(handle).unwrap();
             told.push(who.handle_of(ptr).map(|h| format!("handle {h:?}")));
         }
-        release.send(()).unwrap();
+        told
     });
     for said in &told {
         println!("{said:?}");

@@ -26,7 +26,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::nobody::{can_switch_users, spawn_as_nobody, NOBODY};
-use common::pools::{pool_path, small_pool_at};
+use common::pools::{pool_path, small_pool_at, with_pool_lock_held};
 use numa_gpu_alloc::{Error, SharedPool};
 
 const MIB: usize = 1 << 20;
@@ -466,32 +466,20 @@ fn a_pool_made_to_be_inherited_survives_exec() {
 fn an_attach_waits_for_the_pools_lock_no_longer_than_asked_and_names_the_holder() {
     let path = pool_path("held");
     let pool = small_pool_at(&path);
-    let (held, holding) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
-    std::thread::scope(|s| {
-        let pool = &pool;
-        s.spawn(move || {
-            numa_gpu_alloc::unstable::hold_pool_lock(pool, || {
-                held.send(()).unwrap();
-                released.recv().unwrap();
-            })
-            .unwrap();
-        });
-        holding.recv().unwrap();
+    let (e, took) = with_pool_lock_held(&pool, || {
         let start = std::time::Instant::now();
         let e = SharedPool::attacher()
             .lock_wait(Duration::from_millis(200))
             .attach(&path)
             .unwrap_err();
-        let took = start.elapsed();
-        release.send(()).unwrap();
-        println!("{e} ({took:?})");
-        assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(5));
-        assert!(
-            matches!(e, Error::PoolLockHeld { lock: "carving", pid: Some(pid), .. } if pid == std::process::id()),
-            "{e}"
-        );
+        (e, start.elapsed())
     });
+    println!("{e} ({took:?})");
+    assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(5));
+    assert!(
+        matches!(e, Error::PoolLockHeld { lock: "carving", pid: Some(pid), .. } if pid == std::process::id()),
+        "{e}"
+    );
     assert_eq!(
         pool.stats().attached,
         1,

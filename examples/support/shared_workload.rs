@@ -64,12 +64,7 @@ fn run_with(
     command: impl Fn() -> Command,
 ) -> Summary {
     let start = Instant::now();
-    let pool = SharedPool::builder(POOL_BYTES)
-        .node(0)
-        .chunk(CHUNK)
-        .inherit(true)
-        .create()
-        .expect("making the shared pool");
+    let pool = inherited_pool();
     // The slots, then the start flag (the children start together, once all are attached).
     let dir_layout = Layout::from_size_align(processes * SLOTS * 16 + 8, 64).unwrap();
     let dir = pool
@@ -200,12 +195,7 @@ pub fn child() -> bool {
 /// Makes a pool, and times `pairs` allocate and free pairs (4 KiB blocks) in each of
 /// `processes` children of `command` at once: nanoseconds per pair, averaged over them.
 pub fn pair_cost(processes: usize, pairs: u64, command: impl Fn() -> Command) -> f64 {
-    let pool = SharedPool::builder(POOL_BYTES)
-        .node(0)
-        .chunk(CHUNK)
-        .inherit(true)
-        .create()
-        .expect("making the shared pool");
+    let pool = inherited_pool();
     let flag = pool
         .allocate_handle(Layout::from_size_align(64, 64).unwrap())
         .expect("the start flag's block");
@@ -369,4 +359,14 @@ fn work(
         }
     }
     (done, overlaps, cross)
+}
+
+/// The workloads' pool on node 0, its descriptor inherited by the children.
+fn inherited_pool() -> SharedPool {
+    SharedPool::builder(POOL_BYTES)
+        .node(0)
+        .chunk(CHUNK)
+        .inherit(true)
+        .create()
+        .expect("making the shared pool")
 }

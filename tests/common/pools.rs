@@ -26,3 +26,23 @@ pub fn small_pool_at(path: &Path) -> SharedPool {
         .create()
         .expect("making a pool at a path")
 }
+
+/// Runs `body` while another thread of this process holds `pool`'s carving lock, and returns
+/// what it returned once the lock is released.
+pub fn with_pool_lock_held<R: Send>(pool: &SharedPool, body: impl FnOnce() -> R + Send) -> R {
+    let (held, holding) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            numa_gpu_alloc::unstable::hold_pool_lock(pool, || {
+                held.send(()).unwrap();
+                released.recv().unwrap();
+            })
+            .unwrap();
+        });
+        holding.recv().unwrap();
+        let out = body();
+        release.send(()).unwrap();
+        out
+    })
+}
