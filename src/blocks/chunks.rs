@@ -16,7 +16,7 @@ use crate::arena::{
     Block, Carving, Fit, HeapKey, Kind, Released, Shortage, CHUNK_ALIGN, CHUNK_MAX,
 };
 use crate::chunk::{Chunk, Part, PinPolicy, Span};
-use crate::topology::sysfs;
+use crate::topology::live;
 use crate::Error;
 
 /// The carving side of a value's large path.
@@ -156,7 +156,7 @@ impl CarvedPath<'_> {
             // before the block's pages are populated or touched: the kernel cannot reclaim it,
             // and the OOM killer would come before a failure.
             let root = std::path::Path::new(self.blocks.settings.sysfs_root);
-            if len >= HUGE_PAGE && sysfs::node_memory_low(root, block.node) {
+            if len >= HUGE_PAGE && live::node_memory_low(root, block.node) {
                 Pressure {
                     blocks: self.blocks,
                 }

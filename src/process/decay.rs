@@ -28,7 +28,7 @@ use crate::arena::Released;
 use crate::guard::Inside;
 use crate::stats::Counters;
 use crate::sys::MAX_NODES;
-use crate::topology::sysfs::node_memory_low;
+use crate::topology::live::node_memory_low;
 
 /// Whether the thread runs (or is being started) in this process.
 static RUNNING: AtomicBool = AtomicBool::new(false);

@@ -87,7 +87,7 @@ impl LargePath {
         let (topology, topology_error) = read_topology(sysfs_root);
         // What allocations read of the kernel later, opened or read now: inside an allocation a
         // file's `open` could take a lock of glibc's and is a cancellation point.
-        crate::topology::sysfs::open_counters(Path::new(sysfs_root), topology.node_ids());
+        crate::topology::live::open_counters(Path::new(sysfs_root), topology.node_ids());
         super::faults::learn_host(Path::new(sysfs_root));
         sys::find_thread_overhead();
         let own_kernel = sysfs_root == Config::DEFAULT.sysfs_root;

@@ -300,7 +300,7 @@ impl Job {
 }
 
 #[cfg(not(test))]
-use crate::topology::sysfs::compaction_stalls;
+use crate::topology::live::compaction_stalls;
 #[cfg(test)]
 use tests::compaction_stalls;
 

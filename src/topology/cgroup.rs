@@ -77,8 +77,9 @@ impl MemoryLimits {
         let mut cgroups = Vec::new();
         // The root cgroup has no memory.max.
         while dir.starts_with(mount) && dir != mount {
-            if limit(&dir).is_some() {
-                cgroups.push(Limited::open(dir.clone()));
+            let cgroup = Limited::open(dir.clone());
+            if counter(&cgroup.max).is_some() {
+                cgroups.push(cgroup);
             }
             if !dir.pop() {
                 break;
@@ -133,15 +134,6 @@ fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
         let is_cgroup2 = fs.split_whitespace().next() == Some("cgroup2");
         is_cgroup2.then(|| mount.split_whitespace().nth(4).map(PathBuf::from))?
     })
-}
-
-/// A cgroup's `memory.max`, `None` for `max` (no limit) or an unreadable file.
-fn limit(dir: &Path) -> Option<usize> {
-    number(&dir.join("memory.max"))
-}
-
-fn number(path: &Path) -> Option<usize> {
-    read_text(path).ok()?.trim().parse().ok()
 }
 
 /// The number a counter file holds (`None` for `max`, or when it cannot be read).

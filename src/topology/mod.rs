@@ -9,7 +9,8 @@
 //! [`LOCAL_NUMA_DISTANCE`]); `choice.rs` picks nodes from a topology (nearest, host node for a
 //! GPU, farthest); `buffer.rs` holds the placement records and their per-node accounting
 //! ([`NumaBuffer`], [`NumaAllocTracker`]); `sysfs.rs` reads and parses the kernel's files,
-//! `pci.rs` a PCI device's, `cgroup.rs` a cgroup's memory limits. `sysfs.rs` knows nothing of
+//! `pci.rs` a PCI device's, `cgroup.rs` a cgroup's memory limits, `live.rs` the counters
+//! allocations read (a node's free memory, compaction stalls). `sysfs.rs` knows nothing of
 //! the types here: it returns what the files say, and this file builds a topology from it.
 
 use std::path::Path;
@@ -20,6 +21,7 @@ mod buffer;
 pub(crate) mod cgroup;
 mod choice;
 pub(crate) mod host;
+pub(crate) mod live;
 pub mod pci;
 pub mod sysfs;
 
